@@ -1,0 +1,467 @@
+//! The configuration model: what a YAML config file says.
+//!
+//! Each item of `domains` is a domain in envoyproxy/ratelimit's format (`domain`,
+//! `descriptors` with `key`, `value`, `rate_limit`, nested `descriptors`,
+//! `shadow_mode`), so their files load unchanged. Sluice's extension lives beside it:
+//! several `policies` per descriptor, of any algorithm and any period. Parsing (and
+//! file:line:col in errors) is the server's job; values that can be wrong on their own
+//! (a unit, a duration, a name) are checked while they are read, so the parser can point
+//! at them.
+
+use crate::algo::Limit;
+use crate::time::Millis;
+use serde::{Deserialize, Deserializer, de};
+use std::fmt;
+use std::net::SocketAddr;
+
+/// A whole config file.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub server: ServerConfig,
+    #[serde(default)]
+    pub store: StoreConfig,
+    #[serde(default)]
+    pub limiter: LimiterConfig,
+    #[serde(default)]
+    pub headers: HeadersConfig,
+    #[serde(default)]
+    pub domains: Vec<DomainConfig>,
+}
+
+/// `server`: where the APIs listen.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// HTTP API address. Loopback unless you mean otherwise.
+    pub http: SocketAddr,
+    /// gRPC (Envoy RLS) address.
+    pub grpc: SocketAddr,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+    /// Enables the admin endpoints; callers must send `Authorization: Bearer <token>`.
+    pub admin_token: Option<String>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            http: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            grpc: SocketAddr::from(([127, 0, 0, 1], 8081)),
+            max_body_bytes: 64 * 1024,
+            admin_token: None,
+        }
+    }
+}
+
+/// `store`: where limiter state lives.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum StoreConfig {
+    /// In process memory; state is lost on restart and not shared between processes.
+    Memory {
+        /// Most states held (one per policy per client) before old ones are evicted.
+        #[serde(default = "default_max_keys")]
+        max_keys: usize,
+    },
+}
+
+fn default_max_keys() -> usize {
+    1_000_000
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig::Memory {
+            max_keys: default_max_keys(),
+        }
+    }
+}
+
+/// `limiter`: how the engine derives keys and treats failures.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimiterConfig {
+    /// Secret for client tags. Every server sharing a store must use the same one; change
+    /// it from the default so clients cannot predict where their state lives.
+    pub key_secret: String,
+}
+
+/// The secret used when none is configured.
+pub const DEFAULT_KEY_SECRET: &str = "sluice-default-secret-change-me";
+
+impl Default for LimiterConfig {
+    fn default() -> Self {
+        Self {
+            key_secret: DEFAULT_KEY_SECRET.into(),
+        }
+    }
+}
+
+/// `headers`: which rate limit headers responses carry.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HeadersConfig {
+    /// GitHub's `X-RateLimit-Limit`, `-Remaining`, `-Used`, `-Reset`, `-Resource`.
+    pub github: bool,
+    /// IETF draft-ietf-httpapi-ratelimit-headers-10 `RateLimit-Policy` and `RateLimit`.
+    pub ietf: bool,
+}
+
+impl Default for HeadersConfig {
+    fn default() -> Self {
+        Self {
+            github: true,
+            ietf: true,
+        }
+    }
+}
+
+/// One domain: a namespace of rules, as in envoyproxy/ratelimit.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DomainConfig {
+    pub domain: Name,
+    #[serde(default)]
+    pub descriptors: Vec<DescriptorConfig>,
+    /// Every rule of the domain in shadow mode.
+    #[serde(default)]
+    pub shadow_mode: bool,
+    /// Which descriptor entry identifies the client (its tag): the entry with this key,
+    /// else the first entry.
+    #[serde(default)]
+    pub client_key: Option<String>,
+}
+
+/// One rule node: matches a descriptor entry by `key` (and `value`, if given).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DescriptorConfig {
+    pub key: String,
+    #[serde(default)]
+    pub value: Option<String>,
+    /// envoyproxy/ratelimit's single limit.
+    #[serde(default)]
+    pub rate_limit: Option<RateLimitConfig>,
+    /// Sluice's extension: several limits on one descriptor, applied all or nothing.
+    #[serde(default)]
+    pub policies: Vec<PolicyConfig>,
+    #[serde(default)]
+    pub descriptors: Vec<DescriptorConfig>,
+    #[serde(default)]
+    pub shadow_mode: bool,
+    /// Accepted for compatibility; per-value metrics come with the metrics endpoint.
+    #[serde(default)]
+    pub detailed_metric: bool,
+}
+
+/// envoyproxy/ratelimit's `rate_limit` block.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitConfig {
+    #[serde(default)]
+    pub name: Option<Name>,
+    #[serde(default)]
+    pub unit: Option<Unit>,
+    #[serde(default)]
+    pub requests_per_unit: Option<u64>,
+    #[serde(default)]
+    pub unlimited: bool,
+    #[serde(default)]
+    pub replaces: Vec<Replaces>,
+}
+
+/// An entry of `rate_limit.replaces`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Replaces {
+    pub name: Name,
+}
+
+/// One policy of the `policies` extension: a name and exactly one algorithm.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    pub name: Name,
+    #[serde(default)]
+    pub fixed_window: Option<FixedWindowConfig>,
+    #[serde(default)]
+    pub token_bucket: Option<TokenBucketConfig>,
+    #[serde(default)]
+    pub sliding_window: Option<SlidingWindowConfig>,
+    #[serde(default)]
+    pub concurrency: Option<ConcurrencyConfig>,
+    #[serde(default)]
+    pub shadow_mode: bool,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FixedWindowConfig {
+    pub limit: u64,
+    pub window: Duration,
+    #[serde(default)]
+    pub aligned: bool,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenBucketConfig {
+    pub rate: u64,
+    pub per: Duration,
+    pub burst: u64,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlidingWindowConfig {
+    pub limit: u64,
+    pub window: Duration,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConcurrencyConfig {
+    pub limit: u64,
+    pub lease_ttl: Duration,
+}
+
+impl PolicyConfig {
+    /// The policy's limit: exactly one algorithm must be given.
+    pub fn limit(&self) -> Result<Limit, String> {
+        let mut found = Vec::new();
+        if let Some(c) = self.fixed_window {
+            found.push(Limit::FixedWindow {
+                limit: c.limit,
+                window: c.window.0,
+                aligned: c.aligned,
+            });
+        }
+        if let Some(c) = self.token_bucket {
+            found.push(Limit::TokenBucket {
+                rate: c.rate,
+                per: c.per.0,
+                burst: c.burst,
+            });
+        }
+        if let Some(c) = self.sliding_window {
+            found.push(Limit::SlidingWindow {
+                limit: c.limit,
+                window: c.window.0,
+            });
+        }
+        if let Some(c) = self.concurrency {
+            found.push(Limit::Concurrency {
+                limit: c.limit,
+                lease_ttl: c.lease_ttl.0,
+            });
+        }
+        match found[..] {
+            [limit] => limit
+                .validate()
+                .map(|()| limit)
+                .map_err(|e| format!("policy '{}': {e}", self.name)),
+            [] => Err(format!(
+                "policy '{}' needs one algorithm: add fixed_window, token_bucket, sliding_window or concurrency",
+                self.name
+            )),
+            _ => Err(format!(
+                "policy '{}' names {} algorithms; give it exactly one",
+                self.name,
+                found.len()
+            )),
+        }
+    }
+}
+
+/// A duration written `250ms`, `1s`, `5m`, `1h`, `1d` (or `1w`), in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Duration(pub Millis);
+
+impl Duration {
+    /// Parses `250ms`, `1s`, `5m`, `1h`, `1d`, `1w`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        let (num, unit) = s.split_at(split);
+        let scale = match unit.trim() {
+            "ms" => 1,
+            "s" => 1_000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            "d" => 86_400_000,
+            "w" => 604_800_000,
+            _ => {
+                return Err(format!(
+                    "invalid duration `{s}`: write a whole number and a unit, like 250ms, 1s, 5m, 1h or 1d"
+                ));
+            }
+        };
+        let n: u64 = num.parse().map_err(|_| {
+            format!("invalid duration `{s}`: it must start with a whole number, like 30s")
+        })?;
+        n.checked_mul(scale)
+            .map(Duration)
+            .ok_or_else(|| format!("duration `{s}` is too long"))
+    }
+}
+
+impl<'de> Deserialize<'de> for Duration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = Duration;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a duration like 250ms, 1s, 5m, 1h or 1d")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Duration, E> {
+                Duration::parse(v).map_err(E::custom)
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Duration, E> {
+                Err(E::custom(format!(
+                    "invalid duration `{v}`: add a unit, like {v}s or {v}ms"
+                )))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// envoyproxy/ratelimit's units. Month and year are 30 and 365 days, as they compute them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    Second,
+    Minute,
+    Hour,
+    Day,
+    Week,
+    Month,
+    Year,
+}
+
+impl Unit {
+    const NAMES: [(&'static str, Unit); 7] = [
+        ("second", Unit::Second),
+        ("minute", Unit::Minute),
+        ("hour", Unit::Hour),
+        ("day", Unit::Day),
+        ("week", Unit::Week),
+        ("month", Unit::Month),
+        ("year", Unit::Year),
+    ];
+
+    /// Parses a unit name in any case (`minute`, `MINUTE`).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        Self::NAMES
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(s))
+            .map(|&(_, u)| u)
+            .ok_or_else(|| {
+                format!(
+                    "unknown unit `{s}`: write one of second, minute, hour, day, week, month, year"
+                )
+            })
+    }
+
+    /// The unit's length in ms.
+    pub fn millis(self) -> Millis {
+        1000 * match self {
+            Unit::Second => 1,
+            Unit::Minute => 60,
+            Unit::Hour => 3_600,
+            Unit::Day => 86_400,
+            Unit::Week => 604_800,
+            Unit::Month => 2_592_000,
+            Unit::Year => 31_536_000,
+        }
+    }
+
+    /// The name as Envoy's protocol spells it (`MINUTE`).
+    pub fn envoy_name(self) -> &'static str {
+        match self {
+            Unit::Second => "SECOND",
+            Unit::Minute => "MINUTE",
+            Unit::Hour => "HOUR",
+            Unit::Day => "DAY",
+            Unit::Week => "WEEK",
+            Unit::Month => "MONTH",
+            Unit::Year => "YEAR",
+        }
+    }
+
+    /// The unit whose length is exactly `ms`, if any.
+    pub fn from_millis(ms: Millis) -> Option<Self> {
+        Self::NAMES
+            .iter()
+            .map(|&(_, u)| u)
+            .find(|u| u.millis() == ms)
+    }
+}
+
+impl<'de> Deserialize<'de> for Unit {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Unit::parse(&s).map_err(de::Error::custom)
+    }
+}
+
+/// A name of a domain or policy: 1 to 64 characters of `A-Z a-z 0-9 _ . -`, so it is
+/// safe in keys, metrics labels and headers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Name(pub String);
+
+impl Name {
+    /// Checks a name.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let ok = !s.is_empty()
+            && s.len() <= 64
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+        if ok {
+            Ok(Name(s.to_string()))
+        } else {
+            Err(format!(
+                "invalid name `{s}`: use 1 to 64 characters of letters, digits, `_`, `.` and `-`"
+            ))
+        }
+    }
+}
+
+impl fmt::Display for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for Name {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Name::parse(&s).map_err(de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(Duration::parse("250ms"), Ok(Duration(250)));
+        assert_eq!(Duration::parse("5m"), Ok(Duration(300_000)));
+        assert_eq!(Duration::parse("1d"), Ok(Duration(86_400_000)));
+        assert!(Duration::parse("5x").unwrap_err().contains("250ms"));
+        assert!(Duration::parse("m").is_err());
+    }
+
+    #[test]
+    fn units_any_case() {
+        assert_eq!(Unit::parse("MINUTE"), Ok(Unit::Minute));
+        assert!(
+            Unit::parse("fortnight")
+                .unwrap_err()
+                .contains("second, minute")
+        );
+        assert_eq!(Unit::Month.millis(), 30 * 86_400_000);
+    }
+}

@@ -1,0 +1,663 @@
+//! The engine: a request's descriptors become store calls, and the store's answers
+//! become one verdict.
+//!
+//! For each descriptor the domain's rules give the policies that apply; each policy
+//! becomes an [`Op`] on the state keyed by descriptor and policy, under the client's tag.
+//! Ops are grouped by tag and each group is one [`Store::apply`]: all or nothing, one
+//! round trip. Groups of different tags run in parallel; if any group refuses, the
+//! charges of the groups that allowed are given back, so a request is charged everywhere
+//! or nowhere.
+
+use crate::algo::{Decision, Lease, Limit, MAX_EXACT, Op};
+use crate::config::Unit;
+use crate::rules::{Policy, Rules};
+use crate::store::{Refund, Store, StoreError};
+use crate::tag::Tag;
+use crate::time::{Clock, Millis};
+use std::collections::HashSet;
+use std::fmt;
+use std::sync::Arc;
+
+/// Longest descriptor entry key accepted, in bytes.
+pub const MAX_KEY_BYTES: usize = 256;
+/// Longest descriptor entry value accepted, in bytes.
+pub const MAX_VALUE_BYTES: usize = 1024;
+/// Most descriptors in one request.
+pub const MAX_DESCRIPTORS: usize = 64;
+/// Most entries in one descriptor.
+pub const MAX_ENTRIES: usize = 16;
+
+/// One `key=value` of a descriptor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub key: String,
+    pub value: String,
+}
+
+/// A request-supplied limit that replaces the configured one (Envoy's descriptor
+/// `limit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitOverride {
+    pub requests_per_unit: u64,
+    pub unit: Unit,
+}
+
+/// One descriptor of a request.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Descriptor {
+    pub entries: Vec<Entry>,
+    /// This descriptor's cost; None takes the request's.
+    pub hits_addend: Option<u64>,
+    pub limit: Option<LimitOverride>,
+}
+
+/// A rate limit request, as Envoy's `RateLimitRequest` has it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Request {
+    pub domain: String,
+    pub descriptors: Vec<Descriptor>,
+    /// The cost of each descriptor that names none; None means 1.
+    pub hits_addend: Option<u64>,
+}
+
+/// A request the engine refuses to evaluate. Each says what is wrong and what to send.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error("unknown domain '{domain}'; configured domains: {known}")]
+    UnknownDomain { domain: String, known: String },
+    #[error("`descriptors` is empty; send at least one descriptor with at least one entry")]
+    NoDescriptors,
+    #[error("descriptors[{0}] has no entries; each descriptor needs at least one {{key, value}}")]
+    EmptyDescriptor(usize),
+    #[error("{0} descriptors sent; at most {MAX_DESCRIPTORS} are accepted")]
+    TooManyDescriptors(usize),
+    #[error("descriptors[{0}] has {1} entries; at most {MAX_ENTRIES} are accepted")]
+    TooManyEntries(usize, usize),
+    #[error(
+        "descriptors[{descriptor}].entries[{entry}].{field} is {len} bytes; at most {max} are accepted"
+    )]
+    TooLong {
+        descriptor: usize,
+        entry: usize,
+        field: &'static str,
+        len: usize,
+        max: usize,
+    },
+    #[error("descriptors[{descriptor}].entries[{entry}].key is empty")]
+    EmptyKey { descriptor: usize, entry: usize },
+    #[error(
+        "descriptors[{descriptor}]: hits_addend {cost} exceeds the capacity {capacity} of policy '{policy}', \
+         so it could never be admitted; send a cost of at most {capacity}"
+    )]
+    CostAboveCapacity {
+        descriptor: usize,
+        cost: u64,
+        policy: String,
+        capacity: u64,
+    },
+    #[error("descriptors[{descriptor}].limit: {message}")]
+    BadLimit { descriptor: usize, message: String },
+    #[error("lease id '{0}' is not one this service issued")]
+    BadLeaseId(String),
+}
+
+impl RequestError {
+    /// A stable machine-readable code for JSON errors.
+    pub fn code(&self) -> &'static str {
+        match self {
+            RequestError::UnknownDomain { .. } => "unknown_domain",
+            RequestError::NoDescriptors | RequestError::EmptyDescriptor(_) => "empty_descriptors",
+            RequestError::TooManyDescriptors(_) | RequestError::TooManyEntries(..) => {
+                "too_many_descriptors"
+            }
+            RequestError::TooLong { .. } | RequestError::EmptyKey { .. } => "bad_entry",
+            RequestError::CostAboveCapacity { .. } => "cost_above_capacity",
+            RequestError::BadLimit { .. } => "bad_limit",
+            RequestError::BadLeaseId(_) => "bad_lease_id",
+        }
+    }
+}
+
+/// Why a check failed entirely.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// What a call does with the matching policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Charge rate policies (`/v1/ratelimit`). Concurrency policies are not touched.
+    Charge,
+    /// Report every policy without charging (`GET /v1/ratelimit`).
+    Peek,
+    /// Take a lease on every concurrency policy (`/v1/leases`).
+    Acquire,
+    /// Give back rate policies' charges (`/v1/refund`).
+    Refund,
+}
+
+impl Mode {
+    fn wants(self, limit: &Limit) -> bool {
+        let concurrency = matches!(limit, Limit::Concurrency { .. });
+        match self {
+            Mode::Peek => true,
+            Mode::Acquire => concurrency,
+            Mode::Charge | Mode::Refund => !concurrency,
+        }
+    }
+}
+
+/// Envoy's response codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Code {
+    Ok,
+    OverLimit,
+}
+
+impl fmt::Display for Code {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Code::Ok => "OK",
+            Code::OverLimit => "OVER_LIMIT",
+        })
+    }
+}
+
+/// One policy's decision.
+#[derive(Debug, Clone)]
+pub struct PolicyDecision {
+    pub name: Arc<str>,
+    pub limit: Limit,
+    pub shadow: bool,
+    pub decision: Decision,
+}
+
+/// One descriptor's outcome.
+#[derive(Debug, Clone)]
+pub struct DescriptorVerdict {
+    /// OVER_LIMIT when an enforced policy of this descriptor refused.
+    pub code: Code,
+    /// Whether a rule matched this descriptor.
+    pub matched: bool,
+    /// Whether the matched rule is `unlimited`.
+    pub unlimited: bool,
+    pub policies: Vec<PolicyDecision>,
+}
+
+/// The answer to one request.
+#[derive(Debug, Clone)]
+pub struct Verdict {
+    pub allowed: bool,
+    /// HTTP status: 200, or 429 over a limit.
+    pub status: u16,
+    pub descriptors: Vec<DescriptorVerdict>,
+    /// `(descriptor, policy)` of the decision the headers report: the refusal with the
+    /// longest wait, else the enforced policy with the least remaining.
+    pub binding: Option<(usize, usize)>,
+    /// The lease taken, for [`Limiter::release`] (`Mode::Acquire`).
+    pub lease: Option<LeaseId>,
+    /// When the decision was made.
+    pub now: Millis,
+    charges: Vec<(Tag, Refund)>,
+}
+
+impl Verdict {
+    /// The decision the headers report.
+    pub fn binding(&self) -> Option<&PolicyDecision> {
+        self.binding.map(|(d, p)| &self.descriptors[d].policies[p])
+    }
+
+    /// Every enforced (non-shadow) policy decision.
+    pub fn enforced(&self) -> impl Iterator<Item = &PolicyDecision> {
+        self.descriptors
+            .iter()
+            .flat_map(|d| d.policies.iter())
+            .filter(|p| !p.shadow)
+    }
+
+    /// Decisions of shadow policies that would have refused the request.
+    pub fn shadow_denials(&self) -> impl Iterator<Item = &PolicyDecision> {
+        self.descriptors
+            .iter()
+            .flat_map(|d| d.policies.iter())
+            .filter(|p| p.shadow && !p.decision.allowed)
+    }
+}
+
+/// A lease on one client's concurrency policies: names the tag, the lease and each
+/// state, so any server sharing the store can release it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseId {
+    pub tag: Tag,
+    pub lease: Lease,
+    pub keys: Vec<u64>,
+}
+
+impl fmt::Display for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{:032x}", self.tag, self.lease)?;
+        self.keys.iter().try_for_each(|k| write!(f, "{k:016x}"))
+    }
+}
+
+impl std::str::FromStr for LeaseId {
+    type Err = RequestError;
+    fn from_str(s: &str) -> Result<Self, RequestError> {
+        let bad = || RequestError::BadLeaseId(s.chars().take(200).collect());
+        if s.len() < 80 || (s.len() - 64) % 16 != 0 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(bad());
+        }
+        let tag = u128::from_str_radix(&s[..32], 16).map_err(|_| bad())?;
+        let lease = u128::from_str_radix(&s[32..64], 16).map_err(|_| bad())?;
+        let keys = (64..s.len())
+            .step_by(16)
+            .map(|i| u64::from_str_radix(&s[i..i + 16], 16).map_err(|_| bad()))
+            .collect::<Result<_, _>>()?;
+        Ok(LeaseId {
+            tag: Tag(tag),
+            lease,
+            keys,
+        })
+    }
+}
+
+/// One client tag's share of a request: its ops, and where each decision goes.
+struct Group {
+    tag: Tag,
+    ops: Vec<Op>,
+    slots: Vec<(usize, usize)>,
+}
+
+/// The decision engine.
+pub struct Limiter {
+    rules: Arc<Rules>,
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+}
+
+impl Limiter {
+    /// An engine over compiled rules, a store and a clock.
+    pub fn new(rules: Arc<Rules>, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
+        Self {
+            rules,
+            store,
+            clock,
+        }
+    }
+
+    /// The rules in force.
+    pub fn rules(&self) -> &Rules {
+        &self.rules
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// Charges a request's rate policies (`Mode::Charge`).
+    pub async fn check(&self, req: &Request) -> Result<Verdict, CheckError> {
+        self.run(req, Mode::Charge).await
+    }
+
+    /// Evaluates a request in the given mode.
+    pub async fn run(&self, req: &Request, mode: Mode) -> Result<Verdict, CheckError> {
+        let now = self.clock.now();
+        let lease = match mode {
+            Mode::Acquire => Some(random_lease()),
+            _ => None,
+        };
+        let (mut descriptors, groups) = self.plan(req, mode, lease)?;
+        let mut results = Vec::with_capacity(groups.len());
+        match mode {
+            Mode::Refund => {
+                for g in &groups {
+                    let refunds: Vec<Refund> =
+                        g.ops.iter().map(|o| refund_of(o, o.cost, 0)).collect();
+                    let refunds = self.current_windows(g, refunds, now).await?;
+                    self.store.refund(g.tag, &refunds, now).await?;
+                }
+            }
+            _ => {
+                let calls = groups.iter().map(|g| async move {
+                    if g.ops.is_empty() {
+                        return Ok(Vec::new());
+                    }
+                    match mode {
+                        Mode::Peek => self.store.peek(g.tag, &g.ops, now).await,
+                        _ => self.store.apply(g.tag, &g.ops, now).await,
+                    }
+                });
+                for r in futures_util::future::join_all(calls).await {
+                    results.push(r?);
+                }
+            }
+        }
+        let mut charges = Vec::new();
+        let mut group_allowed = Vec::with_capacity(groups.len());
+        for (g, decisions) in groups.iter().zip(&results) {
+            if decisions.len() != g.ops.len() {
+                return Err(StoreError::Protocol(format!(
+                    "{} decisions for {} ops",
+                    decisions.len(),
+                    g.ops.len()
+                ))
+                .into());
+            }
+            let allowed = g
+                .ops
+                .iter()
+                .zip(decisions)
+                .all(|(o, d)| o.shadow || d.allowed);
+            group_allowed.push(allowed);
+            for ((op, d), &(di, pi)) in g.ops.iter().zip(decisions).zip(&g.slots) {
+                descriptors[di].policies[pi].decision = *d;
+                if allowed && d.allowed && op.cost > 0 && mode == Mode::Charge {
+                    charges.push((g.tag, refund_of(op, op.cost, d.reset_at)));
+                }
+            }
+        }
+        let allowed = group_allowed.iter().all(|&a| a);
+        if !allowed && !charges.is_empty() {
+            // another tag refused: give back what the allowing tags were charged
+            self.give_back(&charges, now).await?;
+            charges.clear();
+        }
+        for d in &mut descriptors {
+            if d.policies.iter().any(|p| !p.shadow && !p.decision.allowed) {
+                d.code = Code::OverLimit;
+            }
+        }
+        let lease = match (lease, allowed) {
+            (Some(lease), true) => groups
+                .iter()
+                .find(|g| g.ops.iter().any(|o| o.lease.is_some()))
+                .map(|g| LeaseId {
+                    tag: g.tag,
+                    lease,
+                    keys: g.ops.iter().map(|o| o.key).collect(),
+                }),
+            _ => None,
+        };
+        let binding = binding(&descriptors);
+        Ok(Verdict {
+            allowed,
+            status: if allowed { 200 } else { 429 },
+            descriptors,
+            binding,
+            lease,
+            now,
+            charges,
+        })
+    }
+
+    /// Gives back everything `verdict` charged (GitHub's rule: a `304 Not Modified` costs
+    /// nothing). Charges in a window that has since passed are not given back.
+    pub async fn refund(&self, verdict: &Verdict) -> Result<(), StoreError> {
+        self.give_back(&verdict.charges, self.clock.now()).await
+    }
+
+    /// Releases a lease (idempotent). Returns whether it was held.
+    pub async fn release(&self, lease: &LeaseId) -> Result<bool, StoreError> {
+        self.store
+            .release(lease.tag, &lease.keys, lease.lease, self.clock.now())
+            .await
+    }
+
+    async fn give_back(&self, charges: &[(Tag, Refund)], now: Millis) -> Result<(), StoreError> {
+        let mut tags: Vec<Tag> = charges.iter().map(|(t, _)| *t).collect();
+        tags.dedup();
+        for tag in tags {
+            let refunds: Vec<Refund> = charges
+                .iter()
+                .filter(|(t, _)| *t == tag)
+                .map(|(_, r)| *r)
+                .collect();
+            self.store.refund(tag, &refunds, now).await?;
+        }
+        Ok(())
+    }
+
+    /// A stateless refund (`POST /v1/refund`) knows no window: it gives back in the
+    /// current one, which a peek tells.
+    async fn current_windows(
+        &self,
+        g: &Group,
+        mut refunds: Vec<Refund>,
+        now: Millis,
+    ) -> Result<Vec<Refund>, StoreError> {
+        let status = self.store.peek(g.tag, &g.ops, now).await?;
+        for (r, d) in refunds.iter_mut().zip(status) {
+            r.window = d.reset_at;
+        }
+        Ok(refunds)
+    }
+
+    /// Validates a request and turns it into per-descriptor verdicts (decisions still to
+    /// fill) and per-tag groups of ops.
+    fn plan(
+        &self,
+        req: &Request,
+        mode: Mode,
+        lease: Option<Lease>,
+    ) -> Result<(Vec<DescriptorVerdict>, Vec<Group>), RequestError> {
+        let rules = &*self.rules;
+        let domain = rules
+            .domain(&req.domain)
+            .ok_or_else(|| RequestError::UnknownDomain {
+                domain: req.domain.chars().take(200).collect(),
+                known: rules.domain_names().join(", "),
+            })?;
+        validate(req)?;
+        let base_cost = req.hits_addend.unwrap_or(1);
+        let mut nodes = Vec::with_capacity(req.descriptors.len());
+        for d in &req.descriptors {
+            nodes.push(domain.find(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()))));
+        }
+        let replaced: HashSet<&str> = nodes
+            .iter()
+            .flatten()
+            .flat_map(|n| n.replaces.iter().map(|r| &**r))
+            .collect();
+        let mut descriptors = Vec::with_capacity(req.descriptors.len());
+        let mut groups: Vec<Group> = Vec::new();
+        for (di, (d, node)) in req.descriptors.iter().zip(nodes).enumerate() {
+            let cost = if mode == Mode::Peek {
+                0
+            } else {
+                d.hits_addend.unwrap_or(base_cost)
+            };
+            let override_policy;
+            let policies: &[Policy] = match (&d.limit, node) {
+                (Some(o), _) => {
+                    let limit = Limit::FixedWindow {
+                        limit: o.requests_per_unit,
+                        window: o.unit.millis(),
+                        aligned: false,
+                    };
+                    limit.validate().map_err(|e| RequestError::BadLimit {
+                        descriptor: di,
+                        message: e.to_string(),
+                    })?;
+                    override_policy = [Policy {
+                        name: "override".into(),
+                        limit,
+                        shadow: false,
+                    }];
+                    &override_policy
+                }
+                (None, Some(n)) => &n.policies,
+                (None, None) => &[],
+            };
+            let entries: Vec<(&str, &str)> = d
+                .entries
+                .iter()
+                .map(|e| (e.key.as_str(), e.value.as_str()))
+                .collect();
+            let tag = domain.tag(&rules.tagger, &entries);
+            let mut verdict = DescriptorVerdict {
+                code: Code::Ok,
+                matched: node.is_some() || d.limit.is_some(),
+                unlimited: node.is_some_and(|n| n.unlimited),
+                policies: Vec::new(),
+            };
+            for p in policies
+                .iter()
+                .filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name))
+            {
+                let capacity = p.limit.capacity();
+                if cost > capacity && mode != Mode::Acquire {
+                    return Err(RequestError::CostAboveCapacity {
+                        descriptor: di,
+                        cost,
+                        policy: p.name.to_string(),
+                        capacity,
+                    });
+                }
+                let is_lease = matches!(p.limit, Limit::Concurrency { .. });
+                let op = Op {
+                    key: rules.tagger.state_key(
+                        entries.iter().copied(),
+                        &p.name,
+                        p.limit.algorithm(),
+                    ),
+                    limit: p.limit,
+                    cost: if is_lease {
+                        u64::from(lease.is_some())
+                    } else {
+                        cost
+                    },
+                    lease: if is_lease { lease } else { None },
+                    shadow: p.shadow,
+                };
+                let slot = (di, verdict.policies.len());
+                verdict.policies.push(PolicyDecision {
+                    name: p.name.clone(),
+                    limit: p.limit,
+                    shadow: p.shadow,
+                    decision: Decision {
+                        allowed: true,
+                        limit: capacity,
+                        used: 0,
+                        remaining: capacity,
+                        reset_at: 0,
+                        retry_after: None,
+                    },
+                });
+                match groups.iter_mut().find(|g| g.tag == tag) {
+                    Some(g) if !g.ops.iter().any(|o| o.key == op.key) => {
+                        g.ops.push(op);
+                        g.slots.push(slot);
+                    }
+                    // the same state twice in one request (two identical descriptors):
+                    // a separate call keeps each op's decision its own
+                    _ => groups.push(Group {
+                        tag,
+                        ops: vec![op],
+                        slots: vec![slot],
+                    }),
+                }
+            }
+            descriptors.push(verdict);
+        }
+        Ok((descriptors, groups))
+    }
+}
+
+fn refund_of(op: &Op, cost: u64, window: Millis) -> Refund {
+    Refund {
+        key: op.key,
+        limit: op.limit,
+        cost,
+        window,
+    }
+}
+
+fn validate(req: &Request) -> Result<(), RequestError> {
+    if req.descriptors.is_empty() {
+        return Err(RequestError::NoDescriptors);
+    }
+    if req.descriptors.len() > MAX_DESCRIPTORS {
+        return Err(RequestError::TooManyDescriptors(req.descriptors.len()));
+    }
+    for (di, d) in req.descriptors.iter().enumerate() {
+        if d.entries.is_empty() {
+            return Err(RequestError::EmptyDescriptor(di));
+        }
+        if d.entries.len() > MAX_ENTRIES {
+            return Err(RequestError::TooManyEntries(di, d.entries.len()));
+        }
+        for (ei, e) in d.entries.iter().enumerate() {
+            if e.key.is_empty() {
+                return Err(RequestError::EmptyKey {
+                    descriptor: di,
+                    entry: ei,
+                });
+            }
+            for (field, len, max) in [
+                ("key", e.key.len(), MAX_KEY_BYTES),
+                ("value", e.value.len(), MAX_VALUE_BYTES),
+            ] {
+                if len > max {
+                    return Err(RequestError::TooLong {
+                        descriptor: di,
+                        entry: ei,
+                        field,
+                        len,
+                        max,
+                    });
+                }
+            }
+        }
+        let cost = d.hits_addend.or(req.hits_addend).unwrap_or(1);
+        if cost > MAX_EXACT {
+            return Err(RequestError::CostAboveCapacity {
+                descriptor: di,
+                cost,
+                policy: "any".into(),
+                capacity: MAX_EXACT,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The refusal with the longest wait; else the enforced policy with the least remaining.
+fn binding(descriptors: &[DescriptorVerdict]) -> Option<(usize, usize)> {
+    let all = descriptors
+        .iter()
+        .enumerate()
+        .flat_map(|(di, d)| {
+            d.policies
+                .iter()
+                .enumerate()
+                .map(move |(pi, p)| ((di, pi), p))
+        })
+        .filter(|(_, p)| !p.shadow);
+    all.min_by_key(|(_, p)| {
+        let d = &p.decision;
+        (
+            d.allowed,
+            std::cmp::Reverse(d.retry_after.unwrap_or(0)),
+            d.remaining,
+        )
+    })
+    .map(|(at, _)| at)
+}
+
+fn random_lease() -> Lease {
+    let mut b = [0u8; 16];
+    if getrandom::fill(&mut b).is_err() {
+        // no OS randomness: fall back to time and address entropy; unique, if guessable
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        return t ^ ((&b as *const _ as usize as u128) << 64);
+    }
+    u128::from_le_bytes(b)
+}

@@ -1,0 +1,54 @@
+//! Rate limit headers, all rendered from one verdict.
+//!
+//! Every header of a response comes from the same store answer (DESIGN invariant 4), so
+//! they cannot contradict each other: a 429 always says `Remaining: 0`, and the reset is
+//! the stored one.
+
+use crate::algo::Limit;
+use crate::config::HeadersConfig;
+use crate::engine::Verdict;
+use crate::time::ceil_secs;
+
+/// The headers for a verdict, as `(name, value)` pairs in lower case.
+pub fn render(v: &Verdict, cfg: &HeadersConfig) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    let Some(b) = v.binding() else { return out };
+    let d = &b.decision;
+    if cfg.github {
+        out.push(("x-ratelimit-limit", d.limit.to_string()));
+        out.push(("x-ratelimit-remaining", d.remaining.to_string()));
+        out.push(("x-ratelimit-used", d.used.to_string()));
+        // rounded up: a client that waits until this second is never early
+        out.push(("x-ratelimit-reset", ceil_secs(d.reset_at).to_string()));
+        out.push(("x-ratelimit-resource", b.name.to_string()));
+    }
+    if cfg.ietf {
+        let policies: Vec<String> = v
+            .enforced()
+            .filter(|p| !matches!(p.limit, Limit::Concurrency { .. }))
+            .map(|p| {
+                format!(
+                    "\"{}\";q={};w={}",
+                    p.name,
+                    p.limit.capacity(),
+                    ceil_secs(p.limit.period())
+                )
+            })
+            .collect();
+        if !policies.is_empty() {
+            out.push(("ratelimit-policy", policies.join(", ")));
+        }
+        let t = ceil_secs(
+            d.retry_after
+                .unwrap_or_else(|| d.reset_at.saturating_sub(v.now)),
+        );
+        out.push((
+            "ratelimit",
+            format!("\"{}\";r={};t={}", b.name, d.remaining, t),
+        ));
+    }
+    if let Some(wait) = d.retry_after.filter(|_| !v.allowed) {
+        out.push(("retry-after", ceil_secs(wait).to_string()));
+    }
+    out
+}

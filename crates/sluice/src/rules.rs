@@ -1,0 +1,300 @@
+//! Compiled rules: the config's descriptor trees, ready to match requests.
+//!
+//! Matching follows envoyproxy/ratelimit: a request descriptor's entries are walked one
+//! nesting level at a time; at each level an entry matches a rule with the same key and
+//! value first, then a rule whose value ends in `*` and prefixes it, then a rule with the
+//! key alone. The limits that apply are those of the rule reached by the last entry. A
+//! descriptor that falls off the tree matches nothing and is allowed.
+
+use crate::algo::Limit;
+use crate::config::{Config, DescriptorConfig, DomainConfig, HeadersConfig};
+use crate::tag::{Tag, Tagger};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// One limit of a rule.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// Reported in `X-RateLimit-Resource` and the IETF headers.
+    pub name: Arc<str>,
+    pub limit: Limit,
+    /// Counted and reported, never enforced.
+    pub shadow: bool,
+}
+
+/// A rule node reached by a descriptor.
+#[derive(Debug, Default)]
+pub struct Node {
+    pub policies: Vec<Policy>,
+    /// `rate_limit.unlimited`: matched, and never limited.
+    pub unlimited: bool,
+    /// Names of other rules' limits this rule's limit replaces when both match.
+    pub replaces: Vec<Arc<str>>,
+    children: Level,
+}
+
+#[derive(Debug, Default)]
+struct Level {
+    by_key: HashMap<String, KeyRules>,
+}
+
+#[derive(Debug, Default)]
+struct KeyRules {
+    exact: HashMap<String, Node>,
+    prefixes: Vec<(String, Node)>,
+    any: Option<Node>,
+}
+
+/// The rules of one domain.
+#[derive(Debug)]
+pub struct Domain {
+    pub name: String,
+    client_key: Option<String>,
+    root: Level,
+}
+
+impl Domain {
+    /// The rule a descriptor's entries reach, if any.
+    pub fn find<'a, 'e>(
+        &'a self,
+        entries: impl IntoIterator<Item = (&'e str, &'e str)>,
+    ) -> Option<&'a Node> {
+        let mut level = &self.root;
+        let mut node = None;
+        for (k, v) in entries {
+            let rules = level.by_key.get(k)?;
+            let n = rules
+                .exact
+                .get(v)
+                .or_else(|| {
+                    rules
+                        .prefixes
+                        .iter()
+                        .find(|(p, _)| v.starts_with(p.as_str()))
+                        .map(|(_, n)| n)
+                })
+                .or(rules.any.as_ref())?;
+            node = Some(n);
+            level = &n.children;
+        }
+        node
+    }
+
+    /// The client tag of a descriptor: its entry keyed `client_key`, else its first.
+    pub fn tag<'e>(&self, tagger: &Tagger, entries: &[(&'e str, &'e str)]) -> Tag {
+        let (k, v) = self
+            .client_key
+            .as_deref()
+            .and_then(|ck| entries.iter().find(|(k, _)| *k == ck))
+            .or(entries.first())
+            .copied()
+            .unwrap_or(("", ""));
+        tagger.tag(&self.name, k, v)
+    }
+}
+
+/// Everything the engine needs from a config.
+#[derive(Debug)]
+pub struct Rules {
+    domains: HashMap<String, Domain>,
+    pub headers: HeadersConfig,
+    pub tagger: Tagger,
+}
+
+/// A config that cannot be compiled: where (a path like
+/// `domains[0].descriptors[1]`) and what.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct RuleError {
+    pub path: String,
+    pub message: String,
+}
+
+impl Rules {
+    /// Compiles a config's domains.
+    pub fn compile(config: &Config) -> Result<Self, RuleError> {
+        let mut domains = HashMap::new();
+        for (i, d) in config.domains.iter().enumerate() {
+            let path = format!("domains[{i}] (domain {})", d.domain);
+            let domain = compile_domain(d, &path)?;
+            if domains.insert(domain.name.clone(), domain).is_some() {
+                return Err(RuleError {
+                    path,
+                    message: format!("domain '{}' is defined twice; merge the two", d.domain),
+                });
+            }
+        }
+        Ok(Self {
+            domains,
+            headers: config.headers,
+            tagger: Tagger::new(&config.limiter.key_secret),
+        })
+    }
+
+    /// A domain's rules.
+    pub fn domain(&self, name: &str) -> Option<&Domain> {
+        self.domains.get(name)
+    }
+
+    /// Configured domain names, sorted.
+    pub fn domain_names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.domains.keys().map(String::as_str).collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+fn compile_domain(d: &DomainConfig, path: &str) -> Result<Domain, RuleError> {
+    let mut root = Level::default();
+    for (i, c) in d.descriptors.iter().enumerate() {
+        add(
+            &mut root,
+            c,
+            d.shadow_mode,
+            &[],
+            &format!("{path}.descriptors[{i}]"),
+        )?;
+    }
+    Ok(Domain {
+        name: d.domain.0.clone(),
+        client_key: d.client_key.clone(),
+        root,
+    })
+}
+
+fn add(
+    level: &mut Level,
+    c: &DescriptorConfig,
+    shadow: bool,
+    parents: &[String],
+    path: &str,
+) -> Result<(), RuleError> {
+    let err = |message: String| RuleError {
+        path: path.to_string(),
+        message,
+    };
+    if c.key.is_empty() {
+        return Err(err("`key` must not be empty".into()));
+    }
+    let shadow = shadow || c.shadow_mode;
+    let here = match &c.value {
+        Some(v) => format!("{}_{}", c.key, v),
+        None => c.key.clone(),
+    };
+    let mut chain = parents.to_vec();
+    chain.push(here);
+    let mut node = Node::default();
+    if let Some(rl) = &c.rate_limit {
+        node.unlimited = rl.unlimited;
+        node.replaces = rl
+            .replaces
+            .iter()
+            .map(|r| Arc::from(r.name.0.as_str()))
+            .collect();
+        if !rl.unlimited {
+            let (Some(unit), Some(rpu)) = (rl.unit, rl.requests_per_unit) else {
+                return Err(err(
+                    "rate_limit needs `unit` and `requests_per_unit` (or `unlimited: true`)".into(),
+                ));
+            };
+            let limit = Limit::FixedWindow {
+                limit: rpu,
+                window: unit.millis(),
+                aligned: false,
+            };
+            limit
+                .validate()
+                .map_err(|e| err(format!("rate_limit: {e}")))?;
+            let name = rl
+                .name
+                .as_ref()
+                .map(|n| n.0.clone())
+                .unwrap_or_else(|| auto_name(&chain));
+            node.policies.push(Policy {
+                name: name.into(),
+                limit,
+                shadow,
+            });
+        }
+    }
+    for (j, p) in c.policies.iter().enumerate() {
+        let limit = p.limit().map_err(|e| RuleError {
+            path: format!("{path}.policies[{j}]"),
+            message: e,
+        })?;
+        if node.policies.iter().any(|q| *q.name == *p.name.0) {
+            return Err(err(format!(
+                "two limits on this descriptor are named '{}'; names must differ",
+                p.name
+            )));
+        }
+        node.policies.push(Policy {
+            name: p.name.0.as_str().into(),
+            limit,
+            shadow: shadow || p.shadow_mode,
+        });
+    }
+    if node.unlimited && !node.policies.is_empty() {
+        return Err(err("an `unlimited` rule cannot also have `policies`".into()));
+    }
+    for (j, child) in c.descriptors.iter().enumerate() {
+        add(
+            &mut node.children,
+            child,
+            shadow,
+            &chain,
+            &format!("{path}.descriptors[{j}]"),
+        )?;
+    }
+    let rules = level.by_key.entry(c.key.clone()).or_default();
+    let slot = match &c.value {
+        None => &mut rules.any,
+        Some(v) if v.ends_with('*') => {
+            let prefix = v.trim_end_matches('*').to_string();
+            if rules.prefixes.iter().any(|(p, _)| *p == prefix) {
+                return Err(err(format!(
+                    "`{}: {v}` is defined twice at this level",
+                    c.key
+                )));
+            }
+            rules.prefixes.push((prefix, node));
+            return Ok(());
+        }
+        Some(v) => {
+            if rules.exact.contains_key(v) {
+                return Err(err(format!(
+                    "`{}: {v}` is defined twice at this level",
+                    c.key
+                )));
+            }
+            rules.exact.insert(v.clone(), node);
+            return Ok(());
+        }
+    };
+    if slot.is_some() {
+        return Err(err(format!(
+            "`key: {}` without a value is defined twice at this level",
+            c.key
+        )));
+    }
+    *slot = Some(node);
+    Ok(())
+}
+
+/// A name for a `rate_limit` without one: the rule's keys and values joined by dots,
+/// with anything unsafe for headers replaced by `_`.
+fn auto_name(chain: &[String]) -> String {
+    let joined = chain.join(".");
+    let mut s: String = joined
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "_.-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    s.truncate(64);
+    s
+}

@@ -1,0 +1,486 @@
+//! The conformance suite: one set of behaviours every store must show.
+//!
+//! Each check is an async function over `&dyn Store`. The reference is the pure
+//! algorithms: [`sequence_matches_model`] drives a store and [`crate::algo`] through the
+//! same random operations and demands identical decisions. A store joins the suite with
+//! one line:
+//!
+//! ```ignore
+//! sluice::conformance_suite!(memory, async { sluice::store::MemoryStore::new(100_000) });
+//! ```
+//!
+//! Time is passed to the store directly (stores take `now` as an argument), so the suite
+//! crosses window boundaries without sleeping. Every check uses fresh random tags, so
+//! checks may share one store and one server.
+
+use super::{Refund, Store};
+use crate::algo::{self, Decision, Limit, Op, State};
+use crate::tag::Tag;
+use crate::time::Millis;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A start time for the checks: a recent epoch time with a non-round value, so aligned
+/// windows do not start exactly at it.
+pub const T0: Millis = 1_767_225_600_123;
+
+const FW: Limit = Limit::FixedWindow {
+    limit: 5,
+    window: 60_000,
+    aligned: false,
+};
+
+fn tag() -> Tag {
+    let mut b = [0u8; 16];
+    // a fresh random tag per check; getrandom failing is not something a test can fix
+    getrandom::fill(&mut b).expect("getrandom");
+    Tag(u128::from_le_bytes(b))
+}
+
+fn op(key: u64, limit: Limit, cost: u64) -> Op {
+    Op {
+        key,
+        limit,
+        cost,
+        lease: None,
+        shadow: false,
+    }
+}
+
+async fn hit(s: &dyn Store, t: Tag, o: Op, now: Millis) -> Decision {
+    s.apply(t, &[o], now).await.expect("store call failed")[0]
+}
+
+/// A fixed window admits its limit, refuses the rest without charging, keeps one stored
+/// reset for the whole window, and starts afresh at the reset.
+pub async fn fixed_window_counts_and_resets(s: &dyn Store) {
+    let t = tag();
+    let mut resets = Vec::new();
+    for i in 0..5u64 {
+        let d = hit(s, t, op(1, FW, 1), T0 + i * 7_001).await;
+        assert!(d.allowed, "hit {i} refused: {d:?}");
+        assert_eq!((d.limit, d.used, d.remaining), (5, i + 1, 4 - i));
+        resets.push(d.reset_at);
+    }
+    assert!(
+        resets.iter().all(|&r| r == T0 + 60_000),
+        "the reset moved: {resets:?}"
+    );
+    let d = hit(s, t, op(1, FW, 1), T0 + 59_999).await;
+    assert!(!d.allowed);
+    assert_eq!(
+        (d.remaining, d.used, d.reset_at, d.retry_after),
+        (0, 5, T0 + 60_000, Some(1))
+    );
+    let d = hit(s, t, op(1, FW, 1), T0 + 60_000).await;
+    assert!(d.allowed, "a new window must start at the stored reset");
+    assert_eq!((d.used, d.reset_at), (1, T0 + 120_000));
+}
+
+/// Aligned windows end on multiples of the window.
+pub async fn aligned_window_ends_on_boundary(s: &dyn Store) {
+    let t = tag();
+    let l = Limit::FixedWindow {
+        limit: 2,
+        window: 1_000,
+        aligned: true,
+    };
+    let d = hit(s, t, op(1, l, 1), T0).await;
+    assert_eq!(d.reset_at, (T0 / 1000 + 1) * 1000);
+}
+
+/// A refusal by one limit charges none of the others (all or nothing).
+pub async fn all_or_nothing(s: &dyn Store) {
+    let t = tag();
+    let tight = Limit::FixedWindow {
+        limit: 1,
+        window: 60_000,
+        aligned: false,
+    };
+    let ops = [op(1, FW, 1), op(2, tight, 1)];
+    let d = s.apply(t, &ops, T0).await.unwrap();
+    assert!(d[0].allowed && d[1].allowed);
+    let d = s.apply(t, &ops, T0 + 1).await.unwrap();
+    assert!(!d[1].allowed);
+    assert!(d[0].allowed, "the loose limit alone would allow");
+    assert_eq!(
+        d[0].remaining, 4,
+        "the loose limit must not be charged when another refuses"
+    );
+    let d = s.peek(t, &ops[..1], T0 + 2).await.unwrap();
+    assert_eq!(d[0].used, 1);
+}
+
+/// A shadow op's refusal is reported, but the other ops are charged.
+pub async fn shadow_does_not_block(s: &dyn Store) {
+    let t = tag();
+    let tight = Limit::FixedWindow {
+        limit: 1,
+        window: 60_000,
+        aligned: false,
+    };
+    let shadow = Op {
+        shadow: true,
+        ..op(2, tight, 1)
+    };
+    for i in 0..3u64 {
+        let d = s.apply(t, &[op(1, FW, 1), shadow], T0 + i).await.unwrap();
+        assert!(d[0].allowed);
+        assert_eq!(d[0].used, i + 1, "enforced op must be charged");
+        assert_eq!(d[1].allowed, i == 0, "shadow op reports what it would do");
+    }
+}
+
+/// Cost 0 reports status and charges nothing.
+pub async fn cost_zero_charges_nothing(s: &dyn Store) {
+    let t = tag();
+    let tb = Limit::TokenBucket {
+        rate: 1,
+        per: 1_000,
+        burst: 3,
+    };
+    for _ in 0..3 {
+        let d = s.apply(t, &[op(1, FW, 0), op(2, tb, 0)], T0).await.unwrap();
+        assert_eq!((d[0].used, d[0].remaining), (0, 5));
+        assert_eq!(d[1].remaining, 3);
+    }
+}
+
+/// Peeks never change state; a window whose stored reset has passed reads as fresh.
+pub async fn peek_never_charges(s: &dyn Store) {
+    let t = tag();
+    hit(s, t, op(1, FW, 3), T0).await;
+    for i in 0..10 {
+        let d = s.peek(t, &[op(1, FW, 1)], T0 + i).await.unwrap()[0];
+        assert_eq!((d.used, d.remaining, d.reset_at), (3, 2, T0 + 60_000));
+    }
+    let d = s.peek(t, &[op(1, FW, 1)], T0 + 60_000).await.unwrap()[0];
+    assert_eq!(
+        (d.used, d.remaining),
+        (0, 5),
+        "a passed window must read as empty"
+    );
+    let fresh = s.peek(tag(), &[op(1, FW, 1)], T0).await.unwrap()[0];
+    assert_eq!((fresh.used, fresh.remaining), (0, 5));
+}
+
+/// A token bucket spends its burst, refills at exactly its rate, and says when to retry.
+pub async fn token_bucket_burst_and_refill(s: &dyn Store) {
+    let t = tag();
+    let tb = Limit::TokenBucket {
+        rate: 3,
+        per: 1_000,
+        burst: 3,
+    };
+    for left in [2, 1, 0] {
+        let d = hit(s, t, op(1, tb, 1), T0).await;
+        assert!(d.allowed);
+        assert_eq!(d.remaining, left);
+    }
+    let d = hit(s, t, op(1, tb, 1), T0).await;
+    assert!(!d.allowed);
+    assert_eq!(d.retry_after, Some(334), "a token every 333.3 ms");
+    assert_eq!(d.reset_at, T0 + 1_000);
+    assert!(!hit(s, t, op(1, tb, 1), T0 + 333).await.allowed);
+    assert!(hit(s, t, op(1, tb, 1), T0 + 334).await.allowed);
+    let d = hit(s, t, op(1, tb, 2), T0 + 10_000).await;
+    assert_eq!(d.remaining, 1, "refill stops at the burst");
+}
+
+/// The sliding window weighs the previous window.
+pub async fn sliding_window_weighs_previous(s: &dyn Store) {
+    let t = tag();
+    let sw = Limit::SlidingWindow {
+        limit: 10,
+        window: 1_000,
+    };
+    let base = (T0 / 1000 + 1) * 1000;
+    let d = hit(s, t, op(1, sw, 10), base + 999).await;
+    assert!(d.allowed);
+    let d = hit(s, t, op(1, sw, 1), base + 1_000).await;
+    assert!(!d.allowed);
+    assert_eq!(d.retry_after, Some(100));
+    assert!(!hit(s, t, op(1, sw, 1), base + 1_099).await.allowed);
+    assert!(hit(s, t, op(1, sw, 1), base + 1_100).await.allowed);
+}
+
+/// Leases: capacity, idempotent release, reclaim after the TTL.
+pub async fn concurrency_leases(s: &dyn Store) {
+    let t = tag();
+    let cc = Limit::Concurrency {
+        limit: 3,
+        lease_ttl: 10_000,
+    };
+    let take = |lease: u128, now| {
+        let o = Op {
+            lease: Some(lease),
+            ..op(9, cc, 1)
+        };
+        async move { s.apply(t, &[o], now).await.unwrap()[0] }
+    };
+    for id in 1..=3 {
+        assert!(take(id, T0).await.allowed);
+    }
+    let d = take(4, T0 + 1).await;
+    assert!(!d.allowed);
+    assert_eq!((d.remaining, d.retry_after), (0, Some(9_999)));
+    assert!(s.release(t, &[9], 2, T0 + 2).await.unwrap());
+    assert!(
+        !s.release(t, &[9], 2, T0 + 2).await.unwrap(),
+        "release is idempotent"
+    );
+    assert!(take(4, T0 + 3).await.allowed);
+    assert!(!take(5, T0 + 4).await.allowed);
+    assert!(
+        take(5, T0 + 10_000).await.allowed,
+        "leases past their TTL are reclaimed"
+    );
+}
+
+/// Refunds give back within the charged window and never reach a later one.
+pub async fn refunds(s: &dyn Store) {
+    let t = tag();
+    let d = hit(s, t, op(1, FW, 5), T0).await;
+    let r = Refund {
+        key: 1,
+        limit: FW,
+        cost: 2,
+        window: d.reset_at,
+    };
+    s.refund(t, &[r], T0 + 1).await.unwrap();
+    assert_eq!(hit(s, t, op(1, FW, 0), T0 + 2).await.remaining, 2);
+    // the window passed: the refund must not add to the new one
+    hit(s, t, op(1, FW, 1), T0 + 60_000).await;
+    s.refund(t, &[r], T0 + 60_001).await.unwrap();
+    assert_eq!(hit(s, t, op(1, FW, 0), T0 + 60_002).await.used, 1);
+}
+
+/// Concurrent calls for one client are exact: 300 at once against a limit of 100 admit
+/// exactly 100.
+pub async fn concurrent_calls_are_exact(s: Arc<dyn Store>) {
+    let t = tag();
+    let l = Limit::FixedWindow {
+        limit: 100,
+        window: 60_000,
+        aligned: false,
+    };
+    let tasks: Vec<_> = (0..300)
+        .map(|i| {
+            let s = s.clone();
+            tokio::spawn(
+                async move { s.apply(t, &[op(1, l, 1)], T0 + i % 7).await.unwrap()[0].allowed },
+            )
+        })
+        .collect();
+    let mut admitted = 0;
+    for task in tasks {
+        admitted += task.await.expect("task panicked") as u32;
+    }
+    assert_eq!(admitted, 100);
+}
+
+/// Tags and keys are independent of one another.
+pub async fn tags_and_keys_are_independent(s: &dyn Store) {
+    let (a, b) = (tag(), tag());
+    hit(s, a, op(1, FW, 5), T0).await;
+    assert_eq!(hit(s, b, op(1, FW, 0), T0).await.remaining, 5);
+    assert_eq!(hit(s, a, op(2, FW, 0), T0).await.remaining, 5);
+}
+
+/// A small deterministic generator, so a failing sequence can be replayed from its seed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// Random sequences of apply, peek, refund and release, with the clock moving forward
+/// irregularly, give the same decisions from the store as from the pure algorithms.
+pub async fn sequence_matches_model(s: &dyn Store, seed: u64) {
+    let limits = [
+        Limit::FixedWindow {
+            limit: 7,
+            window: 2_000,
+            aligned: false,
+        },
+        Limit::FixedWindow {
+            limit: 4,
+            window: 1_500,
+            aligned: true,
+        },
+        Limit::TokenBucket {
+            rate: 3,
+            per: 1_000,
+            burst: 5,
+        },
+        Limit::SlidingWindow {
+            limit: 6,
+            window: 1_000,
+        },
+        Limit::Concurrency {
+            limit: 2,
+            lease_ttl: 1_200,
+        },
+    ];
+    let mut rng = Rng(seed | 1);
+    let tags = [tag(), tag()];
+    let mut model: HashMap<(Tag, u64), State> = HashMap::new();
+    let mut now = T0;
+    for step in 0..400 {
+        now += rng.next(3) * rng.next(400);
+        let t = tags[rng.next(2) as usize];
+        let n = 1 + rng.next(3) as usize;
+        let ops: Vec<Op> = (0..n)
+            .map(|_| {
+                let k = rng.next(limits.len() as u64);
+                let limit = limits[k as usize];
+                let lease =
+                    matches!(limit, Limit::Concurrency { .. }).then(|| 1 + rng.next(4) as u128);
+                Op {
+                    key: k,
+                    limit,
+                    cost: rng.next(3),
+                    lease,
+                    shadow: rng.next(5) == 0,
+                }
+            })
+            .collect();
+        // one state per key: a call naming a key twice is not meaningful
+        if ops
+            .iter()
+            .enumerate()
+            .any(|(i, a)| ops[..i].iter().any(|b| b.key == a.key))
+        {
+            continue;
+        }
+        let what = rng.next(10);
+        if what < 6 {
+            let mut states: Vec<Option<State>> = ops
+                .iter()
+                .map(|o| model.get(&(t, o.key)).cloned())
+                .collect();
+            let want = algo::apply_all(&ops, &mut states, now);
+            for (o, st) in ops.iter().zip(states) {
+                if let Some(st) = st {
+                    model.insert((t, o.key), st);
+                }
+            }
+            let got = s.apply(t, &ops, now).await.unwrap();
+            assert_eq!(
+                got, want,
+                "apply differs at step {step} (seed {seed}) for {ops:?}"
+            );
+        } else if what < 8 {
+            let states = ops
+                .iter()
+                .map(|o| model.get(&(t, o.key)).cloned())
+                .collect();
+            let want = algo::peek_all(&ops, states, now);
+            let got = s.peek(t, &ops, now).await.unwrap();
+            assert_eq!(
+                got, want,
+                "peek differs at step {step} (seed {seed}) for {ops:?}"
+            );
+        } else if what < 9 {
+            let o = ops[0];
+            let Some(st) = model.get(&(t, o.key)).cloned() else {
+                continue;
+            };
+            let window = o.limit.peek(Some(st.clone()), now).reset_at;
+            if let Some(new) = o.limit.refund(st, o.cost, window, now) {
+                model.insert((t, o.key), new);
+            }
+            let r = Refund {
+                key: o.key,
+                limit: o.limit,
+                cost: o.cost,
+                window,
+            };
+            s.refund(t, &[r], now).await.unwrap();
+        } else {
+            let lease = 1 + rng.next(4) as u128;
+            if let Some(State::Leases(l)) = model.get_mut(&(t, 4)) {
+                algo::concurrency::release(l, lease);
+            }
+            s.release(t, &[4], lease, now).await.unwrap();
+        }
+    }
+}
+
+/// Expands to one `#[tokio::test]` per conformance check, each calling `$make` (an
+/// expression that evaluates to a future of a store) for its store.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($name:ident, $make:expr) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            use $crate::store::Store;
+            use $crate::store::conformance as c;
+
+            async fn store() -> std::sync::Arc<dyn Store> {
+                std::sync::Arc::new($make.await)
+            }
+
+            #[tokio::test]
+            async fn fixed_window_counts_and_resets() {
+                c::fixed_window_counts_and_resets(&*store().await).await
+            }
+            #[tokio::test]
+            async fn aligned_window_ends_on_boundary() {
+                c::aligned_window_ends_on_boundary(&*store().await).await
+            }
+            #[tokio::test]
+            async fn all_or_nothing() {
+                c::all_or_nothing(&*store().await).await
+            }
+            #[tokio::test]
+            async fn shadow_does_not_block() {
+                c::shadow_does_not_block(&*store().await).await
+            }
+            #[tokio::test]
+            async fn cost_zero_charges_nothing() {
+                c::cost_zero_charges_nothing(&*store().await).await
+            }
+            #[tokio::test]
+            async fn peek_never_charges() {
+                c::peek_never_charges(&*store().await).await
+            }
+            #[tokio::test]
+            async fn token_bucket_burst_and_refill() {
+                c::token_bucket_burst_and_refill(&*store().await).await
+            }
+            #[tokio::test]
+            async fn sliding_window_weighs_previous() {
+                c::sliding_window_weighs_previous(&*store().await).await
+            }
+            #[tokio::test]
+            async fn concurrency_leases() {
+                c::concurrency_leases(&*store().await).await
+            }
+            #[tokio::test]
+            async fn refunds() {
+                c::refunds(&*store().await).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_calls_are_exact() {
+                c::concurrent_calls_are_exact(store().await).await
+            }
+            #[tokio::test]
+            async fn tags_and_keys_are_independent() {
+                c::tags_and_keys_are_independent(&*store().await).await
+            }
+            #[tokio::test]
+            async fn sequence_matches_model() {
+                let s = store().await;
+                for seed in [1, 7, 42, 1234, 99991] {
+                    c::sequence_matches_model(&*s, seed).await;
+                }
+            }
+        }
+    };
+}

@@ -1,0 +1,236 @@
+//! The embedded store: the pure algorithms under a lock.
+//!
+//! State is split over shards by client tag; one shard's mutex covers every op of one
+//! call, which makes a call atomic. The store is bounded: when a shard is full it first
+//! collects state whose time has passed (a window after its reset, a full bucket), and
+//! only when that frees nothing does it evict live state, counted in
+//! [`MemoryStats::evicted_live`] because an evicted client gets a fresh limit.
+
+use super::{Refund, Store, StoreError};
+use crate::algo::{self, Decision, Lease, Limit, Op, State};
+use crate::tag::Tag;
+use crate::time::Millis;
+use async_trait::async_trait;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+/// Keys are already keyed hashes (see [`crate::tag`]), so hashing them again is wasted
+/// work: fold them into a u64 and multiply to spread the bits.
+#[derive(Default)]
+struct FoldHasher(u64);
+
+impl Hasher for FoldHasher {
+    fn finish(&self) -> u64 {
+        self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(b));
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(29) ^ n).wrapping_mul(0xff51_afd7_ed55_8ccd);
+    }
+    fn write_u128(&mut self, n: u128) {
+        self.write_u64(n as u64);
+        self.write_u64((n >> 64) as u64);
+    }
+}
+
+type Map = HashMap<(u128, u64), Entry, BuildHasherDefault<FoldHasher>>;
+
+struct Entry {
+    state: State,
+    /// When the state stops mattering (see [`Limit::expires_at`]).
+    expires_at: Millis,
+}
+
+struct Shard {
+    map: Map,
+    /// Collecting scans the shard; do it at most once a second.
+    next_collect: Millis,
+}
+
+/// Counters an operator watches.
+#[derive(Debug, Default)]
+pub struct MemoryStats {
+    /// States dropped because their time had passed.
+    pub collected: AtomicU64,
+    /// Live states evicted because the store was full: those clients got a fresh limit.
+    pub evicted_live: AtomicU64,
+}
+
+/// The in-memory store.
+pub struct MemoryStore {
+    shards: Box<[Mutex<Shard>]>,
+    per_shard: usize,
+    stats: MemoryStats,
+}
+
+const SHARDS: usize = 64;
+
+impl MemoryStore {
+    /// A store holding at most about `max_keys` states (one per policy per client).
+    pub fn new(max_keys: usize) -> Self {
+        let shards = (0..SHARDS)
+            .map(|_| {
+                Mutex::new(Shard {
+                    map: Map::default(),
+                    next_collect: 0,
+                })
+            })
+            .collect();
+        Self {
+            shards,
+            per_shard: max_keys.div_ceil(SHARDS).max(1),
+            stats: MemoryStats::default(),
+        }
+    }
+
+    /// Eviction and collection counters.
+    pub fn stats(&self) -> &MemoryStats {
+        &self.stats
+    }
+
+    /// How many states are held.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).map.len()).sum()
+    }
+
+    /// Whether no state is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops every state whose time has passed. The server calls it periodically; the
+    /// store also collects by itself when a shard fills up.
+    pub fn collect(&self, now: Millis) {
+        for s in self.shards.iter() {
+            self.collect_shard(&mut lock(s), now);
+        }
+    }
+
+    fn collect_shard(&self, shard: &mut Shard, now: Millis) {
+        let before = shard.map.len();
+        shard.map.retain(|_, e| e.expires_at > now);
+        shard.next_collect = now + 1000;
+        self.stats
+            .collected
+            .fetch_add((before - shard.map.len()) as u64, Ordering::Relaxed);
+    }
+
+    fn shard(&self, tag: Tag) -> MutexGuard<'_, Shard> {
+        lock(&self.shards[(tag.0 as usize) % SHARDS])
+    }
+
+    /// [`Store::apply`] without the future: the in-process fast path, writing decisions
+    /// into `out`.
+    pub fn apply_into(&self, tag: Tag, ops: &[Op], now: Millis, out: &mut Vec<Decision>) {
+        let mut shard = self.shard(tag);
+        let mut states: Vec<Option<State>> = ops
+            .iter()
+            .map(|op| {
+                shard
+                    .map
+                    .get_mut(&(tag.0, op.key))
+                    .map(|e| std::mem::replace(&mut e.state, State::Leases(Default::default())))
+            })
+            .collect();
+        out.extend(algo::apply_all(ops, &mut states, now));
+        for (op, state) in ops.iter().zip(states) {
+            if let Some(state) = state {
+                self.put(&mut shard, (tag.0, op.key), op.limit, state, now);
+            }
+        }
+    }
+
+    fn put(&self, shard: &mut Shard, key: (u128, u64), limit: Limit, state: State, now: Millis) {
+        let expires_at = limit.expires_at(&state);
+        if let Some(e) = shard.map.get_mut(&key) {
+            *e = Entry { state, expires_at };
+            return;
+        }
+        if shard.map.len() >= self.per_shard {
+            if now >= shard.next_collect {
+                self.collect_shard(shard, now);
+            }
+            if shard.map.len() >= self.per_shard {
+                if let Some(victim) = shard.map.keys().next().copied() {
+                    shard.map.remove(&victim);
+                    self.stats.evicted_live.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        shard.map.insert(key, Entry { state, expires_at });
+    }
+
+    fn get(shard: &Shard, tag: Tag, key: u64) -> Option<State> {
+        shard.map.get(&(tag.0, key)).map(|e| e.state.clone())
+    }
+}
+
+/// A poisoned lock only means another thread panicked while holding it; the state
+/// inside is still whole (every write is a single assignment), so keep going.
+fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
+        let mut out = Vec::with_capacity(ops.len());
+        self.apply_into(tag, ops, now, &mut out);
+        Ok(out)
+    }
+
+    async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
+        let shard = self.shard(tag);
+        let states = ops
+            .iter()
+            .map(|op| Self::get(&shard, tag, op.key))
+            .collect();
+        Ok(algo::peek_all(ops, states, now))
+    }
+
+    async fn release(
+        &self,
+        tag: Tag,
+        keys: &[u64],
+        lease: Lease,
+        _now: Millis,
+    ) -> Result<bool, StoreError> {
+        let mut shard = self.shard(tag);
+        let mut held = false;
+        for key in keys {
+            if let Some(Entry {
+                state: State::Leases(s),
+                ..
+            }) = shard.map.get_mut(&(tag.0, *key))
+            {
+                held |= algo::concurrency::release(s, lease);
+            }
+        }
+        Ok(held)
+    }
+
+    async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
+        let mut shard = self.shard(tag);
+        for r in refunds {
+            let Some(state) = Self::get(&shard, tag, r.key) else {
+                continue;
+            };
+            if let Some(state) = r.limit.refund(state, r.cost, r.window, now) {
+                self.put(&mut shard, (tag.0, r.key), r.limit, state, now);
+            }
+        }
+        Ok(())
+    }
+
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+}

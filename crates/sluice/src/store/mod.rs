@@ -1,0 +1,69 @@
+//! Where state lives. A store runs the algorithms atomically; it is not a key-value API.
+//!
+//! Every call names one client tag, and every op of a call is evaluated all or nothing
+//! in one atomic step (one lock, one Lua script, one round trip). Every store passes the
+//! same [`conformance`] suite, whose reference is [`crate::algo`].
+
+pub mod conformance;
+pub mod memory;
+
+use crate::algo::{Decision, Lease, Limit, Op};
+use crate::tag::Tag;
+use crate::time::Millis;
+use async_trait::async_trait;
+
+pub use memory::MemoryStore;
+
+/// A charge to give back: `cost` on the state `key`, in the window the charging
+/// decision reported as `reset_at`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refund {
+    pub key: u64,
+    pub limit: Limit,
+    pub cost: u64,
+    pub window: Millis,
+}
+
+/// Why a store call failed. The engine's failure policy decides what the client sees.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    #[error("store call timed out after {0}ms")]
+    Timeout(Millis),
+    #[error("store answered something unexpected: {0}")]
+    Protocol(String),
+}
+
+/// A place where limiter state lives.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Applies every op of one client tag, all or nothing, in one atomic step, and
+    /// returns one decision per op (see [`crate::algo::apply_all`]).
+    async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError>;
+
+    /// What `ops` would report now, without charging or writing anything. May be served
+    /// by a replica; state whose stored reset has passed reads as fresh.
+    async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError>;
+
+    /// Gives `lease` back on every concurrency state in `keys`. Idempotent; returns
+    /// whether any lease was held.
+    async fn release(
+        &self,
+        tag: Tag,
+        keys: &[u64],
+        lease: Lease,
+        now: Millis,
+    ) -> Result<bool, StoreError>;
+
+    /// Gives back charges made under `tag`.
+    async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError>;
+
+    /// Whether the store can take calls now (for `/readyz`).
+    async fn ready(&self) -> bool {
+        true
+    }
+
+    /// A short name for logs and metrics.
+    fn kind(&self) -> &'static str;
+}

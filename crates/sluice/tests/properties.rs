@@ -1,0 +1,158 @@
+//! Property tests of the pure algorithms against simple reference models.
+
+use proptest::prelude::*;
+use sluice::algo::{Decision, Limit, State};
+
+/// Applies one hit the way a store does: normalize, charge, keep the charged state.
+fn hit(limit: Limit, state: Option<State>, cost: u64, now: u64) -> (Decision, State) {
+    let s = limit.normalize(state, now);
+    let (d, c) = limit.charge(&s, cost, None, now);
+    (d, c.unwrap_or(s))
+}
+
+/// Times that only move forward: (gap, cost) pairs.
+fn steps() -> impl Strategy<Value = Vec<(u64, u64)>> {
+    prop::collection::vec((0u64..700, 0u64..4), 1..300)
+}
+
+proptest! {
+    /// A fixed window never admits more than its limit per window, keeps its reset for the
+    /// whole window, and its remaining never rises within a window.
+    #[test]
+    fn fixed_window_model(limit in 1u64..20, window in 1u64..5_000, aligned: bool, start in 0u64..1_000_000, steps in steps()) {
+        let l = Limit::FixedWindow { limit, window, aligned };
+        let (mut now, mut state) = (start, None);
+        // the model: (window end, admitted in it)
+        let mut model: Option<(u64, u64)> = None;
+        let mut last_remaining = None;
+        for (gap, cost) in steps {
+            now += gap;
+            let (d, s) = hit(l, state, cost, now);
+            state = Some(s);
+            let (end, used) = match model {
+                Some((end, used)) if now < end => (end, used),
+                _ => {
+                    last_remaining = None;
+                    (if aligned { (now / window + 1) * window } else { now + window }, 0)
+                }
+            };
+            prop_assert_eq!(d.reset_at, end, "the reset is the stored window end");
+            let admit = used + cost <= limit;
+            prop_assert_eq!(d.allowed, admit);
+            let used = if admit { used + cost } else { used };
+            prop_assert!(used <= limit);
+            model = Some((end, used));
+            if !d.allowed {
+                prop_assert_eq!(d.remaining, 0, "a refusal says remaining 0");
+            } else {
+                prop_assert_eq!(d.remaining, limit - used);
+                if let Some(prev) = last_remaining {
+                    prop_assert!(d.remaining <= prev, "remaining rose within a window");
+                }
+                last_remaining = Some(d.remaining);
+            }
+        }
+    }
+
+    /// The token bucket admits exactly what GCRA (an independent formulation, in exact
+    /// rational time) admits, so it never refuses when the model has tokens; and over any
+    /// interval of length t it admits at most `burst + rate * t / per`.
+    #[test]
+    fn token_bucket_model(rate in 1u64..50, per in 1u64..5_000, burst in 1u64..20, start in 0u64..1_000_000, steps in steps()) {
+        let l = Limit::TokenBucket { rate, per, burst };
+        // GCRA in units of 1/rate ms: emission interval `per`, tolerance `burst * per`
+        let (rate128, per128, burst128) = (rate as u128, per as u128, burst as u128);
+        let mut tat: u128 = 0;
+        let (mut now, mut state) = (start, None);
+        let mut admitted: Vec<(u64, u64)> = Vec::new();
+        for (gap, cost) in steps {
+            now += gap;
+            let (d, s) = hit(l, state, cost, now);
+            state = Some(s);
+            let now_s = now as u128 * rate128;
+            let new_tat = tat.max(now_s) + cost as u128 * per128;
+            let model_allows = new_tat - now_s <= burst128 * per128;
+            prop_assert_eq!(d.allowed, model_allows, "at {} cost {}", now, cost);
+            if model_allows {
+                tat = new_tat;
+                admitted.push((now, cost));
+            } else if cost > burst {
+                prop_assert_eq!(d.retry_after, None, "an impossible cost has no retry time");
+            } else {
+                // retry_after is exact: the model admits then and not a millisecond before
+                let wait = d.retry_after.unwrap() as u128;
+                let at = |t: u128| tat.max(t * rate128) + cost as u128 * per128 - t * rate128 <= burst128 * per128;
+                prop_assert!(at(now as u128 + wait));
+                prop_assert!(wait == 0 || !at(now as u128 + wait - 1));
+            }
+        }
+        for (i, &(t0, _)) in admitted.iter().enumerate() {
+            let mut sum = 0u128;
+            for &(t1, c) in &admitted[i..] {
+                sum += c as u128;
+                // sum <= burst + rate * (t1 - t0) / per, multiplied out by per
+                prop_assert!(sum * per128 <= burst128 * per128 + rate128 * (t1 - t0) as u128);
+            }
+        }
+    }
+
+    /// Cost 0 never charges, whatever the algorithm and state.
+    #[test]
+    fn cost_zero_never_charges(kind in 0usize..3, start in 0u64..1_000_000, steps in steps()) {
+        let l = [
+            Limit::FixedWindow { limit: 5, window: 1_000, aligned: false },
+            Limit::TokenBucket { rate: 2, per: 1_000, burst: 5 },
+            Limit::SlidingWindow { limit: 5, window: 1_000 },
+        ][kind];
+        let (mut now, mut state) = (start, None);
+        for (gap, cost) in steps {
+            now += gap;
+            let before = l.peek(state.clone(), now);
+            let (d, s) = hit(l, state.clone(), 0, now);
+            prop_assert!(d.allowed);
+            prop_assert_eq!(d.remaining, before.remaining);
+            prop_assert_eq!(l.peek(Some(s), now), before);
+            state = Some(hit(l, state, cost, now).1);
+        }
+    }
+
+    /// A cost above the capacity is never admitted, even from a full quota.
+    #[test]
+    fn cost_above_capacity_never_admitted(burst in 1u64..100, extra in 1u64..100, now in 0u64..1_000_000) {
+        for l in [
+            Limit::TokenBucket { rate: 10, per: 1_000, burst },
+            Limit::FixedWindow { limit: burst, window: 1_000, aligned: false },
+            Limit::SlidingWindow { limit: burst, window: 1_000 },
+        ] {
+            let d = hit(l, None, burst + extra, now).0;
+            prop_assert!(!d.allowed);
+            prop_assert_eq!(d.retry_after, None);
+        }
+    }
+
+    /// The sliding window admits at most its limit in any one aligned window, and its
+    /// retry_after is exact when nothing else happens.
+    #[test]
+    fn sliding_window_bounds(limit in 1u64..20, window in 1u64..3_000, start in 0u64..1_000_000, steps in steps()) {
+        let l = Limit::SlidingWindow { limit, window };
+        let (mut now, mut state) = (start, None);
+        let mut per_window = std::collections::HashMap::new();
+        for (gap, cost) in steps {
+            now += gap;
+            let (d, s) = hit(l, state.clone(), cost, now);
+            if d.allowed {
+                *per_window.entry(now / window).or_insert(0) += cost;
+                prop_assert!(per_window[&(now / window)] <= limit);
+            } else if cost > limit {
+                prop_assert_eq!(d.retry_after, None);
+            } else {
+                let wait = d.retry_after.unwrap();
+                prop_assert!(hit(l, state.clone(), cost, now + wait).0.allowed, "retry_after too short");
+                if wait > 0 {
+                    prop_assert!(!hit(l, state.clone(), cost, now + wait - 1).0.allowed, "retry_after too long");
+                }
+            }
+            state = Some(s);
+        }
+    }
+}
