@@ -73,9 +73,7 @@ fn default_max_keys() -> usize {
 
 impl Default for StoreConfig {
     fn default() -> Self {
-        StoreConfig::Memory {
-            max_keys: default_max_keys(),
-        }
+        StoreConfig::Memory { max_keys: default_max_keys() }
     }
 }
 
@@ -93,9 +91,7 @@ pub const DEFAULT_KEY_SECRET: &str = "sluice-default-secret-change-me";
 
 impl Default for LimiterConfig {
     fn default() -> Self {
-        Self {
-            key_secret: DEFAULT_KEY_SECRET.into(),
-        }
+        Self { key_secret: DEFAULT_KEY_SECRET.into() }
     }
 }
 
@@ -111,10 +107,7 @@ pub struct HeadersConfig {
 
 impl Default for HeadersConfig {
     fn default() -> Self {
-        Self {
-            github: true,
-            ietf: true,
-        }
+        Self { github: true, ietf: true }
     }
 }
 
@@ -232,45 +225,24 @@ impl PolicyConfig {
     pub fn limit(&self) -> Result<Limit, String> {
         let mut found = Vec::new();
         if let Some(c) = self.fixed_window {
-            found.push(Limit::FixedWindow {
-                limit: c.limit,
-                window: c.window.0,
-                aligned: c.aligned,
-            });
+            found.push(Limit::FixedWindow { limit: c.limit, window: c.window.0, aligned: c.aligned });
         }
         if let Some(c) = self.token_bucket {
-            found.push(Limit::TokenBucket {
-                rate: c.rate,
-                per: c.per.0,
-                burst: c.burst,
-            });
+            found.push(Limit::TokenBucket { rate: c.rate, per: c.per.0, burst: c.burst });
         }
         if let Some(c) = self.sliding_window {
-            found.push(Limit::SlidingWindow {
-                limit: c.limit,
-                window: c.window.0,
-            });
+            found.push(Limit::SlidingWindow { limit: c.limit, window: c.window.0 });
         }
         if let Some(c) = self.concurrency {
-            found.push(Limit::Concurrency {
-                limit: c.limit,
-                lease_ttl: c.lease_ttl.0,
-            });
+            found.push(Limit::Concurrency { limit: c.limit, lease_ttl: c.lease_ttl.0 });
         }
         match found[..] {
-            [limit] => limit
-                .validate()
-                .map(|()| limit)
-                .map_err(|e| format!("policy '{}': {e}", self.name)),
+            [limit] => limit.validate().map(|()| limit).map_err(|e| format!("policy '{}': {e}", self.name)),
             [] => Err(format!(
                 "policy '{}' needs one algorithm: add fixed_window, token_bucket, sliding_window or concurrency",
                 self.name
             )),
-            _ => Err(format!(
-                "policy '{}' names {} algorithms; give it exactly one",
-                self.name,
-                found.len()
-            )),
+            _ => Err(format!("policy '{}' names {} algorithms; give it exactly one", self.name, found.len())),
         }
     }
 }
@@ -298,12 +270,9 @@ impl Duration {
                 ));
             }
         };
-        let n: u64 = num.parse().map_err(|_| {
-            format!("invalid duration `{s}`: it must start with a whole number, like 30s")
-        })?;
-        n.checked_mul(scale)
-            .map(Duration)
-            .ok_or_else(|| format!("duration `{s}` is too long"))
+        let n: u64 =
+            num.parse().map_err(|_| format!("invalid duration `{s}`: it must start with a whole number, like 30s"))?;
+        n.checked_mul(scale).map(Duration).ok_or_else(|| format!("duration `{s}` is too long"))
     }
 }
 
@@ -319,9 +288,7 @@ impl<'de> Deserialize<'de> for Duration {
                 Duration::parse(v).map_err(E::custom)
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<Duration, E> {
-                Err(E::custom(format!(
-                    "invalid duration `{v}`: add a unit, like {v}s or {v}ms"
-                )))
+                Err(E::custom(format!("invalid duration `{v}`: add a unit, like {v}s or {v}ms")))
             }
         }
         d.deserialize_any(V)
@@ -357,11 +324,7 @@ impl Unit {
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(s))
             .map(|&(_, u)| u)
-            .ok_or_else(|| {
-                format!(
-                    "unknown unit `{s}`: write one of second, minute, hour, day, week, month, year"
-                )
-            })
+            .ok_or_else(|| format!("unknown unit `{s}`: write one of second, minute, hour, day, week, month, year"))
     }
 
     /// The unit's length in ms.
@@ -392,10 +355,7 @@ impl Unit {
 
     /// The unit whose length is exactly `ms`, if any.
     pub fn from_millis(ms: Millis) -> Option<Self> {
-        Self::NAMES
-            .iter()
-            .map(|&(_, u)| u)
-            .find(|u| u.millis() == ms)
+        Self::NAMES.iter().map(|&(_, u)| u).find(|u| u.millis() == ms)
     }
 }
 
@@ -414,16 +374,11 @@ pub struct Name(pub String);
 impl Name {
     /// Checks a name.
     pub fn parse(s: &str) -> Result<Self, String> {
-        let ok = !s.is_empty()
-            && s.len() <= 64
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+        let ok = !s.is_empty() && s.len() <= 64 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
         if ok {
             Ok(Name(s.to_string()))
         } else {
-            Err(format!(
-                "invalid name `{s}`: use 1 to 64 characters of letters, digits, `_`, `.` and `-`"
-            ))
+            Err(format!("invalid name `{s}`: use 1 to 64 characters of letters, digits, `_`, `.` and `-`"))
         }
     }
 }
@@ -457,11 +412,7 @@ mod tests {
     #[test]
     fn units_any_case() {
         assert_eq!(Unit::parse("MINUTE"), Ok(Unit::Minute));
-        assert!(
-            Unit::parse("fortnight")
-                .unwrap_err()
-                .contains("second, minute")
-        );
+        assert!(Unit::parse("fortnight").unwrap_err().contains("second, minute"));
         assert_eq!(Unit::Month.millis(), 30 * 86_400_000);
     }
 }

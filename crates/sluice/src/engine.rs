@@ -73,28 +73,20 @@ pub enum RequestError {
     TooManyDescriptors(usize),
     #[error("descriptors[{0}] has {1} entries; at most {MAX_ENTRIES} are accepted")]
     TooManyEntries(usize, usize),
-    #[error(
-        "descriptors[{descriptor}].entries[{entry}].{field} is {len} bytes; at most {max} are accepted"
-    )]
-    TooLong {
-        descriptor: usize,
-        entry: usize,
-        field: &'static str,
-        len: usize,
-        max: usize,
-    },
+    #[error("descriptors[{descriptor}].entries[{entry}].{field} is {len} bytes; at most {max} are accepted")]
+    TooLong { descriptor: usize, entry: usize, field: &'static str, len: usize, max: usize },
     #[error("descriptors[{descriptor}].entries[{entry}].key is empty")]
     EmptyKey { descriptor: usize, entry: usize },
     #[error(
         "descriptors[{descriptor}]: hits_addend {cost} exceeds the capacity {capacity} of policy '{policy}', \
          so it could never be admitted; send a cost of at most {capacity}"
     )]
-    CostAboveCapacity {
-        descriptor: usize,
-        cost: u64,
-        policy: String,
-        capacity: u64,
-    },
+    CostAboveCapacity { descriptor: usize, cost: u64, policy: String, capacity: u64 },
+    #[error(
+        "descriptors[{descriptor}]: hits_addend {cost} is larger than {MAX_EXACT} (2^53-1), the largest cost \
+         Sluice counts exactly; no limit could ever admit it"
+    )]
+    CostTooLarge { descriptor: usize, cost: u64 },
     #[error("descriptors[{descriptor}].limit: {message}")]
     BadLimit { descriptor: usize, message: String },
     #[error("lease id '{0}' is not one this service issued")]
@@ -107,11 +99,9 @@ impl RequestError {
         match self {
             RequestError::UnknownDomain { .. } => "unknown_domain",
             RequestError::NoDescriptors | RequestError::EmptyDescriptor(_) => "empty_descriptors",
-            RequestError::TooManyDescriptors(_) | RequestError::TooManyEntries(..) => {
-                "too_many_descriptors"
-            }
+            RequestError::TooManyDescriptors(_) | RequestError::TooManyEntries(..) => "too_many_descriptors",
             RequestError::TooLong { .. } | RequestError::EmptyKey { .. } => "bad_entry",
-            RequestError::CostAboveCapacity { .. } => "cost_above_capacity",
+            RequestError::CostAboveCapacity { .. } | RequestError::CostTooLarge { .. } => "cost_above_capacity",
             RequestError::BadLimit { .. } => "bad_limit",
             RequestError::BadLeaseId(_) => "bad_lease_id",
         }
@@ -188,6 +178,13 @@ pub struct DescriptorVerdict {
     pub policies: Vec<PolicyDecision>,
 }
 
+impl DescriptorVerdict {
+    /// Index of the policy this descriptor's status reports (as [`Verdict::binding`]).
+    pub fn binding(&self) -> Option<usize> {
+        most_binding(self.policies.iter().enumerate())
+    }
+}
+
 /// The answer to one request.
 #[derive(Debug, Clone)]
 pub struct Verdict {
@@ -213,18 +210,12 @@ impl Verdict {
 
     /// Every enforced (non-shadow) policy decision.
     pub fn enforced(&self) -> impl Iterator<Item = &PolicyDecision> {
-        self.descriptors
-            .iter()
-            .flat_map(|d| d.policies.iter())
-            .filter(|p| !p.shadow)
+        self.descriptors.iter().flat_map(|d| d.policies.iter()).filter(|p| !p.shadow)
     }
 
     /// Decisions of shadow policies that would have refused the request.
     pub fn shadow_denials(&self) -> impl Iterator<Item = &PolicyDecision> {
-        self.descriptors
-            .iter()
-            .flat_map(|d| d.policies.iter())
-            .filter(|p| p.shadow && !p.decision.allowed)
+        self.descriptors.iter().flat_map(|d| d.policies.iter()).filter(|p| p.shadow && !p.decision.allowed)
     }
 }
 
@@ -257,11 +248,7 @@ impl std::str::FromStr for LeaseId {
             .step_by(16)
             .map(|i| u64::from_str_radix(&s[i..i + 16], 16).map_err(|_| bad()))
             .collect::<Result<_, _>>()?;
-        Ok(LeaseId {
-            tag: Tag(tag),
-            lease,
-            keys,
-        })
+        Ok(LeaseId { tag: Tag(tag), lease, keys })
     }
 }
 
@@ -282,11 +269,7 @@ pub struct Limiter {
 impl Limiter {
     /// An engine over compiled rules, a store and a clock.
     pub fn new(rules: Arc<Rules>, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
-        Self {
-            rules,
-            store,
-            clock,
-        }
+        Self { rules, store, clock }
     }
 
     /// The rules in force.
@@ -316,8 +299,7 @@ impl Limiter {
         match mode {
             Mode::Refund => {
                 for g in &groups {
-                    let refunds: Vec<Refund> =
-                        g.ops.iter().map(|o| refund_of(o, o.cost, 0)).collect();
+                    let refunds: Vec<Refund> = g.ops.iter().map(|o| refund_of(o, o.cost, 0)).collect();
                     let refunds = self.current_windows(g, refunds, now).await?;
                     self.store.refund(g.tag, &refunds, now).await?;
                 }
@@ -341,18 +323,11 @@ impl Limiter {
         let mut group_allowed = Vec::with_capacity(groups.len());
         for (g, decisions) in groups.iter().zip(&results) {
             if decisions.len() != g.ops.len() {
-                return Err(StoreError::Protocol(format!(
-                    "{} decisions for {} ops",
-                    decisions.len(),
-                    g.ops.len()
-                ))
-                .into());
+                return Err(
+                    StoreError::Protocol(format!("{} decisions for {} ops", decisions.len(), g.ops.len())).into()
+                );
             }
-            let allowed = g
-                .ops
-                .iter()
-                .zip(decisions)
-                .all(|(o, d)| o.shadow || d.allowed);
+            let allowed = g.ops.iter().zip(decisions).all(|(o, d)| o.shadow || d.allowed);
             group_allowed.push(allowed);
             for ((op, d), &(di, pi)) in g.ops.iter().zip(decisions).zip(&g.slots) {
                 descriptors[di].policies[pi].decision = *d;
@@ -373,26 +348,15 @@ impl Limiter {
             }
         }
         let lease = match (lease, allowed) {
-            (Some(lease), true) => groups
-                .iter()
-                .find(|g| g.ops.iter().any(|o| o.lease.is_some()))
-                .map(|g| LeaseId {
-                    tag: g.tag,
-                    lease,
-                    keys: g.ops.iter().map(|o| o.key).collect(),
-                }),
+            (Some(lease), true) => groups.iter().find(|g| g.ops.iter().any(|o| o.lease.is_some())).map(|g| LeaseId {
+                tag: g.tag,
+                lease,
+                keys: g.ops.iter().map(|o| o.key).collect(),
+            }),
             _ => None,
         };
         let binding = binding(&descriptors);
-        Ok(Verdict {
-            allowed,
-            status: if allowed { 200 } else { 429 },
-            descriptors,
-            binding,
-            lease,
-            now,
-            charges,
-        })
+        Ok(Verdict { allowed, status: if allowed { 200 } else { 429 }, descriptors, binding, lease, now, charges })
     }
 
     /// Gives back everything `verdict` charged (GitHub's rule: a `304 Not Modified` costs
@@ -403,20 +367,14 @@ impl Limiter {
 
     /// Releases a lease (idempotent). Returns whether it was held.
     pub async fn release(&self, lease: &LeaseId) -> Result<bool, StoreError> {
-        self.store
-            .release(lease.tag, &lease.keys, lease.lease, self.clock.now())
-            .await
+        self.store.release(lease.tag, &lease.keys, lease.lease, self.clock.now()).await
     }
 
     async fn give_back(&self, charges: &[(Tag, Refund)], now: Millis) -> Result<(), StoreError> {
         let mut tags: Vec<Tag> = charges.iter().map(|(t, _)| *t).collect();
         tags.dedup();
         for tag in tags {
-            let refunds: Vec<Refund> = charges
-                .iter()
-                .filter(|(t, _)| *t == tag)
-                .map(|(_, r)| *r)
-                .collect();
+            let refunds: Vec<Refund> = charges.iter().filter(|(t, _)| *t == tag).map(|(_, r)| *r).collect();
             self.store.refund(tag, &refunds, now).await?;
         }
         Ok(())
@@ -446,58 +404,34 @@ impl Limiter {
         lease: Option<Lease>,
     ) -> Result<(Vec<DescriptorVerdict>, Vec<Group>), RequestError> {
         let rules = &*self.rules;
-        let domain = rules
-            .domain(&req.domain)
-            .ok_or_else(|| RequestError::UnknownDomain {
-                domain: req.domain.chars().take(200).collect(),
-                known: rules.domain_names().join(", "),
-            })?;
+        let domain = rules.domain(&req.domain).ok_or_else(|| RequestError::UnknownDomain {
+            domain: req.domain.chars().take(200).collect(),
+            known: rules.domain_names().join(", "),
+        })?;
         validate(req)?;
         let base_cost = req.hits_addend.unwrap_or(1);
         let mut nodes = Vec::with_capacity(req.descriptors.len());
         for d in &req.descriptors {
             nodes.push(domain.find(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()))));
         }
-        let replaced: HashSet<&str> = nodes
-            .iter()
-            .flatten()
-            .flat_map(|n| n.replaces.iter().map(|r| &**r))
-            .collect();
+        let replaced: HashSet<&str> = nodes.iter().flatten().flat_map(|n| n.replaces.iter().map(|r| &**r)).collect();
         let mut descriptors = Vec::with_capacity(req.descriptors.len());
         let mut groups: Vec<Group> = Vec::new();
         for (di, (d, node)) in req.descriptors.iter().zip(nodes).enumerate() {
-            let cost = if mode == Mode::Peek {
-                0
-            } else {
-                d.hits_addend.unwrap_or(base_cost)
-            };
+            let cost = if mode == Mode::Peek { 0 } else { d.hits_addend.unwrap_or(base_cost) };
             let override_policy;
             let policies: &[Policy] = match (&d.limit, node) {
                 (Some(o), _) => {
-                    let limit = Limit::FixedWindow {
-                        limit: o.requests_per_unit,
-                        window: o.unit.millis(),
-                        aligned: false,
-                    };
-                    limit.validate().map_err(|e| RequestError::BadLimit {
-                        descriptor: di,
-                        message: e.to_string(),
-                    })?;
-                    override_policy = [Policy {
-                        name: "override".into(),
-                        limit,
-                        shadow: false,
-                    }];
+                    let limit =
+                        Limit::FixedWindow { limit: o.requests_per_unit, window: o.unit.millis(), aligned: false };
+                    limit.validate().map_err(|e| RequestError::BadLimit { descriptor: di, message: e.to_string() })?;
+                    override_policy = [Policy { name: "override".into(), limit, shadow: false }];
                     &override_policy
                 }
                 (None, Some(n)) => &n.policies,
                 (None, None) => &[],
             };
-            let entries: Vec<(&str, &str)> = d
-                .entries
-                .iter()
-                .map(|e| (e.key.as_str(), e.value.as_str()))
-                .collect();
+            let entries: Vec<(&str, &str)> = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
             let tag = domain.tag(&rules.tagger, &entries);
             let mut verdict = DescriptorVerdict {
                 code: Code::Ok,
@@ -505,10 +439,7 @@ impl Limiter {
                 unlimited: node.is_some_and(|n| n.unlimited),
                 policies: Vec::new(),
             };
-            for p in policies
-                .iter()
-                .filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name))
-            {
+            for p in policies.iter().filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name)) {
                 let capacity = p.limit.capacity();
                 if cost > capacity && mode != Mode::Acquire {
                     return Err(RequestError::CostAboveCapacity {
@@ -520,17 +451,9 @@ impl Limiter {
                 }
                 let is_lease = matches!(p.limit, Limit::Concurrency { .. });
                 let op = Op {
-                    key: rules.tagger.state_key(
-                        entries.iter().copied(),
-                        &p.name,
-                        p.limit.algorithm(),
-                    ),
+                    key: rules.tagger.state_key(entries.iter().copied(), &p.name, p.limit.algorithm()),
                     limit: p.limit,
-                    cost: if is_lease {
-                        u64::from(lease.is_some())
-                    } else {
-                        cost
-                    },
+                    cost: if is_lease { u64::from(lease.is_some()) } else { cost },
                     lease: if is_lease { lease } else { None },
                     shadow: p.shadow,
                 };
@@ -555,11 +478,7 @@ impl Limiter {
                     }
                     // the same state twice in one request (two identical descriptors):
                     // a separate call keeps each op's decision its own
-                    _ => groups.push(Group {
-                        tag,
-                        ops: vec![op],
-                        slots: vec![slot],
-                    }),
+                    _ => groups.push(Group { tag, ops: vec![op], slots: vec![slot] }),
                 }
             }
             descriptors.push(verdict);
@@ -569,12 +488,7 @@ impl Limiter {
 }
 
 fn refund_of(op: &Op, cost: u64, window: Millis) -> Refund {
-    Refund {
-        key: op.key,
-        limit: op.limit,
-        cost,
-        window,
-    }
+    Refund { key: op.key, limit: op.limit, cost, window }
 }
 
 fn validate(req: &Request) -> Result<(), RequestError> {
@@ -593,23 +507,11 @@ fn validate(req: &Request) -> Result<(), RequestError> {
         }
         for (ei, e) in d.entries.iter().enumerate() {
             if e.key.is_empty() {
-                return Err(RequestError::EmptyKey {
-                    descriptor: di,
-                    entry: ei,
-                });
+                return Err(RequestError::EmptyKey { descriptor: di, entry: ei });
             }
-            for (field, len, max) in [
-                ("key", e.key.len(), MAX_KEY_BYTES),
-                ("value", e.value.len(), MAX_VALUE_BYTES),
-            ] {
+            for (field, len, max) in [("key", e.key.len(), MAX_KEY_BYTES), ("value", e.value.len(), MAX_VALUE_BYTES)] {
                 if len > max {
-                    return Err(RequestError::TooLong {
-                        descriptor: di,
-                        entry: ei,
-                        field,
-                        len,
-                        max,
-                    });
+                    return Err(RequestError::TooLong { descriptor: di, entry: ei, field, len, max });
                 }
             }
         }
@@ -628,35 +530,28 @@ fn validate(req: &Request) -> Result<(), RequestError> {
 
 /// The refusal with the longest wait; else the enforced policy with the least remaining.
 fn binding(descriptors: &[DescriptorVerdict]) -> Option<(usize, usize)> {
-    let all = descriptors
-        .iter()
-        .enumerate()
-        .flat_map(|(di, d)| {
-            d.policies
-                .iter()
-                .enumerate()
-                .map(move |(pi, p)| ((di, pi), p))
+    most_binding(
+        descriptors
+            .iter()
+            .enumerate()
+            .flat_map(|(di, d)| d.policies.iter().enumerate().map(move |(pi, p)| ((di, pi), p))),
+    )
+}
+
+fn most_binding<'a, K>(all: impl Iterator<Item = (K, &'a PolicyDecision)>) -> Option<K> {
+    all.filter(|(_, p)| !p.shadow)
+        .min_by_key(|(_, p)| {
+            let d = &p.decision;
+            (d.allowed, std::cmp::Reverse(d.retry_after.unwrap_or(0)), d.remaining)
         })
-        .filter(|(_, p)| !p.shadow);
-    all.min_by_key(|(_, p)| {
-        let d = &p.decision;
-        (
-            d.allowed,
-            std::cmp::Reverse(d.retry_after.unwrap_or(0)),
-            d.remaining,
-        )
-    })
-    .map(|(at, _)| at)
+        .map(|(at, _)| at)
 }
 
 fn random_lease() -> Lease {
     let mut b = [0u8; 16];
     if getrandom::fill(&mut b).is_err() {
         // no OS randomness: fall back to time and address entropy; unique, if guessable
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         return t ^ ((&b as *const _ as usize as u128) << 64);
     }
     u128::from_le_bytes(b)

@@ -26,26 +26,13 @@ pub fn render(v: &Verdict, cfg: &HeadersConfig) -> Vec<(&'static str, String)> {
         let policies: Vec<String> = v
             .enforced()
             .filter(|p| !matches!(p.limit, Limit::Concurrency { .. }))
-            .map(|p| {
-                format!(
-                    "\"{}\";q={};w={}",
-                    p.name,
-                    p.limit.capacity(),
-                    ceil_secs(p.limit.period())
-                )
-            })
+            .map(|p| format!("\"{}\";q={};w={}", p.name, p.limit.capacity(), ceil_secs(p.limit.period())))
             .collect();
         if !policies.is_empty() {
             out.push(("ratelimit-policy", policies.join(", ")));
         }
-        let t = ceil_secs(
-            d.retry_after
-                .unwrap_or_else(|| d.reset_at.saturating_sub(v.now)),
-        );
-        out.push((
-            "ratelimit",
-            format!("\"{}\";r={};t={}", b.name, d.remaining, t),
-        ));
+        let t = ceil_secs(d.retry_after.unwrap_or_else(|| d.reset_at.saturating_sub(v.now)));
+        out.push(("ratelimit", format!("\"{}\";r={};t={}", b.name, d.remaining, t)));
     }
     if let Some(wait) = d.retry_after.filter(|_| !v.allowed) {
         out.push(("retry-after", ceil_secs(wait).to_string()));

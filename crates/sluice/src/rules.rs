@@ -55,10 +55,7 @@ pub struct Domain {
 
 impl Domain {
     /// The rule a descriptor's entries reach, if any.
-    pub fn find<'a, 'e>(
-        &'a self,
-        entries: impl IntoIterator<Item = (&'e str, &'e str)>,
-    ) -> Option<&'a Node> {
+    pub fn find<'a, 'e>(&'a self, entries: impl IntoIterator<Item = (&'e str, &'e str)>) -> Option<&'a Node> {
         let mut level = &self.root;
         let mut node = None;
         for (k, v) in entries {
@@ -66,13 +63,7 @@ impl Domain {
             let n = rules
                 .exact
                 .get(v)
-                .or_else(|| {
-                    rules
-                        .prefixes
-                        .iter()
-                        .find(|(p, _)| v.starts_with(p.as_str()))
-                        .map(|(_, n)| n)
-                })
+                .or_else(|| rules.prefixes.iter().find(|(p, _)| v.starts_with(p.as_str())).map(|(_, n)| n))
                 .or(rules.any.as_ref())?;
             node = Some(n);
             level = &n.children;
@@ -108,6 +99,10 @@ pub struct Rules {
 pub struct RuleError {
     pub path: String,
     pub message: String,
+    /// Texts that appear, in this order, in the config file on the way to the error
+    /// (domain name, descriptor keys, policy name): a loader finds the error's line by
+    /// searching for them one after the other.
+    pub anchors: Vec<String>,
 }
 
 impl Rules {
@@ -118,17 +113,11 @@ impl Rules {
             let path = format!("domains[{i}] (domain {})", d.domain);
             let domain = compile_domain(d, &path)?;
             if domains.insert(domain.name.clone(), domain).is_some() {
-                return Err(RuleError {
-                    path,
-                    message: format!("domain '{}' is defined twice; merge the two", d.domain),
-                });
+                let message = format!("domain '{}' is defined twice; merge the two", d.domain);
+                return Err(RuleError { path, message, anchors: vec![d.domain.0.clone(), d.domain.0.clone()] });
             }
         }
-        Ok(Self {
-            domains,
-            headers: config.headers,
-            tagger: Tagger::new(&config.limiter.key_secret),
-        })
+        Ok(Self { domains, headers: config.headers, tagger: Tagger::new(&config.limiter.key_secret) })
     }
 
     /// A domain's rules.
@@ -146,20 +135,11 @@ impl Rules {
 
 fn compile_domain(d: &DomainConfig, path: &str) -> Result<Domain, RuleError> {
     let mut root = Level::default();
+    let anchors = vec![d.domain.0.clone()];
     for (i, c) in d.descriptors.iter().enumerate() {
-        add(
-            &mut root,
-            c,
-            d.shadow_mode,
-            &[],
-            &format!("{path}.descriptors[{i}]"),
-        )?;
+        add(&mut root, c, d.shadow_mode, &[], &anchors, &format!("{path}.descriptors[{i}]"))?;
     }
-    Ok(Domain {
-        name: d.domain.0.clone(),
-        client_key: d.client_key.clone(),
-        root,
-    })
+    Ok(Domain { name: d.domain.0.clone(), client_key: d.client_key.clone(), root })
 }
 
 fn add(
@@ -167,12 +147,12 @@ fn add(
     c: &DescriptorConfig,
     shadow: bool,
     parents: &[String],
+    anchors: &[String],
     path: &str,
 ) -> Result<(), RuleError> {
-    let err = |message: String| RuleError {
-        path: path.to_string(),
-        message,
-    };
+    let mut anchors = anchors.to_vec();
+    anchors.push(c.key.clone());
+    let err = |message: String| RuleError { path: path.to_string(), message, anchors: anchors.clone() };
     if c.key.is_empty() {
         return Err(err("`key` must not be empty".into()));
     }
@@ -186,65 +166,33 @@ fn add(
     let mut node = Node::default();
     if let Some(rl) = &c.rate_limit {
         node.unlimited = rl.unlimited;
-        node.replaces = rl
-            .replaces
-            .iter()
-            .map(|r| Arc::from(r.name.0.as_str()))
-            .collect();
+        node.replaces = rl.replaces.iter().map(|r| Arc::from(r.name.0.as_str())).collect();
         if !rl.unlimited {
             let (Some(unit), Some(rpu)) = (rl.unit, rl.requests_per_unit) else {
-                return Err(err(
-                    "rate_limit needs `unit` and `requests_per_unit` (or `unlimited: true`)".into(),
-                ));
+                return Err(err("rate_limit needs `unit` and `requests_per_unit` (or `unlimited: true`)".into()));
             };
-            let limit = Limit::FixedWindow {
-                limit: rpu,
-                window: unit.millis(),
-                aligned: false,
-            };
-            limit
-                .validate()
-                .map_err(|e| err(format!("rate_limit: {e}")))?;
-            let name = rl
-                .name
-                .as_ref()
-                .map(|n| n.0.clone())
-                .unwrap_or_else(|| auto_name(&chain));
-            node.policies.push(Policy {
-                name: name.into(),
-                limit,
-                shadow,
-            });
+            let limit = Limit::FixedWindow { limit: rpu, window: unit.millis(), aligned: false };
+            limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
+            let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&chain));
+            node.policies.push(Policy { name: name.into(), limit, shadow });
         }
     }
     for (j, p) in c.policies.iter().enumerate() {
-        let limit = p.limit().map_err(|e| RuleError {
-            path: format!("{path}.policies[{j}]"),
-            message: e,
+        let limit = p.limit().map_err(|message| {
+            let mut anchors = anchors.clone();
+            anchors.push(p.name.0.clone());
+            RuleError { path: format!("{path}.policies[{j}]"), message, anchors }
         })?;
         if node.policies.iter().any(|q| *q.name == *p.name.0) {
-            return Err(err(format!(
-                "two limits on this descriptor are named '{}'; names must differ",
-                p.name
-            )));
+            return Err(err(format!("two limits on this descriptor are named '{}'; names must differ", p.name)));
         }
-        node.policies.push(Policy {
-            name: p.name.0.as_str().into(),
-            limit,
-            shadow: shadow || p.shadow_mode,
-        });
+        node.policies.push(Policy { name: p.name.0.as_str().into(), limit, shadow: shadow || p.shadow_mode });
     }
     if node.unlimited && !node.policies.is_empty() {
         return Err(err("an `unlimited` rule cannot also have `policies`".into()));
     }
     for (j, child) in c.descriptors.iter().enumerate() {
-        add(
-            &mut node.children,
-            child,
-            shadow,
-            &chain,
-            &format!("{path}.descriptors[{j}]"),
-        )?;
+        add(&mut node.children, child, shadow, &chain, &anchors, &format!("{path}.descriptors[{j}]"))?;
     }
     let rules = level.by_key.entry(c.key.clone()).or_default();
     let slot = match &c.value {
@@ -252,30 +200,21 @@ fn add(
         Some(v) if v.ends_with('*') => {
             let prefix = v.trim_end_matches('*').to_string();
             if rules.prefixes.iter().any(|(p, _)| *p == prefix) {
-                return Err(err(format!(
-                    "`{}: {v}` is defined twice at this level",
-                    c.key
-                )));
+                return Err(err(format!("`{}: {v}` is defined twice at this level", c.key)));
             }
             rules.prefixes.push((prefix, node));
             return Ok(());
         }
         Some(v) => {
             if rules.exact.contains_key(v) {
-                return Err(err(format!(
-                    "`{}: {v}` is defined twice at this level",
-                    c.key
-                )));
+                return Err(err(format!("`{}: {v}` is defined twice at this level", c.key)));
             }
             rules.exact.insert(v.clone(), node);
             return Ok(());
         }
     };
     if slot.is_some() {
-        return Err(err(format!(
-            "`key: {}` without a value is defined twice at this level",
-            c.key
-        )));
+        return Err(err(format!("`key: {}` without a value is defined twice at this level", c.key)));
     }
     *slot = Some(node);
     Ok(())
@@ -285,16 +224,8 @@ fn add(
 /// with anything unsafe for headers replaced by `_`.
 fn auto_name(chain: &[String]) -> String {
     let joined = chain.join(".");
-    let mut s: String = joined
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || "_.-".contains(c) {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect();
+    let mut s: String =
+        joined.chars().map(|c| if c.is_ascii_alphanumeric() || "_.-".contains(c) { c } else { '_' }).collect();
     s.truncate(64);
     s
 }

@@ -56,10 +56,7 @@ impl Tagger {
     /// The tag of the client `key=value` in `domain`.
     pub fn tag(&self, domain: &str, key: &str, value: &str) -> Tag {
         let mut h = SipHasher13x128::new_with_keys(self.k0, self.k1);
-        feed(
-            &mut h,
-            &[domain.as_bytes(), key.as_bytes(), value.as_bytes()],
-        );
+        feed(&mut h, &[domain.as_bytes(), key.as_bytes(), value.as_bytes()]);
         Tag(h.finish128().as_u128())
     }
 

@@ -20,18 +20,10 @@ pub struct ConcurrencyState {
 impl ConcurrencyState {
     /// When the last lease held would be reclaimed.
     pub fn latest_expiry(&self, ttl: Millis) -> Millis {
-        self.leases
-            .iter()
-            .map(|&(_, at)| at + ttl)
-            .max()
-            .unwrap_or(0)
+        self.leases.iter().map(|&(_, at)| at + ttl).max().unwrap_or(0)
     }
     fn earliest_expiry(&self, ttl: Millis, now: Millis) -> Millis {
-        self.leases
-            .iter()
-            .map(|&(_, at)| at + ttl)
-            .min()
-            .unwrap_or(now)
+        self.leases.iter().map(|&(_, at)| at + ttl).min().unwrap_or(now)
     }
 }
 

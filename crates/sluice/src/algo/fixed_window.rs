@@ -20,48 +20,26 @@ pub struct WindowState {
 /// Where a window that starts at `now` ends: `now + window`, or with `aligned` the next
 /// multiple of `window` (as envoyproxy/ratelimit counts).
 pub fn window_end(window: Millis, aligned: bool, now: Millis) -> Millis {
-    if aligned {
-        (now / window + 1) * window
-    } else {
-        now + window
-    }
+    if aligned { (now / window + 1) * window } else { now + window }
 }
 
 /// An empty window starting at `now`.
 pub fn fresh(window: Millis, aligned: bool, now: Millis) -> WindowState {
-    WindowState {
-        used: 0,
-        resets_at: window_end(window, aligned, now),
-    }
+    WindowState { used: 0, resets_at: window_end(window, aligned, now) }
 }
 
 /// The state at `now`: unchanged while the window lasts, a fresh window once
 /// `now >= resets_at`.
 pub fn normalize(s: WindowState, window: Millis, aligned: bool, now: Millis) -> WindowState {
-    if now >= s.resets_at {
-        fresh(window, aligned, now)
-    } else {
-        s
-    }
+    if now >= s.resets_at { fresh(window, aligned, now) } else { s }
 }
 
 /// Charges `cost` if `used + cost <= limit`; otherwise refuses and charges nothing.
-pub fn charge(
-    s: WindowState,
-    limit: u64,
-    cost: u64,
-    now: Millis,
-) -> (Decision, Option<WindowState>) {
+pub fn charge(s: WindowState, limit: u64, cost: u64, now: Millis) -> (Decision, Option<WindowState>) {
     let used = s.used.saturating_add(cost);
     if used <= limit {
-        let d = Decision {
-            allowed: true,
-            limit,
-            used,
-            remaining: limit - used,
-            reset_at: s.resets_at,
-            retry_after: None,
-        };
+        let d =
+            Decision { allowed: true, limit, used, remaining: limit - used, reset_at: s.resets_at, retry_after: None };
         (d, (cost > 0).then_some(WindowState { used, ..s }))
     } else {
         let d = Decision {
@@ -79,10 +57,7 @@ pub fn charge(
 
 /// Gives back `cost` if the state is still the window (`resets_at`) that was charged.
 pub fn refund(s: WindowState, cost: u64, charged_window: Millis) -> Option<WindowState> {
-    (s.resets_at == charged_window && s.used > 0).then(|| WindowState {
-        used: s.used.saturating_sub(cost),
-        ..s
-    })
+    (s.resets_at == charged_window && s.used > 0).then(|| WindowState { used: s.used.saturating_sub(cost), ..s })
 }
 
 #[cfg(test)]
@@ -92,13 +67,7 @@ mod tests {
     #[test]
     fn window_starts_at_first_hit_and_keeps_its_reset() {
         let s = normalize(WindowState::default(), 60_000, false, 1_000_500);
-        assert_eq!(
-            s,
-            WindowState {
-                used: 0,
-                resets_at: 1_060_500
-            }
-        );
+        assert_eq!(s, WindowState { used: 0, resets_at: 1_060_500 });
         let (d, s) = charge(s, 2, 1, 1_000_500);
         let s = s.unwrap();
         assert!(d.allowed);
@@ -108,27 +77,15 @@ mod tests {
         let (d, s) = charge(s, 2, 1, 1_059_999);
         assert_eq!((d.allowed, d.remaining, d.reset_at), (true, 0, 1_060_500));
         let (d, none) = charge(s.unwrap(), 2, 1, 1_059_999);
-        assert_eq!(
-            (d.allowed, d.remaining, d.retry_after),
-            (false, 0, Some(501))
-        );
+        assert_eq!((d.allowed, d.remaining, d.retry_after), (false, 0, Some(501)));
         assert!(none.is_none());
     }
 
     #[test]
     fn reset_passes_exactly_at_resets_at() {
-        let s = WindowState {
-            used: 5,
-            resets_at: 2_000,
-        };
+        let s = WindowState { used: 5, resets_at: 2_000 };
         assert_eq!(normalize(s, 1_000, false, 1_999), s);
-        assert_eq!(
-            normalize(s, 1_000, false, 2_000),
-            WindowState {
-                used: 0,
-                resets_at: 3_000
-            }
-        );
+        assert_eq!(normalize(s, 1_000, false, 2_000), WindowState { used: 0, resets_at: 3_000 });
     }
 
     #[test]
@@ -140,30 +97,9 @@ mod tests {
 
     #[test]
     fn refund_only_reaches_the_window_it_was_charged_in() {
-        let s = WindowState {
-            used: 3,
-            resets_at: 9_000,
-        };
-        assert_eq!(
-            refund(s, 1, 9_000),
-            Some(WindowState {
-                used: 2,
-                resets_at: 9_000
-            })
-        );
+        let s = WindowState { used: 3, resets_at: 9_000 };
+        assert_eq!(refund(s, 1, 9_000), Some(WindowState { used: 2, resets_at: 9_000 }));
         assert_eq!(refund(s, 1, 8_000), None);
-        assert_eq!(
-            refund(
-                WindowState {
-                    used: 1,
-                    resets_at: 9_000
-                },
-                5,
-                9_000
-            )
-            .unwrap()
-            .used,
-            0
-        );
+        assert_eq!(refund(WindowState { used: 1, resets_at: 9_000 }, 5, 9_000).unwrap().used, 0);
     }
 }

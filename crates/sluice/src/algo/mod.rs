@@ -46,11 +46,7 @@ fn invalid(what: String) -> Result<(), LimitError> {
 pub enum Limit {
     /// GitHub's fixed window: `limit` per `window` ms, the window starting at the first
     /// hit (or on clock boundaries when `aligned`).
-    FixedWindow {
-        limit: u64,
-        window: Millis,
-        aligned: bool,
-    },
+    FixedWindow { limit: u64, window: Millis, aligned: bool },
     /// Stripe's token bucket: `rate` tokens per `per` ms, holding at most `burst`.
     TokenBucket { rate: u64, per: Millis, burst: u64 },
     /// The two-window weighted counter: about `limit` per sliding `window` ms.
@@ -90,9 +86,7 @@ pub struct Decision {
 /// A limit that can never admit a cost, or a limit that is not well formed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LimitError {
-    #[error(
-        "cost {cost} exceeds the capacity {capacity} of this limit, so it could never be admitted"
-    )]
+    #[error("cost {cost} exceeds the capacity {capacity} of this limit, so it could never be admitted")]
     CostAboveCapacity { cost: u64, capacity: u64 },
     #[error("{0}")]
     Invalid(String),
@@ -136,35 +130,25 @@ impl Limit {
         let (quota, span, exact) = match *self {
             Limit::FixedWindow { limit, window, .. } => (limit, window, true),
             // the weighted count multiplies the previous window's count by a time
-            Limit::SlidingWindow { limit, window } => {
-                (limit, window, fits(limit.checked_mul(window)))
-            }
+            Limit::SlidingWindow { limit, window } => (limit, window, fits(limit.checked_mul(window))),
             // the bucket counts in 1/per of a token, so `burst * per` must be exact
             Limit::TokenBucket { rate, per, burst } => {
                 if rate == 0 {
                     return invalid("token_bucket.rate must be at least 1".into());
                 }
-                (
-                    burst,
-                    per,
-                    fits(burst.checked_mul(per).and_then(|c| c.checked_add(rate))),
-                )
+                (burst, per, fits(burst.checked_mul(per).and_then(|c| c.checked_add(rate))))
             }
             Limit::Concurrency { limit, lease_ttl } => (limit, lease_ttl, true),
         };
         let name = self.algorithm();
         if quota == 0 {
-            return invalid(format!(
-                "{name} needs a limit of at least 1 (to allow everything, use `unlimited: true`)"
-            ));
+            return invalid(format!("{name} needs a limit of at least 1 (to allow everything, use `unlimited: true`)"));
         }
         if span == 0 {
             return invalid(format!("{name} needs a period longer than 0ms"));
         }
         if quota > MAX_EXACT || span > MAX_SPAN {
-            return invalid(format!(
-                "{name}: the limit must be below 2^53 and the period below 100 years"
-            ));
+            return invalid(format!("{name}: the limit must be below 2^53 and the period below 100 years"));
         }
         if !exact {
             return invalid(format!(
@@ -178,15 +162,9 @@ impl Limit {
     /// A fresh state, as if the client had never been seen, at `now`.
     pub fn fresh(&self, now: Millis) -> State {
         match *self {
-            Limit::FixedWindow {
-                window, aligned, ..
-            } => State::Window(fixed_window::fresh(window, aligned, now)),
-            Limit::TokenBucket { per, burst, .. } => {
-                State::Bucket(token_bucket::fresh(per, burst, now))
-            }
-            Limit::SlidingWindow { window, .. } => {
-                State::Sliding(sliding_window::fresh(window, now))
-            }
+            Limit::FixedWindow { window, aligned, .. } => State::Window(fixed_window::fresh(window, aligned, now)),
+            Limit::TokenBucket { per, burst, .. } => State::Bucket(token_bucket::fresh(per, burst, now)),
+            Limit::SlidingWindow { window, .. } => State::Sliding(sliding_window::fresh(window, now)),
             Limit::Concurrency { .. } => State::Leases(ConcurrencyState::default()),
         }
     }
@@ -195,12 +173,9 @@ impl Limit {
     /// algorithm) brought up to `now`. Charges nothing.
     pub fn normalize(&self, state: Option<State>, now: Millis) -> State {
         match (*self, state) {
-            (
-                Limit::FixedWindow {
-                    window, aligned, ..
-                },
-                Some(State::Window(s)),
-            ) => State::Window(fixed_window::normalize(s, window, aligned, now)),
+            (Limit::FixedWindow { window, aligned, .. }, Some(State::Window(s))) => {
+                State::Window(fixed_window::normalize(s, window, aligned, now))
+            }
             (Limit::TokenBucket { rate, per, burst }, Some(State::Bucket(s))) => {
                 State::Bucket(token_bucket::normalize(s, rate, per, burst, now))
             }
@@ -216,13 +191,7 @@ impl Limit {
 
     /// Step 2: try to take `cost` from a normalized state. Returns the decision and, when
     /// allowed, the charged state. `lease` is needed only by concurrency limits.
-    pub fn charge(
-        &self,
-        state: &State,
-        cost: u64,
-        lease: Option<Lease>,
-        now: Millis,
-    ) -> (Decision, Option<State>) {
+    pub fn charge(&self, state: &State, cost: u64, lease: Option<Lease>, now: Millis) -> (Decision, Option<State>) {
         match (*self, state) {
             (Limit::FixedWindow { limit, .. }, State::Window(s)) => {
                 let (d, s) = fixed_window::charge(*s, limit, cost, now);
@@ -260,24 +229,17 @@ impl Limit {
     /// never reaches into a later window. Returns None when there is nothing to change.
     pub fn refund(&self, state: State, cost: u64, window: Millis, now: Millis) -> Option<State> {
         match (*self, state) {
-            (
-                Limit::FixedWindow {
-                    window: w, aligned, ..
-                },
-                State::Window(s),
-            ) => fixed_window::refund(fixed_window::normalize(s, w, aligned, now), cost, window)
-                .map(State::Window),
-            (Limit::TokenBucket { rate, per, burst }, State::Bucket(s)) => {
-                Some(State::Bucket(token_bucket::refund(
-                    token_bucket::normalize(s, rate, per, burst, now),
-                    per,
-                    burst,
-                    cost,
-                )))
+            (Limit::FixedWindow { window: w, aligned, .. }, State::Window(s)) => {
+                fixed_window::refund(fixed_window::normalize(s, w, aligned, now), cost, window).map(State::Window)
             }
+            (Limit::TokenBucket { rate, per, burst }, State::Bucket(s)) => Some(State::Bucket(token_bucket::refund(
+                token_bucket::normalize(s, rate, per, burst, now),
+                per,
+                burst,
+                cost,
+            ))),
             (Limit::SlidingWindow { window: w, .. }, State::Sliding(s)) => {
-                sliding_window::refund(sliding_window::normalize(s, w, now), w, cost, window)
-                    .map(State::Sliding)
+                sliding_window::refund(sliding_window::normalize(s, w, now), w, cost, window).map(State::Sliding)
             }
             _ => None,
         }
@@ -288,9 +250,7 @@ impl Limit {
     pub fn expires_at(&self, state: &State) -> Millis {
         match (*self, state) {
             (Limit::FixedWindow { .. }, State::Window(s)) => s.resets_at,
-            (Limit::TokenBucket { rate, per, burst }, State::Bucket(s)) => {
-                token_bucket::full_at(*s, rate, per, burst)
-            }
+            (Limit::TokenBucket { rate, per, burst }, State::Bucket(s)) => token_bucket::full_at(*s, rate, per, burst),
             (Limit::SlidingWindow { window, .. }, State::Sliding(s)) => s.start + 2 * window,
             (Limit::Concurrency { lease_ttl, .. }, State::Leases(s)) => s.latest_expiry(lease_ttl),
             _ => 0,
@@ -353,8 +313,5 @@ pub fn apply_all(ops: &[Op], states: &mut [Option<State>], now: Millis) -> Vec<D
 
 /// Read-only decisions for `ops` over stored `states`: what a status request reports.
 pub fn peek_all(ops: &[Op], states: Vec<Option<State>>, now: Millis) -> Vec<Decision> {
-    ops.iter()
-        .zip(states)
-        .map(|(op, s)| op.limit.peek(s, now))
-        .collect()
+    ops.iter().zip(states).map(|(op, s)| op.limit.peek(s, now)).collect()
 }

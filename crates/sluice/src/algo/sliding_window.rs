@@ -29,11 +29,7 @@ pub struct SlidingState {
 
 /// Empty windows around `now`.
 pub fn fresh(window: Millis, now: Millis) -> SlidingState {
-    SlidingState {
-        start: now - now % window,
-        cur: 0,
-        prev: 0,
-    }
+    SlidingState { start: now - now % window, cur: 0, prev: 0 }
 }
 
 /// The windows rotated up to `now`. A `now` before the stored window (clock skew) keeps
@@ -43,17 +39,9 @@ pub fn normalize(s: SlidingState, window: Millis, now: Millis) -> SlidingState {
     if start <= s.start {
         s
     } else if start == s.start + window {
-        SlidingState {
-            start,
-            cur: 0,
-            prev: s.cur,
-        }
+        SlidingState { start, cur: 0, prev: s.cur }
     } else {
-        SlidingState {
-            start,
-            cur: 0,
-            prev: 0,
-        }
+        SlidingState { start, cur: 0, prev: 0 }
     }
 }
 
@@ -74,27 +62,14 @@ fn first_fit(prev: u64, window: Millis, k: u64) -> Millis {
 }
 
 /// Charges `cost` if the weighted count leaves room for it.
-pub fn charge(
-    s: SlidingState,
-    limit: u64,
-    window: Millis,
-    cost: u64,
-    now: Millis,
-) -> (Decision, Option<SlidingState>) {
+pub fn charge(s: SlidingState, limit: u64, window: Millis, cost: u64, now: Millis) -> (Decision, Option<SlidingState>) {
     let elapsed = now.saturating_sub(s.start);
     let count = weighted(s.prev, window, elapsed) + s.cur;
     let reset_at = |cur: u64| {
-        if cur > 0 {
-            s.start + 2 * window
-        } else {
-            s.start + window
-        }
+        if cur > 0 { s.start + 2 * window } else { s.start + window }
     };
     if count.saturating_add(cost) <= limit {
-        let after = SlidingState {
-            cur: s.cur + cost,
-            ..s
-        };
+        let after = SlidingState { cur: s.cur + cost, ..s };
         let d = Decision {
             allowed: true,
             limit,
@@ -107,9 +82,7 @@ pub fn charge(
     } else {
         // in this window, once enough of `prev` has slid out; else early in the next one
         let retry_at = match limit.checked_sub(s.cur + cost) {
-            Some(k) if first_fit(s.prev, window, k) < window => {
-                s.start + first_fit(s.prev, window, k)
-            }
+            Some(k) if first_fit(s.prev, window, k) < window => s.start + first_fit(s.prev, window, k),
             _ => s.start + window + first_fit(s.cur, window, limit.saturating_sub(cost)),
         };
         let d = Decision {
@@ -127,23 +100,12 @@ pub fn charge(
 /// Gives back `cost` charged in the window that started at `reset_at - 2 * window` (a
 /// charged decision's `reset_at`): from `cur` if that is still the current window, from
 /// `prev` if it has become the previous one.
-pub fn refund(
-    s: SlidingState,
-    window: Millis,
-    cost: u64,
-    charged_reset_at: Millis,
-) -> Option<SlidingState> {
+pub fn refund(s: SlidingState, window: Millis, cost: u64, charged_reset_at: Millis) -> Option<SlidingState> {
     let charged_start = charged_reset_at.checked_sub(2 * window)?;
     if s.start == charged_start {
-        Some(SlidingState {
-            cur: s.cur.saturating_sub(cost),
-            ..s
-        })
+        Some(SlidingState { cur: s.cur.saturating_sub(cost), ..s })
     } else if s.start == charged_start + window {
-        Some(SlidingState {
-            prev: s.prev.saturating_sub(cost),
-            ..s
-        })
+        Some(SlidingState { prev: s.prev.saturating_sub(cost), ..s })
     } else {
         None
     }
@@ -158,11 +120,7 @@ mod tests {
     #[test]
     fn previous_window_slides_out_linearly() {
         // 10 per second; the previous second used all 10
-        let s = SlidingState {
-            start: 1000,
-            cur: 0,
-            prev: 10,
-        };
+        let s = SlidingState { start: 1000, cur: 0, prev: 10 };
         let (d, _) = charge(s, 10, W, 1, 1000);
         assert!(!d.allowed);
         // at 1000 + e, weighted = ceil(10 * (1000 - e) / 1000) <= 9  <=>  e >= 100
@@ -175,37 +133,15 @@ mod tests {
 
     #[test]
     fn rotation_moves_cur_to_prev_and_forgets_older() {
-        let s = SlidingState {
-            start: 1000,
-            cur: 4,
-            prev: 7,
-        };
-        assert_eq!(
-            normalize(s, W, 2500),
-            SlidingState {
-                start: 2000,
-                cur: 0,
-                prev: 4
-            }
-        );
-        assert_eq!(
-            normalize(s, W, 3000),
-            SlidingState {
-                start: 3000,
-                cur: 0,
-                prev: 0
-            }
-        );
+        let s = SlidingState { start: 1000, cur: 4, prev: 7 };
+        assert_eq!(normalize(s, W, 2500), SlidingState { start: 2000, cur: 0, prev: 4 });
+        assert_eq!(normalize(s, W, 3000), SlidingState { start: 3000, cur: 0, prev: 0 });
         assert_eq!(normalize(s, W, 1999), s);
     }
 
     #[test]
     fn full_current_window_waits_for_the_next() {
-        let s = SlidingState {
-            start: 0,
-            cur: 10,
-            prev: 0,
-        };
+        let s = SlidingState { start: 0, cur: 10, prev: 0 };
         let (d, _) = charge(s, 10, W, 1, 500);
         // next window: ceil(10 * (1000 - e) / 1000) <= 9  <=>  e >= 100
         assert_eq!(d.retry_after, Some(600));

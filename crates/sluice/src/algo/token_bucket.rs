@@ -24,10 +24,7 @@ pub struct BucketState {
 
 /// A full bucket.
 pub fn fresh(per: Millis, burst: u64, now: Millis) -> BucketState {
-    BucketState {
-        tokens: burst * per,
-        at: now,
-    }
+    BucketState { tokens: burst * per, at: now }
 }
 
 /// The bucket refilled up to `now`. A `now` earlier than the stored time (a server whose
@@ -36,18 +33,11 @@ pub fn fresh(per: Millis, burst: u64, now: Millis) -> BucketState {
 pub fn normalize(s: BucketState, rate: u64, per: Millis, burst: u64, now: Millis) -> BucketState {
     let cap = burst * per;
     if now <= s.at {
-        return BucketState {
-            tokens: s.tokens.min(cap),
-            at: s.at,
-        };
+        return BucketState { tokens: s.tokens.min(cap), at: s.at };
     }
     let missing = cap.saturating_sub(s.tokens);
     let elapsed = now - s.at;
-    let tokens = if elapsed >= missing.div_ceil(rate) {
-        cap
-    } else {
-        s.tokens + elapsed * rate
-    };
+    let tokens = if elapsed >= missing.div_ceil(rate) { cap } else { s.tokens + elapsed * rate };
     BucketState { tokens, at: now }
 }
 
@@ -67,10 +57,7 @@ pub fn charge(
 ) -> (Decision, Option<BucketState>) {
     let need = cost.saturating_mul(per);
     if need <= s.tokens {
-        let after = BucketState {
-            tokens: s.tokens - need,
-            at: s.at,
-        };
+        let after = BucketState { tokens: s.tokens - need, at: s.at };
         let remaining = after.tokens / per;
         let d = Decision {
             allowed: true,
@@ -89,8 +76,7 @@ pub fn charge(
             remaining: 0,
             reset_at: full_at(s, rate, per, burst),
             // a cost above the burst never fits: there is no time to retry at
-            retry_after: (cost <= burst)
-                .then(|| (s.at + (need - s.tokens).div_ceil(rate)).saturating_sub(now)),
+            retry_after: (cost <= burst).then(|| (s.at + (need - s.tokens).div_ceil(rate)).saturating_sub(now)),
         };
         (d, None)
     }
@@ -98,13 +84,7 @@ pub fn charge(
 
 /// Puts `cost` tokens back, never above the burst.
 pub fn refund(s: BucketState, per: Millis, burst: u64, cost: u64) -> BucketState {
-    BucketState {
-        tokens: s
-            .tokens
-            .saturating_add(cost.saturating_mul(per))
-            .min(burst * per),
-        at: s.at,
-    }
+    BucketState { tokens: s.tokens.saturating_add(cost.saturating_mul(per)).min(burst * per), at: s.at }
 }
 
 #[cfg(test)]
@@ -157,10 +137,7 @@ mod tests {
 
     #[test]
     fn a_clock_behind_mints_nothing() {
-        let s = BucketState {
-            tokens: 0,
-            at: 10_000,
-        };
+        let s = BucketState { tokens: 0, at: 10_000 };
         assert_eq!(normalize(s, R, P, B, 5_000), s);
     }
 }

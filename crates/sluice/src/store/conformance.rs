@@ -24,11 +24,7 @@ use std::sync::Arc;
 /// windows do not start exactly at it.
 pub const T0: Millis = 1_767_225_600_123;
 
-const FW: Limit = Limit::FixedWindow {
-    limit: 5,
-    window: 60_000,
-    aligned: false,
-};
+const FW: Limit = Limit::FixedWindow { limit: 5, window: 60_000, aligned: false };
 
 fn tag() -> Tag {
     let mut b = [0u8; 16];
@@ -38,13 +34,7 @@ fn tag() -> Tag {
 }
 
 fn op(key: u64, limit: Limit, cost: u64) -> Op {
-    Op {
-        key,
-        limit,
-        cost,
-        lease: None,
-        shadow: false,
-    }
+    Op { key, limit, cost, lease: None, shadow: false }
 }
 
 async fn hit(s: &dyn Store, t: Tag, o: Op, now: Millis) -> Decision {
@@ -62,16 +52,10 @@ pub async fn fixed_window_counts_and_resets(s: &dyn Store) {
         assert_eq!((d.limit, d.used, d.remaining), (5, i + 1, 4 - i));
         resets.push(d.reset_at);
     }
-    assert!(
-        resets.iter().all(|&r| r == T0 + 60_000),
-        "the reset moved: {resets:?}"
-    );
+    assert!(resets.iter().all(|&r| r == T0 + 60_000), "the reset moved: {resets:?}");
     let d = hit(s, t, op(1, FW, 1), T0 + 59_999).await;
     assert!(!d.allowed);
-    assert_eq!(
-        (d.remaining, d.used, d.reset_at, d.retry_after),
-        (0, 5, T0 + 60_000, Some(1))
-    );
+    assert_eq!((d.remaining, d.used, d.reset_at, d.retry_after), (0, 5, T0 + 60_000, Some(1)));
     let d = hit(s, t, op(1, FW, 1), T0 + 60_000).await;
     assert!(d.allowed, "a new window must start at the stored reset");
     assert_eq!((d.used, d.reset_at), (1, T0 + 120_000));
@@ -80,11 +64,7 @@ pub async fn fixed_window_counts_and_resets(s: &dyn Store) {
 /// Aligned windows end on multiples of the window.
 pub async fn aligned_window_ends_on_boundary(s: &dyn Store) {
     let t = tag();
-    let l = Limit::FixedWindow {
-        limit: 2,
-        window: 1_000,
-        aligned: true,
-    };
+    let l = Limit::FixedWindow { limit: 2, window: 1_000, aligned: true };
     let d = hit(s, t, op(1, l, 1), T0).await;
     assert_eq!(d.reset_at, (T0 / 1000 + 1) * 1000);
 }
@@ -92,21 +72,14 @@ pub async fn aligned_window_ends_on_boundary(s: &dyn Store) {
 /// A refusal by one limit charges none of the others (all or nothing).
 pub async fn all_or_nothing(s: &dyn Store) {
     let t = tag();
-    let tight = Limit::FixedWindow {
-        limit: 1,
-        window: 60_000,
-        aligned: false,
-    };
+    let tight = Limit::FixedWindow { limit: 1, window: 60_000, aligned: false };
     let ops = [op(1, FW, 1), op(2, tight, 1)];
     let d = s.apply(t, &ops, T0).await.unwrap();
     assert!(d[0].allowed && d[1].allowed);
     let d = s.apply(t, &ops, T0 + 1).await.unwrap();
     assert!(!d[1].allowed);
     assert!(d[0].allowed, "the loose limit alone would allow");
-    assert_eq!(
-        d[0].remaining, 4,
-        "the loose limit must not be charged when another refuses"
-    );
+    assert_eq!(d[0].remaining, 4, "the loose limit must not be charged when another refuses");
     let d = s.peek(t, &ops[..1], T0 + 2).await.unwrap();
     assert_eq!(d[0].used, 1);
 }
@@ -114,15 +87,8 @@ pub async fn all_or_nothing(s: &dyn Store) {
 /// A shadow op's refusal is reported, but the other ops are charged.
 pub async fn shadow_does_not_block(s: &dyn Store) {
     let t = tag();
-    let tight = Limit::FixedWindow {
-        limit: 1,
-        window: 60_000,
-        aligned: false,
-    };
-    let shadow = Op {
-        shadow: true,
-        ..op(2, tight, 1)
-    };
+    let tight = Limit::FixedWindow { limit: 1, window: 60_000, aligned: false };
+    let shadow = Op { shadow: true, ..op(2, tight, 1) };
     for i in 0..3u64 {
         let d = s.apply(t, &[op(1, FW, 1), shadow], T0 + i).await.unwrap();
         assert!(d[0].allowed);
@@ -134,11 +100,7 @@ pub async fn shadow_does_not_block(s: &dyn Store) {
 /// Cost 0 reports status and charges nothing.
 pub async fn cost_zero_charges_nothing(s: &dyn Store) {
     let t = tag();
-    let tb = Limit::TokenBucket {
-        rate: 1,
-        per: 1_000,
-        burst: 3,
-    };
+    let tb = Limit::TokenBucket { rate: 1, per: 1_000, burst: 3 };
     for _ in 0..3 {
         let d = s.apply(t, &[op(1, FW, 0), op(2, tb, 0)], T0).await.unwrap();
         assert_eq!((d[0].used, d[0].remaining), (0, 5));
@@ -155,11 +117,7 @@ pub async fn peek_never_charges(s: &dyn Store) {
         assert_eq!((d.used, d.remaining, d.reset_at), (3, 2, T0 + 60_000));
     }
     let d = s.peek(t, &[op(1, FW, 1)], T0 + 60_000).await.unwrap()[0];
-    assert_eq!(
-        (d.used, d.remaining),
-        (0, 5),
-        "a passed window must read as empty"
-    );
+    assert_eq!((d.used, d.remaining), (0, 5), "a passed window must read as empty");
     let fresh = s.peek(tag(), &[op(1, FW, 1)], T0).await.unwrap()[0];
     assert_eq!((fresh.used, fresh.remaining), (0, 5));
 }
@@ -167,11 +125,7 @@ pub async fn peek_never_charges(s: &dyn Store) {
 /// A token bucket spends its burst, refills at exactly its rate, and says when to retry.
 pub async fn token_bucket_burst_and_refill(s: &dyn Store) {
     let t = tag();
-    let tb = Limit::TokenBucket {
-        rate: 3,
-        per: 1_000,
-        burst: 3,
-    };
+    let tb = Limit::TokenBucket { rate: 3, per: 1_000, burst: 3 };
     for left in [2, 1, 0] {
         let d = hit(s, t, op(1, tb, 1), T0).await;
         assert!(d.allowed);
@@ -190,10 +144,7 @@ pub async fn token_bucket_burst_and_refill(s: &dyn Store) {
 /// The sliding window weighs the previous window.
 pub async fn sliding_window_weighs_previous(s: &dyn Store) {
     let t = tag();
-    let sw = Limit::SlidingWindow {
-        limit: 10,
-        window: 1_000,
-    };
+    let sw = Limit::SlidingWindow { limit: 10, window: 1_000 };
     let base = (T0 / 1000 + 1) * 1000;
     let d = hit(s, t, op(1, sw, 10), base + 999).await;
     assert!(d.allowed);
@@ -207,15 +158,9 @@ pub async fn sliding_window_weighs_previous(s: &dyn Store) {
 /// Leases: capacity, idempotent release, reclaim after the TTL.
 pub async fn concurrency_leases(s: &dyn Store) {
     let t = tag();
-    let cc = Limit::Concurrency {
-        limit: 3,
-        lease_ttl: 10_000,
-    };
+    let cc = Limit::Concurrency { limit: 3, lease_ttl: 10_000 };
     let take = |lease: u128, now| {
-        let o = Op {
-            lease: Some(lease),
-            ..op(9, cc, 1)
-        };
+        let o = Op { lease: Some(lease), ..op(9, cc, 1) };
         async move { s.apply(t, &[o], now).await.unwrap()[0] }
     };
     for id in 1..=3 {
@@ -225,28 +170,17 @@ pub async fn concurrency_leases(s: &dyn Store) {
     assert!(!d.allowed);
     assert_eq!((d.remaining, d.retry_after), (0, Some(9_999)));
     assert!(s.release(t, &[9], 2, T0 + 2).await.unwrap());
-    assert!(
-        !s.release(t, &[9], 2, T0 + 2).await.unwrap(),
-        "release is idempotent"
-    );
+    assert!(!s.release(t, &[9], 2, T0 + 2).await.unwrap(), "release is idempotent");
     assert!(take(4, T0 + 3).await.allowed);
     assert!(!take(5, T0 + 4).await.allowed);
-    assert!(
-        take(5, T0 + 10_000).await.allowed,
-        "leases past their TTL are reclaimed"
-    );
+    assert!(take(5, T0 + 10_000).await.allowed, "leases past their TTL are reclaimed");
 }
 
 /// Refunds give back within the charged window and never reach a later one.
 pub async fn refunds(s: &dyn Store) {
     let t = tag();
     let d = hit(s, t, op(1, FW, 5), T0).await;
-    let r = Refund {
-        key: 1,
-        limit: FW,
-        cost: 2,
-        window: d.reset_at,
-    };
+    let r = Refund { key: 1, limit: FW, cost: 2, window: d.reset_at };
     s.refund(t, &[r], T0 + 1).await.unwrap();
     assert_eq!(hit(s, t, op(1, FW, 0), T0 + 2).await.remaining, 2);
     // the window passed: the refund must not add to the new one
@@ -259,17 +193,11 @@ pub async fn refunds(s: &dyn Store) {
 /// exactly 100.
 pub async fn concurrent_calls_are_exact(s: Arc<dyn Store>) {
     let t = tag();
-    let l = Limit::FixedWindow {
-        limit: 100,
-        window: 60_000,
-        aligned: false,
-    };
+    let l = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
     let tasks: Vec<_> = (0..300)
         .map(|i| {
             let s = s.clone();
-            tokio::spawn(
-                async move { s.apply(t, &[op(1, l, 1)], T0 + i % 7).await.unwrap()[0].allowed },
-            )
+            tokio::spawn(async move { s.apply(t, &[op(1, l, 1)], T0 + i % 7).await.unwrap()[0].allowed })
         })
         .collect();
     let mut admitted = 0;
@@ -302,29 +230,11 @@ impl Rng {
 /// irregularly, give the same decisions from the store as from the pure algorithms.
 pub async fn sequence_matches_model(s: &dyn Store, seed: u64) {
     let limits = [
-        Limit::FixedWindow {
-            limit: 7,
-            window: 2_000,
-            aligned: false,
-        },
-        Limit::FixedWindow {
-            limit: 4,
-            window: 1_500,
-            aligned: true,
-        },
-        Limit::TokenBucket {
-            rate: 3,
-            per: 1_000,
-            burst: 5,
-        },
-        Limit::SlidingWindow {
-            limit: 6,
-            window: 1_000,
-        },
-        Limit::Concurrency {
-            limit: 2,
-            lease_ttl: 1_200,
-        },
+        Limit::FixedWindow { limit: 7, window: 2_000, aligned: false },
+        Limit::FixedWindow { limit: 4, window: 1_500, aligned: true },
+        Limit::TokenBucket { rate: 3, per: 1_000, burst: 5 },
+        Limit::SlidingWindow { limit: 6, window: 1_000 },
+        Limit::Concurrency { limit: 2, lease_ttl: 1_200 },
     ];
     let mut rng = Rng(seed | 1);
     let tags = [tag(), tag()];
@@ -338,31 +248,17 @@ pub async fn sequence_matches_model(s: &dyn Store, seed: u64) {
             .map(|_| {
                 let k = rng.next(limits.len() as u64);
                 let limit = limits[k as usize];
-                let lease =
-                    matches!(limit, Limit::Concurrency { .. }).then(|| 1 + rng.next(4) as u128);
-                Op {
-                    key: k,
-                    limit,
-                    cost: rng.next(3),
-                    lease,
-                    shadow: rng.next(5) == 0,
-                }
+                let lease = matches!(limit, Limit::Concurrency { .. }).then(|| 1 + rng.next(4) as u128);
+                Op { key: k, limit, cost: rng.next(3), lease, shadow: rng.next(5) == 0 }
             })
             .collect();
         // one state per key: a call naming a key twice is not meaningful
-        if ops
-            .iter()
-            .enumerate()
-            .any(|(i, a)| ops[..i].iter().any(|b| b.key == a.key))
-        {
+        if ops.iter().enumerate().any(|(i, a)| ops[..i].iter().any(|b| b.key == a.key)) {
             continue;
         }
         let what = rng.next(10);
         if what < 6 {
-            let mut states: Vec<Option<State>> = ops
-                .iter()
-                .map(|o| model.get(&(t, o.key)).cloned())
-                .collect();
+            let mut states: Vec<Option<State>> = ops.iter().map(|o| model.get(&(t, o.key)).cloned()).collect();
             let want = algo::apply_all(&ops, &mut states, now);
             for (o, st) in ops.iter().zip(states) {
                 if let Some(st) = st {
@@ -370,21 +266,12 @@ pub async fn sequence_matches_model(s: &dyn Store, seed: u64) {
                 }
             }
             let got = s.apply(t, &ops, now).await.unwrap();
-            assert_eq!(
-                got, want,
-                "apply differs at step {step} (seed {seed}) for {ops:?}"
-            );
+            assert_eq!(got, want, "apply differs at step {step} (seed {seed}) for {ops:?}");
         } else if what < 8 {
-            let states = ops
-                .iter()
-                .map(|o| model.get(&(t, o.key)).cloned())
-                .collect();
+            let states = ops.iter().map(|o| model.get(&(t, o.key)).cloned()).collect();
             let want = algo::peek_all(&ops, states, now);
             let got = s.peek(t, &ops, now).await.unwrap();
-            assert_eq!(
-                got, want,
-                "peek differs at step {step} (seed {seed}) for {ops:?}"
-            );
+            assert_eq!(got, want, "peek differs at step {step} (seed {seed}) for {ops:?}");
         } else if what < 9 {
             let o = ops[0];
             let Some(st) = model.get(&(t, o.key)).cloned() else {
@@ -394,12 +281,7 @@ pub async fn sequence_matches_model(s: &dyn Store, seed: u64) {
             if let Some(new) = o.limit.refund(st, o.cost, window, now) {
                 model.insert((t, o.key), new);
             }
-            let r = Refund {
-                key: o.key,
-                limit: o.limit,
-                cost: o.cost,
-                window,
-            };
+            let r = Refund { key: o.key, limit: o.limit, cost: o.cost, window };
             s.refund(t, &[r], now).await.unwrap();
         } else {
             let lease = 1 + rng.next(4) as u128;

@@ -76,19 +76,8 @@ const SHARDS: usize = 64;
 impl MemoryStore {
     /// A store holding at most about `max_keys` states (one per policy per client).
     pub fn new(max_keys: usize) -> Self {
-        let shards = (0..SHARDS)
-            .map(|_| {
-                Mutex::new(Shard {
-                    map: Map::default(),
-                    next_collect: 0,
-                })
-            })
-            .collect();
-        Self {
-            shards,
-            per_shard: max_keys.div_ceil(SHARDS).max(1),
-            stats: MemoryStats::default(),
-        }
+        let shards = (0..SHARDS).map(|_| Mutex::new(Shard { map: Map::default(), next_collect: 0 })).collect();
+        Self { shards, per_shard: max_keys.div_ceil(SHARDS).max(1), stats: MemoryStats::default() }
     }
 
     /// Eviction and collection counters.
@@ -118,9 +107,7 @@ impl MemoryStore {
         let before = shard.map.len();
         shard.map.retain(|_, e| e.expires_at > now);
         shard.next_collect = now + 1000;
-        self.stats
-            .collected
-            .fetch_add((before - shard.map.len()) as u64, Ordering::Relaxed);
+        self.stats.collected.fetch_add((before - shard.map.len()) as u64, Ordering::Relaxed);
     }
 
     fn shard(&self, tag: Tag) -> MutexGuard<'_, Shard> {
@@ -189,28 +176,15 @@ impl Store for MemoryStore {
 
     async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
         let shard = self.shard(tag);
-        let states = ops
-            .iter()
-            .map(|op| Self::get(&shard, tag, op.key))
-            .collect();
+        let states = ops.iter().map(|op| Self::get(&shard, tag, op.key)).collect();
         Ok(algo::peek_all(ops, states, now))
     }
 
-    async fn release(
-        &self,
-        tag: Tag,
-        keys: &[u64],
-        lease: Lease,
-        _now: Millis,
-    ) -> Result<bool, StoreError> {
+    async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, _now: Millis) -> Result<bool, StoreError> {
         let mut shard = self.shard(tag);
         let mut held = false;
         for key in keys {
-            if let Some(Entry {
-                state: State::Leases(s),
-                ..
-            }) = shard.map.get_mut(&(tag.0, *key))
-            {
+            if let Some(Entry { state: State::Leases(s), .. }) = shard.map.get_mut(&(tag.0, *key)) {
                 held |= algo::concurrency::release(s, lease);
             }
         }

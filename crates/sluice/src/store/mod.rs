@@ -48,13 +48,7 @@ pub trait Store: Send + Sync + 'static {
 
     /// Gives `lease` back on every concurrency state in `keys`. Idempotent; returns
     /// whether any lease was held.
-    async fn release(
-        &self,
-        tag: Tag,
-        keys: &[u64],
-        lease: Lease,
-        now: Millis,
-    ) -> Result<bool, StoreError>;
+    async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: Millis) -> Result<bool, StoreError>;
 
     /// Gives back charges made under `tag`.
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError>;

@@ -1,0 +1,169 @@
+//! The HTTP JSON API (see docs/configuration.md and the README for examples).
+
+use crate::api::{RequestJson, response_json};
+use axum::Router;
+use axum::body::{Body, to_bytes};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use serde_json::json;
+use sluice::engine::{CheckError, Descriptor, Entry, LeaseId, Mode, Request, RequestError};
+use sluice::{Limiter, headers};
+use std::sync::Arc;
+
+/// What every handler shares.
+pub struct AppState {
+    pub limiter: Limiter,
+    pub max_body_bytes: usize,
+}
+
+type Shared = State<Arc<AppState>>;
+
+/// The API's routes.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/ratelimit", post(ratelimit).get(status))
+        .route("/v1/leases", post(acquire))
+        .route("/v1/leases/{lease_id}", delete(release))
+        .route("/v1/refund", post(refund))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found", "no such endpoint; see /v1/ratelimit".into()) })
+        .with_state(state)
+}
+
+/// A JSON error: `{"error": {"code": ..., "message": ...}}`.
+fn error(status: StatusCode, code: &str, message: String) -> Response {
+    (status, axum::Json(json!({"error": {"code": code, "message": message}}))).into_response()
+}
+
+fn check_error(e: CheckError) -> Response {
+    match e {
+        CheckError::Request(e) => error(StatusCode::BAD_REQUEST, e.code(), e.to_string()),
+        CheckError::Store(e) => {
+            tracing::warn!(error = %e, "store call failed");
+            error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", e.to_string())
+        }
+    }
+}
+
+/// Reads a bounded body and parses it as a rate limit request.
+async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Request, Response> {
+    let max = state.max_body_bytes;
+    let too_large = || {
+        error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+            format!("the request body is larger than {max} bytes (server.max_body_bytes)"),
+        )
+    };
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > max) {
+        return Err(too_large());
+    }
+    let bytes = to_bytes(body, max).await.map_err(|_| too_large())?;
+    let parsed: RequestJson = serde_json::from_slice(&bytes).map_err(|e| {
+        error(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not a valid rate limit request: {e}"))
+    })?;
+    parsed.into_request().map_err(|e| error(StatusCode::BAD_REQUEST, "bad_limit", e))
+}
+
+/// A verdict as a response: status, headers, JSON body.
+fn verdict_response(state: &AppState, v: &sluice::Verdict, status: StatusCode) -> Response {
+    let mut resp = (status, axum::Json(response_json(v))).into_response();
+    let h = resp.headers_mut();
+    for (name, value) in headers::render(v, &state.limiter.rules().headers) {
+        if let Ok(value) = HeaderValue::from_str(&value) {
+            h.insert(HeaderName::from_static(name), value);
+        }
+    }
+    resp
+}
+
+fn code(v: &sluice::Verdict) -> StatusCode {
+    StatusCode::from_u16(v.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+/// `POST /v1/ratelimit`: charge and decide.
+async fn ratelimit(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
+    let req = match read_request(&state, &headers, body).await {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    match state.limiter.run(&req, Mode::Charge).await {
+        Ok(v) => verdict_response(&state, &v, code(&v)),
+        Err(e) => check_error(e),
+    }
+}
+
+/// `GET /v1/ratelimit?domain=D&KEY=VALUE...`: the status of one descriptor (its entries
+/// in query order), never charging.
+async fn status(State(state): Shared, Query(pairs): Query<Vec<(String, String)>>) -> Response {
+    let mut domain = None;
+    let mut entries = Vec::new();
+    for (key, value) in pairs {
+        if key == "domain" && domain.is_none() {
+            domain = Some(value);
+        } else {
+            entries.push(Entry { key, value });
+        }
+    }
+    let Some(domain) = domain else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "missing_domain",
+            "add ?domain=NAME and the descriptor's KEY=VALUE pairs".into(),
+        );
+    };
+    let req = Request { domain, descriptors: vec![Descriptor { entries, ..Default::default() }], hits_addend: None };
+    match state.limiter.run(&req, Mode::Peek).await {
+        Ok(v) => verdict_response(&state, &v, StatusCode::OK),
+        Err(e) => check_error(e),
+    }
+}
+
+/// `POST /v1/leases`: take a lease on every matching concurrency policy.
+async fn acquire(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
+    let req = match read_request(&state, &headers, body).await {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    match state.limiter.run(&req, Mode::Acquire).await {
+        Ok(v) => verdict_response(&state, &v, code(&v)),
+        Err(e) => check_error(e),
+    }
+}
+
+/// `DELETE /v1/leases/{lease_id}`: give a lease back (idempotent).
+async fn release(State(state): Shared, Path(lease_id): Path<String>) -> Response {
+    let lease: LeaseId = match lease_id.parse() {
+        Ok(l) => l,
+        Err(e) => return error(StatusCode::BAD_REQUEST, RequestError::code(&e), e.to_string()),
+    };
+    match state.limiter.release(&lease).await {
+        Ok(held) => axum::Json(json!({"released": held})).into_response(),
+        Err(e) => check_error(e.into()),
+    }
+}
+
+/// `POST /v1/refund`: give back the request's cost in the current windows.
+async fn refund(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
+    let req = match read_request(&state, &headers, body).await {
+        Ok(r) => r,
+        Err(resp) => return resp,
+    };
+    match state.limiter.run(&req, Mode::Refund).await {
+        Ok(_) => axum::Json(json!({"refunded": true})).into_response(),
+        Err(e) => check_error(e),
+    }
+}
+
+/// `GET /readyz`: 200 when the store takes calls.
+async fn ready(State(state): Shared) -> Response {
+    if state.limiter.store().ready().await {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "store not ready\n").into_response()
+    }
+}

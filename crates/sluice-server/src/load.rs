@@ -1,0 +1,136 @@
+//! Reading a config file: YAML into the library's model, then compiled rules. Every
+//! error names the file, a line and column, and what to write instead.
+
+use sluice::config::Config;
+use sluice::rules::Rules;
+use std::fmt;
+use std::path::Path;
+
+/// The config `sluice serve` runs without `--config`.
+pub const DEFAULT_CONFIG: &str = include_str!("default.yaml");
+
+/// A config that cannot be used.
+#[derive(Debug)]
+pub struct ConfigError {
+    pub file: String,
+    /// 1-based line and column, when known.
+    pub at: Option<(usize, usize)>,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.at {
+            Some((line, col)) => write!(f, "{}:{line}:{col}: {}", self.file, self.message),
+            None => write!(f, "{}: {}", self.file, self.message),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// A config and the rules compiled from it.
+pub struct Loaded {
+    pub config: Config,
+    pub rules: Rules,
+}
+
+/// Reads and compiles a config file.
+pub fn load_file(path: &Path) -> Result<Loaded, ConfigError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        file: file.clone(),
+        at: None,
+        message: format!("cannot read the config file: {e}"),
+    })?;
+    load_str(&text, &file)
+}
+
+/// Parses and compiles config text; `file` names it in errors.
+pub fn load_str(text: &str, file: &str) -> Result<Loaded, ConfigError> {
+    let err = |at, message| ConfigError { file: file.to_string(), at, message };
+    let config: Config = serde_norway::from_str(text).map_err(|e| {
+        // the library appends "at line L column C"; the position goes in front instead
+        let msg = e.to_string();
+        let msg = match msg.rfind(" at line ") {
+            Some(i) if e.location().is_some() => msg[..i].to_string(),
+            _ => msg,
+        };
+        // A value that fails its own check (a unit, a duration, a name) is reported at
+        // the start of the mapping holding it; our messages quote the value in
+        // backticks, so look for it from there.
+        let at = e.location().map(|l| {
+            let quoted = msg.split('`').nth(1).filter(|q| !q.is_empty());
+            quoted.and_then(|q| find_word(text, l.index(), q)).map_or((l.line(), l.column()), |i| position(text, i))
+        });
+        err(at, msg)
+    })?;
+    let rules = Rules::compile(&config).map_err(|e| err(locate(text, &e.anchors), e.to_string()))?;
+    Ok(Loaded { config, rules })
+}
+
+/// Finds each anchor in turn, each after the one before, and returns the position of
+/// the last one found: the line of the rule an error is about.
+fn locate(text: &str, anchors: &[String]) -> Option<(usize, usize)> {
+    let mut from = 0;
+    let mut found = None;
+    for a in anchors {
+        if let Some(i) = find_word(text, from, a) {
+            found = Some(i);
+            from = i + a.len();
+        }
+    }
+    found.map(|at| position(text, at))
+}
+
+/// The first occurrence of `word` at or after byte `from` that is not part of a longer
+/// word.
+fn find_word(text: &str, from: usize, word: &str) -> Option<usize> {
+    let is_word = |c: char| c.is_alphanumeric() || c == '_' || c == '-';
+    let mut start = from.min(text.len());
+    while let Some(i) = text.get(start..)?.find(word) {
+        let at = start + i;
+        let before = text[..at].chars().next_back();
+        let after = text[at + word.len()..].chars().next();
+        if !before.is_some_and(is_word) && !after.is_some_and(is_word) {
+            return Some(at);
+        }
+        start = at + word.len().max(1);
+    }
+    None
+}
+
+/// 1-based line and column of byte `at`.
+fn position(text: &str, at: usize) -> (usize, usize) {
+    let line = text[..at].matches('\n').count() + 1;
+    let col = text[..at].chars().rev().take_while(|&c| c != '\n').count() + 1;
+    (line, col)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_config_loads() {
+        let l = load_str(DEFAULT_CONFIG, "default.yaml").unwrap();
+        assert!(l.rules.domain("demo").is_some());
+    }
+
+    #[test]
+    fn rule_errors_point_at_the_rule() {
+        let text = "domains:\n  - domain: d\n    descriptors:\n      - key: a\n        policies:\n          - name: p\n            fixed_window: {limit: 0, window: 1s}\n";
+        let e = load_str(text, "c.yaml").err().unwrap();
+        assert_eq!(e.at, Some((6, 19)), "{e}");
+        assert!(e.to_string().starts_with("c.yaml:6:19: "), "{e}");
+        assert!(e.message.contains("at least 1"), "{e}");
+    }
+
+    #[test]
+    fn parse_errors_point_at_the_value() {
+        let text = "domains:\n  - domain: d\n    descriptors:\n      - key: a\n        rate_limit:\n          requests_per_unit: 5\n          unit: fortnight\n";
+        let e = load_str(text, "c.yaml").err().unwrap();
+        assert_eq!(e.at.map(|a| a.0), Some(7), "{e}");
+        assert!(e.message.contains("unknown unit `fortnight`"), "{e}");
+    }
+}

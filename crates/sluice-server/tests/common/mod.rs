@@ -1,0 +1,46 @@
+//! Starting the real `sluice` binary for a test.
+
+#![allow(dead_code)]
+
+use sluice_testkit::{Process, TempDir, free_port, wait_for_port};
+use std::process::Command;
+use std::time::Duration;
+
+/// A running `sluice serve`, killed on drop.
+pub struct Sluice {
+    pub process: Process,
+    pub base: String,
+    pub dir: TempDir,
+}
+
+/// The binary under test.
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_sluice")
+}
+
+/// Starts `sluice serve` with `domains_yaml` as the `domains:` section, on a free port.
+pub fn start(domains_yaml: &str) -> Sluice {
+    let dir = TempDir::new("sluice-test");
+    let port = free_port();
+    let config = dir.path().join("sluice.yaml");
+    std::fs::write(&config, format!("server:\n  http: 127.0.0.1:{port}\ndomains:\n{domains_yaml}")).unwrap();
+    let process = Process::spawn(Command::new(bin()).arg("serve").arg("--config").arg(&config)).expect("start sluice");
+    assert!(wait_for_port(port, Duration::from_secs(10)), "sluice did not start listening on {port}");
+    Sluice { process, base: format!("http://127.0.0.1:{port}"), dir }
+}
+
+/// A rate limit request body for one descriptor.
+pub fn body(domain: &str, entries: &[(&str, &str)]) -> serde_json::Value {
+    let entries: Vec<_> = entries.iter().map(|(k, v)| serde_json::json!({"key": k, "value": v})).collect();
+    serde_json::json!({"domain": domain, "descriptors": [{"entries": entries}]})
+}
+
+/// A header as a string ("" when absent).
+pub fn header(r: &reqwest::Response, name: &str) -> String {
+    r.headers().get(name).map(|v| v.to_str().unwrap().to_string()).unwrap_or_default()
+}
+
+/// A header as a number.
+pub fn num(r: &reqwest::Response, name: &str) -> u64 {
+    header(r, name).parse().unwrap_or_else(|_| panic!("header {name} is not a number: {:?}", header(r, name)))
+}
