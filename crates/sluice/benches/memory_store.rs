@@ -1,1 +1,149 @@
-fn main() {}
+//! Memory-store decisions side by side with governor's keyed limiter, in one run.
+//!
+//! Both sides always admit (quotas far above the request rate), so the steady-state
+//! check is measured: a time read, a keyed lookup, the algorithm, a write. Sluice's tag is
+//! computed once per client, as the engine caches it per request; the `engine` group
+//! measures the whole `Limiter::check` path (descriptor matching, keyed hashing, the
+//! future) for comparison.
+//!
+//! Run: `cargo bench -p sluice --bench memory_store`.
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use governor::{Quota, RateLimiter};
+use sluice::algo::{Limit, Op};
+use sluice::engine::{Descriptor, Entry, Request};
+use sluice::store::MemoryStore;
+use sluice::tag::{Tag, Tagger};
+use sluice::time::{Clock, SystemClock};
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const TB: Limit = Limit::TokenBucket { rate: 1_000_000_000, per: 1_000, burst: 1_000_000_000 };
+const FW: Limit = Limit::FixedWindow { limit: 1 << 50, window: 3_600_000, aligned: false };
+
+fn tags(n: usize) -> Vec<Tag> {
+    let t = Tagger::new("bench");
+    (0..n).map(|i| t.tag("bench", "user", &i.to_string())).collect()
+}
+
+fn governor_limiter() -> governor::DefaultKeyedRateLimiter<u64> {
+    RateLimiter::keyed(Quota::per_second(NonZeroU32::MAX))
+}
+
+/// Runs `iters` checks split over `threads` threads; returns the wall time.
+fn spread(iters: u64, threads: u64, f: impl Fn(u64) + Sync) -> Duration {
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let f = &f;
+            s.spawn(move || {
+                for i in 0..iters / threads {
+                    f(i * threads + t);
+                }
+            });
+        }
+    });
+    start.elapsed()
+}
+
+thread_local! {
+    static OUT: std::cell::RefCell<Vec<sluice::algo::Decision>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn decisions(c: &mut Criterion) {
+    let clock = SystemClock;
+    c.bench_function("clock/system_clock_now", |b| b.iter(|| black_box(clock.now())));
+    for (algo, limit) in [("token_bucket", TB), ("fixed_window", FW)] {
+        let mut g = c.benchmark_group(format!("memory/{algo}"));
+        g.throughput(Throughput::Elements(1));
+        for keys in [1usize, 100_000] {
+            for threads in [1u64, 2] {
+                let id = format!("{keys}keys/{threads}threads");
+                let store = MemoryStore::new(1_000_000);
+                let tags = tags(keys);
+                g.bench_function(BenchmarkId::new("sluice", &id), |b| {
+                    b.iter_custom(|iters| {
+                        spread(iters, threads, |i| {
+                            // a caller on the fast path keeps its decision buffer
+                            OUT.with_borrow_mut(|out| {
+                                out.clear();
+                                let op = Op { key: 1, limit, cost: 1, lease: None, shadow: false };
+                                store.apply_into(tags[i as usize % keys], &[op], clock.now(), out);
+                                black_box(&out[0]);
+                            })
+                        })
+                    })
+                });
+                if algo == "token_bucket" {
+                    let gov = governor_limiter();
+                    g.bench_function(BenchmarkId::new("governor", &id), |b| {
+                        b.iter_custom(|iters| {
+                            spread(iters, threads, |i| {
+                                let _ = black_box(gov.check_key(&(i % keys as u64)));
+                            })
+                        })
+                    });
+                }
+            }
+        }
+        g.finish();
+    }
+}
+
+fn engine(c: &mut Criterion) {
+    let config = sluice::config::Config {
+        domains: vec![sluice::config::DomainConfig {
+            domain: sluice::config::Name("bench".into()),
+            descriptors: vec![sluice::config::DescriptorConfig {
+                key: "user".into(),
+                value: None,
+                rate_limit: Some(sluice::config::RateLimitConfig {
+                    name: None,
+                    unit: Some(sluice::config::Unit::Second),
+                    requests_per_unit: Some(1 << 40),
+                    unlimited: false,
+                    replaces: vec![],
+                }),
+                policies: vec![],
+                descriptors: vec![],
+                shadow_mode: false,
+                detailed_metric: false,
+            }],
+            shadow_mode: false,
+            client_key: None,
+        }],
+        ..Default::default()
+    };
+    let rules = Arc::new(sluice::rules::Rules::compile(&config).unwrap());
+    let limiter = sluice::Limiter::new(rules, Arc::new(MemoryStore::new(1_000_000)), Arc::new(SystemClock));
+    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let requests: Vec<Request> = (0..1000)
+        .map(|i| Request {
+            domain: "bench".into(),
+            descriptors: vec![Descriptor {
+                entries: vec![Entry { key: "user".into(), value: format!("user-{i}") }],
+                ..Default::default()
+            }],
+            hits_addend: None,
+        })
+        .collect();
+    let mut g = c.benchmark_group("engine");
+    g.throughput(Throughput::Elements(1));
+    let mut i = 0;
+    g.bench_function("check/fixed_window/1000keys", |b| {
+        b.iter(|| {
+            i = (i + 1) % requests.len();
+            black_box(rt.block_on(limiter.check(&requests[i])).unwrap())
+        })
+    });
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2)).sample_size(30);
+    targets = decisions, engine
+}
+criterion_main!(benches);

@@ -65,6 +65,12 @@ pub enum State {
     Leases(ConcurrencyState),
 }
 
+impl Default for State {
+    fn default() -> Self {
+        State::Window(WindowState::default())
+    }
+}
+
 /// The answer for one limit: everything the response headers need, from one state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Decision {
@@ -276,39 +282,43 @@ pub struct Op {
 }
 
 /// Applies every op of one client, all or nothing: `states[i]` holds what is stored for
-/// `ops[i]` and is replaced by what must be written back. If every enforced (non-shadow)
-/// op allows, each op's charged state is written; if any refuses, nothing is charged and
-/// only normalized states are written (so a window's reset is stored the first time it
-/// is reported). The decisions of ops rolled back report the uncharged state.
+/// `ops[i]` and is replaced by what must be written back; one decision per op is pushed
+/// onto `out`. If every enforced (non-shadow) op allows, each op's charged state is
+/// written; if any refuses, nothing is charged and only normalized states are written (so
+/// a window's reset is stored the first time it is reported). The decisions of ops
+/// rolled back report the uncharged state.
 ///
 /// This function is the reference model of a store's `apply`: the memory store calls
-/// it, and the Redis scripts do the same steps in Lua.
-pub fn apply_all(ops: &[Op], states: &mut [Option<State>], now: Millis) -> Vec<Decision> {
-    let mut charged: Vec<(Decision, Option<State>)> = Vec::with_capacity(ops.len());
+/// it, and the Redis scripts do the same steps in Lua. It allocates nothing (but a
+/// concurrency limit's lease list).
+pub fn apply_into(ops: &[Op], states: &mut [Option<State>], now: Millis, out: &mut Vec<Decision>) {
+    // pass 1: normalize, and find whether any enforced op refuses
     let mut refused = false;
     for (op, slot) in ops.iter().zip(states.iter_mut()) {
         let normalized = op.limit.normalize(slot.take(), now);
-        let (d, c) = op.limit.charge(&normalized, op.cost, op.lease, now);
-        refused |= !d.allowed && !op.shadow;
+        refused |= !op.shadow && !op.limit.charge(&normalized, op.cost, op.lease, now).0.allowed;
         *slot = Some(normalized);
-        charged.push((d, c));
     }
-    ops.iter()
-        .zip(states.iter_mut())
-        .zip(charged)
-        .map(|((op, slot), (d, c))| match c {
+    // pass 2: charge for real, or report the uncharged state
+    for (op, slot) in ops.iter().zip(states.iter_mut()) {
+        let Some(normalized) = slot.as_ref() else { continue };
+        let (d, charged) = op.limit.charge(normalized, op.cost, op.lease, now);
+        match charged {
             Some(c) if !refused => {
                 *slot = Some(c);
-                d
+                out.push(d);
             }
-            // rolled back: report what is really there
-            Some(_) => match slot {
-                Some(s) => op.limit.charge(s, 0, None, now).0,
-                None => d,
-            },
-            None => d,
-        })
-        .collect()
+            Some(_) => out.push(op.limit.charge(normalized, 0, None, now).0),
+            None => out.push(d),
+        }
+    }
+}
+
+/// [`apply_into`], returning the decisions.
+pub fn apply_all(ops: &[Op], states: &mut [Option<State>], now: Millis) -> Vec<Decision> {
+    let mut out = Vec::with_capacity(ops.len());
+    apply_into(ops, states, now, &mut out);
+    out
 }
 
 /// Read-only decisions for `ops` over stored `states`: what a status request reports.

@@ -118,16 +118,21 @@ impl MemoryStore {
     /// into `out`.
     pub fn apply_into(&self, tag: Tag, ops: &[Op], now: Millis, out: &mut Vec<Decision>) {
         let mut shard = self.shard(tag);
-        let mut states: Vec<Option<State>> = ops
-            .iter()
-            .map(|op| {
-                shard
-                    .map
-                    .get_mut(&(tag.0, op.key))
-                    .map(|e| std::mem::replace(&mut e.state, State::Leases(Default::default())))
-            })
-            .collect();
-        out.extend(algo::apply_all(ops, &mut states, now));
+        // the common case, one limit: one lookup, no allocation
+        if let [op] = ops {
+            let key = (tag.0, op.key);
+            if let Some(e) = shard.map.get_mut(&key) {
+                let mut states = [Some(std::mem::take(&mut e.state))];
+                algo::apply_into(ops, &mut states, now, out);
+                let [state] = states;
+                e.state = state.unwrap_or_default();
+                e.expires_at = op.limit.expires_at(&e.state);
+                return;
+            }
+        }
+        let mut states: Vec<Option<State>> =
+            ops.iter().map(|op| shard.map.get_mut(&(tag.0, op.key)).map(|e| std::mem::take(&mut e.state))).collect();
+        algo::apply_into(ops, &mut states, now, out);
         for (op, state) in ops.iter().zip(states) {
             if let Some(state) = state {
                 self.put(&mut shard, (tag.0, op.key), op.limit, state, now);
