@@ -5,9 +5,9 @@ use crate::cli::ServeArgs;
 use crate::http::{AppState, router};
 use crate::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
 use sluice::Limiter;
-use sluice::config::{DEFAULT_KEY_SECRET, StoreConfig};
+use sluice::config::{ClockKind, DEFAULT_KEY_SECRET, StoreConfig};
 use sluice::store::{MemoryStore, Store};
-use sluice::time::{Clock, SystemClock};
+use sluice::time::{Clock, CoarseClock, SystemClock};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +21,10 @@ pub async fn serve(args: ServeArgs) -> Result<(), String> {
     if config.limiter.key_secret == DEFAULT_KEY_SECRET && !matches!(config.store, StoreConfig::Memory { .. }) {
         tracing::warn!("limiter.key_secret is the default: set your own so clients cannot predict their tags");
     }
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let clock: Arc<dyn Clock> = match config.limiter.clock {
+        ClockKind::System => Arc::new(SystemClock),
+        ClockKind::Coarse => Arc::new(CoarseClock),
+    };
     let store = build_store(&config.store, clock.clone());
     let limiter = Limiter::new(Arc::new(rules), store, clock);
     let state = Arc::new(AppState { limiter, max_body_bytes: config.server.max_body_bytes });

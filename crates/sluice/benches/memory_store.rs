@@ -14,7 +14,7 @@ use sluice::algo::{Limit, Op};
 use sluice::engine::{Descriptor, Entry, Request};
 use sluice::store::MemoryStore;
 use sluice::tag::{Tag, Tagger};
-use sluice::time::{Clock, SystemClock};
+use sluice::time::{Clock, CoarseClock, SystemClock};
 use std::hint::black_box;
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -53,8 +53,9 @@ thread_local! {
 }
 
 fn decisions(c: &mut Criterion) {
-    let clock = SystemClock;
-    c.bench_function("clock/system_clock_now", |b| b.iter(|| black_box(clock.now())));
+    c.bench_function("clock/system", |b| b.iter(|| black_box(SystemClock.now())));
+    c.bench_function("clock/coarse", |b| b.iter(|| black_box(CoarseClock.now())));
+    let clocks: [(&str, &dyn Clock); 2] = [("system", &SystemClock), ("coarse", &CoarseClock)];
     for (algo, limit) in [("token_bucket", TB), ("fixed_window", FW)] {
         let mut g = c.benchmark_group(format!("memory/{algo}"));
         g.throughput(Throughput::Elements(1));
@@ -63,19 +64,21 @@ fn decisions(c: &mut Criterion) {
                 let id = format!("{keys}keys/{threads}threads");
                 let store = MemoryStore::new(1_000_000);
                 let tags = tags(keys);
-                g.bench_function(BenchmarkId::new("sluice", &id), |b| {
-                    b.iter_custom(|iters| {
-                        spread(iters, threads, |i| {
-                            // a caller on the fast path keeps its decision buffer
-                            OUT.with_borrow_mut(|out| {
-                                out.clear();
-                                let op = Op { key: 1, limit, cost: 1, lease: None, shadow: false };
-                                store.apply_into(tags[i as usize % keys], &[op], clock.now(), out);
-                                black_box(&out[0]);
+                for (clock_name, clock) in clocks {
+                    g.bench_function(BenchmarkId::new(format!("sluice-{clock_name}-clock"), &id), |b| {
+                        b.iter_custom(|iters| {
+                            spread(iters, threads, |i| {
+                                // a caller on the fast path keeps its decision buffer
+                                OUT.with_borrow_mut(|out| {
+                                    out.clear();
+                                    let op = Op { key: 1, limit, cost: 1, lease: None, shadow: false };
+                                    store.apply_into(tags[i as usize % keys], &[op], clock.now(), out);
+                                    black_box(&out[0]);
+                                })
                             })
                         })
-                    })
-                });
+                    });
+                }
                 if algo == "token_bucket" {
                     let gov = governor_limiter();
                     g.bench_function(BenchmarkId::new("governor", &id), |b| {

@@ -156,3 +156,25 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// `admits` (the all-or-nothing pass's shortcut) agrees with `charge` everywhere.
+    #[test]
+    fn admits_agrees_with_charge(kind in 0usize..4, start in 0u64..1_000_000, steps in steps()) {
+        let l = [
+            Limit::FixedWindow { limit: 5, window: 1_000, aligned: true },
+            Limit::TokenBucket { rate: 3, per: 1_000, burst: 5 },
+            Limit::SlidingWindow { limit: 5, window: 1_000 },
+            Limit::Concurrency { limit: 2, lease_ttl: 900 },
+        ][kind];
+        let (mut now, mut state) = (start, None);
+        for (i, (gap, cost)) in steps.into_iter().enumerate() {
+            now += gap;
+            let s = l.normalize(state, now);
+            let lease = (kind == 3 && cost > 0).then_some((i % 4) as u128);
+            let (d, c) = l.charge(&s, cost, lease, now);
+            prop_assert_eq!(l.admits(&s, cost, lease, now), d.allowed);
+            state = Some(c.unwrap_or(s));
+        }
+    }
+}

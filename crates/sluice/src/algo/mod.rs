@@ -224,6 +224,23 @@ impl Limit {
         }
     }
 
+    /// Whether [`Limit::charge`] would admit `cost` on a normalized state: the same
+    /// answer, without computing the decision (the all-or-nothing pass needs only this).
+    pub fn admits(&self, state: &State, cost: u64, lease: Option<Lease>, now: Millis) -> bool {
+        match (*self, state) {
+            (Limit::FixedWindow { limit, .. }, State::Window(s)) => s.used.saturating_add(cost) <= limit,
+            (Limit::TokenBucket { per, .. }, State::Bucket(s)) => cost.saturating_mul(per) <= s.tokens,
+            (Limit::SlidingWindow { limit, window }, State::Sliding(s)) => {
+                sliding_window::count(*s, window, now).saturating_add(cost) <= limit
+            }
+            (Limit::Concurrency { limit, .. }, State::Leases(s)) => match lease {
+                Some(l) => s.leases.iter().any(|&(id, _)| id == l) || (s.leases.len() as u64) < limit,
+                None => true,
+            },
+            (limit, _) => limit.charge(state, cost, lease, now).0.allowed,
+        }
+    }
+
     /// The decision a read-only status request reports: `cost` 0, nothing written.
     pub fn peek(&self, state: Option<State>, now: Millis) -> Decision {
         let s = self.normalize(state, now);
@@ -296,7 +313,7 @@ pub fn apply_into(ops: &[Op], states: &mut [Option<State>], now: Millis, out: &m
     let mut refused = false;
     for (op, slot) in ops.iter().zip(states.iter_mut()) {
         let normalized = op.limit.normalize(slot.take(), now);
-        refused |= !op.shadow && !op.limit.charge(&normalized, op.cost, op.lease, now).0.allowed;
+        refused |= !op.shadow && !op.limit.admits(&normalized, op.cost, op.lease, now);
         *slot = Some(normalized);
     }
     // pass 2: charge for real, or report the uncharged state

@@ -50,6 +50,11 @@ fn weighted(prev: u64, window: Millis, elapsed: Millis) -> u64 {
     (prev * (window - elapsed.min(window))).div_ceil(window)
 }
 
+/// The weighted count at `now` of a normalized state.
+pub fn count(s: SlidingState, window: Millis, now: Millis) -> u64 {
+    weighted(s.prev, window, now.saturating_sub(s.start)) + s.cur
+}
+
 /// The first moment `e` (ms into a window whose previous count is `prev`) at which the
 /// weighted share of `prev` is at most `k`. Callers ensure the answer exists within
 /// one window.
@@ -63,8 +68,7 @@ fn first_fit(prev: u64, window: Millis, k: u64) -> Millis {
 
 /// Charges `cost` if the weighted count leaves room for it.
 pub fn charge(s: SlidingState, limit: u64, window: Millis, cost: u64, now: Millis) -> (Decision, Option<SlidingState>) {
-    let elapsed = now.saturating_sub(s.start);
-    let count = weighted(s.prev, window, elapsed) + s.cur;
+    let count = count(s, window, now);
     let reset_at = |cur: u64| {
         if cur > 0 { s.start + 2 * window } else { s.start + window }
     };

@@ -1,0 +1,210 @@
+//! The engine end to end over the memory store, under a manual clock: window boundaries
+//! and refills are crossed by moving the clock, never by sleeping.
+
+use sluice::config::Config;
+use sluice::engine::{Code, Descriptor, Entry, Mode, Request, RequestError};
+use sluice::rules::Rules;
+use sluice::store::MemoryStore;
+use sluice::time::ManualClock;
+use sluice::{Limiter, headers};
+use std::sync::Arc;
+
+const T0: u64 = 1_767_225_600_000;
+
+/// The domains of a YAML config, compiled, behind an engine with a manual clock.
+fn limiter(domains: &str) -> (Limiter, ManualClock) {
+    // the config model is YAML-shaped; the library has no YAML parser, so build it by
+    // way of JSON, which serde reads through the same derive
+    let config: Config = serde_json::from_str(domains).expect("test config");
+    let clock = ManualClock::new(T0);
+    let rules = Arc::new(Rules::compile(&config).expect("rules compile"));
+    (Limiter::new(rules, Arc::new(MemoryStore::new(10_000)), Arc::new(clock.clone())), clock)
+}
+
+fn req(domain: &str, descriptors: &[&[(&str, &str)]]) -> Request {
+    Request {
+        domain: domain.into(),
+        descriptors: descriptors
+            .iter()
+            .map(|entries| Descriptor {
+                entries: entries.iter().map(|(k, v)| Entry { key: (*k).into(), value: (*v).into() }).collect(),
+                ..Default::default()
+            })
+            .collect(),
+        hits_addend: None,
+    }
+}
+
+fn header(v: &sluice::Verdict, name: &str) -> String {
+    let h = headers::render(v, &Default::default());
+    h.into_iter().find(|(n, _)| *n == name).map(|(_, v)| v).unwrap_or_default()
+}
+
+#[tokio::test]
+async fn fixed_window_resets_at_the_stored_time_not_before() {
+    let (l, clock) = limiter(
+        r#"{"domains":[{"domain":"d","descriptors":[{"key":"user","rate_limit":{"unit":"minute","requests_per_unit":2}}]}]}"#,
+    );
+    let r = req("d", &[&[("user", "a")]]);
+    clock.advance(123);
+    let first = l.check(&r).await.unwrap();
+    let reset = header(&first, "x-ratelimit-reset");
+    assert_eq!(reset, ((T0 + 123 + 60_000).div_ceil(1000)).to_string());
+    clock.advance(30_000);
+    assert!(l.check(&r).await.unwrap().allowed);
+    let denied = l.check(&r).await.unwrap();
+    assert!(!denied.allowed);
+    assert_eq!(denied.status, 429);
+    assert_eq!(header(&denied, "x-ratelimit-reset"), reset);
+    assert_eq!(header(&denied, "retry-after"), "30");
+    clock.advance(29_999);
+    assert!(!l.check(&r).await.unwrap().allowed, "one millisecond before the stored reset");
+    clock.advance(1);
+    let fresh = l.check(&r).await.unwrap();
+    assert!(fresh.allowed, "at the stored reset a new window starts");
+    assert_eq!(header(&fresh, "x-ratelimit-remaining"), "1");
+}
+
+#[tokio::test]
+async fn token_bucket_refills_as_the_clock_moves() {
+    let (l, clock) = limiter(
+        r#"{"domains":[{"domain":"d","descriptors":[{"key":"k","policies":[{"name":"b","token_bucket":{"rate":2,"per":"1s","burst":2}}]}]}]}"#,
+    );
+    let r = req("d", &[&[("k", "v")]]);
+    assert!(l.check(&r).await.unwrap().allowed);
+    assert!(l.check(&r).await.unwrap().allowed);
+    let denied = l.check(&r).await.unwrap();
+    assert!(!denied.allowed);
+    assert_eq!(denied.binding().unwrap().decision.retry_after, Some(500));
+    clock.advance(499);
+    assert!(!l.check(&r).await.unwrap().allowed);
+    clock.advance(1);
+    assert!(l.check(&r).await.unwrap().allowed, "one token every 500 ms");
+    clock.advance(60_000);
+    let v = l.check(&r).await.unwrap();
+    assert_eq!(v.binding().unwrap().decision.remaining, 1, "refill stops at the burst");
+}
+
+#[tokio::test]
+async fn several_policies_are_all_or_nothing() {
+    let (l, _clock) = limiter(
+        r#"{"domains":[{"domain":"d","descriptors":[{"key":"token","policies":[
+            {"name":"core","fixed_window":{"limit":100,"window":"1h"}},
+            {"name":"burst","token_bucket":{"rate":1,"per":"1s","burst":3}}]}]}]}"#,
+    );
+    let r = req("d", &[&[("token", "t")]]);
+    for _ in 0..3 {
+        assert!(l.check(&r).await.unwrap().allowed);
+    }
+    let denied = l.check(&r).await.unwrap();
+    assert!(!denied.allowed);
+    assert_eq!(header(&denied, "x-ratelimit-resource"), "burst");
+    let core = &denied.descriptors[0].policies[0];
+    assert_eq!((&*core.name, core.decision.used), ("core", 3), "core must not be charged for the refused request");
+    let policy = header(&denied, "ratelimit-policy");
+    assert!(policy.contains("\"core\";q=100;w=3600") && policy.contains("\"burst\";q=3;w=3"), "{policy}");
+}
+
+#[tokio::test]
+async fn descriptors_of_other_clients_are_given_back_when_one_refuses() {
+    let (l, _clock) = limiter(
+        r#"{"domains":[{"domain":"d","descriptors":[
+            {"key":"user","rate_limit":{"unit":"hour","requests_per_unit":10}},
+            {"key":"ip","rate_limit":{"unit":"hour","requests_per_unit":1}}]}]}"#,
+    );
+    let both = req("d", &[&[("user", "u")], &[("ip", "1.2.3.4")]]);
+    assert!(l.check(&both).await.unwrap().allowed);
+    let denied = l.check(&both).await.unwrap();
+    assert!(!denied.allowed);
+    assert_eq!(denied.descriptors[0].code, Code::Ok);
+    assert_eq!(denied.descriptors[1].code, Code::OverLimit);
+    let status = l.run(&req("d", &[&[("user", "u")]]), Mode::Peek).await.unwrap();
+    assert_eq!(status.descriptors[0].policies[0].decision.used, 1, "the user's charge was given back");
+}
+
+#[tokio::test]
+async fn envoy_matching_value_wildcard_nesting_unlimited_replaces() {
+    let (l, _clock) = limiter(
+        r#"{"domains":[{"domain":"d","descriptors":[
+            {"key":"user","rate_limit":{"unit":"minute","requests_per_unit":1}},
+            {"key":"user","value":"vip","rate_limit":{"unit":"minute","requests_per_unit":3}},
+            {"key":"user","value":"bot-*","rate_limit":{"unit":"minute","requests_per_unit":2}},
+            {"key":"user","value":"root","rate_limit":{"unlimited":true}},
+            {"key":"tenant","descriptors":[{"key":"path","rate_limit":{"unit":"minute","requests_per_unit":1}}]},
+            {"key":"plan","value":"free","rate_limit":{"name":"free","unit":"minute","requests_per_unit":1}},
+            {"key":"plan","value":"promo","rate_limit":{"unit":"minute","requests_per_unit":5,"replaces":[{"name":"free"}]}}
+        ]}]}"#,
+    );
+    let admitted = |entries: &'static [(&'static str, &'static str)], n: usize| {
+        let l = &l;
+        async move {
+            let mut ok = 0;
+            for _ in 0..n {
+                ok += l.check(&req("d", &[entries])).await.unwrap().allowed as usize;
+            }
+            ok
+        }
+    };
+    assert_eq!(admitted(&[("user", "plain")], 5).await, 1);
+    assert_eq!(admitted(&[("user", "vip")], 5).await, 3, "key=value beats key alone");
+    assert_eq!(admitted(&[("user", "bot-7")], 5).await, 2, "a trailing * matches by prefix");
+    assert_eq!(admitted(&[("user", "root")], 5).await, 5, "unlimited");
+    assert_eq!(admitted(&[("tenant", "a"), ("path", "/x")], 3).await, 1);
+    assert_eq!(admitted(&[("tenant", "a"), ("path", "/y")], 3).await, 1, "each path counted apart");
+    assert_eq!(admitted(&[("tenant", "b"), ("path", "/x")], 3).await, 1, "each tenant counted apart");
+    assert_eq!(admitted(&[("tenant", "a")], 3).await, 3, "no limit on tenant alone");
+    assert_eq!(admitted(&[("tenant", "a"), ("path", "/x"), ("extra", "1")], 3).await, 3, "deeper than the rules");
+    let both = req("d", &[&[("plan", "free")], &[("plan", "promo")]]);
+    for _ in 0..3 {
+        let v = l.check(&both).await.unwrap();
+        assert!(v.allowed, "the promo limit replaces the free one");
+        assert!(v.descriptors[0].policies.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn shadow_mode_reports_but_allows() {
+    let (l, _clock) = limiter(
+        r#"{"domains":[{"domain":"d","descriptors":[{"key":"user","shadow_mode":true,"rate_limit":{"unit":"minute","requests_per_unit":1}}]}]}"#,
+    );
+    let r = req("d", &[&[("user", "s")]]);
+    let mut would_deny = 0;
+    for _ in 0..3 {
+        let v = l.check(&r).await.unwrap();
+        assert!(v.allowed);
+        would_deny += v.shadow_denials().count();
+    }
+    assert_eq!(would_deny, 2);
+}
+
+#[tokio::test]
+async fn refund_gives_back_a_verdicts_charge() {
+    let (l, _clock) = limiter(
+        r#"{"domains":[{"domain":"d","descriptors":[{"key":"user","rate_limit":{"unit":"minute","requests_per_unit":5}}]}]}"#,
+    );
+    let r = req("d", &[&[("user", "n")]]);
+    for _ in 0..3 {
+        let v = l.check(&r).await.unwrap();
+        l.refund(&v).await.unwrap(); // each a 304 Not Modified
+    }
+    let v = l.check(&r).await.unwrap();
+    assert_eq!(v.binding().unwrap().decision.remaining, 4);
+}
+
+#[tokio::test]
+async fn client_key_chooses_the_tag_and_errors_are_clear() {
+    let (l, _clock) = limiter(
+        r#"{"domains":[{"domain":"d","client_key":"user","descriptors":[{"key":"path","descriptors":[{"key":"user","rate_limit":{"unit":"minute","requests_per_unit":2}}]}]}]}"#,
+    );
+    let r = req("d", &[&[("path", "/a"), ("user", "x")]]);
+    assert!(l.check(&r).await.unwrap().allowed);
+    let err = l.check(&req("nope", &[&[("a", "b")]])).await.unwrap_err().to_string();
+    assert!(err.contains("unknown domain 'nope'") && err.contains("configured domains: d"), "{err}");
+    let mut costly = r.clone();
+    costly.hits_addend = Some(3);
+    let e = l.check(&costly).await.unwrap_err();
+    assert!(
+        matches!(e, sluice::engine::CheckError::Request(RequestError::CostAboveCapacity { capacity: 2, .. })),
+        "{e}"
+    );
+}
