@@ -28,7 +28,7 @@ fn tags(n: usize) -> Vec<Tag> {
     (0..n).map(|i| t.tag("bench", "user", &i.to_string())).collect()
 }
 
-fn governor_limiter() -> governor::DefaultKeyedRateLimiter<u64> {
+fn governor_limiter<K: std::hash::Hash + Eq + Clone>() -> governor::DefaultKeyedRateLimiter<K> {
     RateLimiter::keyed(Quota::per_second(NonZeroU32::MAX))
 }
 
@@ -80,11 +80,21 @@ fn decisions(c: &mut Criterion) {
                     });
                 }
                 if algo == "token_bucket" {
-                    let gov = governor_limiter();
-                    g.bench_function(BenchmarkId::new("governor", &id), |b| {
+                    // governor's best case: the caller hands it a u64
+                    let gov = governor_limiter::<u64>();
+                    g.bench_function(BenchmarkId::new("governor-u64-key", &id), |b| {
                         b.iter_custom(|iters| {
                             spread(iters, threads, |i| {
                                 let _ = black_box(gov.check_key(&(i % keys as u64)));
+                            })
+                        })
+                    });
+                    // the same key material Sluice's store gets: a 128-bit client tag
+                    let gov = governor_limiter::<u128>();
+                    g.bench_function(BenchmarkId::new("governor-u128-key", &id), |b| {
+                        b.iter_custom(|iters| {
+                            spread(iters, threads, |i| {
+                                let _ = black_box(gov.check_key(&tags[i as usize % keys].0));
                             })
                         })
                     });

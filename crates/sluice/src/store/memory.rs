@@ -23,7 +23,10 @@ struct FoldHasher(u64);
 
 impl Hasher for FoldHasher {
     fn finish(&self) -> u64 {
-        self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        // a multiply only carries low bits upward; fold the high half back down, since
+        // the table picks buckets by the low bits
+        let h = self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        h ^ (h >> 32)
     }
     fn write(&mut self, bytes: &[u8]) {
         for chunk in bytes.chunks(8) {
@@ -111,7 +114,8 @@ impl MemoryStore {
     }
 
     fn shard(&self, tag: Tag) -> MutexGuard<'_, Shard> {
-        lock(&self.shards[(tag.0 as usize) % SHARDS])
+        // the high bits pick the shard (the low bits are what the table inside uses first)
+        lock(&self.shards[((tag.0 >> 64) as usize) % SHARDS])
     }
 
     /// [`Store::apply`] without the future: the in-process fast path, writing decisions
