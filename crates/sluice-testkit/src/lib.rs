@@ -127,6 +127,31 @@ impl RedisServer {
         panic!("{last_error}")
     }
 
+    /// A replica of `primary`, returned once its replication link is up and in sync.
+    pub fn replica_of(primary: &RedisServer) -> Self {
+        let replica = Self::start_with(&["--replicaof", "127.0.0.1", &primary.port().to_string()]);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let info = replica.command("INFO replication").unwrap_or_default();
+            if info.contains("master_link_status:up") && !info.contains("master_sync_in_progress:1") {
+                return replica;
+            }
+            assert!(Instant::now() < deadline, "replica on {} did not sync with its primary: {info}", replica.port());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// How many times a script has run on this server (`EVALSHA` and `EVALSHA_RO`
+    /// calls in `INFO commandstats`).
+    pub fn script_calls(&self) -> u64 {
+        let stats = self.command("INFO commandstats").unwrap_or_default();
+        stats
+            .lines()
+            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_evalsha_ro:"))
+            .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
+            .sum()
+    }
+
     /// The port.
     pub fn port(&self) -> u16 {
         self.port

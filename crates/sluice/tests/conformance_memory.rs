@@ -1,2 +1,2 @@
 //! The memory store against the conformance suite.
-sluice::conformance_suite!(memory, async { sluice::store::MemoryStore::new(100_000) });
+sluice::conformance_suite!(memory, async { (sluice::store::MemoryStore::new(100_000), ()) });

@@ -6,23 +6,28 @@
 //! one line:
 //!
 //! ```ignore
-//! sluice::conformance_suite!(memory, async { sluice::store::MemoryStore::new(100_000) });
+//! sluice::conformance_suite!(memory, async { (sluice::store::MemoryStore::new(100_000), ()) });
 //! ```
 //!
-//! Time is passed to the store directly (stores take `now` as an argument), so the suite
-//! crosses window boundaries without sleeping. Every check uses fresh random tags, so
-//! checks may share one store and one server.
+//! The expression yields the store and a guard that lives as long as the test (a server
+//! process, say). Time is passed to the store directly (stores take `now` as an
+//! argument), so the suite crosses window boundaries without sleeping. Every check uses
+//! fresh random tags, so checks may share one store and one server.
 
 use super::{Refund, Store};
 use crate::algo::{self, Decision, Limit, Op, State};
 use crate::tag::Tag;
-use crate::time::Millis;
+use crate::time::{Clock, Millis};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// A start time for the checks: a recent epoch time with a non-round value, so aligned
-/// windows do not start exactly at it.
-pub const T0: Millis = 1_767_225_600_123;
+/// A start time for the checks: an hour from now, at a non-round millisecond, so aligned
+/// windows do not start exactly at it. Tests move their own clock forward from here; it
+/// must not lie in the past, because a Redis store sets TTLs (`PEXPIREAT`) from the times
+/// it is given and its server expires keys by the real clock.
+pub fn t0() -> Millis {
+    (crate::time::SystemClock.now() / 1000 + 3600) * 1000 + 123
+}
 
 const FW: Limit = Limit::FixedWindow { limit: 5, window: 60_000, aligned: false };
 
@@ -44,53 +49,57 @@ async fn hit(s: &dyn Store, t: Tag, o: Op, now: Millis) -> Decision {
 /// A fixed window admits its limit, refuses the rest without charging, keeps one stored
 /// reset for the whole window, and starts afresh at the reset.
 pub async fn fixed_window_counts_and_resets(s: &dyn Store) {
+    let t0 = t0();
     let t = tag();
     let mut resets = Vec::new();
     for i in 0..5u64 {
-        let d = hit(s, t, op(1, FW, 1), T0 + i * 7_001).await;
+        let d = hit(s, t, op(1, FW, 1), t0 + i * 7_001).await;
         assert!(d.allowed, "hit {i} refused: {d:?}");
         assert_eq!((d.limit, d.used, d.remaining), (5, i + 1, 4 - i));
         resets.push(d.reset_at);
     }
-    assert!(resets.iter().all(|&r| r == T0 + 60_000), "the reset moved: {resets:?}");
-    let d = hit(s, t, op(1, FW, 1), T0 + 59_999).await;
+    assert!(resets.iter().all(|&r| r == t0 + 60_000), "the reset moved: {resets:?}");
+    let d = hit(s, t, op(1, FW, 1), t0 + 59_999).await;
     assert!(!d.allowed);
-    assert_eq!((d.remaining, d.used, d.reset_at, d.retry_after), (0, 5, T0 + 60_000, Some(1)));
-    let d = hit(s, t, op(1, FW, 1), T0 + 60_000).await;
+    assert_eq!((d.remaining, d.used, d.reset_at, d.retry_after), (0, 5, t0 + 60_000, Some(1)));
+    let d = hit(s, t, op(1, FW, 1), t0 + 60_000).await;
     assert!(d.allowed, "a new window must start at the stored reset");
-    assert_eq!((d.used, d.reset_at), (1, T0 + 120_000));
+    assert_eq!((d.used, d.reset_at), (1, t0 + 120_000));
 }
 
 /// Aligned windows end on multiples of the window.
 pub async fn aligned_window_ends_on_boundary(s: &dyn Store) {
+    let t0 = t0();
     let t = tag();
     let l = Limit::FixedWindow { limit: 2, window: 1_000, aligned: true };
-    let d = hit(s, t, op(1, l, 1), T0).await;
-    assert_eq!(d.reset_at, (T0 / 1000 + 1) * 1000);
+    let d = hit(s, t, op(1, l, 1), t0).await;
+    assert_eq!(d.reset_at, (t0 / 1000 + 1) * 1000);
 }
 
 /// A refusal by one limit charges none of the others (all or nothing).
 pub async fn all_or_nothing(s: &dyn Store) {
+    let t0 = t0();
     let t = tag();
     let tight = Limit::FixedWindow { limit: 1, window: 60_000, aligned: false };
     let ops = [op(1, FW, 1), op(2, tight, 1)];
-    let d = s.apply(t, &ops, T0).await.unwrap();
+    let d = s.apply(t, &ops, t0).await.unwrap();
     assert!(d[0].allowed && d[1].allowed);
-    let d = s.apply(t, &ops, T0 + 1).await.unwrap();
+    let d = s.apply(t, &ops, t0 + 1).await.unwrap();
     assert!(!d[1].allowed);
     assert!(d[0].allowed, "the loose limit alone would allow");
     assert_eq!(d[0].remaining, 4, "the loose limit must not be charged when another refuses");
-    let d = s.peek(t, &ops[..1], T0 + 2).await.unwrap();
+    let d = s.peek(t, &ops[..1], t0 + 2).await.unwrap();
     assert_eq!(d[0].used, 1);
 }
 
 /// A shadow op's refusal is reported, but the other ops are charged.
 pub async fn shadow_does_not_block(s: &dyn Store) {
+    let t0 = t0();
     let t = tag();
     let tight = Limit::FixedWindow { limit: 1, window: 60_000, aligned: false };
     let shadow = Op { shadow: true, ..op(2, tight, 1) };
     for i in 0..3u64 {
-        let d = s.apply(t, &[op(1, FW, 1), shadow], T0 + i).await.unwrap();
+        let d = s.apply(t, &[op(1, FW, 1), shadow], t0 + i).await.unwrap();
         assert!(d[0].allowed);
         assert_eq!(d[0].used, i + 1, "enforced op must be charged");
         assert_eq!(d[1].allowed, i == 0, "shadow op reports what it would do");
@@ -99,10 +108,11 @@ pub async fn shadow_does_not_block(s: &dyn Store) {
 
 /// Cost 0 reports status and charges nothing.
 pub async fn cost_zero_charges_nothing(s: &dyn Store) {
+    let t0 = t0();
     let t = tag();
     let tb = Limit::TokenBucket { rate: 1, per: 1_000, burst: 3 };
     for _ in 0..3 {
-        let d = s.apply(t, &[op(1, FW, 0), op(2, tb, 0)], T0).await.unwrap();
+        let d = s.apply(t, &[op(1, FW, 0), op(2, tb, 0)], t0).await.unwrap();
         assert_eq!((d[0].used, d[0].remaining), (0, 5));
         assert_eq!(d[1].remaining, 3);
     }
@@ -110,42 +120,45 @@ pub async fn cost_zero_charges_nothing(s: &dyn Store) {
 
 /// Peeks never change state; a window whose stored reset has passed reads as fresh.
 pub async fn peek_never_charges(s: &dyn Store) {
+    let t0 = t0();
     let t = tag();
-    hit(s, t, op(1, FW, 3), T0).await;
+    hit(s, t, op(1, FW, 3), t0).await;
     for i in 0..10 {
-        let d = s.peek(t, &[op(1, FW, 1)], T0 + i).await.unwrap()[0];
-        assert_eq!((d.used, d.remaining, d.reset_at), (3, 2, T0 + 60_000));
+        let d = s.peek(t, &[op(1, FW, 1)], t0 + i).await.unwrap()[0];
+        assert_eq!((d.used, d.remaining, d.reset_at), (3, 2, t0 + 60_000));
     }
-    let d = s.peek(t, &[op(1, FW, 1)], T0 + 60_000).await.unwrap()[0];
+    let d = s.peek(t, &[op(1, FW, 1)], t0 + 60_000).await.unwrap()[0];
     assert_eq!((d.used, d.remaining), (0, 5), "a passed window must read as empty");
-    let fresh = s.peek(tag(), &[op(1, FW, 1)], T0).await.unwrap()[0];
+    let fresh = s.peek(tag(), &[op(1, FW, 1)], t0).await.unwrap()[0];
     assert_eq!((fresh.used, fresh.remaining), (0, 5));
 }
 
 /// A token bucket spends its burst, refills at exactly its rate, and says when to retry.
 pub async fn token_bucket_burst_and_refill(s: &dyn Store) {
+    let t0 = t0();
     let t = tag();
     let tb = Limit::TokenBucket { rate: 3, per: 1_000, burst: 3 };
     for left in [2, 1, 0] {
-        let d = hit(s, t, op(1, tb, 1), T0).await;
+        let d = hit(s, t, op(1, tb, 1), t0).await;
         assert!(d.allowed);
         assert_eq!(d.remaining, left);
     }
-    let d = hit(s, t, op(1, tb, 1), T0).await;
+    let d = hit(s, t, op(1, tb, 1), t0).await;
     assert!(!d.allowed);
     assert_eq!(d.retry_after, Some(334), "a token every 333.3 ms");
-    assert_eq!(d.reset_at, T0 + 1_000);
-    assert!(!hit(s, t, op(1, tb, 1), T0 + 333).await.allowed);
-    assert!(hit(s, t, op(1, tb, 1), T0 + 334).await.allowed);
-    let d = hit(s, t, op(1, tb, 2), T0 + 10_000).await;
+    assert_eq!(d.reset_at, t0 + 1_000);
+    assert!(!hit(s, t, op(1, tb, 1), t0 + 333).await.allowed);
+    assert!(hit(s, t, op(1, tb, 1), t0 + 334).await.allowed);
+    let d = hit(s, t, op(1, tb, 2), t0 + 10_000).await;
     assert_eq!(d.remaining, 1, "refill stops at the burst");
 }
 
 /// The sliding window weighs the previous window.
 pub async fn sliding_window_weighs_previous(s: &dyn Store) {
+    let t0 = t0();
     let t = tag();
     let sw = Limit::SlidingWindow { limit: 10, window: 1_000 };
-    let base = (T0 / 1000 + 1) * 1000;
+    let base = (t0 / 1000 + 1) * 1000;
     let d = hit(s, t, op(1, sw, 10), base + 999).await;
     assert!(d.allowed);
     let d = hit(s, t, op(1, sw, 1), base + 1_000).await;
@@ -157,6 +170,7 @@ pub async fn sliding_window_weighs_previous(s: &dyn Store) {
 
 /// Leases: capacity, idempotent release, reclaim after the TTL.
 pub async fn concurrency_leases(s: &dyn Store) {
+    let t0 = t0();
     let t = tag();
     let cc = Limit::Concurrency { limit: 3, lease_ttl: 10_000 };
     let take = |lease: u128, now| {
@@ -164,40 +178,42 @@ pub async fn concurrency_leases(s: &dyn Store) {
         async move { s.apply(t, &[o], now).await.unwrap()[0] }
     };
     for id in 1..=3 {
-        assert!(take(id, T0).await.allowed);
+        assert!(take(id, t0).await.allowed);
     }
-    let d = take(4, T0 + 1).await;
+    let d = take(4, t0 + 1).await;
     assert!(!d.allowed);
     assert_eq!((d.remaining, d.retry_after), (0, Some(9_999)));
-    assert!(s.release(t, &[9], 2, T0 + 2).await.unwrap());
-    assert!(!s.release(t, &[9], 2, T0 + 2).await.unwrap(), "release is idempotent");
-    assert!(take(4, T0 + 3).await.allowed);
-    assert!(!take(5, T0 + 4).await.allowed);
-    assert!(take(5, T0 + 10_000).await.allowed, "leases past their TTL are reclaimed");
+    assert!(s.release(t, &[9], 2, t0 + 2).await.unwrap());
+    assert!(!s.release(t, &[9], 2, t0 + 2).await.unwrap(), "release is idempotent");
+    assert!(take(4, t0 + 3).await.allowed);
+    assert!(!take(5, t0 + 4).await.allowed);
+    assert!(take(5, t0 + 10_000).await.allowed, "leases past their TTL are reclaimed");
 }
 
 /// Refunds give back within the charged window and never reach a later one.
 pub async fn refunds(s: &dyn Store) {
+    let t0 = t0();
     let t = tag();
-    let d = hit(s, t, op(1, FW, 5), T0).await;
+    let d = hit(s, t, op(1, FW, 5), t0).await;
     let r = Refund { key: 1, limit: FW, cost: 2, window: d.reset_at };
-    s.refund(t, &[r], T0 + 1).await.unwrap();
-    assert_eq!(hit(s, t, op(1, FW, 0), T0 + 2).await.remaining, 2);
+    s.refund(t, &[r], t0 + 1).await.unwrap();
+    assert_eq!(hit(s, t, op(1, FW, 0), t0 + 2).await.remaining, 2);
     // the window passed: the refund must not add to the new one
-    hit(s, t, op(1, FW, 1), T0 + 60_000).await;
-    s.refund(t, &[r], T0 + 60_001).await.unwrap();
-    assert_eq!(hit(s, t, op(1, FW, 0), T0 + 60_002).await.used, 1);
+    hit(s, t, op(1, FW, 1), t0 + 60_000).await;
+    s.refund(t, &[r], t0 + 60_001).await.unwrap();
+    assert_eq!(hit(s, t, op(1, FW, 0), t0 + 60_002).await.used, 1);
 }
 
 /// Concurrent calls for one client are exact: 300 at once against a limit of 100 admit
 /// exactly 100.
 pub async fn concurrent_calls_are_exact(s: Arc<dyn Store>) {
+    let t0 = t0();
     let t = tag();
     let l = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
     let tasks: Vec<_> = (0..300)
         .map(|i| {
             let s = s.clone();
-            tokio::spawn(async move { s.apply(t, &[op(1, l, 1)], T0 + i % 7).await.unwrap()[0].allowed })
+            tokio::spawn(async move { s.apply(t, &[op(1, l, 1)], t0 + i % 7).await.unwrap()[0].allowed })
         })
         .collect();
     let mut admitted = 0;
@@ -209,10 +225,11 @@ pub async fn concurrent_calls_are_exact(s: Arc<dyn Store>) {
 
 /// Tags and keys are independent of one another.
 pub async fn tags_and_keys_are_independent(s: &dyn Store) {
+    let t0 = t0();
     let (a, b) = (tag(), tag());
-    hit(s, a, op(1, FW, 5), T0).await;
-    assert_eq!(hit(s, b, op(1, FW, 0), T0).await.remaining, 5);
-    assert_eq!(hit(s, a, op(2, FW, 0), T0).await.remaining, 5);
+    hit(s, a, op(1, FW, 5), t0).await;
+    assert_eq!(hit(s, b, op(1, FW, 0), t0).await.remaining, 5);
+    assert_eq!(hit(s, a, op(2, FW, 0), t0).await.remaining, 5);
 }
 
 /// A small deterministic generator, so a failing sequence can be replayed from its seed.
@@ -239,7 +256,7 @@ pub async fn sequence_matches_model(s: &dyn Store, seed: u64) {
     let mut rng = Rng(seed | 1);
     let tags = [tag(), tag()];
     let mut model: HashMap<(Tag, u64), State> = HashMap::new();
-    let mut now = T0;
+    let mut now = t0();
     for step in 0..400 {
         now += rng.next(3) * rng.next(400);
         let t = tags[rng.next(2) as usize];
@@ -293,8 +310,9 @@ pub async fn sequence_matches_model(s: &dyn Store, seed: u64) {
     }
 }
 
-/// Expands to one `#[tokio::test]` per conformance check, each calling `$make` (an
-/// expression that evaluates to a future of a store) for its store.
+/// Expands to one `#[tokio::test]` per conformance check. `$make` is an expression that
+/// evaluates to a future of `(store, guard)`: the guard (a server process, say) lives
+/// until the test ends.
 #[macro_export]
 macro_rules! conformance_suite {
     ($name:ident, $make:expr) => {
@@ -304,61 +322,74 @@ macro_rules! conformance_suite {
             use $crate::store::Store;
             use $crate::store::conformance as c;
 
-            async fn store() -> std::sync::Arc<dyn Store> {
-                std::sync::Arc::new($make.await)
+            async fn store() -> (std::sync::Arc<dyn Store>, impl Sized) {
+                let (store, guard) = $make.await;
+                (std::sync::Arc::new(store) as std::sync::Arc<dyn Store>, guard)
             }
 
             #[tokio::test]
             async fn fixed_window_counts_and_resets() {
-                c::fixed_window_counts_and_resets(&*store().await).await
+                let (s, _guard) = store().await;
+                c::fixed_window_counts_and_resets(&*s).await
             }
             #[tokio::test]
             async fn aligned_window_ends_on_boundary() {
-                c::aligned_window_ends_on_boundary(&*store().await).await
+                let (s, _guard) = store().await;
+                c::aligned_window_ends_on_boundary(&*s).await
             }
             #[tokio::test]
             async fn all_or_nothing() {
-                c::all_or_nothing(&*store().await).await
+                let (s, _guard) = store().await;
+                c::all_or_nothing(&*s).await
             }
             #[tokio::test]
             async fn shadow_does_not_block() {
-                c::shadow_does_not_block(&*store().await).await
+                let (s, _guard) = store().await;
+                c::shadow_does_not_block(&*s).await
             }
             #[tokio::test]
             async fn cost_zero_charges_nothing() {
-                c::cost_zero_charges_nothing(&*store().await).await
+                let (s, _guard) = store().await;
+                c::cost_zero_charges_nothing(&*s).await
             }
             #[tokio::test]
             async fn peek_never_charges() {
-                c::peek_never_charges(&*store().await).await
+                let (s, _guard) = store().await;
+                c::peek_never_charges(&*s).await
             }
             #[tokio::test]
             async fn token_bucket_burst_and_refill() {
-                c::token_bucket_burst_and_refill(&*store().await).await
+                let (s, _guard) = store().await;
+                c::token_bucket_burst_and_refill(&*s).await
             }
             #[tokio::test]
             async fn sliding_window_weighs_previous() {
-                c::sliding_window_weighs_previous(&*store().await).await
+                let (s, _guard) = store().await;
+                c::sliding_window_weighs_previous(&*s).await
             }
             #[tokio::test]
             async fn concurrency_leases() {
-                c::concurrency_leases(&*store().await).await
+                let (s, _guard) = store().await;
+                c::concurrency_leases(&*s).await
             }
             #[tokio::test]
             async fn refunds() {
-                c::refunds(&*store().await).await
-            }
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn concurrent_calls_are_exact() {
-                c::concurrent_calls_are_exact(store().await).await
+                let (s, _guard) = store().await;
+                c::refunds(&*s).await
             }
             #[tokio::test]
             async fn tags_and_keys_are_independent() {
-                c::tags_and_keys_are_independent(&*store().await).await
+                let (s, _guard) = store().await;
+                c::tags_and_keys_are_independent(&*s).await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_calls_are_exact() {
+                let (s, _guard) = store().await;
+                c::concurrent_calls_are_exact(s).await
             }
             #[tokio::test]
             async fn sequence_matches_model() {
-                let s = store().await;
+                let (s, _guard) = store().await;
                 for seed in [1, 7, 42, 1234, 99991] {
                     c::sequence_matches_model(&*s, seed).await;
                 }

@@ -6,6 +6,8 @@
 
 pub mod conformance;
 pub mod memory;
+#[cfg(feature = "redis")]
+pub mod redis;
 
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::tag::Tag;

@@ -1,0 +1,359 @@
+//! Redis stores: one node (with optional replicas for reads), and client-side shards.
+//!
+//! Every call is one Lua script on one primary (DESIGN invariant 4): `apply` runs every
+//! op of a client tag all or nothing, and its reply carries every decision, so a response
+//! is built from that one call. Scripts live in `lua/` and share `lib.lua`, the Lua twin of
+//! [`crate::algo`]; the conformance suite and a property test hold them to it.
+//!
+//! Scripts are called by SHA (`EVALSHA`); a `NOSCRIPT` answer (a restarted or new server,
+//! a failover) is met by loading the script and calling again. `now` always comes from
+//! the caller, and TTLs only collect garbage a grace period after a state stops mattering.
+
+mod sharded;
+
+pub use sharded::ShardedRedisStore;
+
+use super::{Refund, Store, StoreError};
+use crate::algo::{Decision, Lease, Limit, Op};
+use crate::tag::Tag;
+use crate::time::Millis;
+use async_trait::async_trait;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// One Lua script: its source and SHA1.
+struct Script {
+    code: String,
+    sha: String,
+}
+
+impl Script {
+    fn new(code: String) -> Self {
+        let sha = redis::Script::new(&code).get_hash().to_string();
+        Self { code, sha }
+    }
+}
+
+/// The four scripts, each `lib.lua` followed by its body.
+struct Scripts {
+    apply: Script,
+    peek: Script,
+    refund: Script,
+    release: Script,
+}
+
+const LIB: &str = include_str!("lua/lib.lua");
+
+impl Scripts {
+    fn new() -> Self {
+        Self {
+            apply: Script::new(format!("{LIB}{}", include_str!("lua/apply.lua"))),
+            // the no-writes flag lets replicas run it (EVALSHA_RO)
+            peek: Script::new(format!("#!lua flags=no-writes\n{LIB}{}", include_str!("lua/peek.lua"))),
+            refund: Script::new(format!("{LIB}{}", include_str!("lua/refund.lua"))),
+            release: Script::new(include_str!("lua/release.lua").to_string()),
+        }
+    }
+}
+
+/// How long a key outlives the moment its state stops mattering. Expiry is decided by
+/// the scripts from stored times; the TTL only collects garbage.
+const GRACE_MS: Millis = 1_000;
+
+/// The Redis key of one state: every key of a client shares the hash tag `{tag}`, so
+/// every script for that client touches one slot of a Redis Cluster.
+pub fn state_key(tag: Tag, key: u64) -> String {
+    format!("sluice:{{{tag}}}:{key:016x}")
+}
+
+/// An algorithm and its three parameters, as the scripts number them.
+fn params(limit: &Limit) -> [u64; 4] {
+    match *limit {
+        Limit::FixedWindow { limit, window, aligned } => [1, limit, window, aligned as u64],
+        Limit::TokenBucket { rate, per, burst } => [2, rate, per, burst],
+        Limit::SlidingWindow { limit, window } => [3, limit, window, 0],
+        Limit::Concurrency { limit, lease_ttl } => [4, limit, lease_ttl, 0],
+    }
+}
+
+fn lease_hex(lease: Lease) -> String {
+    format!("{lease:032x}")
+}
+
+fn store_error(e: RedisError) -> StoreError {
+    if e.is_timeout() {
+        StoreError::Unavailable(format!("redis timed out: {e}"))
+    } else if e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error() {
+        StoreError::Unavailable(format!("redis connection: {e}"))
+    } else {
+        StoreError::Protocol(format!("redis: {e}"))
+    }
+}
+
+/// Decodes a reply of 6 integers per op.
+fn decisions(v: Value, n: usize) -> Result<Vec<Decision>, StoreError> {
+    let ints: Vec<i64> = redis::from_redis_value(v).map_err(|e| StoreError::Protocol(format!("script reply: {e}")))?;
+    if ints.len() != n * 6 {
+        return Err(StoreError::Protocol(format!("script answered {} numbers for {n} ops", ints.len())));
+    }
+    Ok(ints
+        .chunks_exact(6)
+        .map(|d| Decision {
+            allowed: d[0] == 1,
+            limit: d[1] as u64,
+            used: d[2] as u64,
+            remaining: d[3] as u64,
+            reset_at: d[4] as u64,
+            retry_after: (d[5] >= 0).then_some(d[5] as u64),
+        })
+        .collect())
+}
+
+/// A connection that reconnects by itself, opened lazily: a Redis that is down when
+/// Sluice starts does not stop it from starting.
+#[derive(Clone)]
+struct Conn(ConnectionManager);
+
+impl Conn {
+    fn open(url: &str, timeout: Duration) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url)
+            .map_err(|e| StoreError::Unavailable(format!("invalid redis url {}: {e}", redacted(url))))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_millis(500));
+        ConnectionManager::new_lazy_with_config(client, config).map(Conn).map_err(store_error)
+    }
+
+    /// Runs a script by SHA; on NOSCRIPT loads it and runs it again.
+    async fn run(&self, script: &Script, read_only: bool, keys: &[String], args: &Cmd) -> Result<Value, RedisError> {
+        let mut cmd = redis::cmd(if read_only { "EVALSHA_RO" } else { "EVALSHA" });
+        cmd.arg(&script.sha).arg(keys.len()).arg(keys);
+        for a in args.args_iter() {
+            if let redis::Arg::Simple(bytes) = a {
+                cmd.arg(bytes);
+            }
+        }
+        let mut con = self.0.clone();
+        match cmd.query_async(&mut con).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                redis::cmd("SCRIPT").arg("LOAD").arg(&script.code).query_async::<String>(&mut con).await?;
+                cmd.query_async(&mut con).await
+            }
+            other => other,
+        }
+    }
+
+    async fn ping(&self) -> bool {
+        let mut con = self.0.clone();
+        matches!(redis::cmd("PING").query_async::<String>(&mut con).await.as_deref(), Ok("PONG"))
+    }
+}
+
+/// A URL with its password replaced by `***`, for errors and logs.
+pub fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => match url[s + 3..at].find(':') {
+            Some(c) => format!("{}:***{}", &url[..s + 3 + c], &url[at..]),
+            None => url.to_string(),
+        },
+        _ => url.to_string(),
+    }
+}
+
+/// A replica for reads, with its health as the last check saw it.
+struct Replica {
+    conn: Conn,
+    healthy: AtomicBool,
+    url: String,
+}
+
+/// Connection options of a Redis store.
+#[derive(Debug, Clone, Copy)]
+pub struct RedisOptions {
+    /// Bounds connecting and each reply. The engine's deadline is usually shorter.
+    pub timeout: Duration,
+    /// After each write, wait (`WAIT`) until this many replicas have it, at most `timeout`.
+    /// 0 (the default) does not wait. With 1 or more, a failover loses no counts and
+    /// reads from replicas see every earlier write, at the price of a second round trip.
+    pub replica_acks: u32,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        Self { timeout: Duration::from_secs(1), replica_acks: 0 }
+    }
+}
+
+/// `store.kind: redis`: one primary for everything that writes, and replicas (round
+/// robin, health-checked, falling back to the primary) for peeks.
+pub struct RedisStore {
+    primary: Conn,
+    replicas: Vec<Arc<Replica>>,
+    next: AtomicUsize,
+    scripts: Arc<Scripts>,
+    options: RedisOptions,
+}
+
+impl RedisStore {
+    /// A store on the primary at `url` with read replicas at `replicas`. Connects lazily;
+    /// fails only on a malformed URL.
+    pub fn new(url: &str, replicas: &[String], options: RedisOptions) -> Result<Self, StoreError> {
+        let timeout = options.timeout;
+        let replicas = replicas
+            .iter()
+            .map(|u| {
+                Ok(Arc::new(Replica {
+                    conn: Conn::open(u, timeout)?,
+                    healthy: AtomicBool::new(true),
+                    url: redacted(u),
+                }))
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        let primary = Conn::open(url, timeout)?;
+        let store = Self { primary, replicas, next: AtomicUsize::new(0), scripts: Arc::new(Scripts::new()), options };
+        store.watch_replicas();
+        Ok(store)
+    }
+
+    /// Checks every replica once a second; an unhealthy one gets no reads until it
+    /// answers again. Stops when the store is dropped.
+    fn watch_replicas(&self) {
+        if self.replicas.is_empty() || tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let replicas: Vec<_> = self.replicas.iter().map(Arc::downgrade).collect();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                for r in &replicas {
+                    let Some(r) = r.upgrade() else { return };
+                    let ok = tokio::time::timeout(Duration::from_millis(500), r.conn.ping()).await.unwrap_or(false);
+                    if ok != r.healthy.swap(ok, Ordering::Relaxed) {
+                        tracing::info!(replica = %r.url, healthy = ok, "redis replica health changed");
+                    }
+                }
+            }
+        });
+    }
+
+    /// Runs a writing script on the primary, then waits for `replica_acks` replicas.
+    async fn write(&self, script: &Script, keys: &[String], args: &Cmd) -> Result<Value, StoreError> {
+        let reply = self.primary.run(script, false, keys, args).await.map_err(store_error)?;
+        if self.options.replica_acks > 0 {
+            let mut con = self.primary.0.clone();
+            let acked: i64 = redis::cmd("WAIT")
+                .arg(self.options.replica_acks)
+                .arg(self.options.timeout.as_millis() as u64)
+                .query_async(&mut con)
+                .await
+                .map_err(store_error)?;
+            if acked < i64::from(self.options.replica_acks) {
+                tracing::warn!(
+                    acked,
+                    wanted = self.options.replica_acks,
+                    "fewer redis replicas acknowledged a write than asked"
+                );
+            }
+        }
+        Ok(reply)
+    }
+
+    fn replica(&self) -> Option<&Arc<Replica>> {
+        let n = self.replicas.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        (0..n).map(|i| &self.replicas[(start + i) % n]).find(|r| r.healthy.load(Ordering::Relaxed))
+    }
+}
+
+fn keys_of(tag: Tag, keys: impl Iterator<Item = u64>) -> Vec<String> {
+    keys.map(|k| state_key(tag, k)).collect()
+}
+
+#[async_trait]
+impl Store for RedisStore {
+    async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
+        let mut args = Cmd::new();
+        args.arg(now).arg(GRACE_MS);
+        for op in ops {
+            args.arg(&params(&op.limit)[..])
+                .arg(op.cost)
+                .arg(op.shadow as u8)
+                .arg(op.lease.map(lease_hex).unwrap_or_default());
+        }
+        let keys = keys_of(tag, ops.iter().map(|o| o.key));
+        decisions(self.write(&self.scripts.apply, &keys, &args).await?, ops.len())
+    }
+
+    async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
+        let mut args = Cmd::new();
+        args.arg(now);
+        for op in ops {
+            args.arg(&params(&op.limit)[..]);
+        }
+        let keys = keys_of(tag, ops.iter().map(|o| o.key));
+        if let Some(r) = self.replica() {
+            match r.conn.run(&self.scripts.peek, true, &keys, &args).await {
+                Ok(reply) => return decisions(reply, ops.len()),
+                Err(e) => {
+                    // a replica that fails gets no reads until its health check passes
+                    r.healthy.store(false, Ordering::Relaxed);
+                    tracing::warn!(replica = %r.url, error = %e, "redis replica failed a read; using the primary");
+                }
+            }
+        }
+        let reply = self.primary.run(&self.scripts.peek, true, &keys, &args).await.map_err(store_error)?;
+        decisions(reply, ops.len())
+    }
+
+    async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, _now: Millis) -> Result<bool, StoreError> {
+        let mut args = Cmd::new();
+        args.arg(lease_hex(lease));
+        let keys = keys_of(tag, keys.iter().copied());
+        let reply = self.write(&self.scripts.release, &keys, &args).await?;
+        let held: i64 =
+            redis::from_redis_value(reply).map_err(|e| StoreError::Protocol(format!("script reply: {e}")))?;
+        Ok(held == 1)
+    }
+
+    async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
+        let mut args = Cmd::new();
+        args.arg(now).arg(GRACE_MS);
+        for r in refunds {
+            args.arg(&params(&r.limit)[..]).arg(r.cost).arg(r.window);
+        }
+        let keys = keys_of(tag, refunds.iter().map(|r| r.key));
+        self.write(&self.scripts.refund, &keys, &args).await.map(|_| ())
+    }
+
+    async fn ready(&self) -> bool {
+        self.primary.ping().await
+    }
+
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redacted("redis://user:secret@host:6379/0"), "redis://user:***@host:6379/0");
+        assert_eq!(redacted("redis://:secret@host/"), "redis://:***@host/");
+        assert_eq!(redacted("redis://host:6379/"), "redis://host:6379/");
+    }
+
+    #[test]
+    fn keys_share_the_hash_tag() {
+        let k = state_key(Tag(0xab), 0x12);
+        assert_eq!(k, "sluice:{000000000000000000000000000000ab}:0000000000000012");
+    }
+}

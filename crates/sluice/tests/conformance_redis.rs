@@ -1,0 +1,29 @@
+//! The Redis stores against the conformance suite, on real redis-server processes.
+
+use sluice::store::redis::{RedisOptions, RedisStore, ShardedRedisStore};
+use sluice_testkit::RedisServer;
+
+fn options() -> RedisOptions {
+    RedisOptions { timeout: std::time::Duration::from_secs(2), replica_acks: 0 }
+}
+
+sluice::conformance_suite!(redis_node, async {
+    let redis = RedisServer::start();
+    (RedisStore::new(&redis.url(), &[], options()).unwrap(), redis)
+});
+
+// Peeks go to the replica. Each write waits until the replica has it (`replica_acks: 1`),
+// so a peek right after a write sees it, as the suite demands.
+sluice::conformance_suite!(redis_with_replica, async {
+    let primary = RedisServer::start();
+    let replica = RedisServer::replica_of(&primary);
+    let opts = RedisOptions { replica_acks: 1, ..options() };
+    (RedisStore::new(&primary.url(), &[replica.url()], opts).unwrap(), (primary, replica))
+});
+
+sluice::conformance_suite!(redis_sharded, async {
+    let (a, b) = (RedisServer::start(), RedisServer::start());
+    let shards =
+        vec![RedisStore::new(&a.url(), &[], options()).unwrap(), RedisStore::new(&b.url(), &[], options()).unwrap()];
+    (ShardedRedisStore::new(shards), (a, b))
+});
