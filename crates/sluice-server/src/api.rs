@@ -6,7 +6,9 @@
 use serde::{Deserialize, Deserializer, Serialize};
 use sluice::algo::Limit;
 use sluice::config::Unit;
-use sluice::engine::{Code, Descriptor, DescriptorVerdict, Entry, LimitOverride, PolicyDecision, Request, Verdict};
+use sluice::engine::{
+    Code, Descriptor, DescriptorVerdict, Entry, LimitOverride, PolicyDecision, Request, Source, Verdict,
+};
 use sluice::time::ceil_secs;
 
 #[derive(Debug, Deserialize)]
@@ -96,6 +98,13 @@ pub struct ResponseJson {
     pub statuses: Vec<StatusJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_id: Option<String>,
+    /// `fail-open` or `fail-closed` when the store could not answer and the failure
+    /// policy decided.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub degraded: Option<&'static str>,
+    /// Policies in shadow mode that would have refused this request.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub shadow_denials: Vec<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -140,6 +149,10 @@ pub struct PolicyJson {
     pub reset_at_ms: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after_ms: Option<u64>,
+    /// `store`, `near_cache` (a refusal remembered in process), `skipped` (not evaluated:
+    /// another limit of the client refused from the near-cache) or `degraded` (the store
+    /// failed; the failure policy decided, and the numbers are unknown).
+    pub source: &'static str,
 }
 
 fn policy_json(p: &PolicyDecision) -> PolicyJson {
@@ -155,6 +168,12 @@ fn policy_json(p: &PolicyDecision) -> PolicyJson {
         reset: ceil_secs(d.reset_at),
         reset_at_ms: d.reset_at,
         retry_after_ms: d.retry_after,
+        source: match p.source {
+            Source::Store => "store",
+            Source::NearCache(_) => "near_cache",
+            Source::Skipped => "skipped",
+            Source::Degraded => "degraded",
+        },
     }
 }
 
@@ -186,5 +205,7 @@ pub fn response_json(v: &Verdict) -> ResponseJson {
         overall_code: overall.to_string(),
         statuses: v.descriptors.iter().map(|d| status_json(d, v.now)).collect(),
         lease_id: v.lease.as_ref().map(|l| l.to_string()),
+        degraded: v.degraded.map(|f| f.header_value()),
+        shadow_denials: v.shadow_denials().map(|p| p.name.to_string()).collect(),
     }
 }

@@ -69,7 +69,8 @@ async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Resu
     parsed.into_request().map_err(|e| error(StatusCode::BAD_REQUEST, "bad_limit", e))
 }
 
-/// A verdict as a response: status, headers, JSON body.
+/// A verdict as a response: status, headers, JSON body. A fail-closed refusal (503)
+/// carries a JSON `error` beside the statuses.
 fn verdict_response(state: &AppState, v: &sluice::Verdict, status: StatusCode) -> Response {
     let mut resp = (status, axum::Json(response_json(v))).into_response();
     let h = resp.headers_mut();

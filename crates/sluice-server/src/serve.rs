@@ -5,8 +5,9 @@ use crate::cli::ServeArgs;
 use crate::http::{AppState, router};
 use crate::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
 use sluice::Limiter;
-use sluice::config::{ClockKind, DEFAULT_KEY_SECRET, StoreConfig};
-use sluice::store::{MemoryStore, Store};
+use sluice::config::{ClockKind, DEFAULT_KEY_SECRET, LimiterConfig, RedisConnectionConfig, StoreConfig};
+use sluice::store::redis::{RedisOptions, RedisStore, ShardedRedisStore};
+use sluice::store::{MemoryStore, Resilience, Resilient, Store, StoreError};
 use sluice::time::{Clock, CoarseClock, SystemClock};
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,8 +26,12 @@ pub async fn serve(args: ServeArgs) -> Result<(), String> {
         ClockKind::System => Arc::new(SystemClock),
         ClockKind::Coarse => Arc::new(CoarseClock),
     };
-    let store = build_store(&config.store, clock.clone());
-    let limiter = Limiter::new(Arc::new(rules), store, clock);
+    let store = build_store(&config.store, &config.limiter, clock.clone())?;
+    let remote = !matches!(config.store, StoreConfig::Memory { .. });
+    let mut limiter = Limiter::new(Arc::new(rules), store, clock);
+    if remote && config.limiter.near_cache > 0 {
+        limiter = limiter.with_near_cache(config.limiter.near_cache);
+    }
     let state = Arc::new(AppState { limiter, max_body_bytes: config.server.max_body_bytes });
 
     let addr = args.http.unwrap_or(config.server.http);
@@ -40,9 +45,19 @@ pub async fn serve(args: ServeArgs) -> Result<(), String> {
     Ok(())
 }
 
-fn build_store(config: &StoreConfig, clock: Arc<dyn Clock>) -> Arc<dyn Store> {
-    match *config {
-        StoreConfig::Memory { max_keys } => {
+fn build_store(config: &StoreConfig, limiter: &LimiterConfig, clock: Arc<dyn Clock>) -> Result<Arc<dyn Store>, String> {
+    let resilience = Resilience {
+        deadline: Duration::from_millis(limiter.deadline.0),
+        failures: limiter.breaker_failures.max(1),
+        cooldown: Duration::from_millis(limiter.breaker_cooldown.0),
+    };
+    let options = |c: &RedisConnectionConfig| RedisOptions {
+        timeout: Duration::from_millis(c.timeout.0),
+        replica_acks: c.replica_acks,
+    };
+    let redis_error = |e: StoreError| format!("store: {e}");
+    Ok(match config {
+        &StoreConfig::Memory { max_keys } => {
             let store = Arc::new(MemoryStore::new(max_keys));
             let collector = Arc::downgrade(&store);
             // collect expired state in the background so memory follows active clients
@@ -56,7 +71,22 @@ fn build_store(config: &StoreConfig, clock: Arc<dyn Clock>) -> Arc<dyn Store> {
             });
             store
         }
-    }
+        StoreConfig::Redis { url, replicas, connection } => {
+            let store = RedisStore::new(url, replicas, options(connection)).map_err(redis_error)?;
+            Arc::new(Resilient::new(store, resilience))
+        }
+        StoreConfig::RedisSharded { shards, connection } => {
+            if shards.is_empty() {
+                return Err("store.shards is empty: list at least one {primary, replicas}".into());
+            }
+            let shards = shards
+                .iter()
+                .map(|s| RedisStore::new(&s.primary, &s.replicas, options(connection)))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(redis_error)?;
+            Arc::new(Resilient::new(ShardedRedisStore::new(shards), resilience))
+        }
+    })
 }
 
 /// Resolves on SIGINT or SIGTERM.

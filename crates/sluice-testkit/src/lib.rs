@@ -87,7 +87,8 @@ impl Drop for Process {
 pub struct RedisServer {
     process: Process,
     port: u16,
-    _dir: TempDir,
+    extra: Vec<String>,
+    dir: TempDir,
 }
 
 impl RedisServer {
@@ -99,32 +100,24 @@ impl RedisServer {
     /// Starts a redis-server with extra arguments (e.g. `["--replicaof", "127.0.0.1",
     /// "6379"]`).
     pub fn start_with(extra: &[&str]) -> Self {
-        let bin = require("redis-server", "redis-server");
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let mut last_error = String::new();
         // a port found free can be taken before the server binds it: try a few
         for _ in 0..5 {
             let dir = TempDir::new("sluice-redis");
             let port = free_port();
-            let mut cmd = Command::new(&bin);
-            cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-                .args(["--daemonize", "no", "--protected-mode", "yes"])
-                .arg("--dir")
-                .arg(dir.path())
-                .args(extra);
-            let mut process = match Process::spawn(&mut cmd) {
-                Ok(p) => p,
-                Err(e) => panic!("cannot start {}: {e}", bin.display()),
-            };
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline && !process.exited() {
-                if ping(port).is_ok() {
-                    return Self { process, port, _dir: dir };
-                }
-                std::thread::sleep(Duration::from_millis(20));
+            match launch(port, &dir, &extra) {
+                Ok(process) => return Self { process, port, extra, dir },
+                Err(e) => last_error = e,
             }
-            last_error = format!("redis-server on port {port} did not answer PING");
         }
         panic!("{last_error}")
+    }
+
+    /// Starts the server again on the same port (after [`RedisServer::kill`]), empty.
+    pub fn restart(&mut self) {
+        self.process.kill();
+        self.process = launch(self.port, &self.dir, &self.extra).unwrap_or_else(|e| panic!("restart: {e}"));
     }
 
     /// A replica of `primary`, returned once its replication link is up and in sync.
@@ -181,6 +174,26 @@ impl RedisServer {
     pub fn kill(&mut self) {
         self.process.kill();
     }
+}
+
+/// Starts redis-server on `port` and waits (up to 10 s) until it answers PING.
+fn launch(port: u16, dir: &TempDir, extra: &[String]) -> Result<Process, String> {
+    let bin = require("redis-server", "redis-server");
+    let mut cmd = Command::new(&bin);
+    cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args(["--daemonize", "no", "--protected-mode", "yes"])
+        .arg("--dir")
+        .arg(dir.path())
+        .args(extra);
+    let mut process = Process::spawn(&mut cmd).map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline && !process.exited() {
+        if ping(port).is_ok() {
+            return Ok(process);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(format!("redis-server on port {port} did not answer PING"))
 }
 
 fn send(port: u16, line: &str) -> std::io::Result<String> {

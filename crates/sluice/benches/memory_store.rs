@@ -122,6 +122,7 @@ fn engine(c: &mut Criterion) {
                 policies: vec![],
                 descriptors: vec![],
                 shadow_mode: false,
+                failure: None,
                 detailed_metric: false,
             }],
             shadow_mode: false,

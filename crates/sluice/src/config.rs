@@ -65,6 +65,48 @@ pub enum StoreConfig {
         #[serde(default = "default_max_keys")]
         max_keys: usize,
     },
+    /// One Redis primary (`url`), with optional read replicas for status reads.
+    Redis {
+        /// `redis://[user:password@]host:port[/db]` (or `rediss://` for TLS).
+        url: String,
+        #[serde(default)]
+        replicas: Vec<String>,
+        #[serde(flatten)]
+        connection: RedisConnectionConfig,
+    },
+    /// GitHub's client-side sharding: each client on one of several replicated groups.
+    RedisSharded {
+        shards: Vec<RedisShardConfig>,
+        #[serde(flatten)]
+        connection: RedisConnectionConfig,
+    },
+}
+
+/// One shard of `redis_sharded`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisShardConfig {
+    pub primary: String,
+    #[serde(default)]
+    pub replicas: Vec<String>,
+}
+
+/// Connection settings shared by the Redis stores.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(default)]
+pub struct RedisConnectionConfig {
+    /// Bounds connecting and each reply (the engine's `limiter.deadline` is usually
+    /// shorter and decides first).
+    pub timeout: Duration,
+    /// Replicas that must acknowledge each write (`WAIT`) before it counts; 0 does not
+    /// wait. See docs/operations.md.
+    pub replica_acks: u32,
+}
+
+impl Default for RedisConnectionConfig {
+    fn default() -> Self {
+        Self { timeout: Duration(1_000), replica_acks: 0 }
+    }
 }
 
 fn default_max_keys() -> usize {
@@ -87,6 +129,41 @@ pub struct LimiterConfig {
     /// Where `now` comes from: `system` (precise to the millisecond) or `coarse` (the
     /// kernel tick, 1 to 4 ms, about ten times cheaper to read; see [`crate::time::CoarseClock`]).
     pub clock: ClockKind,
+    /// What a request gets when the store cannot answer in time: `open` (allowed, the
+    /// default, as Stripe's limiters do) or `closed` (refused with 503). Descriptors and
+    /// policies can override it with their own `failure`.
+    pub failure: Failure,
+    /// Longest a store call may take before the failure policy decides.
+    pub deadline: Duration,
+    /// The circuit breaker: after this many consecutive store failures, skip the store
+    /// for `breaker_cooldown`, then let one call through to probe it.
+    pub breaker_failures: u32,
+    pub breaker_cooldown: Duration,
+    /// Most refusals remembered in process memory, so a client already refused costs the
+    /// store nothing until its retry time. 0 turns the near-cache off. Not used with the
+    /// memory store, which is as fast as the cache.
+    pub near_cache: usize,
+}
+
+/// `failure`: what a request gets when the store cannot answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Failure {
+    /// Allowed, and marked `x-sluice-degraded: fail-open`.
+    #[default]
+    Open,
+    /// Refused with 503, and marked `x-sluice-degraded: fail-closed`.
+    Closed,
+}
+
+impl Failure {
+    /// The `x-sluice-degraded` value.
+    pub fn header_value(self) -> &'static str {
+        match self {
+            Failure::Open => "fail-open",
+            Failure::Closed => "fail-closed",
+        }
+    }
 }
 
 /// `limiter.clock`.
@@ -103,7 +180,15 @@ pub const DEFAULT_KEY_SECRET: &str = "sluice-default-secret-change-me";
 
 impl Default for LimiterConfig {
     fn default() -> Self {
-        Self { key_secret: DEFAULT_KEY_SECRET.into(), clock: ClockKind::System }
+        Self {
+            key_secret: DEFAULT_KEY_SECRET.into(),
+            clock: ClockKind::System,
+            failure: Failure::Open,
+            deadline: Duration(100),
+            breaker_failures: 5,
+            breaker_cooldown: Duration(1_000),
+            near_cache: 100_000,
+        }
     }
 }
 
@@ -156,6 +241,9 @@ pub struct DescriptorConfig {
     pub descriptors: Vec<DescriptorConfig>,
     #[serde(default)]
     pub shadow_mode: bool,
+    /// Sluice's extension: the failure policy of this rule's limits and those below it.
+    #[serde(default)]
+    pub failure: Option<Failure>,
     /// Accepted for compatibility; per-value metrics come with the metrics endpoint.
     #[serde(default)]
     pub detailed_metric: bool,
@@ -199,6 +287,8 @@ pub struct PolicyConfig {
     pub concurrency: Option<ConcurrencyConfig>,
     #[serde(default)]
     pub shadow_mode: bool,
+    #[serde(default)]
+    pub failure: Option<Failure>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]

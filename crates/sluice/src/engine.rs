@@ -9,7 +9,8 @@
 //! or nowhere.
 
 use crate::algo::{Decision, Lease, Limit, MAX_EXACT, Op};
-use crate::config::Unit;
+use crate::config::{Failure, Unit};
+use crate::near_cache::NearCache;
 use crate::rules::{Policy, Rules};
 use crate::store::{Refund, Store, StoreError};
 use crate::tag::Tag;
@@ -157,6 +158,19 @@ impl fmt::Display for Code {
     }
 }
 
+/// Where a decision came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The store's answer.
+    Store,
+    /// A refusal remembered by the near-cache; the op at this index of its group.
+    NearCache(usize),
+    /// Not evaluated: another policy of the same client was refused from the near-cache.
+    Skipped,
+    /// The store failed; the policy's failure policy decided.
+    Degraded,
+}
+
 /// One policy's decision.
 #[derive(Debug, Clone)]
 pub struct PolicyDecision {
@@ -164,6 +178,7 @@ pub struct PolicyDecision {
     pub limit: Limit,
     pub shadow: bool,
     pub decision: Decision,
+    pub source: Source,
 }
 
 /// One descriptor's outcome.
@@ -189,7 +204,8 @@ impl DescriptorVerdict {
 #[derive(Debug, Clone)]
 pub struct Verdict {
     pub allowed: bool,
-    /// HTTP status: 200, or 429 over a limit.
+    /// HTTP status: 200; 429 over a limit; 503 refused by a fail-closed policy whose
+    /// store failed.
     pub status: u16,
     pub descriptors: Vec<DescriptorVerdict>,
     /// `(descriptor, policy)` of the decision the headers report: the refusal with the
@@ -197,6 +213,9 @@ pub struct Verdict {
     pub binding: Option<(usize, usize)>,
     /// The lease taken, for [`Limiter::release`] (`Mode::Acquire`).
     pub lease: Option<LeaseId>,
+    /// Set when a store call failed and the failure policy decided: the stricter policy
+    /// met (`x-sluice-degraded`).
+    pub degraded: Option<Failure>,
     /// When the decision was made.
     pub now: Millis,
     charges: Vec<(Tag, Refund)>,
@@ -256,7 +275,18 @@ impl std::str::FromStr for LeaseId {
 struct Group {
     tag: Tag,
     ops: Vec<Op>,
+    /// Each op's failure policy.
+    failures: Vec<Failure>,
     slots: Vec<(usize, usize)>,
+}
+
+/// How long a fail-closed refusal tells the client to wait, in ms.
+const FAIL_CLOSED_RETRY: Millis = 1_000;
+
+/// The placeholder decision of a policy that was not evaluated: allowed, nothing known.
+fn unevaluated(limit: &Limit) -> Decision {
+    let capacity = limit.capacity();
+    Decision { allowed: true, limit: capacity, used: 0, remaining: capacity, reset_at: 0, retry_after: None }
 }
 
 /// The decision engine.
@@ -264,12 +294,26 @@ pub struct Limiter {
     rules: Arc<Rules>,
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
+    near_cache: Option<NearCache>,
 }
 
 impl Limiter {
     /// An engine over compiled rules, a store and a clock.
     pub fn new(rules: Arc<Rules>, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
-        Self { rules, store, clock }
+        Self { rules, store, clock, near_cache: None }
+    }
+
+    /// Remembers refusals in process memory (see [`crate::near_cache`]), up to
+    /// `capacity` of them. Worth it in front of a remote store; the memory store is as
+    /// fast as the cache.
+    pub fn with_near_cache(mut self, capacity: usize) -> Self {
+        self.near_cache = Some(NearCache::new(capacity));
+        self
+    }
+
+    /// Refusals answered from the near-cache so far.
+    pub fn near_cache_hits(&self) -> u64 {
+        self.near_cache.as_ref().map_or(0, NearCache::hits)
     }
 
     /// The rules in force.
@@ -295,43 +339,46 @@ impl Limiter {
             _ => None,
         };
         let (mut descriptors, groups) = self.plan(req, mode, lease)?;
-        let mut results = Vec::with_capacity(groups.len());
-        match mode {
-            Mode::Refund => {
-                for g in &groups {
-                    let refunds: Vec<Refund> = g.ops.iter().map(|o| refund_of(o, o.cost, 0)).collect();
-                    let refunds = self.current_windows(g, refunds, now).await?;
-                    self.store.refund(g.tag, &refunds, now).await?;
-                }
-            }
-            _ => {
-                let calls = groups.iter().map(|g| async move {
-                    if g.ops.is_empty() {
-                        return Ok(Vec::new());
-                    }
-                    match mode {
-                        Mode::Peek => self.store.peek(g.tag, &g.ops, now).await,
-                        _ => self.store.apply(g.tag, &g.ops, now).await,
-                    }
-                });
-                for r in futures_util::future::join_all(calls).await {
-                    results.push(r?);
-                }
+        if mode == Mode::Refund {
+            for g in &groups {
+                let refunds: Vec<Refund> = g.ops.iter().map(|o| refund_of(o, o.cost, 0)).collect();
+                let refunds = self.current_windows(g, refunds, now).await?;
+                self.store.refund(g.tag, &refunds, now).await?;
+                self.forget(g.tag, &refunds);
             }
         }
+        let results = match mode {
+            Mode::Refund => Vec::new(),
+            _ => futures_util::future::join_all(groups.iter().map(|g| self.evaluate(g, mode, now))).await,
+        };
         let mut charges = Vec::new();
         let mut group_allowed = Vec::with_capacity(groups.len());
-        for (g, decisions) in groups.iter().zip(&results) {
+        let mut degraded = None;
+        for (g, result) in groups.iter().zip(results) {
+            let (decisions, source) = match result {
+                Ok(answer) => answer,
+                Err(e) => {
+                    let failed = self.fail(g, &e, now);
+                    degraded = degraded.max(Some(failed.1));
+                    (failed.0, Source::Degraded)
+                }
+            };
             if decisions.len() != g.ops.len() {
-                return Err(
-                    StoreError::Protocol(format!("{} decisions for {} ops", decisions.len(), g.ops.len())).into()
-                );
+                let e = StoreError::Protocol(format!("{} decisions for {} ops", decisions.len(), g.ops.len()));
+                return Err(e.into());
             }
-            let allowed = g.ops.iter().zip(decisions).all(|(o, d)| o.shadow || d.allowed);
+            let allowed = g.ops.iter().zip(&decisions).all(|(o, d)| o.shadow || d.allowed);
             group_allowed.push(allowed);
-            for ((op, d), &(di, pi)) in g.ops.iter().zip(decisions).zip(&g.slots) {
-                descriptors[di].policies[pi].decision = *d;
-                if allowed && d.allowed && op.cost > 0 && mode == Mode::Charge {
+            for (i, ((op, d), &(di, pi))) in g.ops.iter().zip(&decisions).zip(&g.slots).enumerate() {
+                let p = &mut descriptors[di].policies[pi];
+                p.decision = *d;
+                p.source = match source {
+                    // a refusal from the near-cache stands for its own op; the others
+                    // of the group were not evaluated
+                    Source::NearCache(at) if at != i => Source::Skipped,
+                    s => s,
+                };
+                if allowed && d.allowed && op.cost > 0 && mode == Mode::Charge && source == Source::Store {
                     charges.push((g.tag, refund_of(op, op.cost, d.reset_at)));
                 }
             }
@@ -342,9 +389,11 @@ impl Limiter {
             self.give_back(&charges, now).await?;
             charges.clear();
         }
+        let mut over_limit = false;
         for d in &mut descriptors {
-            if d.policies.iter().any(|p| !p.shadow && !p.decision.allowed) {
+            if d.policies.iter().any(|p| !p.shadow && !p.decision.allowed && p.source != Source::Degraded) {
                 d.code = Code::OverLimit;
+                over_limit = true;
             }
         }
         let lease = match (lease, allowed) {
@@ -355,8 +404,74 @@ impl Limiter {
             }),
             _ => None,
         };
+        let status = match (allowed, over_limit) {
+            (true, _) => 200,
+            (false, true) => 429,
+            // refused only because a fail-closed policy's store failed
+            (false, false) => 503,
+        };
         let binding = binding(&descriptors);
-        Ok(Verdict { allowed, status: if allowed { 200 } else { 429 }, descriptors, binding, lease, now, charges })
+        Ok(Verdict { allowed, status, descriptors, binding, lease, degraded, now, charges })
+    }
+
+    /// One group's decisions: from the near-cache when it holds a refusal for one of
+    /// the group's ops (no store call), else from the store.
+    async fn evaluate(&self, g: &Group, mode: Mode, now: Millis) -> Result<(Vec<Decision>, Source), StoreError> {
+        if g.ops.is_empty() {
+            return Ok((Vec::new(), Source::Store));
+        }
+        if mode == Mode::Charge
+            && let Some(cache) = &self.near_cache
+        {
+            for (i, op) in g.ops.iter().enumerate() {
+                if let Some(denied) = cache.get(g.tag, op, now) {
+                    let mut decisions: Vec<Decision> = g.ops.iter().map(|o| unevaluated(&o.limit)).collect();
+                    decisions[i] = denied;
+                    return Ok((decisions, Source::NearCache(i)));
+                }
+            }
+        }
+        let decisions = match mode {
+            Mode::Peek => self.store.peek(g.tag, &g.ops, now).await?,
+            _ => self.store.apply(g.tag, &g.ops, now).await?,
+        };
+        if mode == Mode::Charge
+            && let Some(cache) = &self.near_cache
+        {
+            for (op, d) in g.ops.iter().zip(&decisions) {
+                cache.put(g.tag, op, d, now);
+            }
+        }
+        Ok((decisions, Source::Store))
+    }
+
+    /// Decisions for a group whose store call failed, by each policy's failure policy:
+    /// fail-open allows, fail-closed refuses. Returns them and the stricter policy met.
+    fn fail(&self, g: &Group, e: &StoreError, now: Millis) -> (Vec<Decision>, Failure) {
+        tracing::warn!(error = %e, "store call failed; applying the failure policy");
+        let mut worst = Failure::Open;
+        let decisions = g
+            .ops
+            .iter()
+            .zip(&g.failures)
+            .map(|(op, &f)| {
+                worst = worst.max(f);
+                let mut d = unevaluated(&op.limit);
+                if f == Failure::Closed && !op.shadow {
+                    d.allowed = false;
+                    d.reset_at = now + FAIL_CLOSED_RETRY;
+                    d.retry_after = Some(FAIL_CLOSED_RETRY);
+                }
+                d
+            })
+            .collect();
+        (decisions, worst)
+    }
+
+    fn forget(&self, tag: Tag, refunds: &[Refund]) {
+        if let Some(cache) = &self.near_cache {
+            cache.forget(tag, refunds.iter().map(|r| r.key));
+        }
     }
 
     /// Gives back everything `verdict` charged (GitHub's rule: a `304 Not Modified` costs
@@ -376,6 +491,7 @@ impl Limiter {
         for tag in tags {
             let refunds: Vec<Refund> = charges.iter().filter(|(t, _)| *t == tag).map(|(_, r)| *r).collect();
             self.store.refund(tag, &refunds, now).await?;
+            self.forget(tag, &refunds);
         }
         Ok(())
     }
@@ -425,7 +541,8 @@ impl Limiter {
                     let limit =
                         Limit::FixedWindow { limit: o.requests_per_unit, window: o.unit.millis(), aligned: false };
                     limit.validate().map_err(|e| RequestError::BadLimit { descriptor: di, message: e.to_string() })?;
-                    override_policy = [Policy { name: "override".into(), limit, shadow: false }];
+                    override_policy =
+                        [Policy { name: "override".into(), limit, shadow: false, failure: rules.default_failure }];
                     &override_policy
                 }
                 (None, Some(n)) => &n.policies,
@@ -462,23 +579,18 @@ impl Limiter {
                     name: p.name.clone(),
                     limit: p.limit,
                     shadow: p.shadow,
-                    decision: Decision {
-                        allowed: true,
-                        limit: capacity,
-                        used: 0,
-                        remaining: capacity,
-                        reset_at: 0,
-                        retry_after: None,
-                    },
+                    decision: unevaluated(&p.limit),
+                    source: Source::Store,
                 });
                 match groups.iter_mut().find(|g| g.tag == tag) {
                     Some(g) if !g.ops.iter().any(|o| o.key == op.key) => {
                         g.ops.push(op);
+                        g.failures.push(p.failure);
                         g.slots.push(slot);
                     }
                     // the same state twice in one request (two identical descriptors):
                     // a separate call keeps each op's decision its own
-                    _ => groups.push(Group { tag, ops: vec![op], slots: vec![slot] }),
+                    _ => groups.push(Group { tag, ops: vec![op], failures: vec![p.failure], slots: vec![slot] }),
                 }
             }
             descriptors.push(verdict);
@@ -539,7 +651,7 @@ fn binding(descriptors: &[DescriptorVerdict]) -> Option<(usize, usize)> {
 }
 
 fn most_binding<'a, K>(all: impl Iterator<Item = (K, &'a PolicyDecision)>) -> Option<K> {
-    all.filter(|(_, p)| !p.shadow)
+    all.filter(|(_, p)| !p.shadow && matches!(p.source, Source::Store | Source::NearCache(_)))
         .min_by_key(|(_, p)| {
             let d = &p.decision;
             (d.allowed, std::cmp::Reverse(d.retry_after.unwrap_or(0)), d.remaining)

@@ -12,6 +12,13 @@ use crate::time::ceil_secs;
 /// The headers for a verdict, as `(name, value)` pairs in lower case.
 pub fn render(v: &Verdict, cfg: &HeadersConfig) -> Vec<(&'static str, String)> {
     let mut out = Vec::new();
+    if let Some(f) = v.degraded {
+        // decided by the failure policy, not by the store: say so, and invent no numbers
+        out.push(("x-sluice-degraded", f.header_value().to_string()));
+        if v.status == 503 {
+            out.push(("retry-after", "1".to_string()));
+        }
+    }
     let Some(b) = v.binding() else { return out };
     let d = &b.decision;
     if cfg.github {
@@ -34,7 +41,7 @@ pub fn render(v: &Verdict, cfg: &HeadersConfig) -> Vec<(&'static str, String)> {
         let t = ceil_secs(d.retry_after.unwrap_or_else(|| d.reset_at.saturating_sub(v.now)));
         out.push(("ratelimit", format!("\"{}\";r={};t={}", b.name, d.remaining, t)));
     }
-    if let Some(wait) = d.retry_after.filter(|_| !v.allowed) {
+    if let Some(wait) = d.retry_after.filter(|_| !v.allowed && v.status == 429) {
         out.push(("retry-after", ceil_secs(wait).to_string()));
     }
     out

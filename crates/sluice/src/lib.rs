@@ -12,6 +12,7 @@ pub mod algo;
 pub mod config;
 pub mod engine;
 pub mod headers;
+pub mod near_cache;
 pub mod rules;
 pub mod store;
 pub mod tag;

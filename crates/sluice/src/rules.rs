@@ -7,7 +7,7 @@
 //! descriptor that falls off the tree matches nothing and is allowed.
 
 use crate::algo::Limit;
-use crate::config::{Config, DescriptorConfig, DomainConfig, HeadersConfig};
+use crate::config::{Config, DescriptorConfig, DomainConfig, Failure, HeadersConfig};
 use crate::tag::{Tag, Tagger};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,6 +20,8 @@ pub struct Policy {
     pub limit: Limit,
     /// Counted and reported, never enforced.
     pub shadow: bool,
+    /// What a request gets when the store cannot answer.
+    pub failure: Failure,
 }
 
 /// A rule node reached by a descriptor.
@@ -90,6 +92,8 @@ pub struct Rules {
     domains: HashMap<String, Domain>,
     pub headers: HeadersConfig,
     pub tagger: Tagger,
+    /// The failure policy of limits that come with a request (Envoy's `limit`).
+    pub default_failure: Failure,
 }
 
 /// A config that cannot be compiled: where (a path like
@@ -111,13 +115,18 @@ impl Rules {
         let mut domains = HashMap::new();
         for (i, d) in config.domains.iter().enumerate() {
             let path = format!("domains[{i}] (domain {})", d.domain);
-            let domain = compile_domain(d, &path)?;
+            let domain = compile_domain(d, config.limiter.failure, &path)?;
             if domains.insert(domain.name.clone(), domain).is_some() {
                 let message = format!("domain '{}' is defined twice; merge the two", d.domain);
                 return Err(RuleError { path, message, anchors: vec![d.domain.0.clone(), d.domain.0.clone()] });
             }
         }
-        Ok(Self { domains, headers: config.headers, tagger: Tagger::new(&config.limiter.key_secret) })
+        Ok(Self {
+            domains,
+            headers: config.headers,
+            tagger: Tagger::new(&config.limiter.key_secret),
+            default_failure: config.limiter.failure,
+        })
     }
 
     /// A domain's rules.
@@ -133,19 +142,27 @@ impl Rules {
     }
 }
 
-fn compile_domain(d: &DomainConfig, path: &str) -> Result<Domain, RuleError> {
+fn compile_domain(d: &DomainConfig, failure: Failure, path: &str) -> Result<Domain, RuleError> {
     let mut root = Level::default();
     let anchors = vec![d.domain.0.clone()];
     for (i, c) in d.descriptors.iter().enumerate() {
-        add(&mut root, c, d.shadow_mode, &[], &anchors, &format!("{path}.descriptors[{i}]"))?;
+        let inherited = Inherited { shadow: d.shadow_mode, failure };
+        add(&mut root, c, inherited, &[], &anchors, &format!("{path}.descriptors[{i}]"))?;
     }
     Ok(Domain { name: d.domain.0.clone(), client_key: d.client_key.clone(), root })
+}
+
+/// What a rule takes from the rules above it.
+#[derive(Clone, Copy)]
+struct Inherited {
+    shadow: bool,
+    failure: Failure,
 }
 
 fn add(
     level: &mut Level,
     c: &DescriptorConfig,
-    shadow: bool,
+    inherited: Inherited,
     parents: &[String],
     anchors: &[String],
     path: &str,
@@ -156,7 +173,8 @@ fn add(
     if c.key.is_empty() {
         return Err(err("`key` must not be empty".into()));
     }
-    let shadow = shadow || c.shadow_mode;
+    let shadow = inherited.shadow || c.shadow_mode;
+    let failure = c.failure.unwrap_or(inherited.failure);
     let here = match &c.value {
         Some(v) => format!("{}_{}", c.key, v),
         None => c.key.clone(),
@@ -174,7 +192,7 @@ fn add(
             let limit = Limit::FixedWindow { limit: rpu, window: unit.millis(), aligned: false };
             limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
             let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&chain));
-            node.policies.push(Policy { name: name.into(), limit, shadow });
+            node.policies.push(Policy { name: name.into(), limit, shadow, failure });
         }
     }
     for (j, p) in c.policies.iter().enumerate() {
@@ -186,13 +204,19 @@ fn add(
         if node.policies.iter().any(|q| *q.name == *p.name.0) {
             return Err(err(format!("two limits on this descriptor are named '{}'; names must differ", p.name)));
         }
-        node.policies.push(Policy { name: p.name.0.as_str().into(), limit, shadow: shadow || p.shadow_mode });
+        node.policies.push(Policy {
+            name: p.name.0.as_str().into(),
+            limit,
+            shadow: shadow || p.shadow_mode,
+            failure: p.failure.unwrap_or(failure),
+        });
     }
     if node.unlimited && !node.policies.is_empty() {
         return Err(err("an `unlimited` rule cannot also have `policies`".into()));
     }
     for (j, child) in c.descriptors.iter().enumerate() {
-        add(&mut node.children, child, shadow, &chain, &anchors, &format!("{path}.descriptors[{j}]"))?;
+        let inherited = Inherited { shadow, failure };
+        add(&mut node.children, child, inherited, &chain, &anchors, &format!("{path}.descriptors[{j}]"))?;
     }
     let rules = level.by_key.entry(c.key.clone()).or_default();
     let slot = match &c.value {

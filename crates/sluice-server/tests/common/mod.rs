@@ -20,13 +20,24 @@ pub fn bin() -> &'static str {
 
 /// Starts `sluice serve` with `domains_yaml` as the `domains:` section, on a free port.
 pub fn start(domains_yaml: &str) -> Sluice {
+    start_with("", domains_yaml)
+}
+
+/// Starts `sluice serve` with more top-level config (`store:`, `limiter:` ...) before
+/// the `domains:` section.
+pub fn start_with(sections: &str, domains_yaml: &str) -> Sluice {
     let dir = TempDir::new("sluice-test");
     let port = free_port();
     let config = dir.path().join("sluice.yaml");
-    std::fs::write(&config, format!("server:\n  http: 127.0.0.1:{port}\ndomains:\n{domains_yaml}")).unwrap();
+    std::fs::write(&config, format!("server:\n  http: 127.0.0.1:{port}\n{sections}domains:\n{domains_yaml}")).unwrap();
     let process = Process::spawn(Command::new(bin()).arg("serve").arg("--config").arg(&config)).expect("start sluice");
     assert!(wait_for_port(port, Duration::from_secs(10)), "sluice did not start listening on {port}");
     Sluice { process, base: format!("http://127.0.0.1:{port}"), dir }
+}
+
+/// POSTs one descriptor to `/v1/ratelimit`.
+pub async fn hit(client: &reqwest::Client, base: &str, domain: &str, entries: &[(&str, &str)]) -> reqwest::Response {
+    client.post(format!("{base}/v1/ratelimit")).json(&body(domain, entries)).send().await.unwrap()
 }
 
 /// A rate limit request body for one descriptor.

@@ -8,6 +8,7 @@ pub mod conformance;
 pub mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
+pub mod resilient;
 
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::tag::Tag;
@@ -15,6 +16,7 @@ use crate::time::Millis;
 use async_trait::async_trait;
 
 pub use memory::MemoryStore;
+pub use resilient::{Resilience, Resilient};
 
 /// A charge to give back: `cost` on the state `key`, in the window the charging
 /// decision reported as `reset_at`.
@@ -35,6 +37,8 @@ pub enum StoreError {
     Timeout(Millis),
     #[error("store answered something unexpected: {0}")]
     Protocol(String),
+    #[error("store skipped: its circuit breaker is open after repeated failures")]
+    CircuitOpen,
 }
 
 /// A place where limiter state lives.

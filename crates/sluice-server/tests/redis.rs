@@ -1,0 +1,210 @@
+//! `sluice serve` on Redis, end to end: real sluice processes, real redis-server
+//! processes (a primary and a replica), GitHub's two bugs, failures and floods.
+
+mod common;
+
+use common::{body, header, hit, num, start_with};
+use sluice_testkit::RedisServer;
+use std::time::{Duration, Instant};
+
+fn redis_store(primary: &RedisServer, replicas: &[&RedisServer]) -> String {
+    let replicas: Vec<String> = replicas.iter().map(|r| format!("\"{}\"", r.url())).collect();
+    format!("store:\n  kind: redis\n  url: {}\n  replicas: [{}]\n", primary.url(), replicas.join(", "))
+}
+
+fn rule(limit: u64, unit: &str) -> String {
+    format!(
+        "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {{unit: {unit}, requests_per_unit: {limit}}}\n"
+    )
+}
+
+/// Two sluice processes sharing one primary with one replica admit exactly 100 of 300
+/// concurrent requests for a client whose limit is 100.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_share_one_exact_limit() {
+    let primary = RedisServer::start();
+    let replica = RedisServer::replica_of(&primary);
+    let store = redis_store(&primary, &[&replica]);
+    let (a, b) = (start_with(&store, &rule(100, "hour")), start_with(&store, &rule(100, "hour")));
+    let client = reqwest::Client::new();
+    let tasks: Vec<_> = (0..300)
+        .map(|i| {
+            let base = if i % 2 == 0 { a.base.clone() } else { b.base.clone() };
+            let client = client.clone();
+            tokio::spawn(async move { hit(&client, &base, "d", &[("user", "shared")]).await.status().as_u16() })
+        })
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        ok += (t.await.unwrap() == 200) as u32;
+    }
+    assert_eq!(ok, 100);
+}
+
+/// GitHub's first bug, the wobble: requests spread over a window, across many second
+/// boundaries, all see one and the same `x-ratelimit-reset`.
+#[tokio::test]
+async fn the_reset_does_not_wobble() {
+    let redis = RedisServer::start();
+    let s = start_with(&redis_store(&redis, &[]), &rule(1000, "minute"));
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    let mut resets = std::collections::BTreeSet::new();
+    while started.elapsed() < Duration::from_millis(3_300) {
+        let r = hit(&client, &s.base, "d", &[("user", "w")]).await;
+        assert_eq!(r.status(), 200);
+        resets.insert(num(&r, "x-ratelimit-reset"));
+        tokio::time::sleep(Duration::from_millis(37)).await;
+    }
+    assert_eq!(resets.len(), 1, "x-ratelimit-reset wobbled: {resets:?}");
+}
+
+/// GitHub's second bug, the stale replica: after a window's stored reset, while the
+/// replica still holds the old keys, a status read served by the replica reports the full
+/// limit, and the next decision reports `limit - 1`. No response is a 429 with remaining
+/// above 0. Status reads are served by the replica (its script calls rise).
+#[tokio::test]
+async fn a_stale_replica_reports_a_fresh_window() {
+    let primary = RedisServer::start();
+    let replica = RedisServer::replica_of(&primary);
+    let s = start_with(&redis_store(&primary, &[&replica]), &rule(3, "second"));
+    let client = reqwest::Client::new();
+    let status = || client.get(format!("{}/v1/ratelimit?domain=d&user=stale", s.base)).send();
+    let mut reset = 0;
+    for i in 0..5 {
+        let r = hit(&client, &s.base, "d", &[("user", "stale")]).await;
+        reset = num(&r, "x-ratelimit-reset");
+        if r.status() == 429 {
+            assert_eq!(num(&r, "x-ratelimit-remaining"), 0, "a 429 with remaining above 0");
+        } else {
+            assert!(i < 3);
+        }
+    }
+    let before = replica.script_calls();
+    let r = status().await.unwrap();
+    assert_eq!(num(&r, "x-ratelimit-remaining"), 0);
+    assert!(replica.script_calls() > before, "status reads must be served by the replica");
+    // wait until just past the stored reset (in ms, from the body), well inside the
+    // grace period during which both servers still hold the window's keys
+    let json: serde_json::Value = r.json().await.unwrap();
+    let reset_ms = json["statuses"][0]["policies"][0]["reset_at_ms"].as_u64().unwrap();
+    assert_eq!(reset, reset_ms.div_ceil(1000));
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    tokio::time::sleep(Duration::from_millis(reset_ms.saturating_sub(now_ms) + 50)).await;
+    let keys = replica.command("KEYS sluice:*").unwrap();
+    assert!(!keys.starts_with("*0"), "the replica should still hold the old window's keys: {keys}");
+    let r = status().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(num(&r, "x-ratelimit-remaining"), 3, "the replica's stale window must read as fresh");
+    let r = hit(&client, &s.base, "d", &[("user", "stale")]).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(num(&r, "x-ratelimit-remaining"), 2);
+}
+
+/// Killing the redis-server mid-run: every decision answers within the deadline plus
+/// 50 ms, fail-open with 200 and `x-sluice-degraded: fail-open`; `/healthz` stays 200,
+/// `/readyz` says not ready. Restarted, decisions are exact again within 2 s.
+#[tokio::test]
+async fn a_dead_redis_fails_open_fast_and_recovers() {
+    let mut redis = RedisServer::start();
+    let s = start_with(&format!("{}limiter:\n  deadline: 100ms\n", redis_store(&redis, &[])), &rule(5, "hour"));
+    let client = reqwest::Client::new();
+    for _ in 0..5 {
+        assert_eq!(hit(&client, &s.base, "d", &[("user", "k")]).await.status(), 200);
+    }
+    assert_eq!(hit(&client, &s.base, "d", &[("user", "k")]).await.status(), 429);
+    redis.kill();
+    let mut slowest = Duration::ZERO;
+    for i in 0..30 {
+        let t = Instant::now();
+        let r = hit(&client, &s.base, "d", &[("user", &format!("k{i}"))]).await;
+        slowest = slowest.max(t.elapsed());
+        assert_eq!(r.status(), 200);
+        assert_eq!(header(&r, "x-sluice-degraded"), "fail-open");
+        assert_eq!(header(&r, "x-ratelimit-remaining"), "", "no invented numbers when degraded");
+    }
+    assert!(slowest <= Duration::from_millis(150), "a decision took {slowest:?} with redis down");
+    assert_eq!(client.get(format!("{}/healthz", s.base)).send().await.unwrap().status(), 200);
+    assert_eq!(client.get(format!("{}/readyz", s.base)).send().await.unwrap().status(), 503);
+    redis.restart();
+    let back = Instant::now();
+    loop {
+        let r = hit(&client, &s.base, "d", &[("user", "after")]).await;
+        if header(&r, "x-sluice-degraded").is_empty() {
+            assert_eq!(num(&r, "x-ratelimit-remaining"), 4);
+            break;
+        }
+        assert!(back.elapsed() < Duration::from_secs(2), "still degraded 2 s after redis came back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for left in (0..4).rev() {
+        assert_eq!(num(&hit(&client, &s.base, "d", &[("user", "after")]).await, "x-ratelimit-remaining"), left);
+    }
+    assert_eq!(hit(&client, &s.base, "d", &[("user", "after")]).await.status(), 429, "exact again");
+    assert_eq!(client.get(format!("{}/readyz", s.base)).send().await.unwrap().status(), 200);
+}
+
+/// A fail-closed policy answers 503 with a clear error when the store is down.
+#[tokio::test]
+async fn fail_closed_refuses_with_503() {
+    let mut redis = RedisServer::start();
+    let domains = "  - domain: d\n    descriptors:\n      - key: user\n        failure: closed\n        rate_limit: {unit: hour, requests_per_unit: 5}\n";
+    let s = start_with(&redis_store(&redis, &[]), domains);
+    let client = reqwest::Client::new();
+    assert_eq!(hit(&client, &s.base, "d", &[("user", "c")]).await.status(), 200);
+    redis.kill();
+    let r = hit(&client, &s.base, "d", &[("user", "c")]).await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(header(&r, "x-sluice-degraded"), "fail-closed");
+    assert_eq!(header(&r, "retry-after"), "1");
+    let json: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(json["degraded"], "fail-closed");
+}
+
+/// Redis unreachable at start: sluice starts anyway (`/healthz` 200, `/readyz` 503) and
+/// connects by itself once Redis is there.
+#[tokio::test]
+async fn starts_without_redis_and_connects_later() {
+    let mut redis = RedisServer::start();
+    redis.kill();
+    let s = start_with(&redis_store(&redis, &[]), &rule(5, "hour"));
+    let client = reqwest::Client::new();
+    assert_eq!(client.get(format!("{}/healthz", s.base)).send().await.unwrap().status(), 200);
+    assert_eq!(client.get(format!("{}/readyz", s.base)).send().await.unwrap().status(), 503);
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while client.get(format!("{}/readyz", s.base)).send().await.unwrap().status() != 200 {
+        assert!(Instant::now() < deadline, "never became ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let r = hit(&client, &s.base, "d", &[("user", "late")]).await;
+    assert_eq!((r.status().as_u16(), num(&r, "x-ratelimit-remaining")), (200, 4));
+}
+
+/// A client already refused costs the primary at most a few script calls across 2,000
+/// further requests to two instances (the near-cache).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_client_leaves_redis_alone() {
+    let redis = RedisServer::start();
+    let store = redis_store(&redis, &[]);
+    let (a, b) = (start_with(&store, &rule(10, "minute")), start_with(&store, &rule(10, "minute")));
+    let client = reqwest::Client::new();
+    for _ in 0..10 {
+        assert_eq!(hit(&client, &a.base, "d", &[("user", "flood")]).await.status(), 200);
+    }
+    assert_eq!(hit(&client, &a.base, "d", &[("user", "flood")]).await.status(), 429);
+    let before = redis.script_calls();
+    let mut refused = 0;
+    for i in 0..2_000 {
+        let base = if i % 2 == 0 { &a.base } else { &b.base };
+        let r =
+            client.post(format!("{base}/v1/ratelimit")).json(&body("d", &[("user", "flood")])).send().await.unwrap();
+        if r.status() == 429 {
+            assert_eq!(num(&r, "x-ratelimit-remaining"), 0);
+            refused += 1;
+        }
+    }
+    let calls = redis.script_calls() - before;
+    assert_eq!(refused, 2_000);
+    assert!(calls <= 4, "2,000 refused requests cost redis {calls} script calls");
+}

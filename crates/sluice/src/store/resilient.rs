@@ -1,0 +1,279 @@
+//! The resilient wrapper: a deadline on every store call and a circuit breaker.
+//!
+//! Stripe's lesson: a rate limiter must never take the API down with it. Every call gets
+//! a deadline (default 100 ms, their ~0.1 s); after `failures` consecutive failures the
+//! breaker opens and calls fail at once for `cooldown`, so a dead store is not sent more
+//! work; then one call is let through as a probe, and its success closes the breaker.
+//! What the client sees when a call fails is the engine's failure policy.
+
+use super::{Refund, Store, StoreError};
+use crate::algo::{Decision, Lease, Op};
+use crate::tag::Tag;
+use crate::time::Millis;
+use async_trait::async_trait;
+use std::future::Future;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Deadline and breaker settings.
+#[derive(Debug, Clone, Copy)]
+pub struct Resilience {
+    /// Longest a store call may take.
+    pub deadline: Duration,
+    /// Consecutive failures that open the breaker.
+    pub failures: u32,
+    /// How long an open breaker fails calls before it lets a probe through.
+    pub cooldown: Duration,
+}
+
+impl Default for Resilience {
+    fn default() -> Self {
+        Self { deadline: Duration::from_millis(100), failures: 5, cooldown: Duration::from_secs(1) }
+    }
+}
+
+/// The breaker's state, for metrics and `/readyz`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BreakerState {
+    Closed,
+    Open,
+    HalfOpen,
+}
+
+#[derive(Debug)]
+enum Breaker {
+    Closed {
+        failures: u32,
+    },
+    Open {
+        until: Instant,
+    },
+    /// A probe is out; other calls fail until it answers.
+    HalfOpen,
+}
+
+/// Counts an operator watches.
+#[derive(Debug, Default)]
+pub struct ResilienceStats {
+    pub timeouts: AtomicU64,
+    pub errors: AtomicU64,
+    /// Calls refused at once because the breaker was open.
+    pub short_circuited: AtomicU64,
+}
+
+/// A store behind a deadline and a circuit breaker.
+pub struct Resilient<S> {
+    inner: S,
+    settings: Resilience,
+    breaker: Mutex<Breaker>,
+    stats: ResilienceStats,
+}
+
+impl<S: Store> Resilient<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S, settings: Resilience) -> Self {
+        Self {
+            inner,
+            settings,
+            breaker: Mutex::new(Breaker::Closed { failures: 0 }),
+            stats: ResilienceStats::default(),
+        }
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// Failure counters.
+    pub fn stats(&self) -> &ResilienceStats {
+        &self.stats
+    }
+
+    /// The breaker's state now.
+    pub fn breaker(&self) -> BreakerState {
+        match *self.lock() {
+            Breaker::Closed { .. } => BreakerState::Closed,
+            Breaker::Open { until } if Instant::now() < until => BreakerState::Open,
+            Breaker::Open { .. } | Breaker::HalfOpen => BreakerState::HalfOpen,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Breaker> {
+        self.breaker.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether a call may go to the store now (and if it is the probe, marks it out).
+    fn admit(&self) -> bool {
+        let mut b = self.lock();
+        match *b {
+            Breaker::Closed { .. } => true,
+            Breaker::Open { until } if Instant::now() >= until => {
+                *b = Breaker::HalfOpen;
+                true
+            }
+            Breaker::Open { .. } | Breaker::HalfOpen => false,
+        }
+    }
+
+    fn record(&self, ok: bool) {
+        let mut b = self.lock();
+        *b = match (&*b, ok) {
+            (_, true) => Breaker::Closed { failures: 0 },
+            (Breaker::Closed { failures }, false) if failures + 1 < self.settings.failures => {
+                Breaker::Closed { failures: failures + 1 }
+            }
+            (_, false) => {
+                if !matches!(*b, Breaker::Open { .. }) {
+                    tracing::warn!(
+                        cooldown_ms = self.settings.cooldown.as_millis() as u64,
+                        "store circuit breaker opened"
+                    );
+                }
+                Breaker::Open { until: Instant::now() + self.settings.cooldown }
+            }
+        };
+    }
+
+    async fn call<T>(&self, f: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        if !self.admit() {
+            self.stats.short_circuited.fetch_add(1, Ordering::Relaxed);
+            return Err(StoreError::CircuitOpen);
+        }
+        let result = match tokio::time::timeout(self.settings.deadline, f).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout(self.settings.deadline.as_millis() as Millis)),
+        };
+        match &result {
+            Ok(_) => {}
+            Err(StoreError::Timeout(_)) => {
+                self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(_) => {
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        // an answer that is wrong (a protocol error) is not a dead store
+        self.record(!matches!(result, Err(StoreError::Unavailable(_) | StoreError::Timeout(_))));
+        result
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for Resilient<S> {
+    async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
+        self.call(self.inner.apply(tag, ops, now)).await
+    }
+    async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
+        self.call(self.inner.peek(tag, ops, now)).await
+    }
+    async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: Millis) -> Result<bool, StoreError> {
+        self.call(self.inner.release(tag, keys, lease, now)).await
+    }
+    async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
+        self.call(self.inner.refund(tag, refunds, now)).await
+    }
+    async fn ready(&self) -> bool {
+        tokio::time::timeout(self.settings.deadline.max(Duration::from_millis(500)), self.inner.ready())
+            .await
+            .unwrap_or(false)
+    }
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+    use std::sync::atomic::AtomicBool;
+
+    /// A store that fails while `down` is set; otherwise the memory store. (It fails the
+    /// way a dead server does, and only that: it is not a model of Redis.)
+    struct Flaky {
+        down: AtomicBool,
+        slow: AtomicBool,
+        calls: AtomicU64,
+        inner: MemoryStore,
+    }
+
+    #[async_trait]
+    impl Store for Flaky {
+        async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            if self.slow.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
+            if self.down.load(Ordering::Relaxed) {
+                return Err(StoreError::Unavailable("down".into()));
+            }
+            self.inner.apply(tag, ops, now).await
+        }
+        async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
+            self.inner.peek(tag, ops, now).await
+        }
+        async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: Millis) -> Result<bool, StoreError> {
+            self.inner.release(tag, keys, lease, now).await
+        }
+        async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
+            self.inner.refund(tag, refunds, now).await
+        }
+        fn kind(&self) -> &'static str {
+            "flaky"
+        }
+    }
+
+    fn op() -> Op {
+        Op {
+            key: 1,
+            limit: crate::algo::Limit::FixedWindow { limit: 9, window: 1000, aligned: false },
+            cost: 1,
+            lease: None,
+            shadow: false,
+        }
+    }
+
+    #[tokio::test]
+    async fn breaker_opens_fails_fast_then_probes_and_closes() {
+        let flaky = Flaky {
+            down: AtomicBool::new(true),
+            slow: AtomicBool::new(false),
+            calls: AtomicU64::new(0),
+            inner: MemoryStore::new(100),
+        };
+        let r = Resilient::new(
+            flaky,
+            Resilience { deadline: Duration::from_millis(50), failures: 3, cooldown: Duration::from_millis(200) },
+        );
+        for _ in 0..3 {
+            assert_eq!(r.apply(Tag(1), &[op()], 0).await, Err(StoreError::Unavailable("down".into())));
+        }
+        assert_eq!(r.breaker(), BreakerState::Open);
+        for _ in 0..10 {
+            assert_eq!(r.apply(Tag(1), &[op()], 0).await, Err(StoreError::CircuitOpen));
+        }
+        assert_eq!(r.inner().calls.load(Ordering::Relaxed), 3, "an open breaker sends nothing to the store");
+        assert_eq!(r.stats().short_circuited.load(Ordering::Relaxed), 10);
+        tokio::time::sleep(Duration::from_millis(220)).await;
+        r.inner().down.store(false, Ordering::Relaxed);
+        assert!(r.apply(Tag(1), &[op()], 0).await.is_ok(), "the probe goes through");
+        assert_eq!(r.breaker(), BreakerState::Closed);
+    }
+
+    #[tokio::test]
+    async fn the_deadline_bounds_a_slow_store() {
+        let flaky = Flaky {
+            down: AtomicBool::new(false),
+            slow: AtomicBool::new(true),
+            calls: AtomicU64::new(0),
+            inner: MemoryStore::new(100),
+        };
+        let r = Resilient::new(flaky, Resilience { deadline: Duration::from_millis(50), ..Resilience::default() });
+        let start = Instant::now();
+        assert_eq!(r.apply(Tag(1), &[op()], 0).await, Err(StoreError::Timeout(50)));
+        assert!(start.elapsed() < Duration::from_millis(150));
+        assert_eq!(r.stats().timeouts.load(Ordering::Relaxed), 1);
+    }
+}
