@@ -19,6 +19,47 @@ pub enum Command {
     /// Work with config files.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Generate load: against a running server over HTTP, or in process against the
+    /// store a config names. Prints decisions/s and latency percentiles.
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    /// The server to load (`host:port` or `http://host:port`).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub target: String,
+    /// What to ask the server for.
+    #[arg(long, value_enum, default_value = "ratelimit")]
+    pub endpoint: crate::bench::Endpoint,
+    /// Call the engine in this process instead, on the store of `--config`.
+    #[arg(long)]
+    pub in_process: bool,
+    /// Config for `--in-process` (default: the built-in one).
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
+    /// Requests in flight at once (one connection each over HTTP).
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// How long to run, like 10s.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub duration: sluice::config::Duration,
+    /// Distinct clients to spread the requests over.
+    #[arg(long, default_value_t = 1000)]
+    pub clients: u64,
+    /// Domain of the requests.
+    #[arg(long, default_value = "demo")]
+    pub domain: String,
+    /// Descriptor key of the requests; values are `client-N`.
+    #[arg(long, default_value = "user")]
+    pub key: String,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_duration(s: &str) -> Result<sluice::config::Duration, String> {
+    sluice::config::Duration::parse(s)
 }
 
 #[derive(Debug, clap::Args)]

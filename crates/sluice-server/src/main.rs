@@ -1,6 +1,7 @@
 //! The `sluice` binary: parses the command line and hands over. Nothing else lives here.
 
 mod api;
+mod bench;
 mod cli;
 mod http;
 mod load;
@@ -25,6 +26,9 @@ fn main() -> ExitCode {
                 .map_err(|e| format!("cannot start the async runtime: {e}"))
                 .and_then(|rt| rt.block_on(serve::serve(args)))
         }
+        Command::Bench(args) => tokio::runtime::Runtime::new()
+            .map_err(|e| format!("cannot start the async runtime: {e}"))
+            .and_then(|rt| rt.block_on(bench::bench(args))),
         Command::Config(ConfigCommand::Check { file }) => {
             load::load_file(&file).map(|_| println!("{}: ok", file.display())).map_err(|e| e.to_string())
         }

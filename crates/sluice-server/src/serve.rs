@@ -5,7 +5,8 @@ use crate::cli::ServeArgs;
 use crate::http::{AppState, router};
 use crate::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
 use sluice::Limiter;
-use sluice::config::{ClockKind, DEFAULT_KEY_SECRET, LimiterConfig, RedisConnectionConfig, StoreConfig};
+use sluice::config::{ClockKind, Config, DEFAULT_KEY_SECRET, LimiterConfig, RedisConnectionConfig, StoreConfig};
+use sluice::rules::Rules;
 use sluice::store::redis::{RedisOptions, RedisStore, ShardedRedisStore};
 use sluice::store::{MemoryStore, Resilience, Resilient, Store, StoreError};
 use sluice::time::{Clock, CoarseClock, SystemClock};
@@ -22,16 +23,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), String> {
     if config.limiter.key_secret == DEFAULT_KEY_SECRET && !matches!(config.store, StoreConfig::Memory { .. }) {
         tracing::warn!("limiter.key_secret is the default: set your own so clients cannot predict their tags");
     }
-    let clock: Arc<dyn Clock> = match config.limiter.clock {
-        ClockKind::System => Arc::new(SystemClock),
-        ClockKind::Coarse => Arc::new(CoarseClock),
-    };
-    let store = build_store(&config.store, &config.limiter, clock.clone())?;
-    let remote = !matches!(config.store, StoreConfig::Memory { .. });
-    let mut limiter = Limiter::new(Arc::new(rules), store, clock);
-    if remote && config.limiter.near_cache > 0 {
-        limiter = limiter.with_near_cache(config.limiter.near_cache);
-    }
+    let limiter = build_limiter(&config, rules)?;
     let state = Arc::new(AppState { limiter, max_body_bytes: config.server.max_body_bytes });
 
     let addr = args.http.unwrap_or(config.server.http);
@@ -43,6 +35,22 @@ pub async fn serve(args: ServeArgs) -> Result<(), String> {
         .map_err(|e| format!("HTTP server failed: {e}"))?;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The engine a config describes: its clock, its store (remote stores behind the
+/// deadline and breaker, with the near-cache), its rules.
+pub fn build_limiter(config: &Config, rules: Rules) -> Result<Limiter, String> {
+    let clock: Arc<dyn Clock> = match config.limiter.clock {
+        ClockKind::System => Arc::new(SystemClock),
+        ClockKind::Coarse => Arc::new(CoarseClock),
+    };
+    let store = build_store(&config.store, &config.limiter, clock.clone())?;
+    let remote = !matches!(config.store, StoreConfig::Memory { .. });
+    let mut limiter = Limiter::new(Arc::new(rules), store, clock);
+    if remote && config.limiter.near_cache > 0 {
+        limiter = limiter.with_near_cache(config.limiter.near_cache);
+    }
+    Ok(limiter)
 }
 
 fn build_store(config: &StoreConfig, limiter: &LimiterConfig, clock: Arc<dyn Clock>) -> Result<Arc<dyn Store>, String> {

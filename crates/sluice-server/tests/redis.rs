@@ -91,7 +91,7 @@ async fn a_stale_replica_reports_a_fresh_window() {
     assert_eq!(reset, reset_ms.div_ceil(1000));
     let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
     tokio::time::sleep(Duration::from_millis(reset_ms.saturating_sub(now_ms) + 50)).await;
-    let keys = replica.command("KEYS sluice:*").unwrap();
+    let keys = replica.command("KEYS s:*").unwrap();
     assert!(!keys.starts_with("*0"), "the replica should still hold the old window's keys: {keys}");
     let r = status().await.unwrap();
     assert_eq!(r.status(), 200);

@@ -12,7 +12,8 @@ for i = 1, #KEYS do
   local b = 2 + (i - 1) * 7
   local op = {kind = tonumber(ARGV[b + 1]), p1 = tonumber(ARGV[b + 2]), p2 = tonumber(ARGV[b + 3]),
     p3 = tonumber(ARGV[b + 4]), cost = tonumber(ARGV[b + 5]), shadow = ARGV[b + 6] == '1', lease = ARGV[b + 7]}
-  op.st = normalize(op.kind, load(op.kind, KEYS[i], op.p1, op.p2, now), op.p1, op.p2, op.p3, now)
+  op.loaded = load(op.kind, KEYS[i], op.p1, op.p2, now)
+  op.st = normalize(op.kind, op.loaded, op.p1, op.p2, op.p3, now)
   op.held = false
   if op.kind == 4 and op.lease ~= '' then
     local at = redis.call('ZSCORE', KEYS[i], op.lease)
@@ -32,7 +33,7 @@ for i, op in ipairs(ops) do
   elseif new ~= nil then
     d = charge(op.kind, op.st, op.p1, op.p2, op.p3, 0, '', false, now)
   end
-  store(op.kind, KEYS[i], st, op.p1, op.p2, op.p3, now, grace)
+  store(op.kind, KEYS[i], st, op.p1, op.p2, op.p3, now, grace, op.loaded)
   for j = 1, 6 do reply[#reply + 1] = d[j] end
 end
 return reply

@@ -161,8 +161,30 @@ local function expires_at(kind, st, p1, p2, p3)
   return st.max + p2
 end
 
+-- Whether two states of kinds 1 to 3 are equal.
+local function same(kind, a, b)
+  if a == nil or b == nil then return false end
+  if kind == 1 then return a.u == b.u and a.r == b.r end
+  if kind == 2 then return a.t == b.t and a.a == b.a end
+  if kind == 3 then return a.s == b.s and a.c == b.c and a.p == b.p end
+  return false
+end
+
 -- Writes a state back, with a TTL of `grace` ms past the moment it stops mattering.
-local function store(kind, key, st, p1, p2, p3, now, grace)
+-- `loaded` is what was read: an unchanged state is not written again, and the TTL is only
+-- set when the moment moved (every write sets it, so an unmoved one is already right).
+local function store(kind, key, st, p1, p2, p3, now, grace, loaded)
+  if same(kind, st, loaded) then return end
+  if loaded ~= nil and kind ~= 4 and expires_at(kind, st, p1, p2, p3) == expires_at(kind, loaded, p1, p2, p3) then
+    if kind == 1 then
+      redis.call('HSET', key, 'u', num(st.u), 'r', num(st.r))
+    elseif kind == 2 then
+      redis.call('HSET', key, 't', num(st.t), 'a', num(st.a))
+    else
+      redis.call('HSET', key, 's', num(st.s), 'c', num(st.c), 'p', num(st.p))
+    end
+    return
+  end
   if kind == 1 then
     redis.call('HSET', key, 'u', num(st.u), 'r', num(st.r))
   elseif kind == 2 then

@@ -12,9 +12,9 @@ for i = 1, #KEYS do
   local b = 2 + (i - 1) * 6
   local kind, p1, p2, p3 = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
   local cost, window = tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6])
-  local st = load(kind, KEYS[i], p1, p2, now)
-  if st ~= nil and kind ~= 4 then
-    st = normalize(kind, st, p1, p2, p3, now)
+  local loaded = load(kind, KEYS[i], p1, p2, now)
+  if loaded ~= nil and kind ~= 4 then
+    local st = normalize(kind, loaded, p1, p2, p3, now)
     local new = nil
     if kind == 1 then
       if st.r == window and st.u > 0 then new = {u = max(st.u - cost, 0), r = st.r} end
@@ -29,7 +29,7 @@ for i = 1, #KEYS do
       end
     end
     if new ~= nil then
-      store(kind, KEYS[i], new, p1, p2, p3, now, grace)
+      store(kind, KEYS[i], new, p1, p2, p3, now, grace, loaded)
       changed = changed + 1
     end
   end

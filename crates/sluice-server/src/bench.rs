@@ -1,0 +1,278 @@
+//! `sluice bench`: a load generator. Against a running server over HTTP (keep-alive
+//! connections, one per worker), or in process against the store a config names. Prints
+//! decisions per second and latency percentiles; `--json` for machines.
+//!
+//! The HTTP client is a few lines over a TCP stream on purpose: the tool should measure
+//! the server, not an HTTP library.
+
+use crate::cli::BenchArgs;
+use crate::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
+use crate::serve::build_limiter;
+use serde::Serialize;
+use sluice::engine::{Descriptor, Entry, Request};
+use std::collections::BTreeMap;
+use std::io::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+/// What one run measured.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub target: String,
+    pub concurrency: usize,
+    pub clients: u64,
+    pub seconds: f64,
+    pub requests: u64,
+    pub errors: u64,
+    pub per_second: f64,
+    pub p50_us: u64,
+    pub p99_us: u64,
+    pub p999_us: u64,
+    pub max_us: u64,
+    /// Responses by HTTP status (in process: 200, 429, 503 as the HTTP API would answer).
+    pub statuses: BTreeMap<u16, u64>,
+}
+
+/// One worker's tally.
+#[derive(Default)]
+struct Tally {
+    latencies_us: Vec<u32>,
+    statuses: BTreeMap<u16, u64>,
+    errors: u64,
+}
+
+/// Runs the benchmark and prints its report.
+pub async fn bench(args: BenchArgs) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_millis(args.duration.0);
+    let done = Arc::new(AtomicU64::new(0));
+    let progress = (!args.json).then(|| spawn_progress(done.clone(), args.duration.0));
+    let started = Instant::now();
+    let target;
+    let tallies: Vec<Tally> = if args.in_process {
+        let Loaded { config, rules } = match &args.config {
+            Some(p) => load_file(p),
+            None => load_str(DEFAULT_CONFIG, "<built-in config>"),
+        }
+        .map_err(|e| e.to_string())?;
+        let limiter = Arc::new(build_limiter(&config, rules)?);
+        target = format!("in-process {} store", limiter.store().kind());
+        let workers = (0..args.concurrency).map(|w| {
+            let (limiter, done, args) = (limiter.clone(), done.clone(), args.clone());
+            tokio::spawn(async move {
+                let mut tally = Tally::default();
+                let mut i = w as u64;
+                while Instant::now() < deadline {
+                    let req = request(&args, i);
+                    i += args.concurrency as u64;
+                    let t = Instant::now();
+                    match limiter.check(&req).await {
+                        Ok(v) => *tally.statuses.entry(v.status).or_default() += 1,
+                        Err(_) => tally.errors += 1,
+                    }
+                    tally.latencies_us.push(t.elapsed().as_micros().min(u32::MAX as u128) as u32);
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+                tally
+            })
+        });
+        join(workers).await?
+    } else {
+        let addr = args.target.trim_start_matches("http://").trim_end_matches('/').to_string();
+        target = format!("http://{addr}{}", args.endpoint.path());
+        let workers = (0..args.concurrency).map(|w| {
+            let (addr, done, args) = (addr.clone(), done.clone(), args.clone());
+            tokio::spawn(async move {
+                let mut tally = Tally::default();
+                let mut conn: Option<BufReader<TcpStream>> = None;
+                let mut i = w as u64;
+                while Instant::now() < deadline {
+                    let payload = http_request(&args, &addr, i);
+                    i += args.concurrency as u64;
+                    let t = Instant::now();
+                    match exchange(&mut conn, &addr, &payload).await {
+                        Ok(status) => *tally.statuses.entry(status).or_default() += 1,
+                        Err(_) => {
+                            tally.errors += 1;
+                            conn = None;
+                        }
+                    }
+                    tally.latencies_us.push(t.elapsed().as_micros().min(u32::MAX as u128) as u32);
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+                tally
+            })
+        });
+        join(workers).await?
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    if let Some(p) = progress {
+        p.abort();
+        eprintln!();
+    }
+    let report = summarize(tallies, target, &args, seconds);
+    if args.json {
+        println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
+    } else {
+        print_report(&report);
+    }
+    Ok(())
+}
+
+async fn join<T>(workers: impl Iterator<Item = tokio::task::JoinHandle<T>>) -> Result<Vec<T>, String> {
+    let mut out = Vec::new();
+    for w in workers.collect::<Vec<_>>() {
+        out.push(w.await.map_err(|e| format!("a bench worker failed: {e}"))?);
+    }
+    Ok(out)
+}
+
+/// The request for iteration `i`: client `i % clients`.
+fn request(args: &BenchArgs, i: u64) -> Request {
+    Request {
+        domain: args.domain.clone(),
+        descriptors: vec![Descriptor {
+            entries: vec![Entry { key: args.key.clone(), value: format!("client-{}", i % args.clients) }],
+            ..Default::default()
+        }],
+        hits_addend: None,
+    }
+}
+
+fn http_request(args: &BenchArgs, addr: &str, i: u64) -> Vec<u8> {
+    match args.endpoint {
+        Endpoint::Healthz => format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\n\r\n").into_bytes(),
+        Endpoint::Ratelimit => {
+            let body = format!(
+                r#"{{"domain":"{}","descriptors":[{{"entries":[{{"key":"{}","value":"client-{}"}}]}}]}}"#,
+                args.domain,
+                args.key,
+                i % args.clients
+            );
+            format!(
+                "POST /v1/ratelimit HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .into_bytes()
+        }
+    }
+}
+
+/// Sends one request on a kept-alive connection (opening it if needed) and reads the
+/// response; returns its status.
+async fn exchange(conn: &mut Option<BufReader<TcpStream>>, addr: &str, payload: &[u8]) -> std::io::Result<u16> {
+    if conn.is_none() {
+        let s = TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
+        *conn = Some(BufReader::new(s));
+    }
+    let Some(c) = conn.as_mut() else { unreachable!("connected above") };
+    c.get_mut().write_all(payload).await?;
+    let mut line = String::new();
+    c.read_line(&mut line).await?;
+    let status =
+        line.split(' ').nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| std::io::Error::other("bad status line"))?;
+    let mut length = 0usize;
+    loop {
+        line.clear();
+        if c.read_line(&mut line).await? == 0 {
+            return Err(std::io::Error::other("connection closed"));
+        }
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = l.split_once(':')
+            && k.eq_ignore_ascii_case("content-length")
+        {
+            length = v.trim().parse().map_err(|_| std::io::Error::other("bad content-length"))?;
+        }
+    }
+    let mut body = vec![0u8; length];
+    c.read_exact(&mut body).await?;
+    Ok(status)
+}
+
+fn spawn_progress(done: Arc<AtomicU64>, total_ms: u64) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let start = Instant::now();
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            let elapsed = start.elapsed().as_millis() as u64;
+            let frac = (elapsed as f64 / total_ms as f64).min(1.0);
+            let bar = (frac * 30.0) as usize;
+            let n = done.load(Ordering::Relaxed);
+            let rate = n as f64 / start.elapsed().as_secs_f64().max(0.001);
+            eprint!(
+                "\r[{}{}] {:>5.1}s {:>10} decisions {:>10.0}/s",
+                "#".repeat(bar),
+                " ".repeat(30 - bar),
+                elapsed as f64 / 1000.0,
+                n,
+                rate
+            );
+            let _ = std::io::stderr().flush();
+        }
+    })
+}
+
+fn summarize(tallies: Vec<Tally>, target: String, args: &BenchArgs, seconds: f64) -> Report {
+    let mut lat = Vec::new();
+    let mut statuses = BTreeMap::new();
+    let mut errors = 0;
+    for t in tallies {
+        lat.extend(t.latencies_us);
+        errors += t.errors;
+        for (k, v) in t.statuses {
+            *statuses.entry(k).or_default() += v;
+        }
+    }
+    lat.sort_unstable();
+    let pct = |p: f64| {
+        lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0) as u64
+    };
+    Report {
+        target,
+        concurrency: args.concurrency,
+        clients: args.clients,
+        seconds,
+        requests: lat.len() as u64,
+        errors,
+        per_second: lat.len() as f64 / seconds,
+        p50_us: pct(0.50),
+        p99_us: pct(0.99),
+        p999_us: pct(0.999),
+        max_us: lat.last().copied().unwrap_or(0) as u64,
+        statuses,
+    }
+}
+
+fn print_report(r: &Report) {
+    println!("target       {}", r.target);
+    println!("load         {} workers, {} clients, {:.1} s", r.concurrency, r.clients, r.seconds);
+    println!("decisions    {} ({} errors)   {:.0}/s", r.requests, r.errors, r.per_second);
+    println!("latency      p50 {} us   p99 {} us   p99.9 {} us   max {} us", r.p50_us, r.p99_us, r.p999_us, r.max_us);
+    let statuses: Vec<String> = r.statuses.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+    println!("statuses     {}", statuses.join(", "));
+}
+
+/// What `sluice bench` asks a server for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Endpoint {
+    /// `POST /v1/ratelimit`, one descriptor.
+    Ratelimit,
+    /// `GET /healthz`: the HTTP stack alone, the ceiling.
+    Healthz,
+}
+
+impl Endpoint {
+    fn path(self) -> &'static str {
+        match self {
+            Endpoint::Ratelimit => "/v1/ratelimit",
+            Endpoint::Healthz => "/healthz",
+        }
+    }
+}
