@@ -62,6 +62,7 @@ fn build_store(config: &StoreConfig, limiter: &LimiterConfig, clock: Arc<dyn Clo
     let options = |c: &RedisConnectionConfig| RedisOptions {
         timeout: Duration::from_millis(c.timeout.0),
         replica_acks: c.replica_acks,
+        ..RedisOptions::default()
     };
     let redis_error = |e: StoreError| format!("store: {e}");
     Ok(match config {
@@ -81,6 +82,15 @@ fn build_store(config: &StoreConfig, limiter: &LimiterConfig, clock: Arc<dyn Clo
         }
         StoreConfig::Redis { url, replicas, connection } => {
             let store = RedisStore::new(url, replicas, options(connection)).map_err(redis_error)?;
+            Arc::new(Resilient::new(store, resilience))
+        }
+        StoreConfig::RedisCluster { nodes, read_from_replicas, timeout, retries } => {
+            let options = RedisOptions {
+                timeout: Duration::from_millis(timeout.0),
+                cluster_retries: *retries,
+                ..RedisOptions::default()
+            };
+            let store = RedisStore::cluster(nodes, *read_from_replicas, options).map_err(redis_error)?;
             Arc::new(Resilient::new(store, resilience))
         }
         StoreConfig::RedisSharded { shards, connection } => {

@@ -74,6 +74,21 @@ pub enum StoreConfig {
         #[serde(flatten)]
         connection: RedisConnectionConfig,
     },
+    /// Redis Cluster (Stripe's setup): slots, MOVED and ASK followed by the client.
+    RedisCluster {
+        /// Any nodes of the cluster (`redis://host:port`); the rest are discovered.
+        nodes: Vec<String>,
+        /// Send status reads to the replicas of the primary owning the client's slot.
+        #[serde(default)]
+        read_from_replicas: bool,
+        /// Bounds connecting and each reply.
+        #[serde(default = "default_timeout")]
+        timeout: Duration,
+        /// Retries after MOVED, ASK, TRYAGAIN, CLUSTERDOWN or a dead node (waits of 2,
+        /// 4, 8 ... ms, at most 50); the engine's deadline bounds them all.
+        #[serde(default = "default_cluster_retries")]
+        retries: u32,
+    },
     /// GitHub's client-side sharding: each client on one of several replicated groups.
     RedisSharded {
         shards: Vec<RedisShardConfig>,
@@ -111,6 +126,14 @@ impl Default for RedisConnectionConfig {
 
 fn default_max_keys() -> usize {
     1_000_000
+}
+
+fn default_timeout() -> Duration {
+    Duration(1_000)
+}
+
+fn default_cluster_retries() -> u32 {
+    6
 }
 
 impl Default for StoreConfig {

@@ -4,7 +4,7 @@ use sluice::store::redis::{RedisOptions, RedisStore, ShardedRedisStore};
 use sluice_testkit::RedisServer;
 
 fn options() -> RedisOptions {
-    RedisOptions { timeout: std::time::Duration::from_secs(2), replica_acks: 0 }
+    RedisOptions { timeout: std::time::Duration::from_secs(2), ..RedisOptions::default() }
 }
 
 sluice::conformance_suite!(redis_node, async {
@@ -26,4 +26,11 @@ sluice::conformance_suite!(redis_sharded, async {
     let shards =
         vec![RedisStore::new(&a.url(), &[], options()).unwrap(), RedisStore::new(&b.url(), &[], options()).unwrap()];
     (ShardedRedisStore::new(shards), (a, b))
+});
+
+// A six-node Redis Cluster (three primaries, three replicas): every client's keys share a
+// hash tag, so each script runs on the one node owning the client's slot.
+sluice::conformance_suite!(redis_cluster, async {
+    let cluster = sluice_testkit::RedisCluster::start();
+    (RedisStore::cluster(&cluster.urls(), false, options()).unwrap(), cluster)
 });

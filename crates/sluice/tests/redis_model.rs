@@ -50,6 +50,19 @@ fn memory_and_redis_decide_alike() {
     let redis = RedisServer::start();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let store = rt.block_on(async { RedisStore::new(&redis.url(), &[], RedisOptions::default()).unwrap() });
+    decide_alike(&rt, &store);
+}
+
+#[test]
+fn memory_and_redis_cluster_decide_alike() {
+    let cluster = sluice_testkit::RedisCluster::start();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let store = rt.block_on(async { RedisStore::cluster(&cluster.urls(), false, RedisOptions::default()).unwrap() });
+    decide_alike(&rt, &store);
+}
+
+/// Random sequences through the memory store and `store`, compared decision by decision.
+fn decide_alike(rt: &tokio::runtime::Runtime, store: &RedisStore) {
     let mut runner = TestRunner::new(Config { cases: 96, ..Config::default() });
     let case = std::sync::atomic::AtomicU64::new(0);
     runner
@@ -57,7 +70,10 @@ fn memory_and_redis_decide_alike() {
             let case = u128::from(case.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
             let memory = MemoryStore::new(10_000);
             // fresh clients per case, so cases do not see each other's state in Redis
-            let tags: Vec<Tag> = (0..3).map(|i| Tag((case << 8) | i)).collect();
+            // spread over the 128 bits, so a cluster's clients land on many slots
+            let tags: Vec<Tag> = (0..3)
+                .map(|i| Tag(((case << 8) | i).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835)))
+                .collect();
             let mut now = sluice::store::conformance::t0();
             rt.block_on(async {
                 for (i, s) in steps.iter().enumerate() {

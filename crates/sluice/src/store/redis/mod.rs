@@ -6,7 +6,9 @@
 //! [`crate::algo`]; the conformance suite and a property test hold them to it.
 //!
 //! Scripts are called by SHA (`EVALSHA`); a `NOSCRIPT` answer (a restarted or new server,
-//! a failover) is met by loading the script and calling again. `now` always comes from
+//! a replica just promoted) is met by sending the same call as `EVAL` with the source,
+//! which runs it and caches it on exactly the node that lacked it (in a cluster, the
+//! node owning the client's slot). `now` always comes from
 //! the caller, and TTLs only collect garbage a grace period after a state stops mattering.
 
 mod sharded;
@@ -19,6 +21,8 @@ use crate::tag::Tag;
 use crate::time::Millis;
 use async_trait::async_trait;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
+use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -139,7 +143,41 @@ fn decisions(v: Value, n: usize) -> Result<Vec<Decision>, StoreError> {
 /// A connection that reconnects by itself, opened lazily: a Redis that is down when
 /// Sluice starts does not stop it from starting.
 #[derive(Clone)]
-struct Conn(ConnectionManager);
+enum Conn {
+    Node(ConnectionManager),
+    Cluster(Arc<ClusterLink>),
+}
+
+/// A Redis Cluster connection, opened on first use and kept; attempts are spaced so a
+/// cluster that is down is not sent a connection storm.
+struct ClusterLink {
+    client: ClusterClient,
+    conn: std::sync::Mutex<Option<ClusterConnection>>,
+    connecting: tokio::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl ClusterLink {
+    async fn get(&self) -> Result<ClusterConnection, RedisError> {
+        if let Some(c) = self.cached() {
+            return Ok(c);
+        }
+        let mut last = self.connecting.lock().await;
+        if let Some(c) = self.cached() {
+            return Ok(c);
+        }
+        if last.is_some_and(|t| t.elapsed() < Duration::from_millis(250)) {
+            return Err(RedisError::from((ErrorKind::Io, "redis cluster not connected yet")));
+        }
+        *last = Some(std::time::Instant::now());
+        let c = self.client.get_async_connection().await?;
+        *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = Some(c.clone());
+        Ok(c)
+    }
+
+    fn cached(&self) -> Option<ClusterConnection> {
+        self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
 
 impl Conn {
     fn open(url: &str, timeout: Duration) -> Result<Self, StoreError> {
@@ -150,25 +188,68 @@ impl Conn {
             .set_response_timeout(Some(timeout))
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_millis(500));
-        ConnectionManager::new_lazy_with_config(client, config).map(Conn).map_err(store_error)
+        ConnectionManager::new_lazy_with_config(client, config).map(Conn::Node).map_err(store_error)
     }
 
-    /// Runs a script (a command from [`script_call`]); on NOSCRIPT loads it and runs it
-    /// again.
-    async fn run(&self, script: &Script, cmd: &Cmd) -> Result<Value, RedisError> {
-        let mut con = self.0.clone();
-        match cmd.query_async(&mut con).await {
+    fn open_cluster(nodes: &[String], options: &RedisOptions, read_from_replicas: bool) -> Result<Self, StoreError> {
+        let mut b = ClusterClientBuilder::new(nodes.to_vec())
+            .connection_timeout(options.timeout)
+            .response_timeout(options.timeout)
+            // MOVED, ASK, TRYAGAIN, CLUSTERDOWN, a dead node: retried a few times, quickly,
+            // so resharding and failover fit inside the engine's deadline
+            .retries(options.cluster_retries)
+            .retry_wait_formula(2, 2)
+            .min_retry_wait(1)
+            .max_retry_wait(50);
+        if read_from_replicas {
+            b = b.read_routing_strategy(redis::cluster_read_routing::RoundRobinReplicaStrategy::default());
+        }
+        let client = b.build().map_err(|e| {
+            let nodes: Vec<String> = nodes.iter().map(|n| redacted(n)).collect();
+            StoreError::Unavailable(format!("invalid redis cluster nodes {nodes:?}: {e}"))
+        })?;
+        let link = ClusterLink { client, conn: Default::default(), connecting: Default::default() };
+        Ok(Conn::Cluster(Arc::new(link)))
+    }
+
+    async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        match self {
+            Conn::Node(m) => cmd.query_async(&mut m.clone()).await,
+            Conn::Cluster(link) => cmd.query_async(&mut link.get().await?).await,
+        }
+    }
+
+    /// Runs `script` on the keys of `tag`, with the arguments `fill` appends; on
+    /// NOSCRIPT sends the source instead of the SHA.
+    async fn run(
+        &self,
+        script: &Script,
+        read_only: bool,
+        tag: Tag,
+        keys: &[u64],
+        fill: impl Fn(&mut Cmd),
+    ) -> Result<Value, RedisError> {
+        let call = |name: &str, body: &str| {
+            let mut cmd = redis::cmd(name);
+            cmd.arg(body).arg(keys.len());
+            for &k in keys {
+                cmd.arg(state_key(tag, k));
+            }
+            fill(&mut cmd);
+            cmd
+        };
+        let (by_sha, by_source) = if read_only { ("EVALSHA_RO", "EVAL_RO") } else { ("EVALSHA", "EVAL") };
+        match self.query(&call(by_sha, &script.sha)).await {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                redis::cmd("SCRIPT").arg("LOAD").arg(&script.code).query_async::<String>(&mut con).await?;
-                cmd.query_async(&mut con).await
+                self.query(&call(by_source, &script.code)).await
             }
             other => other,
         }
     }
 
     async fn ping(&self) -> bool {
-        let mut con = self.0.clone();
-        matches!(redis::cmd("PING").query_async::<String>(&mut con).await.as_deref(), Ok("PONG"))
+        matches!(self.query(&redis::cmd("PING")).await, Ok(Value::SimpleString(ref s)) if s == "PONG")
+            || matches!(self.query(&redis::cmd("PING")).await, Ok(Value::BulkString(ref b)) if b == b"PONG")
     }
 }
 
@@ -198,17 +279,23 @@ pub struct RedisOptions {
     /// After each write, wait (`WAIT`) until this many replicas have it, at most `timeout`.
     /// 0 (the default) does not wait. With 1 or more, a failover loses no counts and
     /// reads from replicas see every earlier write, at the price of a second round trip.
+    /// Not used with Redis Cluster.
     pub replica_acks: u32,
+    /// Redis Cluster: how many times a call is retried after MOVED, ASK, TRYAGAIN,
+    /// CLUSTERDOWN or a dead node, with waits of 2, 4, 8 ... ms (at most 50).
+    pub cluster_retries: u32,
 }
 
 impl Default for RedisOptions {
     fn default() -> Self {
-        Self { timeout: Duration::from_secs(1), replica_acks: 0 }
+        Self { timeout: Duration::from_secs(1), replica_acks: 0, cluster_retries: 6 }
     }
 }
 
 /// `store.kind: redis`: one primary for everything that writes, and replicas (round
-/// robin, health-checked, falling back to the primary) for peeks.
+/// robin, health-checked, falling back to the primary) for peeks. Also
+/// `store.kind: redis_cluster` ([`RedisStore::cluster`]): the cluster client routes each
+/// script to the node that owns the client's slot, and peeks to its replicas when asked.
 pub struct RedisStore {
     primary: Conn,
     replicas: Vec<Arc<Replica>>,
@@ -238,6 +325,24 @@ impl RedisStore {
         Ok(store)
     }
 
+    /// A store on the Redis Cluster reachable through `nodes` (any of its nodes; the
+    /// client discovers the rest). Connects lazily. With `read_from_replicas`, peeks go to
+    /// the replicas of the owning primary.
+    pub fn cluster(nodes: &[String], read_from_replicas: bool, options: RedisOptions) -> Result<Self, StoreError> {
+        if nodes.is_empty() {
+            return Err(StoreError::Unavailable("store.nodes is empty: list at least one cluster node".into()));
+        }
+        let primary = Conn::open_cluster(nodes, &options, read_from_replicas)?;
+        let options = RedisOptions { replica_acks: 0, ..options };
+        Ok(Self {
+            primary,
+            replicas: Vec::new(),
+            next: AtomicUsize::new(0),
+            scripts: Arc::new(Scripts::new()),
+            options,
+        })
+    }
+
     /// Checks every replica once a second; an unhealthy one gets no reads until it
     /// answers again. Stops when the store is dropped.
     fn watch_replicas(&self) {
@@ -261,16 +366,19 @@ impl RedisStore {
     }
 
     /// Runs a writing script on the primary, then waits for `replica_acks` replicas.
-    async fn write(&self, script: &Script, cmd: &Cmd) -> Result<Value, StoreError> {
-        let reply = self.primary.run(script, cmd).await.map_err(store_error)?;
+    async fn write(
+        &self,
+        script: &Script,
+        tag: Tag,
+        keys: &[u64],
+        fill: impl Fn(&mut Cmd),
+    ) -> Result<Value, StoreError> {
+        let reply = self.primary.run(script, false, tag, keys, fill).await.map_err(store_error)?;
         if self.options.replica_acks > 0 {
-            let mut con = self.primary.0.clone();
-            let acked: i64 = redis::cmd("WAIT")
-                .arg(self.options.replica_acks)
-                .arg(self.options.timeout.as_millis() as u64)
-                .query_async(&mut con)
-                .await
-                .map_err(store_error)?;
+            let mut wait = redis::cmd("WAIT");
+            wait.arg(self.options.replica_acks).arg(self.options.timeout.as_millis() as u64);
+            let acked: i64 = redis::from_redis_value(self.primary.query(&wait).await.map_err(store_error)?)
+                .map_err(|e| StoreError::Protocol(format!("WAIT reply: {e}")))?;
             if acked < i64::from(self.options.replica_acks) {
                 tracing::warn!(
                     acked,
@@ -289,38 +397,30 @@ impl RedisStore {
     }
 }
 
-/// `EVALSHA[_RO] sha numkeys key...`: the caller appends the arguments.
-fn script_call(script: &Script, read_only: bool, tag: Tag, keys: impl ExactSizeIterator<Item = u64>) -> Cmd {
-    let mut cmd = redis::cmd(if read_only { "EVALSHA_RO" } else { "EVALSHA" });
-    cmd.arg(&script.sha).arg(keys.len());
-    for k in keys {
-        cmd.arg(state_key(tag, k));
-    }
-    cmd
-}
-
 #[async_trait]
 impl Store for RedisStore {
     async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        let mut cmd = script_call(&self.scripts.apply, false, tag, ops.iter().map(|o| o.key));
-        cmd.arg(now).arg(GRACE_MS);
-        for op in ops {
-            cmd.arg(&params(&op.limit)[..])
-                .arg(op.cost)
-                .arg(op.shadow as u8)
-                .arg(op.lease.map(lease_hex).unwrap_or_default());
-        }
-        decisions(self.write(&self.scripts.apply, &cmd).await?, ops.len())
+        let keys: Vec<u64> = ops.iter().map(|o| o.key).collect();
+        let fill = |cmd: &mut Cmd| {
+            cmd.arg(now).arg(GRACE_MS);
+            for op in ops {
+                cmd.arg(&params(&op.limit)[..]).arg(op.cost).arg(op.shadow as u8);
+                cmd.arg(op.lease.map(lease_hex).unwrap_or_default());
+            }
+        };
+        decisions(self.write(&self.scripts.apply, tag, &keys, fill).await?, ops.len())
     }
 
     async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        let mut cmd = script_call(&self.scripts.peek, true, tag, ops.iter().map(|o| o.key));
-        cmd.arg(now);
-        for op in ops {
-            cmd.arg(&params(&op.limit)[..]);
-        }
+        let keys: Vec<u64> = ops.iter().map(|o| o.key).collect();
+        let fill = |cmd: &mut Cmd| {
+            cmd.arg(now);
+            for op in ops {
+                cmd.arg(&params(&op.limit)[..]);
+            }
+        };
         if let Some(r) = self.replica() {
-            match r.conn.run(&self.scripts.peek, &cmd).await {
+            match r.conn.run(&self.scripts.peek, true, tag, &keys, fill).await {
                 Ok(reply) => return decisions(reply, ops.len()),
                 Err(e) => {
                     // a replica that fails gets no reads until its health check passes
@@ -329,25 +429,28 @@ impl Store for RedisStore {
                 }
             }
         }
-        decisions(self.primary.run(&self.scripts.peek, &cmd).await.map_err(store_error)?, ops.len())
+        let reply = self.primary.run(&self.scripts.peek, true, tag, &keys, fill).await.map_err(store_error)?;
+        decisions(reply, ops.len())
     }
 
     async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, _now: Millis) -> Result<bool, StoreError> {
-        let mut cmd = script_call(&self.scripts.release, false, tag, keys.iter().copied());
-        cmd.arg(lease_hex(lease));
-        let reply = self.write(&self.scripts.release, &cmd).await?;
+        let reply = self.write(&self.scripts.release, tag, keys, |cmd| {
+            cmd.arg(lease_hex(lease));
+        });
         let held: i64 =
-            redis::from_redis_value(reply).map_err(|e| StoreError::Protocol(format!("script reply: {e}")))?;
+            redis::from_redis_value(reply.await?).map_err(|e| StoreError::Protocol(format!("script reply: {e}")))?;
         Ok(held == 1)
     }
 
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
-        let mut cmd = script_call(&self.scripts.refund, false, tag, refunds.iter().map(|r| r.key));
-        cmd.arg(now).arg(GRACE_MS);
-        for r in refunds {
-            cmd.arg(&params(&r.limit)[..]).arg(r.cost).arg(r.window);
-        }
-        self.write(&self.scripts.refund, &cmd).await.map(|_| ())
+        let keys: Vec<u64> = refunds.iter().map(|r| r.key).collect();
+        let fill = |cmd: &mut Cmd| {
+            cmd.arg(now).arg(GRACE_MS);
+            for r in refunds {
+                cmd.arg(&params(&r.limit)[..]).arg(r.cost).arg(r.window);
+            }
+        };
+        self.write(&self.scripts.refund, tag, &keys, fill).await.map(|_| ())
     }
 
     async fn ready(&self) -> bool {
@@ -355,7 +458,10 @@ impl Store for RedisStore {
     }
 
     fn kind(&self) -> &'static str {
-        "redis"
+        match self.primary {
+            Conn::Node(_) => "redis",
+            Conn::Cluster(_) => "redis_cluster",
+        }
     }
 }
 
