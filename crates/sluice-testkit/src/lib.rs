@@ -16,6 +16,12 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("no free loopback port")
 }
 
+/// A free port below 55000, whose `port + 10000` (a Redis Cluster node's bus port) is a
+/// valid port too.
+pub fn free_cluster_port() -> u16 {
+    (0..1000).map(|_| free_port()).find(|&p| p < 55_000).expect("no free loopback port below 55000")
+}
+
 /// The path of `program` on PATH, or a panic that says how to install it.
 pub fn require(program: &str, package: &str) -> PathBuf {
     let path = std::env::var_os("PATH").unwrap_or_default();
@@ -101,11 +107,12 @@ impl RedisServer {
     /// "6379"]`).
     pub fn start_with(extra: &[&str]) -> Self {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        let cluster = extra.iter().any(|a| a == "--cluster-enabled");
         let mut last_error = String::new();
         // a port found free can be taken before the server binds it: try a few
         for _ in 0..5 {
             let dir = TempDir::new("sluice-redis");
-            let port = free_port();
+            let port = if cluster { free_cluster_port() } else { free_port() };
             match launch(port, &dir, &extra) {
                 Ok(process) => return Self { process, port, extra, dir },
                 Err(e) => last_error = e,
