@@ -88,12 +88,22 @@ fn code(v: &sluice::Verdict) -> StatusCode {
 
 /// `POST /v1/ratelimit`: charge and decide.
 async fn ratelimit(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
-    let req = match read_request(&state, &headers, body).await {
+    decide(&state, &headers, body, Mode::Charge).await
+}
+
+/// `POST /v1/leases`: take a lease on every matching concurrency policy.
+async fn acquire(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
+    decide(&state, &headers, body, Mode::Acquire).await
+}
+
+/// Reads a request body, runs it in `mode`, and answers with the verdict.
+async fn decide(state: &AppState, headers: &HeaderMap, body: Body, mode: Mode) -> Response {
+    let req = match read_request(state, headers, body).await {
         Ok(r) => r,
         Err(resp) => return resp,
     };
-    match state.limiter.run(&req, Mode::Charge).await {
-        Ok(v) => verdict_response(&state, &v, code(&v)),
+    match state.limiter.run(&req, mode).await {
+        Ok(v) => verdict_response(state, &v, code(&v)),
         Err(e) => check_error(e),
     }
 }
@@ -120,18 +130,6 @@ async fn status(State(state): Shared, Query(pairs): Query<Vec<(String, String)>>
     let req = Request { domain, descriptors: vec![Descriptor { entries, ..Default::default() }], hits_addend: None };
     match state.limiter.run(&req, Mode::Peek).await {
         Ok(v) => verdict_response(&state, &v, StatusCode::OK),
-        Err(e) => check_error(e),
-    }
-}
-
-/// `POST /v1/leases`: take a lease on every matching concurrency policy.
-async fn acquire(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
-    let req = match read_request(&state, &headers, body).await {
-        Ok(r) => r,
-        Err(resp) => return resp,
-    };
-    match state.limiter.run(&req, Mode::Acquire).await {
-        Ok(v) => verdict_response(&state, &v, code(&v)),
         Err(e) => check_error(e),
     }
 }
