@@ -67,7 +67,8 @@ async fn the_reset_does_not_wobble() {
 async fn a_stale_replica_reports_a_fresh_window() {
     let primary = RedisServer::start();
     let replica = RedisServer::replica_of(&primary);
-    let s = start_with(&redis_store(&primary, &[&replica]), &rule(3, "second"));
+    let three_per_3s = "  - domain: d\n    descriptors:\n      - key: user\n        policies:\n          - {name: p, fixed_window: {limit: 3, window: 3s}}\n";
+    let s = start_with(&redis_store(&primary, &[&replica]), three_per_3s);
     let client = reqwest::Client::new();
     let status = || client.get(format!("{}/v1/ratelimit?domain=d&user=stale", s.base)).send();
     let mut reset = 0;
@@ -81,7 +82,15 @@ async fn a_stale_replica_reports_a_fresh_window() {
         }
     }
     let before = replica.script_calls();
-    let r = status().await.unwrap();
+    // the replica follows the primary asynchronously: give it a moment to catch up
+    let mut r = status().await.unwrap();
+    for _ in 0..50 {
+        if num(&r, "x-ratelimit-remaining") == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        r = status().await.unwrap();
+    }
     assert_eq!(num(&r, "x-ratelimit-remaining"), 0);
     assert!(replica.script_calls() > before, "status reads must be served by the replica");
     // wait until just past the stored reset (in ms, from the body), well inside the
@@ -167,7 +176,7 @@ async fn fail_closed_refuses_with_503() {
 async fn starts_without_redis_and_connects_later() {
     let mut redis = RedisServer::start();
     redis.kill();
-    let s = start_with(&redis_store(&redis, &[]), &rule(5, "hour"));
+    let s = common::start_unready(&redis_store(&redis, &[]), &rule(5, "hour"));
     let client = reqwest::Client::new();
     assert_eq!(client.get(format!("{}/healthz", s.base)).send().await.unwrap().status(), 200);
     assert_eq!(client.get(format!("{}/readyz", s.base)).send().await.unwrap().status(), 503);

@@ -24,8 +24,32 @@ pub fn start(domains_yaml: &str) -> Sluice {
 }
 
 /// Starts `sluice serve` with more top-level config (`store:`, `limiter:` ...) before
-/// the `domains:` section.
+/// the `domains:` section, and waits until `/readyz` says its store answers, as a load
+/// balancer would before sending traffic.
 pub fn start_with(sections: &str, domains_yaml: &str) -> Sluice {
+    let s = start_unready(sections, domains_yaml);
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while status_of(&s.base, "/readyz") != Some(200) {
+        assert!(std::time::Instant::now() < deadline, "sluice at {} never became ready", s.base);
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    s
+}
+
+/// The HTTP status of `GET path`, over a plain TCP connection.
+fn status_of(base: &str, path: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let addr = base.trim_start_matches("http://");
+    let mut c = std::net::TcpStream::connect(addr).ok()?;
+    c.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(c, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
+    let mut head = [0u8; 64];
+    let n = c.read(&mut head).ok()?;
+    std::str::from_utf8(&head[..n]).ok()?.split(' ').nth(1)?.parse().ok()
+}
+
+/// As [`start_with`], without waiting for the store.
+pub fn start_unready(sections: &str, domains_yaml: &str) -> Sluice {
     let dir = TempDir::new("sluice-test");
     let port = free_port();
     let config = dir.path().join("sluice.yaml");

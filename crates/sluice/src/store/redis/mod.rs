@@ -322,6 +322,7 @@ impl RedisStore {
         let primary = Conn::open(url, timeout)?;
         let store = Self { primary, replicas, next: AtomicUsize::new(0), scripts: Arc::new(Scripts::new()), options };
         store.watch_replicas();
+        store.warm_up();
         Ok(store)
     }
 
@@ -334,13 +335,22 @@ impl RedisStore {
         }
         let primary = Conn::open_cluster(nodes, &options, read_from_replicas)?;
         let options = RedisOptions { replica_acks: 0, ..options };
-        Ok(Self {
-            primary,
-            replicas: Vec::new(),
-            next: AtomicUsize::new(0),
-            scripts: Arc::new(Scripts::new()),
-            options,
-        })
+        let scripts = Arc::new(Scripts::new());
+        let store = Self { primary, replicas: Vec::new(), next: AtomicUsize::new(0), scripts, options };
+        store.warm_up();
+        Ok(store)
+    }
+
+    /// Starts connecting now, in the background, so the first decisions do not pay for
+    /// the connection (and `/readyz` turns ready as soon as the store answers).
+    fn warm_up(&self) {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let primary = self.primary.clone();
+        tokio::spawn(async move {
+            primary.ping().await;
+        });
     }
 
     /// Checks every replica once a second; an unhealthy one gets no reads until it
