@@ -89,19 +89,26 @@ async fn drive(base: String, clients: usize, stop: Arc<AtomicBool>) -> Seen {
 /// 300 concurrent requests for a client whose limit is 200: exactly 200 admitted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exactly_the_limit_under_concurrency() {
+    let _heavy = common::heavy().await;
     let cluster = RedisCluster::start();
     let s = start_with(&cluster_config(&cluster), &rule(200));
     let client = reqwest::Client::new();
     let tasks: Vec<_> = (0..300)
         .map(|_| {
             let (client, base) = (client.clone(), s.base.clone());
-            tokio::spawn(async move { hit(&client, &base, "d", &[("user", "one")]).await.status().as_u16() })
+            tokio::spawn(async move {
+                let r = hit(&client, &base, "d", &[("user", "one")]).await;
+                (r.status().as_u16(), header(&r, "x-sluice-degraded"))
+            })
         })
         .collect();
-    let mut ok = 0;
+    let (mut ok, mut degraded) = (0, 0);
     for t in tasks {
-        ok += (t.await.unwrap() == 200) as u32;
+        let (status, d) = t.await.unwrap();
+        ok += (status == 200) as u32;
+        degraded += !d.is_empty() as u32;
     }
+    assert_eq!(degraded, 0, "decisions left to the failure policy");
     assert_eq!(ok, 200);
 }
 
@@ -110,6 +117,7 @@ async fn exactly_the_limit_under_concurrency() {
 /// requests it was admitted (counts survive the move).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resharding_under_load_stays_exact() {
+    let _heavy = common::heavy().await;
     let cluster = Arc::new(RedisCluster::start());
     let limit = 30;
     let s = start_with(&cluster_config(&cluster), &rule(limit));
@@ -146,6 +154,7 @@ async fn resharding_under_load_stays_exact() {
 /// promoted, decisions are neither degraded nor wrong 5 s later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_under_load() {
+    let _heavy = common::heavy().await;
     let mut cluster = RedisCluster::start();
     let s = start_with(&cluster_config(&cluster), &rule(1_000_000));
     let stop = Arc::new(AtomicBool::new(false));

@@ -22,6 +22,7 @@ fn rule(limit: u64, unit: &str) -> String {
 /// concurrent requests for a client whose limit is 100.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_servers_share_one_exact_limit() {
+    let _heavy = common::heavy().await;
     let primary = RedisServer::start();
     let replica = RedisServer::replica_of(&primary);
     let store = redis_store(&primary, &[&replica]);
@@ -31,13 +32,19 @@ async fn two_servers_share_one_exact_limit() {
         .map(|i| {
             let base = if i % 2 == 0 { a.base.clone() } else { b.base.clone() };
             let client = client.clone();
-            tokio::spawn(async move { hit(&client, &base, "d", &[("user", "shared")]).await.status().as_u16() })
+            tokio::spawn(async move {
+                let r = hit(&client, &base, "d", &[("user", "shared")]).await;
+                (r.status().as_u16(), header(&r, "x-sluice-degraded"))
+            })
         })
         .collect();
-    let mut ok = 0;
+    let (mut ok, mut degraded) = (0, 0);
     for t in tasks {
-        ok += (t.await.unwrap() == 200) as u32;
+        let (status, d) = t.await.unwrap();
+        ok += (status == 200) as u32;
+        degraded += !d.is_empty() as u32;
     }
+    assert_eq!(degraded, 0, "decisions left to the failure policy");
     assert_eq!(ok, 100);
 }
 
@@ -45,6 +52,7 @@ async fn two_servers_share_one_exact_limit() {
 /// boundaries, all see one and the same `x-ratelimit-reset`.
 #[tokio::test]
 async fn the_reset_does_not_wobble() {
+    let _heavy = common::heavy().await;
     let redis = RedisServer::start();
     let s = start_with(&redis_store(&redis, &[]), &rule(1000, "minute"));
     let client = reqwest::Client::new();
@@ -65,6 +73,7 @@ async fn the_reset_does_not_wobble() {
 /// above 0. Status reads are served by the replica (its script calls rise).
 #[tokio::test]
 async fn a_stale_replica_reports_a_fresh_window() {
+    let _heavy = common::heavy().await;
     let primary = RedisServer::start();
     let replica = RedisServer::replica_of(&primary);
     let three_per_3s = "  - domain: d\n    descriptors:\n      - key: user\n        policies:\n          - {name: p, fixed_window: {limit: 3, window: 3s}}\n";
@@ -115,6 +124,7 @@ async fn a_stale_replica_reports_a_fresh_window() {
 /// `/readyz` says not ready. Restarted, decisions are exact again within 2 s.
 #[tokio::test]
 async fn a_dead_redis_fails_open_fast_and_recovers() {
+    let _heavy = common::heavy().await;
     let mut redis = RedisServer::start();
     let s = start_with(&format!("{}limiter:\n  deadline: 100ms\n", redis_store(&redis, &[])), &rule(5, "hour"));
     let client = reqwest::Client::new();
@@ -156,6 +166,7 @@ async fn a_dead_redis_fails_open_fast_and_recovers() {
 /// A fail-closed policy answers 503 with a clear error when the store is down.
 #[tokio::test]
 async fn fail_closed_refuses_with_503() {
+    let _heavy = common::heavy().await;
     let mut redis = RedisServer::start();
     let domains = "  - domain: d\n    descriptors:\n      - key: user\n        failure: closed\n        rate_limit: {unit: hour, requests_per_unit: 5}\n";
     let s = start_with(&redis_store(&redis, &[]), domains);
@@ -174,6 +185,7 @@ async fn fail_closed_refuses_with_503() {
 /// connects by itself once Redis is there.
 #[tokio::test]
 async fn starts_without_redis_and_connects_later() {
+    let _heavy = common::heavy().await;
     let mut redis = RedisServer::start();
     redis.kill();
     let s = common::start_unready(&redis_store(&redis, &[]), &rule(5, "hour"));
@@ -194,6 +206,7 @@ async fn starts_without_redis_and_connects_later() {
 /// further requests to two instances (the near-cache).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_client_leaves_redis_alone() {
+    let _heavy = common::heavy().await;
     let redis = RedisServer::start();
     let store = redis_store(&redis, &[]);
     let (a, b) = (start_with(&store, &rule(10, "minute")), start_with(&store, &rule(10, "minute")));

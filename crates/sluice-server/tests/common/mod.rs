@@ -6,6 +6,14 @@ use sluice_testkit::{Process, TempDir, free_port, wait_for_port};
 use std::process::Command;
 use std::time::Duration;
 
+/// Tests that start whole clusters or drive load take this lock, so they do not run at
+/// once: on a 2-core machine their CPU contention would push decisions past the store
+/// deadline, and the failure policy (correctly) would decide them instead.
+pub async fn heavy() -> tokio::sync::MutexGuard<'static, ()> {
+    static LOCK: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    LOCK.lock().await
+}
+
 /// A running `sluice serve`, killed on drop.
 pub struct Sluice {
     pub process: Process,
