@@ -16,6 +16,8 @@ use std::sync::Arc;
 pub struct AppState {
     pub limiter: Limiter,
     pub max_body_bytes: usize,
+    /// Renders `/metrics`; None when no recorder is installed.
+    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
 
 type Shared = State<Arc<AppState>>;
@@ -29,6 +31,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/refund", post(refund))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
+        .route("/metrics", get(metrics))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found", "no such endpoint; see /v1/ratelimit".into()) })
         .with_state(state)
 }
@@ -155,6 +158,14 @@ async fn refund(State(state): Shared, headers: HeaderMap, body: Body) -> Respons
     match state.limiter.run(&req, Mode::Refund).await {
         Ok(_) => axum::Json(json!({"refunded": true})).into_response(),
         Err(e) => check_error(e),
+    }
+}
+
+/// `GET /metrics`: Prometheus text (docs/operations.md lists every metric).
+async fn metrics(State(state): Shared) -> Response {
+    match &state.metrics {
+        Some(h) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], h.render()).into_response(),
+        None => error(StatusCode::NOT_FOUND, "no_metrics", "metrics are not recorded in this process".into()),
     }
 }
 

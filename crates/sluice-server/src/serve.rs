@@ -4,17 +4,22 @@
 use crate::cli::ServeArgs;
 use crate::http::{AppState, router};
 use crate::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sluice::Limiter;
 use sluice::config::{ClockKind, Config, DEFAULT_KEY_SECRET, LimiterConfig, RedisConnectionConfig, StoreConfig};
 use sluice::rules::Rules;
 use sluice::store::redis::{RedisOptions, RedisStore, ShardedRedisStore};
 use sluice::store::{MemoryStore, Resilience, Resilient, Store, StoreError};
+use sluice::telemetry;
 use sluice::time::{Clock, CoarseClock, SystemClock};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// Runs the service. Returns an error message for a config or address that cannot be used.
 pub async fn serve(args: ServeArgs) -> Result<(), String> {
+    // first: rules register their counters when they are compiled
+    let metrics = install_metrics()?;
     let Loaded { config, rules } = match &args.config {
         Some(path) => load_file(path),
         None => load_str(DEFAULT_CONFIG, "<built-in config>"),
@@ -24,7 +29,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), String> {
         tracing::warn!("limiter.key_secret is the default: set your own so clients cannot predict their tags");
     }
     let limiter = build_limiter(&config, rules)?;
-    let state = Arc::new(AppState { limiter, max_body_bytes: config.server.max_body_bytes });
+    let state = Arc::new(AppState { limiter, max_body_bytes: config.server.max_body_bytes, metrics: Some(metrics) });
 
     let addr = args.http.unwrap_or(config.server.http);
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
@@ -71,11 +76,17 @@ fn build_store(config: &StoreConfig, limiter: &LimiterConfig, clock: Arc<dyn Clo
             let collector = Arc::downgrade(&store);
             // collect expired state in the background so memory follows active clients
             tokio::spawn(async move {
-                let mut tick = tokio::time::interval(Duration::from_secs(10));
+                let mut tick = tokio::time::interval(Duration::from_secs(5));
                 loop {
                     tick.tick().await;
                     let Some(store) = collector.upgrade() else { return };
                     store.collect(clock.now());
+                    let stats = store.stats();
+                    telemetry::memory_store(
+                        store.len(),
+                        stats.collected.load(Ordering::Relaxed),
+                        stats.evicted_live.load(Ordering::Relaxed),
+                    );
                 }
             });
             store
@@ -105,6 +116,17 @@ fn build_store(config: &StoreConfig, limiter: &LimiterConfig, clock: Arc<dyn Clo
             Arc::new(Resilient::new(ShardedRedisStore::new(shards), resilience))
         }
     })
+}
+
+/// Installs the Prometheus recorder that `/metrics` renders. Store latencies are
+/// histograms with buckets from 0.5 ms to 1 s.
+fn install_metrics() -> Result<PrometheusHandle, String> {
+    let buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(telemetry::names::STORE_CALL_SECONDS.into()), &buckets)
+        .map_err(|e| format!("metrics: {e}"))?
+        .install_recorder()
+        .map_err(|e| format!("metrics: {e}"))
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -145,6 +145,24 @@ async fn a_dead_redis_fails_open_fast_and_recovers() {
     assert!(slowest <= Duration::from_millis(150), "a decision took {slowest:?} with redis down");
     assert_eq!(client.get(format!("{}/healthz", s.base)).send().await.unwrap().status(), 200);
     assert_eq!(client.get(format!("{}/readyz", s.base)).send().await.unwrap().status(), 503);
+    // every one of them counted, by cause; the breaker opened
+    let metrics = client.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
+    let value = |series: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    assert_eq!(value("sluice_degraded_total{domain=\"d\",failure=\"open\"}"), 30.0, "{metrics}");
+    let errors = value("sluice_store_errors_total{store=\"redis\",kind=\"unavailable\"}")
+        + value("sluice_store_errors_total{store=\"redis\",kind=\"timeout\"}")
+        + value("sluice_store_errors_total{store=\"redis\",kind=\"circuit_open\"}");
+    assert!(errors >= 30.0, "{metrics}");
+    assert!(
+        value("sluice_store_errors_total{store=\"redis\",kind=\"circuit_open\"}") > 0.0,
+        "the breaker never opened"
+    );
     redis.restart();
     let back = Instant::now();
     loop {

@@ -166,6 +166,9 @@ pub struct LimiterConfig {
     /// store nothing until its retry time. 0 turns the near-cache off. Not used with the
     /// memory store, which is as fast as the cache.
     pub near_cache: usize,
+    /// Allowed decisions that leave less than this share of the quota unused count as
+    /// near the limit (`sluice_near_limit_total`).
+    pub near_limit_ratio: f64,
 }
 
 /// `failure`: what a request gets when the store cannot answer.
@@ -211,6 +214,7 @@ impl Default for LimiterConfig {
             breaker_failures: 5,
             breaker_cooldown: Duration(1_000),
             near_cache: 100_000,
+            near_limit_ratio: 0.8,
         }
     }
 }

@@ -14,6 +14,7 @@ use crate::near_cache::NearCache;
 use crate::rules::{Policy, Rules};
 use crate::store::{Refund, Store, StoreError};
 use crate::tag::Tag;
+use crate::telemetry::{self, PolicyCounters};
 use crate::time::{Clock, Millis};
 use std::collections::HashSet;
 use std::fmt;
@@ -179,6 +180,8 @@ pub struct PolicyDecision {
     pub shadow: bool,
     pub decision: Decision,
     pub source: Source,
+    /// The policy's counters; None for a limit that came with the request.
+    pub counters: Option<Arc<PolicyCounters>>,
 }
 
 /// One descriptor's outcome.
@@ -410,8 +413,44 @@ impl Limiter {
             // refused only because a fail-closed policy's store failed
             (false, false) => 503,
         };
+        self.count(req, mode, &descriptors, degraded, lease.is_some());
         let binding = binding(&descriptors);
         Ok(Verdict { allowed, status, descriptors, binding, lease, degraded, now, charges })
+    }
+
+    /// Counts a request's decisions (see [`crate::telemetry`]).
+    fn count(
+        &self,
+        req: &Request,
+        mode: Mode,
+        descriptors: &[DescriptorVerdict],
+        degraded: Option<Failure>,
+        leased: bool,
+    ) {
+        let Some(domain) = self.rules.domain(&req.domain) else { return };
+        match degraded {
+            Some(Failure::Open) => domain.counters.fail_open.increment(1),
+            Some(Failure::Closed) => domain.counters.fail_closed.increment(1),
+            None => {}
+        }
+        if leased {
+            domain.counters.leases_acquired.increment(1);
+        }
+        if mode != Mode::Charge {
+            return;
+        }
+        let ratio = self.rules.near_limit_ratio;
+        for p in descriptors.iter().flat_map(|d| &d.policies) {
+            let (Some(c), false) = (&p.counters, matches!(p.source, Source::Skipped | Source::Degraded)) else {
+                continue;
+            };
+            let d = &p.decision;
+            let near = d.used as f64 >= ratio * d.limit as f64;
+            c.count(d.allowed, p.shadow, near, matches!(p.source, Source::NearCache(_)));
+            if p.shadow && !d.allowed {
+                tracing::info!(domain = %req.domain, policy = %p.name, "shadow mode: this request would have been refused");
+            }
+        }
     }
 
     /// One group's decisions: from the near-cache when it holds a refusal for one of
@@ -482,7 +521,11 @@ impl Limiter {
 
     /// Releases a lease (idempotent). Returns whether it was held.
     pub async fn release(&self, lease: &LeaseId) -> Result<bool, StoreError> {
-        self.store.release(lease.tag, &lease.keys, lease.lease, self.clock.now()).await
+        let held = self.store.release(lease.tag, &lease.keys, lease.lease, self.clock.now()).await?;
+        if held {
+            telemetry::lease_released();
+        }
+        Ok(held)
     }
 
     async fn give_back(&self, charges: &[(Tag, Refund)], now: Millis) -> Result<(), StoreError> {
@@ -541,8 +584,13 @@ impl Limiter {
                     let limit =
                         Limit::FixedWindow { limit: o.requests_per_unit, window: o.unit.millis(), aligned: false };
                     limit.validate().map_err(|e| RequestError::BadLimit { descriptor: di, message: e.to_string() })?;
-                    override_policy =
-                        [Policy { name: "override".into(), limit, shadow: false, failure: rules.default_failure }];
+                    override_policy = [Policy {
+                        name: "override".into(),
+                        limit,
+                        shadow: false,
+                        failure: rules.default_failure,
+                        counters: domain.override_counters.clone(),
+                    }];
                     &override_policy
                 }
                 (None, Some(n)) => &n.policies,
@@ -581,6 +629,7 @@ impl Limiter {
                     shadow: p.shadow,
                     decision: unevaluated(&p.limit),
                     source: Source::Store,
+                    counters: Some(p.counters.clone()),
                 });
                 match groups.iter_mut().find(|g| g.tag == tag) {
                     Some(g) if !g.ops.iter().any(|o| o.key == op.key) => {

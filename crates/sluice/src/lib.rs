@@ -16,6 +16,7 @@ pub mod near_cache;
 pub mod rules;
 pub mod store;
 pub mod tag;
+pub mod telemetry;
 pub mod time;
 
 pub use engine::{Limiter, Request, Verdict};

@@ -9,6 +9,7 @@
 use crate::algo::Limit;
 use crate::config::{Config, DescriptorConfig, DomainConfig, Failure, HeadersConfig};
 use crate::tag::{Tag, Tagger};
+use crate::telemetry::{DomainCounters, PolicyCounters};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -22,6 +23,8 @@ pub struct Policy {
     pub shadow: bool,
     /// What a request gets when the store cannot answer.
     pub failure: Failure,
+    /// Its decision counters (`sluice_decisions_total` ...).
+    pub counters: Arc<PolicyCounters>,
 }
 
 /// A rule node reached by a descriptor.
@@ -53,6 +56,10 @@ pub struct Domain {
     pub name: String,
     client_key: Option<String>,
     root: Level,
+    /// Failure-policy and lease counters.
+    pub counters: DomainCounters,
+    /// The decision counters of limits that come with a request (policy `override`).
+    pub override_counters: Arc<PolicyCounters>,
 }
 
 impl Domain {
@@ -94,6 +101,8 @@ pub struct Rules {
     pub tagger: Tagger,
     /// The failure policy of limits that come with a request (Envoy's `limit`).
     pub default_failure: Failure,
+    /// Decisions that use at least this share of their quota count as near the limit.
+    pub near_limit_ratio: f64,
 }
 
 /// A config that cannot be compiled: where (a path like
@@ -126,6 +135,7 @@ impl Rules {
             headers: config.headers,
             tagger: Tagger::new(&config.limiter.key_secret),
             default_failure: config.limiter.failure,
+            near_limit_ratio: config.limiter.near_limit_ratio,
         })
     }
 
@@ -146,15 +156,22 @@ fn compile_domain(d: &DomainConfig, failure: Failure, path: &str) -> Result<Doma
     let mut root = Level::default();
     let anchors = vec![d.domain.0.clone()];
     for (i, c) in d.descriptors.iter().enumerate() {
-        let inherited = Inherited { shadow: d.shadow_mode, failure };
+        let inherited = Inherited { domain: &d.domain.0, shadow: d.shadow_mode, failure };
         add(&mut root, c, inherited, &[], &anchors, &format!("{path}.descriptors[{i}]"))?;
     }
-    Ok(Domain { name: d.domain.0.clone(), client_key: d.client_key.clone(), root })
+    Ok(Domain {
+        name: d.domain.0.clone(),
+        client_key: d.client_key.clone(),
+        root,
+        counters: DomainCounters::new(&d.domain.0),
+        override_counters: Arc::new(PolicyCounters::new(&d.domain.0, "override")),
+    })
 }
 
 /// What a rule takes from the rules above it.
 #[derive(Clone, Copy)]
-struct Inherited {
+struct Inherited<'a> {
+    domain: &'a str,
     shadow: bool,
     failure: Failure,
 }
@@ -192,7 +209,8 @@ fn add(
             let limit = Limit::FixedWindow { limit: rpu, window: unit.millis(), aligned: false };
             limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
             let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&chain));
-            node.policies.push(Policy { name: name.into(), limit, shadow, failure });
+            let counters = Arc::new(PolicyCounters::new(inherited.domain, &name));
+            node.policies.push(Policy { name: name.into(), limit, shadow, failure, counters });
         }
     }
     for (j, p) in c.policies.iter().enumerate() {
@@ -209,13 +227,14 @@ fn add(
             limit,
             shadow: shadow || p.shadow_mode,
             failure: p.failure.unwrap_or(failure),
+            counters: Arc::new(PolicyCounters::new(inherited.domain, &p.name.0)),
         });
     }
     if node.unlimited && !node.policies.is_empty() {
         return Err(err("an `unlimited` rule cannot also have `policies`".into()));
     }
     for (j, child) in c.descriptors.iter().enumerate() {
-        let inherited = Inherited { shadow, failure };
+        let inherited = Inherited { shadow, failure, ..inherited };
         add(&mut node.children, child, inherited, &chain, &anchors, &format!("{path}.descriptors[{j}]"))?;
     }
     let rules = level.by_key.entry(c.key.clone()).or_default();

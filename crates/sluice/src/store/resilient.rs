@@ -9,6 +9,7 @@
 use super::{Refund, Store, StoreError};
 use crate::algo::{Decision, Lease, Op};
 use crate::tag::Tag;
+use crate::telemetry::{StoreMetrics, StoreOp};
 use crate::time::Millis;
 use async_trait::async_trait;
 use std::future::Future;
@@ -68,16 +69,20 @@ pub struct Resilient<S> {
     settings: Resilience,
     breaker: Mutex<Breaker>,
     stats: ResilienceStats,
+    metrics: StoreMetrics,
 }
 
 impl<S: Store> Resilient<S> {
     /// Wraps `inner`.
     pub fn new(inner: S, settings: Resilience) -> Self {
+        let metrics = StoreMetrics::new(inner.kind());
+        metrics.breaker(0);
         Self {
             inner,
             settings,
             breaker: Mutex::new(Breaker::Closed { failures: 0 }),
             stats: ResilienceStats::default(),
+            metrics,
         }
     }
 
@@ -111,6 +116,7 @@ impl<S: Store> Resilient<S> {
             Breaker::Closed { .. } => true,
             Breaker::Open { until } if Instant::now() >= until => {
                 *b = Breaker::HalfOpen;
+                self.metrics.breaker(2);
                 true
             }
             Breaker::Open { .. } | Breaker::HalfOpen => false,
@@ -119,6 +125,7 @@ impl<S: Store> Resilient<S> {
 
     fn record(&self, ok: bool) {
         let mut b = self.lock();
+        let was_closed = matches!(*b, Breaker::Closed { .. });
         *b = match (&*b, ok) {
             (_, true) => Breaker::Closed { failures: 0 },
             (Breaker::Closed { failures }, false) if failures + 1 < self.settings.failures => {
@@ -134,17 +141,28 @@ impl<S: Store> Resilient<S> {
                 Breaker::Open { until: Instant::now() + self.settings.cooldown }
             }
         };
+        match (&*b, was_closed) {
+            (Breaker::Closed { .. }, false) => self.metrics.breaker(0),
+            (Breaker::Open { .. }, _) => self.metrics.breaker(1),
+            _ => {}
+        }
     }
 
-    async fn call<T>(&self, f: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+    async fn call<T>(&self, op: StoreOp, f: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
         if !self.admit() {
             self.stats.short_circuited.fetch_add(1, Ordering::Relaxed);
+            self.metrics.error(&StoreError::CircuitOpen);
             return Err(StoreError::CircuitOpen);
         }
+        let started = Instant::now();
         let result = match tokio::time::timeout(self.settings.deadline, f).await {
             Ok(r) => r,
             Err(_) => Err(StoreError::Timeout(self.settings.deadline.as_millis() as Millis)),
         };
+        self.metrics.call(op, started.elapsed().as_secs_f64());
+        if let Err(e) = &result {
+            self.metrics.error(e);
+        }
         match &result {
             Ok(_) => {}
             Err(StoreError::Timeout(_)) => {
@@ -163,16 +181,16 @@ impl<S: Store> Resilient<S> {
 #[async_trait]
 impl<S: Store> Store for Resilient<S> {
     async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        self.call(self.inner.apply(tag, ops, now)).await
+        self.call(StoreOp::Apply, self.inner.apply(tag, ops, now)).await
     }
     async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        self.call(self.inner.peek(tag, ops, now)).await
+        self.call(StoreOp::Peek, self.inner.peek(tag, ops, now)).await
     }
     async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: Millis) -> Result<bool, StoreError> {
-        self.call(self.inner.release(tag, keys, lease, now)).await
+        self.call(StoreOp::Release, self.inner.release(tag, keys, lease, now)).await
     }
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
-        self.call(self.inner.refund(tag, refunds, now)).await
+        self.call(StoreOp::Refund, self.inner.refund(tag, refunds, now)).await
     }
     async fn ready(&self) -> bool {
         tokio::time::timeout(self.settings.deadline.max(Duration::from_millis(500)), self.inner.ready())

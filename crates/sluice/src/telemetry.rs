@@ -1,0 +1,165 @@
+//! Metrics, through the `metrics` facade: whatever recorder the application installs
+//! (`sluice serve` installs a Prometheus one and serves `/metrics`) gets them; without a
+//! recorder they cost nothing.
+//!
+//! Per-policy counters are registered once, when rules are compiled, so a decision only
+//! increments atomics. Labels are names from the config (domain, policy, store) and fixed
+//! words: a descriptor value (a user id, a token) never becomes a label.
+
+use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+use std::fmt;
+
+/// Every metric name, for the docs and the tests.
+pub mod names {
+    pub const DECISIONS: &str = "sluice_decisions_total";
+    pub const NEAR_LIMIT: &str = "sluice_near_limit_total";
+    pub const SHADOW_OVER_LIMIT: &str = "sluice_shadow_over_limit_total";
+    pub const NEAR_CACHE_HITS: &str = "sluice_near_cache_hits_total";
+    pub const DEGRADED: &str = "sluice_degraded_total";
+    pub const LEASES_ACQUIRED: &str = "sluice_leases_acquired_total";
+    pub const LEASES_RELEASED: &str = "sluice_leases_released_total";
+    pub const STORE_CALL_SECONDS: &str = "sluice_store_call_seconds";
+    pub const STORE_ERRORS: &str = "sluice_store_errors_total";
+    pub const BREAKER_STATE: &str = "sluice_circuit_breaker_state";
+    pub const MEMORY_KEYS: &str = "sluice_memory_store_keys";
+    pub const MEMORY_EVICTIONS: &str = "sluice_memory_store_evictions_total";
+}
+
+/// The counters of one policy of one domain.
+pub struct PolicyCounters {
+    allowed: Counter,
+    over_limit: Counter,
+    near_limit: Counter,
+    shadow_over_limit: Counter,
+    near_cache: Counter,
+}
+
+impl fmt::Debug for PolicyCounters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("PolicyCounters")
+    }
+}
+
+impl PolicyCounters {
+    /// Registers the counters of `policy` in `domain`.
+    pub fn new(domain: &str, policy: &str) -> Self {
+        let (d, p) = (domain.to_string(), policy.to_string());
+        Self {
+            allowed: counter!(names::DECISIONS, "domain" => d.clone(), "policy" => p.clone(), "outcome" => "allowed"),
+            over_limit: counter!(names::DECISIONS, "domain" => d.clone(), "policy" => p.clone(), "outcome" => "over_limit"),
+            near_limit: counter!(names::NEAR_LIMIT, "domain" => d.clone(), "policy" => p.clone()),
+            shadow_over_limit: counter!(names::SHADOW_OVER_LIMIT, "domain" => d.clone(), "policy" => p.clone()),
+            near_cache: counter!(names::NEAR_CACHE_HITS, "domain" => d, "policy" => p),
+        }
+    }
+
+    /// Counts one decision. `near` is whether an allowed decision used at least the
+    /// near-limit share of its quota.
+    pub fn count(&self, allowed: bool, shadow: bool, near: bool, from_near_cache: bool) {
+        match (shadow, allowed) {
+            (true, false) => self.shadow_over_limit.increment(1),
+            (true, true) => {}
+            (false, true) => self.allowed.increment(1),
+            (false, false) => self.over_limit.increment(1),
+        }
+        if allowed && near {
+            self.near_limit.increment(1);
+        }
+        if from_near_cache {
+            self.near_cache.increment(1);
+        }
+    }
+}
+
+/// A domain's counters of decisions made by the failure policy, and of leases.
+pub struct DomainCounters {
+    pub fail_open: Counter,
+    pub fail_closed: Counter,
+    pub leases_acquired: Counter,
+}
+
+impl fmt::Debug for DomainCounters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DomainCounters")
+    }
+}
+
+impl DomainCounters {
+    /// Registers the counters of `domain`.
+    pub fn new(domain: &str) -> Self {
+        let d = domain.to_string();
+        Self {
+            fail_open: counter!(names::DEGRADED, "domain" => d.clone(), "failure" => "open"),
+            fail_closed: counter!(names::DEGRADED, "domain" => d.clone(), "failure" => "closed"),
+            leases_acquired: counter!(names::LEASES_ACQUIRED, "domain" => d),
+        }
+    }
+}
+
+/// Leases given back (any domain: a lease id does not name one).
+pub fn lease_released() {
+    counter!(names::LEASES_RELEASED).increment(1);
+}
+
+/// A store's call latencies, errors and breaker state.
+pub struct StoreMetrics {
+    calls: [Histogram; 4],
+    timeouts: Counter,
+    unavailable: Counter,
+    protocol: Counter,
+    circuit_open: Counter,
+    breaker: Gauge,
+}
+
+/// The four store operations, as labelled.
+#[derive(Debug, Clone, Copy)]
+pub enum StoreOp {
+    Apply = 0,
+    Peek = 1,
+    Release = 2,
+    Refund = 3,
+}
+
+impl StoreMetrics {
+    /// Registers the metrics of a store of `kind`.
+    pub fn new(kind: &'static str) -> Self {
+        let call = |op: &'static str| histogram!(names::STORE_CALL_SECONDS, "store" => kind, "op" => op);
+        let error = |k: &'static str| counter!(names::STORE_ERRORS, "store" => kind, "kind" => k);
+        Self {
+            calls: [call("apply"), call("peek"), call("release"), call("refund")],
+            timeouts: error("timeout"),
+            unavailable: error("unavailable"),
+            protocol: error("protocol"),
+            circuit_open: error("circuit_open"),
+            breaker: gauge!(names::BREAKER_STATE, "store" => kind),
+        }
+    }
+
+    /// Records a call's duration in seconds.
+    pub fn call(&self, op: StoreOp, seconds: f64) {
+        self.calls[op as usize].record(seconds);
+    }
+
+    /// Counts a failed call by kind.
+    pub fn error(&self, e: &crate::store::StoreError) {
+        use crate::store::StoreError as E;
+        match e {
+            E::Timeout(_) => self.timeouts.increment(1),
+            E::Unavailable(_) => self.unavailable.increment(1),
+            E::Protocol(_) => self.protocol.increment(1),
+            E::CircuitOpen => self.circuit_open.increment(1),
+        }
+    }
+
+    /// Sets the breaker gauge: 0 closed, 1 open, 2 half-open (probing).
+    pub fn breaker(&self, state: u8) {
+        self.breaker.set(f64::from(state));
+    }
+}
+
+/// Publishes the memory store's size and eviction counts.
+pub fn memory_store(keys: usize, collected: u64, evicted_live: u64) {
+    gauge!(names::MEMORY_KEYS).set(keys as f64);
+    counter!(names::MEMORY_EVICTIONS, "kind" => "expired").absolute(collected);
+    counter!(names::MEMORY_EVICTIONS, "kind" => "live").absolute(evicted_live);
+}
