@@ -1,6 +1,7 @@
 //! The HTTP JSON API (see docs/configuration.md and the README for examples).
 
 use crate::api::{RequestJson, response_json};
+use arc_swap::ArcSwap;
 use axum::Router;
 use axum::body::{Body, to_bytes};
 use axum::extract::{Path, Query, State};
@@ -14,7 +15,8 @@ use std::sync::Arc;
 
 /// What every handler shares.
 pub struct AppState {
-    pub limiter: Limiter,
+    /// The engine in force; a config reload swaps it (see `reload.rs`).
+    pub limiter: ArcSwap<Limiter>,
     pub max_body_bytes: usize,
     /// Renders `/metrics`; None when no recorder is installed.
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
@@ -77,7 +79,7 @@ async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Resu
 fn verdict_response(state: &AppState, v: &sluice::Verdict, status: StatusCode) -> Response {
     let mut resp = (status, axum::Json(response_json(v))).into_response();
     let h = resp.headers_mut();
-    for (name, value) in headers::render(v, &state.limiter.rules().headers) {
+    for (name, value) in headers::render(v, &state.limiter.load().rules().headers) {
         if let Ok(value) = HeaderValue::from_str(&value) {
             h.insert(HeaderName::from_static(name), value);
         }
@@ -105,7 +107,7 @@ async fn decide(state: &AppState, headers: &HeaderMap, body: Body, mode: Mode) -
         Ok(r) => r,
         Err(resp) => return resp,
     };
-    match state.limiter.run(&req, mode).await {
+    match state.limiter.load_full().run(&req, mode).await {
         Ok(v) => verdict_response(state, &v, code(&v)),
         Err(e) => check_error(e),
     }
@@ -131,7 +133,7 @@ async fn status(State(state): Shared, Query(pairs): Query<Vec<(String, String)>>
         );
     };
     let req = Request { domain, descriptors: vec![Descriptor { entries, ..Default::default() }], hits_addend: None };
-    match state.limiter.run(&req, Mode::Peek).await {
+    match state.limiter.load_full().run(&req, Mode::Peek).await {
         Ok(v) => verdict_response(&state, &v, StatusCode::OK),
         Err(e) => check_error(e),
     }
@@ -143,7 +145,7 @@ async fn release(State(state): Shared, Path(lease_id): Path<String>) -> Response
         Ok(l) => l,
         Err(e) => return error(StatusCode::BAD_REQUEST, RequestError::code(&e), e.to_string()),
     };
-    match state.limiter.release(&lease).await {
+    match state.limiter.load_full().release(&lease).await {
         Ok(held) => axum::Json(json!({"released": held})).into_response(),
         Err(e) => check_error(e.into()),
     }
@@ -155,7 +157,7 @@ async fn refund(State(state): Shared, headers: HeaderMap, body: Body) -> Respons
         Ok(r) => r,
         Err(resp) => return resp,
     };
-    match state.limiter.run(&req, Mode::Refund).await {
+    match state.limiter.load_full().run(&req, Mode::Refund).await {
         Ok(_) => axum::Json(json!({"refunded": true})).into_response(),
         Err(e) => check_error(e),
     }
@@ -171,7 +173,7 @@ async fn metrics(State(state): Shared) -> Response {
 
 /// `GET /readyz`: 200 when the store takes calls.
 async fn ready(State(state): Shared) -> Response {
-    if state.limiter.store().ready().await {
+    if state.limiter.load_full().store().ready().await {
         (StatusCode::OK, "ready\n").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "store not ready\n").into_response()

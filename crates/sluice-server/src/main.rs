@@ -5,6 +5,7 @@ mod bench;
 mod cli;
 mod http;
 mod load;
+mod reload;
 mod serve;
 
 use clap::Parser;

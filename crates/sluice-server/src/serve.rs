@@ -4,6 +4,7 @@
 use crate::cli::ServeArgs;
 use crate::http::{AppState, router};
 use crate::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
+use arc_swap::ArcSwap;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sluice::Limiter;
 use sluice::config::{ClockKind, Config, DEFAULT_KEY_SECRET, LimiterConfig, RedisConnectionConfig, StoreConfig};
@@ -25,15 +26,27 @@ pub async fn serve(args: ServeArgs) -> Result<(), String> {
         None => load_str(DEFAULT_CONFIG, "<built-in config>"),
     }
     .map_err(|e| e.to_string())?;
+    // what the reload watcher compares against: the bytes that gave this config
+    let loaded_bytes = match &args.config {
+        Some(path) => std::fs::read(path).unwrap_or_default(),
+        None => Vec::new(),
+    };
     if config.limiter.key_secret == DEFAULT_KEY_SECRET && !matches!(config.store, StoreConfig::Memory { .. }) {
         tracing::warn!("limiter.key_secret is the default: set your own so clients cannot predict their tags");
     }
     let limiter = build_limiter(&config, rules)?;
-    let state = Arc::new(AppState { limiter, max_body_bytes: config.server.max_body_bytes, metrics: Some(metrics) });
+    let state = Arc::new(AppState {
+        limiter: ArcSwap::from_pointee(limiter),
+        max_body_bytes: config.server.max_body_bytes,
+        metrics: Some(metrics),
+    });
 
     let addr = args.http.unwrap_or(config.server.http);
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-    tracing::info!(http = %addr, store = state.limiter.store().kind(), "sluice is serving");
+    tracing::info!(http = %addr, store = state.limiter.load().store().kind(), "sluice is serving");
+    if let Some(path) = args.config.clone() {
+        crate::reload::watch(path, config, loaded_bytes, state.clone());
+    }
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown())
         .await

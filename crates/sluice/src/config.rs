@@ -56,7 +56,7 @@ impl Default for ServerConfig {
 }
 
 /// `store`: where limiter state lives.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum StoreConfig {
     /// In process memory; state is lost on restart and not shared between processes.
@@ -98,7 +98,7 @@ pub enum StoreConfig {
 }
 
 /// One shard of `redis_sharded`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RedisShardConfig {
     pub primary: String,
@@ -107,7 +107,7 @@ pub struct RedisShardConfig {
 }
 
 /// Connection settings shared by the Redis stores.
-#[derive(Debug, Clone, Copy, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(default)]
 pub struct RedisConnectionConfig {
     /// Bounds connecting and each reply (the engine's `limiter.deadline` is usually

@@ -23,6 +23,7 @@ pub mod names {
     pub const BREAKER_STATE: &str = "sluice_circuit_breaker_state";
     pub const MEMORY_KEYS: &str = "sluice_memory_store_keys";
     pub const MEMORY_EVICTIONS: &str = "sluice_memory_store_evictions_total";
+    pub const CONFIG_RELOADS: &str = "sluice_config_reloads_total";
 }
 
 /// The counters of one policy of one domain.
