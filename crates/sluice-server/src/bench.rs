@@ -57,7 +57,7 @@ pub async fn bench(args: BenchArgs) -> Result<(), String> {
             None => load_str(DEFAULT_CONFIG, "<built-in config>"),
         }
         .map_err(|e| e.to_string())?;
-        let limiter = Arc::new(build_limiter(&config, rules)?);
+        let limiter = Arc::new(build_limiter(&config, rules)?.0);
         target = format!("in-process {} store", limiter.store().kind());
         let workers = (0..args.concurrency).map(|w| {
             let (limiter, done, args) = (limiter.clone(), done.clone(), args.clone());

@@ -1,7 +1,7 @@
 //! The HTTP JSON API (see docs/configuration.md and the README for examples).
 
 use crate::api::{RequestJson, response_json};
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use axum::Router;
 use axum::body::{Body, to_bytes};
 use axum::extract::{Path, Query, State};
@@ -10,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use serde_json::json;
 use sluice::engine::{CheckError, Descriptor, Entry, LeaseId, Mode, Request, RequestError};
+use sluice::store::MigratingStore;
 use sluice::{Limiter, headers};
 use std::sync::Arc;
 
@@ -17,6 +18,10 @@ use std::sync::Arc;
 pub struct AppState {
     /// The engine in force; a config reload swaps it (see `reload.rs`).
     pub limiter: ArcSwap<Limiter>,
+    /// The migrating store, when the store is one (admin API, reloads).
+    pub migration: ArcSwapOption<MigratingStore>,
+    /// `server.admin_token`: the admin endpoints exist only when it is set.
+    pub admin_token: Option<String>,
     pub max_body_bytes: usize,
     /// Renders `/metrics`; None when no recorder is installed.
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
@@ -26,7 +31,11 @@ type Shared = State<Arc<AppState>>;
 
 /// The API's routes.
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let admin = match state.admin_token {
+        Some(_) => Router::new().route("/v1/admin/migration", get(migration).put(set_migration)),
+        None => Router::new(),
+    };
+    admin
         .route("/v1/ratelimit", post(ratelimit).get(status))
         .route("/v1/leases", post(acquire))
         .route("/v1/leases/{lease_id}", delete(release))
@@ -160,6 +169,69 @@ async fn refund(State(state): Shared, headers: HeaderMap, body: Body) -> Respons
     match state.limiter.load_full().run(&req, Mode::Refund).await {
         Ok(_) => axum::Json(json!({"refunded": true})).into_response(),
         Err(e) => check_error(e),
+    }
+}
+
+/// Whether the request carries `Authorization: Bearer <server.admin_token>`. Compared
+/// in constant time.
+fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
+    let (Some(token), Some(given)) = (&state.admin_token, headers.get(header::AUTHORIZATION)) else { return false };
+    let given = given.as_bytes().strip_prefix(b"Bearer ").unwrap_or(b"");
+    given.len() == token.len() && given.iter().zip(token.as_bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+fn unauthorized() -> Response {
+    let mut r =
+        error(StatusCode::UNAUTHORIZED, "unauthorized", "send Authorization: Bearer <server.admin_token>".into());
+    r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    r
+}
+
+/// `GET /v1/admin/migration`: the migrating store's percentage.
+async fn migration(State(state): Shared, headers: HeaderMap) -> Response {
+    if !authorized(&state, &headers) {
+        return unauthorized();
+    }
+    match &*state.migration.load() {
+        Some(m) => axum::Json(json!({"percent": m.percent()})).into_response(),
+        None => error(StatusCode::CONFLICT, "not_migrating", "store.kind is not migrating".into()),
+    }
+}
+
+/// `PUT /v1/admin/migration` with `{"percent": N}`: moves the share of clients on the
+/// migrating store's `to` backend, live. The next config reload that changes `percent`
+/// sets it again.
+async fn set_migration(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
+    if !authorized(&state, &headers) {
+        return unauthorized();
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct PercentBody {
+        percent: u8,
+    }
+    let Ok(bytes) = to_bytes(body, 1024).await else {
+        return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "send {\"percent\": N}".into());
+    };
+    let percent = match serde_json::from_slice::<PercentBody>(&bytes) {
+        Ok(b) if b.percent <= 100 => b.percent,
+        Ok(b) => return error(StatusCode::BAD_REQUEST, "bad_percent", format!("percent {} is above 100", b.percent)),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_json",
+                format!("send {{\"percent\": N}} with N from 0 to 100: {e}"),
+            );
+        }
+    };
+    match &*state.migration.load() {
+        Some(m) => {
+            let previous = m.percent();
+            m.set_percent(percent);
+            tracing::info!(from = previous, to = percent, "migration percentage changed through the admin API");
+            axum::Json(json!({"percent": percent, "previous": previous})).into_response()
+        }
+        None => error(StatusCode::CONFLICT, "not_migrating", "store.kind is not migrating".into()),
     }
 }
 

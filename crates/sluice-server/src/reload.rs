@@ -12,7 +12,7 @@
 use crate::http::AppState;
 use crate::load::load_file;
 use crate::serve::build_limiter;
-use sluice::config::Config;
+use sluice::config::{Config, StoreConfig};
 use sluice::telemetry::names;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -43,12 +43,22 @@ pub fn watch(path: PathBuf, mut config: Config, mut bytes: Vec<u8>, state: Arc<A
                     continue;
                 }
             };
-            let next = if loaded.config.store == config.store {
+            let next = if same_but_percent(&loaded.config.store, &config.store) {
+                // the same store, perhaps another migration percentage: no reconnect
+                if let (StoreConfig::Migrating { percent, .. }, Some(m)) =
+                    (&loaded.config.store, &*state.migration.load())
+                {
+                    if *percent != m.percent() {
+                        tracing::info!(from = m.percent(), to = percent, "config reload: migration percentage changed");
+                    }
+                    m.set_percent(*percent);
+                }
                 state.limiter.load().with_rules(Arc::new(loaded.rules))
             } else {
                 match build_limiter(&loaded.config, loaded.rules) {
-                    Ok(l) => {
+                    Ok((l, migration)) => {
                         tracing::info!("config reload: store changed, new store connected");
+                        state.migration.store(migration);
                         l
                     }
                     Err(e) => {
@@ -67,4 +77,14 @@ pub fn watch(path: PathBuf, mut config: Config, mut bytes: Vec<u8>, state: Arc<A
             tracing::info!(file = %path.display(), "config reloaded");
         }
     });
+}
+
+/// Whether two store configs are the same store (a migrating store's percentage aside).
+fn same_but_percent(a: &StoreConfig, b: &StoreConfig) -> bool {
+    match (a, b) {
+        (StoreConfig::Migrating { from: f1, to: t1, .. }, StoreConfig::Migrating { from: f2, to: t2, .. }) => {
+            f1 == f2 && t1 == t2
+        }
+        _ => a == b,
+    }
 }

@@ -4,13 +4,13 @@
 use crate::cli::ServeArgs;
 use crate::http::{AppState, router};
 use crate::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sluice::Limiter;
 use sluice::config::{ClockKind, Config, DEFAULT_KEY_SECRET, LimiterConfig, RedisConnectionConfig, StoreConfig};
 use sluice::rules::Rules;
 use sluice::store::redis::{RedisOptions, RedisStore, ShardedRedisStore};
-use sluice::store::{MemoryStore, Resilience, Resilient, Store, StoreError};
+use sluice::store::{MemcachedStore, MemoryStore, MigratingStore, Resilience, Resilient, Store, StoreError};
 use sluice::telemetry;
 use sluice::time::{Clock, CoarseClock, SystemClock};
 use std::sync::Arc;
@@ -34,9 +34,11 @@ pub async fn serve(args: ServeArgs) -> Result<(), String> {
     if config.limiter.key_secret == DEFAULT_KEY_SECRET && !matches!(config.store, StoreConfig::Memory { .. }) {
         tracing::warn!("limiter.key_secret is the default: set your own so clients cannot predict their tags");
     }
-    let limiter = build_limiter(&config, rules)?;
+    let (limiter, migration) = build_limiter(&config, rules)?;
     let state = Arc::new(AppState {
         limiter: ArcSwap::from_pointee(limiter),
+        migration: ArcSwapOption::new(migration),
+        admin_token: config.server.admin_token.clone(),
         max_body_bytes: config.server.max_body_bytes,
         metrics: Some(metrics),
     });
@@ -56,22 +58,53 @@ pub async fn serve(args: ServeArgs) -> Result<(), String> {
 }
 
 /// The engine a config describes: its clock, its store (remote stores behind the
-/// deadline and breaker, with the near-cache), its rules.
-pub fn build_limiter(config: &Config, rules: Rules) -> Result<Limiter, String> {
+/// deadline and breaker, with the near-cache), its rules; and the migrating store's
+/// handle, when the store is one.
+pub fn build_limiter(config: &Config, rules: Rules) -> Result<(Limiter, Option<Arc<MigratingStore>>), String> {
+    check_store_supports(&config.store, &rules)?;
     let clock: Arc<dyn Clock> = match config.limiter.clock {
         ClockKind::System => Arc::new(SystemClock),
         ClockKind::Coarse => Arc::new(CoarseClock),
     };
-    let store = build_store(&config.store, &config.limiter, clock.clone())?;
+    let mut migration = None;
+    let store = build_store(&config.store, &config.limiter, clock.clone(), &mut migration)?;
     let remote = !matches!(config.store, StoreConfig::Memory { .. });
     let mut limiter = Limiter::new(Arc::new(rules), store, clock);
     if remote && config.limiter.near_cache > 0 {
         limiter = limiter.with_near_cache(config.limiter.near_cache);
     }
-    Ok(limiter)
+    Ok((limiter, migration))
 }
 
-fn build_store(config: &StoreConfig, limiter: &LimiterConfig, clock: Arc<dyn Clock>) -> Result<Arc<dyn Store>, String> {
+/// Memcached runs fixed windows only: a config that asks it for more is refused when it
+/// is loaded, not when the first request fails.
+fn check_store_supports(store: &StoreConfig, rules: &Rules) -> Result<(), String> {
+    match store {
+        StoreConfig::Memcached { .. } => {
+            let other: Vec<&str> = rules.algorithms().into_iter().filter(|a| *a != "fixed_window").collect();
+            if other.is_empty() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "store memcached runs fixed windows only, but the rules use {}: use a redis store",
+                    other.join(", ")
+                ))
+            }
+        }
+        StoreConfig::Migrating { from, to, .. } => {
+            check_store_supports(from, rules)?;
+            check_store_supports(to, rules)
+        }
+        _ => Ok(()),
+    }
+}
+
+fn build_store(
+    config: &StoreConfig,
+    limiter: &LimiterConfig,
+    clock: Arc<dyn Clock>,
+    migration: &mut Option<Arc<MigratingStore>>,
+) -> Result<Arc<dyn Store>, String> {
     let resilience = Resilience {
         deadline: Duration::from_millis(limiter.deadline.0),
         failures: limiter.breaker_failures.max(1),
@@ -116,6 +149,20 @@ fn build_store(config: &StoreConfig, limiter: &LimiterConfig, clock: Arc<dyn Clo
             };
             let store = RedisStore::cluster(nodes, *read_from_replicas, options).map_err(redis_error)?;
             Arc::new(Resilient::new(store, resilience))
+        }
+        StoreConfig::Memcached { servers, timeout } => {
+            let store = MemcachedStore::new(servers, Duration::from_millis(timeout.0)).map_err(redis_error)?;
+            Arc::new(Resilient::new(store, resilience))
+        }
+        StoreConfig::Migrating { from, to, percent } => {
+            if *percent > 100 {
+                return Err(format!("store.percent is {percent}; write 0 to 100"));
+            }
+            let from = build_store(from, limiter, clock.clone(), &mut None)?;
+            let to = build_store(to, limiter, clock, &mut None)?;
+            let store = Arc::new(MigratingStore::new(from, to, *percent));
+            *migration = Some(store.clone());
+            store
         }
         StoreConfig::RedisSharded { shards, connection } => {
             if shards.is_empty() {

@@ -134,3 +134,49 @@ async fn a_changed_store_is_connected() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A migrating store's percentage moves through a config reload too, without rebuilding
+/// the store (counts on both sides stay).
+#[tokio::test]
+async fn a_reload_moves_the_migration_percentage() {
+    let dir = TempDir::new("sluice-reload-migration");
+    let port = free_port();
+    let file = dir.path().join("sluice.yaml");
+    let at = |percent: u8| {
+        config(port, 100).replace(
+            "domains:",
+            &format!("  admin_token: t\nstore:\n  kind: migrating\n  percent: {percent}\n  from: {{kind: memory}}\n  to: {{kind: memory}}\ndomains:"),
+        )
+    };
+    std::fs::write(&file, at(10)).unwrap();
+    let _server = Process::spawn(std::process::Command::new(bin()).arg("serve").arg("--config").arg(&file)).unwrap();
+    assert!(wait_for_port(port, Duration::from_secs(10)));
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    let percent = || async {
+        let r = client.get(format!("{base}/v1/admin/migration")).bearer_auth("t").send().await.unwrap();
+        r.json::<serde_json::Value>().await.unwrap()["percent"].as_u64().unwrap()
+    };
+    assert_eq!(percent().await, 10);
+    // a client on `from` at 10%, so on `from` at 0% as well
+    let tagger = sluice::tag::Tagger::new(sluice::config::DEFAULT_KEY_SECRET);
+    let user = (0..)
+        .map(|i| format!("stays-{i}"))
+        .find(|u| !sluice::store::MigratingStore::on_new_store(tagger.tag("d", "user", u), 10))
+        .unwrap();
+    let before = common::hit(&client, &base, "d", &[("user", &user)]).await;
+    assert_eq!(num(&before, "x-ratelimit-remaining"), 99);
+    write_atomically(
+        &file,
+        &at(10).replace("percent: 10", "percent: 0").replace("requests_per_unit: 100", "requests_per_unit: 200"),
+    );
+    let started = Instant::now();
+    while percent().await != 0 {
+        assert!(started.elapsed() < Duration::from_secs(2), "the percentage did not move within 2 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // the store was kept, not rebuilt: the client's count is still there
+    let r = common::hit(&client, &base, "d", &[("user", &user)]).await;
+    assert_eq!(num(&r, "x-ratelimit-used"), 2);
+    assert_eq!(num(&r, "x-ratelimit-limit"), 200, "and the new rules are in force");
+}

@@ -89,6 +89,22 @@ pub enum StoreConfig {
         #[serde(default = "default_cluster_retries")]
         retries: u32,
     },
+    /// GitHub's old backend: fixed windows only, and a cache that evicts (see
+    /// docs/operations.md). For migrating away from, with `migrating`.
+    Memcached {
+        /// `host:port` of each server; each client lives on one.
+        servers: Vec<String>,
+        #[serde(default = "default_timeout")]
+        timeout: Duration,
+    },
+    /// GitHub's migration: each client on `to` or `from` by a stable hash of its tag
+    /// against `percent`, which can change live (config reload, admin API).
+    Migrating {
+        from: Box<StoreConfig>,
+        to: Box<StoreConfig>,
+        /// Share of clients on `to`, 0 to 100.
+        percent: u8,
+    },
     /// GitHub's client-side sharding: each client on one of several replicated groups.
     RedisSharded {
         shards: Vec<RedisShardConfig>,
@@ -169,6 +185,9 @@ pub struct LimiterConfig {
     /// Allowed decisions that leave less than this share of the quota unused count as
     /// near the limit (`sluice_near_limit_total`).
     pub near_limit_ratio: f64,
+    /// Every rule of every domain in shadow mode: decisions are counted, logged and
+    /// reported as if enforced, and every request is allowed. For trying a config out.
+    pub shadow_mode: bool,
 }
 
 /// `failure`: what a request gets when the store cannot answer.
@@ -215,6 +234,7 @@ impl Default for LimiterConfig {
             breaker_cooldown: Duration(1_000),
             near_cache: 100_000,
             near_limit_ratio: 0.8,
+            shadow_mode: false,
         }
     }
 }

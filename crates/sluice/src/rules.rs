@@ -7,7 +7,7 @@
 //! descriptor that falls off the tree matches nothing and is allowed.
 
 use crate::algo::Limit;
-use crate::config::{Config, DescriptorConfig, DomainConfig, Failure, HeadersConfig};
+use crate::config::{Config, DescriptorConfig, DomainConfig, Failure, HeadersConfig, LimiterConfig};
 use crate::tag::{Tag, Tagger};
 use crate::telemetry::{DomainCounters, PolicyCounters};
 use std::collections::HashMap;
@@ -124,7 +124,7 @@ impl Rules {
         let mut domains = HashMap::new();
         for (i, d) in config.domains.iter().enumerate() {
             let path = format!("domains[{i}] (domain {})", d.domain);
-            let domain = compile_domain(d, config.limiter.failure, &path)?;
+            let domain = compile_domain(d, &config.limiter, &path)?;
             if domains.insert(domain.name.clone(), domain).is_some() {
                 let message = format!("domain '{}' is defined twice; merge the two", d.domain);
                 return Err(RuleError { path, message, anchors: vec![d.domain.0.clone(), d.domain.0.clone()] });
@@ -144,6 +144,25 @@ impl Rules {
         self.domains.get(name)
     }
 
+    /// The algorithms the rules use (`fixed_window` ...), so a store can refuse rules it
+    /// cannot run.
+    pub fn algorithms(&self) -> std::collections::BTreeSet<&'static str> {
+        fn walk(level: &Level, out: &mut std::collections::BTreeSet<&'static str>) {
+            for rules in level.by_key.values() {
+                let nodes = rules.exact.values().chain(rules.prefixes.iter().map(|(_, n)| n)).chain(rules.any.iter());
+                for n in nodes {
+                    out.extend(n.policies.iter().map(|p| p.limit.algorithm()));
+                    walk(&n.children, out);
+                }
+            }
+        }
+        let mut out = std::collections::BTreeSet::new();
+        for d in self.domains.values() {
+            walk(&d.root, &mut out);
+        }
+        out
+    }
+
     /// Configured domain names, sorted.
     pub fn domain_names(&self) -> Vec<&str> {
         let mut v: Vec<&str> = self.domains.keys().map(String::as_str).collect();
@@ -152,11 +171,12 @@ impl Rules {
     }
 }
 
-fn compile_domain(d: &DomainConfig, failure: Failure, path: &str) -> Result<Domain, RuleError> {
+fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Result<Domain, RuleError> {
+    let failure = limiter.failure;
     let mut root = Level::default();
     let anchors = vec![d.domain.0.clone()];
     for (i, c) in d.descriptors.iter().enumerate() {
-        let inherited = Inherited { domain: &d.domain.0, shadow: d.shadow_mode, failure };
+        let inherited = Inherited { domain: &d.domain.0, shadow: limiter.shadow_mode || d.shadow_mode, failure };
         add(&mut root, c, inherited, &[], &anchors, &format!("{path}.descriptors[{i}]"))?;
     }
     Ok(Domain {

@@ -208,3 +208,18 @@ async fn client_key_chooses_the_tag_and_errors_are_clear() {
         "{e}"
     );
 }
+
+#[tokio::test]
+async fn global_shadow_mode_allows_everything_and_reports() {
+    let (l, _clock) = limiter(
+        r#"{"limiter":{"shadow_mode":true},"domains":[{"domain":"d","descriptors":[{"key":"user","rate_limit":{"unit":"minute","requests_per_unit":1}}]}]}"#,
+    );
+    let r = req("d", &[&[("user", "g")]]);
+    let mut reported = 0;
+    for _ in 0..3 {
+        let v = l.check(&r).await.unwrap();
+        assert!(v.allowed && v.status == 200);
+        reported += v.shadow_denials().count();
+    }
+    assert_eq!(reported, 2);
+}

@@ -244,8 +244,16 @@ impl Rng {
 }
 
 /// Random sequences of apply, peek, refund and release, with the clock moving forward
-/// irregularly, give the same decisions from the store as from the pure algorithms.
-pub async fn sequence_matches_model(s: &dyn Store, seed: u64) {
+/// irregularly, give the same decisions from the store as from the pure algorithms
+/// (five seeds).
+pub async fn sequence_matches_model(s: &dyn Store) {
+    for seed in [1, 7, 42, 1234, 99991] {
+        sequence_from_seed(s, seed).await;
+    }
+}
+
+/// [`sequence_matches_model`] for one seed.
+pub async fn sequence_from_seed(s: &dyn Store, seed: u64) {
     let limits = [
         Limit::FixedWindow { limit: 7, window: 2_000, aligned: false },
         Limit::FixedWindow { limit: 4, window: 1_500, aligned: true },
@@ -312,87 +320,44 @@ pub async fn sequence_matches_model(s: &dyn Store, seed: u64) {
 
 /// Expands to one `#[tokio::test]` per conformance check. `$make` is an expression that
 /// evaluates to a future of `(store, guard)`: the guard (a server process, say) lives
-/// until the test ends.
+/// until the test ends. `conformance_suite!(fixed_window_only name, make)` runs the checks
+/// that only use fixed windows, for stores that have nothing else (memcached).
 #[macro_export]
 macro_rules! conformance_suite {
+    (fixed_window_only $name:ident, $make:expr) => {
+        $crate::conformance_suite!(@tests $name, $make; fixed_window_counts_and_resets, aligned_window_ends_on_boundary,
+            all_or_nothing, shadow_does_not_block, peek_never_charges, refunds, tags_and_keys_are_independent);
+    };
     ($name:ident, $make:expr) => {
+        $crate::conformance_suite!(@tests $name, $make; fixed_window_counts_and_resets, aligned_window_ends_on_boundary,
+            all_or_nothing, shadow_does_not_block, cost_zero_charges_nothing, peek_never_charges,
+            token_bucket_burst_and_refill, sliding_window_weighs_previous, concurrency_leases, refunds,
+            tags_and_keys_are_independent, sequence_matches_model);
+    };
+    (@tests $name:ident, $make:expr; $($check:ident),*) => {
         mod $name {
             #[allow(unused_imports)]
             use super::*;
             use $crate::store::Store;
             use $crate::store::conformance as c;
 
-            async fn store() -> (std::sync::Arc<dyn Store>, impl Sized) {
+            async fn conformance_store() -> (std::sync::Arc<dyn Store>, impl Sized) {
                 let (store, guard) = $make.await;
                 (std::sync::Arc::new(store) as std::sync::Arc<dyn Store>, guard)
             }
 
-            #[tokio::test]
-            async fn fixed_window_counts_and_resets() {
-                let (s, _guard) = store().await;
-                c::fixed_window_counts_and_resets(&*s).await
-            }
-            #[tokio::test]
-            async fn aligned_window_ends_on_boundary() {
-                let (s, _guard) = store().await;
-                c::aligned_window_ends_on_boundary(&*s).await
-            }
-            #[tokio::test]
-            async fn all_or_nothing() {
-                let (s, _guard) = store().await;
-                c::all_or_nothing(&*s).await
-            }
-            #[tokio::test]
-            async fn shadow_does_not_block() {
-                let (s, _guard) = store().await;
-                c::shadow_does_not_block(&*s).await
-            }
-            #[tokio::test]
-            async fn cost_zero_charges_nothing() {
-                let (s, _guard) = store().await;
-                c::cost_zero_charges_nothing(&*s).await
-            }
-            #[tokio::test]
-            async fn peek_never_charges() {
-                let (s, _guard) = store().await;
-                c::peek_never_charges(&*s).await
-            }
-            #[tokio::test]
-            async fn token_bucket_burst_and_refill() {
-                let (s, _guard) = store().await;
-                c::token_bucket_burst_and_refill(&*s).await
-            }
-            #[tokio::test]
-            async fn sliding_window_weighs_previous() {
-                let (s, _guard) = store().await;
-                c::sliding_window_weighs_previous(&*s).await
-            }
-            #[tokio::test]
-            async fn concurrency_leases() {
-                let (s, _guard) = store().await;
-                c::concurrency_leases(&*s).await
-            }
-            #[tokio::test]
-            async fn refunds() {
-                let (s, _guard) = store().await;
-                c::refunds(&*s).await
-            }
-            #[tokio::test]
-            async fn tags_and_keys_are_independent() {
-                let (s, _guard) = store().await;
-                c::tags_and_keys_are_independent(&*s).await
-            }
+            $(
+                #[tokio::test]
+                async fn $check() {
+                    let (s, _guard) = conformance_store().await;
+                    c::$check(&*s).await
+                }
+            )*
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn concurrent_calls_are_exact() {
-                let (s, _guard) = store().await;
+                let (s, _guard) = conformance_store().await;
                 c::concurrent_calls_are_exact(s).await
-            }
-            #[tokio::test]
-            async fn sequence_matches_model() {
-                let (s, _guard) = store().await;
-                for seed in [1, 7, 42, 1234, 99991] {
-                    c::sequence_matches_model(&*s, seed).await;
-                }
             }
         }
     };

@@ -67,35 +67,7 @@ impl Scripts {
 /// the scripts from stored times; the TTL only collects garbage.
 const GRACE_MS: Millis = 1_000;
 
-/// The Redis key of one state: `s:{TAG}KEY`. Every key of a client shares the hash tag
-/// `{TAG}`, so every script for that client touches one slot of a Redis Cluster.
-///
-/// Keys are short because Redis memory per client is mostly per-key overhead: TAG is 96
-/// bits of the client tag and KEY 48 bits of the state key, in base64url (no braces, so
-/// the hash tag stays intact), 28 bytes in all, which fits jemalloc's 32-byte class where
-/// the readable form (`sluice:{32 hex}:16 hex`, 58 bytes) took 64. 96 bits keep tag
-/// collisions negligible (about 6e-12 among 10^9 clients); 48 bits separate the few
-/// states of one client.
-pub fn state_key(tag: Tag, key: u64) -> String {
-    // Tags and keys are opaque to a store: multiply by an odd constant (a bijection, so
-    // every input bit matters) before keeping the high bits.
-    let tag = tag.0.wrapping_mul(0x2545_f491_4f6c_dd1d_9e37_79b9_7f4a_7c15) >> 32;
-    let key = key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 16;
-    let mut out = String::with_capacity(28);
-    out.push_str("s:{");
-    b64(&mut out, tag, 16);
-    out.push('}');
-    b64(&mut out, u128::from(key), 8);
-    out
-}
-
-/// Appends the low `6 * chars` bits of `v` in base64url, most significant first.
-fn b64(out: &mut String, v: u128, chars: u32) {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    for i in (0..chars).rev() {
-        out.push(ALPHABET[((v >> (6 * i)) & 63) as usize] as char);
-    }
-}
+pub use super::state_key;
 
 /// An algorithm and its three parameters, as the scripts number them.
 fn params(limit: &Limit) -> [u64; 4] {

@@ -1,0 +1,96 @@
+//! GitHub's migration, end to end: Memcached to Redis behind a percentage that moves
+//! live through the admin API, under load, exact at every step.
+
+mod common;
+
+use common::{header, start_with};
+use sluice_testkit::{MemcachedServer, RedisServer};
+use std::collections::HashMap;
+
+const TOKEN: &str = "s3cret-admin-token";
+
+async fn set_percent(client: &reqwest::Client, base: &str, percent: u8) {
+    let r = client
+        .put(format!("{base}/v1/admin/migration"))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({ "percent": percent }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+}
+
+fn redis_keys(redis: &RedisServer) -> u64 {
+    let reply = redis.command("DBSIZE").unwrap();
+    reply.trim_start_matches(':').trim().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memcached_to_redis_at_0_50_100_and_back() {
+    let _heavy = common::heavy().await;
+    let (memcached, redis) = (MemcachedServer::start(), RedisServer::start());
+    let sections = format!(
+        "  admin_token: {TOKEN}\nstore:\n  kind: migrating\n  percent: 0\n  from: {{kind: memcached, servers: [\"{}\"]}}\n  to: {{kind: redis, url: \"{}\"}}\n",
+        memcached.addr(),
+        redis.url()
+    );
+    let s = start_with(
+        &sections,
+        "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 5}\n",
+    );
+    let client = reqwest::Client::new();
+
+    // the admin API refuses a missing or wrong token
+    let url = format!("{}/v1/admin/migration", s.base);
+    assert_eq!(client.put(&url).json(&serde_json::json!({"percent": 50})).send().await.unwrap().status(), 401);
+    let wrong = client.put(&url).bearer_auth("wrong").json(&serde_json::json!({"percent": 50})).send().await.unwrap();
+    assert_eq!(wrong.status(), 401);
+    let r = client.get(&url).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(r.json::<serde_json::Value>().await.unwrap()["percent"], 0, "nothing moved without the token");
+
+    let clients = 400;
+    for (step, percent) in [0u8, 50, 100, 0].into_iter().enumerate() {
+        set_percent(&client, &s.base, percent).await;
+        let keys_before = redis_keys(&redis);
+        // eight workers, six requests for each of 400 fresh clients (limit 5)
+        let workers: Vec<_> = (0..8)
+            .map(|w| {
+                let (client, base) = (client.clone(), s.base.clone());
+                tokio::spawn(async move {
+                    let mut admitted: HashMap<usize, u32> = HashMap::new();
+                    let mut bad = Vec::new();
+                    for round in 0..6 {
+                        for c in (w..clients).step_by(8) {
+                            let user = format!("step{step}-client{c}");
+                            let r = common::hit(&client, &base, "d", &[("user", &user)]).await;
+                            let degraded = header(&r, "x-sluice-degraded");
+                            match r.status().as_u16() {
+                                200 if degraded.is_empty() => *admitted.entry(c).or_default() += 1,
+                                429 => {}
+                                other => bad.push(format!("round {round} {user}: {other} {degraded}")),
+                            }
+                        }
+                    }
+                    (admitted, bad)
+                })
+            })
+            .collect();
+        let mut admitted = HashMap::new();
+        for w in workers {
+            let (a, bad) = w.await.unwrap();
+            assert!(bad.is_empty(), "at {percent}%: {bad:?}");
+            admitted.extend(a);
+        }
+        assert_eq!(admitted.len(), clients, "at {percent}%: some client was never admitted");
+        assert!(admitted.values().all(|&n| n == 5), "at {percent}%: a client did not get exactly its limit");
+        let on_redis = redis_keys(&redis) - keys_before;
+        let share = on_redis as f64 / clients as f64;
+        match percent {
+            0 => assert_eq!(on_redis, 0, "at 0% nobody is on redis"),
+            100 => assert_eq!(on_redis as usize, clients, "at 100% everybody is on redis"),
+            _ => assert!((share - 0.5).abs() < 0.07, "at 50%, {share:.3} of the clients are on redis"),
+        }
+    }
+    let stats = memcached.command("stats").unwrap();
+    assert!(!stats.contains("STAT curr_items 0\r"), "memcached held the clients of the 0% steps");
+}
