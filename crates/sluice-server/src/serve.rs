@@ -7,9 +7,11 @@ use crate::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
 use arc_swap::{ArcSwap, ArcSwapOption};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sluice::Limiter;
-use sluice::config::{ClockKind, Config, DEFAULT_KEY_SECRET, LimiterConfig, RedisConnectionConfig, StoreConfig};
+use sluice::config::{
+    ClockKind, Config, DEFAULT_KEY_SECRET, LimiterConfig, RedisConnectionConfig, StoreConfig, TlsConfig,
+};
 use sluice::rules::Rules;
-use sluice::store::redis::{RedisOptions, RedisStore, ShardedRedisStore};
+use sluice::store::redis::{RedisOptions, RedisStore, ShardedRedisStore, Tls};
 use sluice::store::{MemcachedStore, MemoryStore, MigratingStore, Resilience, Resilient, Store, StoreError};
 use sluice::telemetry;
 use sluice::time::{Clock, CoarseClock, SystemClock};
@@ -110,10 +112,13 @@ fn build_store(
         failures: limiter.breaker_failures.max(1),
         cooldown: Duration::from_millis(limiter.breaker_cooldown.0),
     };
-    let options = |c: &RedisConnectionConfig| RedisOptions {
-        timeout: Duration::from_millis(c.timeout.0),
-        replica_acks: c.replica_acks,
-        ..RedisOptions::default()
+    let options = |c: &RedisConnectionConfig| -> Result<RedisOptions, String> {
+        Ok(RedisOptions {
+            timeout: Duration::from_millis(c.timeout.0),
+            replica_acks: c.replica_acks,
+            tls: tls(c.tls.as_ref())?,
+            ..RedisOptions::default()
+        })
     };
     let redis_error = |e: StoreError| format!("store: {e}");
     Ok(match config {
@@ -138,13 +143,14 @@ fn build_store(
             store
         }
         StoreConfig::Redis { url, replicas, connection } => {
-            let store = RedisStore::new(url, replicas, options(connection)).map_err(redis_error)?;
+            let store = RedisStore::new(url, replicas, options(connection)?).map_err(redis_error)?;
             Arc::new(Resilient::new(store, resilience))
         }
-        StoreConfig::RedisCluster { nodes, read_from_replicas, timeout, retries } => {
+        StoreConfig::RedisCluster { nodes, read_from_replicas, timeout, retries, tls: files } => {
             let options = RedisOptions {
                 timeout: Duration::from_millis(timeout.0),
                 cluster_retries: *retries,
+                tls: tls(files.as_ref())?,
                 ..RedisOptions::default()
             };
             let store = RedisStore::cluster(nodes, *read_from_replicas, options).map_err(redis_error)?;
@@ -170,12 +176,26 @@ fn build_store(
             }
             let shards = shards
                 .iter()
-                .map(|s| RedisStore::new(&s.primary, &s.replicas, options(connection)))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(redis_error)?;
+                .map(|s| RedisStore::new(&s.primary, &s.replicas, options(connection)?).map_err(redis_error))
+                .collect::<Result<Vec<_>, String>>()?;
             Arc::new(Resilient::new(ShardedRedisStore::new(shards), resilience))
         }
     })
+}
+
+/// Reads the TLS files a store names.
+fn tls(files: Option<&TlsConfig>) -> Result<Option<Tls>, String> {
+    let Some(f) = files else { return Ok(None) };
+    let read = |what: &str, p: &std::path::Path| {
+        std::fs::read(p).map_err(|e| format!("cannot read store tls.{what} {}: {e}", p.display()))
+    };
+    let ca = f.ca_file.as_deref().map(|p| read("ca_file", p)).transpose()?;
+    let client = match (&f.cert_file, &f.key_file) {
+        (Some(c), Some(k)) => Some((read("cert_file", c)?, read("key_file", k)?)),
+        (None, None) => None,
+        _ => return Err("store tls: give both cert_file and key_file, or neither".into()),
+    };
+    Ok(Some(Tls { ca, client }))
 }
 
 /// Installs the Prometheus recorder that `/metrics` renders. Store latencies are

@@ -248,3 +248,46 @@ async fn a_refused_client_leaves_redis_alone() {
     assert_eq!(refused, 2_000);
     assert!(calls <= 4, "2,000 refused requests cost redis {calls} script calls");
 }
+
+/// `rediss://` with a private CA: decisions over TLS, counted exactly.
+#[tokio::test]
+async fn tls_to_redis() {
+    let _heavy = common::heavy().await;
+    let redis = sluice_testkit::TlsRedisServer::start();
+    let store = format!(
+        "store:\n  kind: redis\n  url: {}\n  tls: {{ca_file: \"{}\"}}\n",
+        redis.url(),
+        redis.ca_file().display()
+    );
+    let s = start_with(&store, &rule(5, "hour"));
+    let client = reqwest::Client::new();
+    for left in (0..5).rev() {
+        let r = hit(&client, &s.base, "d", &[("user", "tls")]).await;
+        assert_eq!(header(&r, "x-sluice-degraded"), "");
+        assert_eq!(num(&r, "x-ratelimit-remaining"), left);
+    }
+    assert_eq!(hit(&client, &s.base, "d", &[("user", "tls")]).await.status(), 429);
+    assert_eq!(redis.cli(&["DBSIZE"]).trim(), "1", "the window lives in the TLS redis");
+}
+
+/// A Redis with a password: the right one works; with a wrong one decisions fail open,
+/// and the password appears nowhere in the log.
+#[tokio::test]
+async fn passwords_work_and_are_never_logged() {
+    let _heavy = common::heavy().await;
+    let redis = RedisServer::start_with(&["--requirepass", "hunter2-s3cret"]);
+    let with = |password: &str| {
+        format!("store:\n  kind: redis\n  url: redis://default:{password}@127.0.0.1:{}/\n", redis.port())
+    };
+    let s = start_with(&with("hunter2-s3cret"), &rule(5, "hour"));
+    let client = reqwest::Client::new();
+    let r = hit(&client, &s.base, "d", &[("user", "p")]).await;
+    assert_eq!((r.status().as_u16(), num(&r, "x-ratelimit-remaining")), (200, 4));
+    let wrong = common::start_unready(&with("not-the-password"), &rule(5, "hour"));
+    let r = hit(&client, &wrong.base, "d", &[("user", "p")]).await;
+    assert_eq!(header(&r, "x-sluice-degraded"), "fail-open");
+    for log in [s.log(), wrong.log()] {
+        assert!(!log.contains("hunter2-s3cret") && !log.contains("not-the-password"), "a password was logged: {log}");
+    }
+    assert!(wrong.log().contains("store call failed"), "the failure should be logged: {}", wrong.log());
+}

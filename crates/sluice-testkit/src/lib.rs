@@ -67,6 +67,13 @@ impl Process {
     pub fn spawn(cmd: &mut Command) -> std::io::Result<Self> {
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).spawn().map(|child| Self { child })
     }
+
+    /// Starts `cmd` with its output (stdout and stderr) appended to `log`.
+    pub fn spawn_logging(cmd: &mut Command, log: &Path) -> std::io::Result<Self> {
+        let out = std::fs::OpenOptions::new().create(true).append(true).open(log)?;
+        let err = out.try_clone()?;
+        cmd.stdin(Stdio::null()).stdout(out).stderr(err).spawn().map(|child| Self { child })
+    }
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -180,6 +187,138 @@ impl RedisServer {
     /// Kills the server now.
     pub fn kill(&mut self) {
         self.process.kill();
+    }
+}
+
+/// A redis-server that speaks only TLS, with a CA and a server certificate made for it
+/// by `openssl`. Killed on drop.
+pub struct TlsRedisServer {
+    process: Process,
+    port: u16,
+    dir: TempDir,
+}
+
+impl TlsRedisServer {
+    /// Makes the certificates and starts the server; waits until it answers PING over
+    /// TLS (`redis-cli --tls`).
+    pub fn start() -> Self {
+        require("openssl", "openssl");
+        require("redis-cli", "redis-tools");
+        let bin = require("redis-server", "redis-server");
+        let dir = TempDir::new("sluice-redis-tls");
+        let d = dir.path().to_path_buf();
+        let run = |args: &[&str]| {
+            let out = Command::new("openssl").args(args).current_dir(&d).output().expect("run openssl");
+            assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        };
+        run(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=sluice-test-ca",
+        ]);
+        run(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+            "-subj",
+            "/CN=127.0.0.1",
+        ]);
+        std::fs::write(d.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+        run(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+        ]);
+        for _ in 0..5 {
+            let port = free_port();
+            let mut cmd = Command::new(&bin);
+            cmd.args([
+                "--port",
+                "0",
+                "--tls-port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .args(["--tls-cert-file", "server.crt", "--tls-key-file", "server.key", "--tls-ca-cert-file", "ca.crt"])
+            .args(["--tls-auth-clients", "no", "--dir"])
+            .arg(&d)
+            .current_dir(&d);
+            let mut process = Process::spawn(&mut cmd).expect("start redis-server with TLS");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline && !process.exited() {
+                let pong = Command::new("redis-cli")
+                    .args(["--tls", "--cacert"])
+                    .arg(d.join("ca.crt"))
+                    .args(["-p", &port.to_string(), "PING"])
+                    .output()
+                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("PONG"));
+                if pong {
+                    // the directory (certificates) lives as long as the server
+                    return Self { process, port, dir };
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        panic!("redis-server with TLS did not answer")
+    }
+
+    /// `rediss://127.0.0.1:PORT/`.
+    pub fn url(&self) -> String {
+        format!("rediss://127.0.0.1:{}/", self.port)
+    }
+
+    /// The CA certificate (PEM) that signed the server's certificate.
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.path().join("ca.crt")
+    }
+
+    /// Runs `redis-cli --tls` with `args` and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["--tls", "--cacert"])
+            .arg(self.ca_file())
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The server's PID.
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
     }
 }
 
@@ -376,10 +515,10 @@ fn send(port: u16, line: &str) -> std::io::Result<String> {
     Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 
-/// PINGs a Redis on `port`.
+/// PINGs a Redis on `port` (a server that wants a password, and says so, answers too).
 pub fn ping(port: u16) -> std::io::Result<()> {
     let reply = send(port, "PING")?;
-    if reply.starts_with("+PONG") {
+    if reply.starts_with("+PONG") || reply.starts_with("-NOAUTH") {
         Ok(())
     } else {
         Err(std::io::Error::other(format!("unexpected reply to PING: {reply:?}")))

@@ -88,6 +88,9 @@ pub enum StoreConfig {
         /// 4, 8 ... ms, at most 50); the engine's deadline bounds them all.
         #[serde(default = "default_cluster_retries")]
         retries: u32,
+        /// Certificates for `rediss://` node URLs.
+        #[serde(default)]
+        tls: Option<TlsConfig>,
     },
     /// GitHub's old backend: fixed windows only, and a cache that evicts (see
     /// docs/operations.md). For migrating away from, with `migrating`.
@@ -122,8 +125,21 @@ pub struct RedisShardConfig {
     pub replicas: Vec<String>,
 }
 
+/// TLS files for `rediss://` URLs.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// PEM file of the CA that signed the server's certificate; without it, the system's
+    /// trusted roots.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// PEM certificate and key of this client, for servers that verify clients
+    /// (`tls-auth-clients yes`).
+    pub cert_file: Option<std::path::PathBuf>,
+    pub key_file: Option<std::path::PathBuf>,
+}
+
 /// Connection settings shared by the Redis stores.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default)]
 pub struct RedisConnectionConfig {
     /// Bounds connecting and each reply (the engine's `limiter.deadline` is usually
@@ -132,11 +148,13 @@ pub struct RedisConnectionConfig {
     /// Replicas that must acknowledge each write (`WAIT`) before it counts; 0 does not
     /// wait. See docs/operations.md.
     pub replica_acks: u32,
+    /// Certificates for `rediss://` URLs.
+    pub tls: Option<TlsConfig>,
 }
 
 impl Default for RedisConnectionConfig {
     fn default() -> Self {
-        Self { timeout: Duration(1_000), replica_acks: 0 }
+        Self { timeout: Duration(1_000), replica_acks: 0, tls: None }
     }
 }
 

@@ -62,9 +62,18 @@ pub fn start_unready(sections: &str, domains_yaml: &str) -> Sluice {
     let port = free_port();
     let config = dir.path().join("sluice.yaml");
     std::fs::write(&config, format!("server:\n  http: 127.0.0.1:{port}\n{sections}domains:\n{domains_yaml}")).unwrap();
-    let process = Process::spawn(Command::new(bin()).arg("serve").arg("--config").arg(&config)).expect("start sluice");
+    let mut cmd = Command::new(bin());
+    cmd.arg("serve").arg("--config").arg(&config);
+    let process = Process::spawn_logging(&mut cmd, &dir.path().join("sluice.log")).expect("start sluice");
     assert!(wait_for_port(port, Duration::from_secs(10)), "sluice did not start listening on {port}");
     Sluice { process, base: format!("http://127.0.0.1:{port}"), dir }
+}
+
+impl Sluice {
+    /// What the server has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("sluice.log")).unwrap_or_default()
+    }
 }
 
 /// POSTs one descriptor to `/v1/ratelimit`.

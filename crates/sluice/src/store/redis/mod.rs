@@ -152,9 +152,14 @@ impl ClusterLink {
 }
 
 impl Conn {
-    fn open(url: &str, timeout: Duration) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)
-            .map_err(|e| StoreError::Unavailable(format!("invalid redis url {}: {e}", redacted(url))))?;
+    fn open(url: &str, options: &RedisOptions) -> Result<Self, StoreError> {
+        crypto_provider();
+        let client = match &options.tls {
+            Some(tls) => redis::Client::build_with_tls(url, tls.certificates()),
+            None => redis::Client::open(url),
+        }
+        .map_err(|e| StoreError::Unavailable(format!("invalid redis url {}: {e}", redacted(url))))?;
+        let timeout = options.timeout;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
             .set_response_timeout(Some(timeout))
@@ -164,6 +169,7 @@ impl Conn {
     }
 
     fn open_cluster(nodes: &[String], options: &RedisOptions, read_from_replicas: bool) -> Result<Self, StoreError> {
+        crypto_provider();
         let mut b = ClusterClientBuilder::new(nodes.to_vec())
             .connection_timeout(options.timeout)
             .response_timeout(options.timeout)
@@ -173,6 +179,9 @@ impl Conn {
             .retry_wait_formula(2, 2)
             .min_retry_wait(1)
             .max_retry_wait(50);
+        if let Some(tls) = &options.tls {
+            b = b.certs(tls.certificates());
+        }
         if read_from_replicas {
             b = b.read_routing_strategy(redis::cluster_read_routing::RoundRobinReplicaStrategy::default());
         }
@@ -243,8 +252,38 @@ struct Replica {
     url: String,
 }
 
+/// TLS material for `rediss://` connections, as PEM bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tls {
+    /// CA certificates to verify the server with; None trusts the system's roots.
+    pub ca: Option<Vec<u8>>,
+    /// A client certificate and its key, for servers that verify clients.
+    pub client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl Tls {
+    fn certificates(&self) -> redis::TlsCertificates {
+        redis::TlsCertificates {
+            client_tls: self
+                .client
+                .as_ref()
+                .map(|(cert, key)| redis::ClientTlsConfig { client_cert: cert.clone(), client_key: key.clone() }),
+            root_cert: self.ca.clone(),
+        }
+    }
+}
+
+/// TLS needs a crypto provider; Sluice uses rustls with `ring`, installed once.
+fn crypto_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // another part of the process may have installed one already: keep it
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
 /// Connection options of a Redis store.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RedisOptions {
     /// Bounds connecting and each reply. The engine's deadline is usually shorter.
     pub timeout: Duration,
@@ -256,11 +295,13 @@ pub struct RedisOptions {
     /// Redis Cluster: how many times a call is retried after MOVED, ASK, TRYAGAIN,
     /// CLUSTERDOWN or a dead node, with waits of 2, 4, 8 ... ms (at most 50).
     pub cluster_retries: u32,
+    /// Certificates for `rediss://` URLs (None: the system's roots, no client certificate).
+    pub tls: Option<Tls>,
 }
 
 impl Default for RedisOptions {
     fn default() -> Self {
-        Self { timeout: Duration::from_secs(1), replica_acks: 0, cluster_retries: 6 }
+        Self { timeout: Duration::from_secs(1), replica_acks: 0, cluster_retries: 6, tls: None }
     }
 }
 
@@ -280,18 +321,17 @@ impl RedisStore {
     /// A store on the primary at `url` with read replicas at `replicas`. Connects lazily;
     /// fails only on a malformed URL.
     pub fn new(url: &str, replicas: &[String], options: RedisOptions) -> Result<Self, StoreError> {
-        let timeout = options.timeout;
         let replicas = replicas
             .iter()
             .map(|u| {
                 Ok(Arc::new(Replica {
-                    conn: Conn::open(u, timeout)?,
+                    conn: Conn::open(u, &options)?,
                     healthy: AtomicBool::new(true),
                     url: redacted(u),
                 }))
             })
             .collect::<Result<Vec<_>, StoreError>>()?;
-        let primary = Conn::open(url, timeout)?;
+        let primary = Conn::open(url, &options)?;
         let store = Self { primary, replicas, next: AtomicUsize::new(0), scripts: Arc::new(Scripts::new()), options };
         store.watch_replicas();
         store.warm_up();
