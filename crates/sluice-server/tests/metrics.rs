@@ -53,3 +53,23 @@ async fn decisions_are_counted_without_descriptor_values() {
     assert_eq!(sample(&text, "sluice_shadow_over_limit_total", &[("policy", "trial")]), Some(2.0));
     assert!(!text.contains("alice-secret-42") && !text.contains("bob"), "a descriptor value became a label");
 }
+
+/// `detailed_metric: true` counts a rule's decisions by descriptor value; other rules'
+/// values still never appear.
+#[tokio::test]
+async fn detailed_metric_counts_by_value_when_a_rule_asks() {
+    let s = start(
+        "  - domain: demo\n    descriptors:\n      - key: plan\n        detailed_metric: true\n        rate_limit: {unit: minute, requests_per_unit: 1}\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 1}\n",
+    );
+    let client = reqwest::Client::new();
+    for _ in 0..3 {
+        hit(&client, &s.base, "demo", &[("plan", "gold")]).await;
+        hit(&client, &s.base, "demo", &[("user", "carol-private")]).await;
+    }
+    let text = client.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
+    let d = |outcome| {
+        sample(&text, "sluice_decisions_detailed_total", &[("descriptor", "plan_gold"), ("outcome", outcome)])
+    };
+    assert_eq!((d("allowed"), d("over_limit")), (Some(1.0), Some(2.0)), "{text}");
+    assert!(!text.contains("carol-private"));
+}

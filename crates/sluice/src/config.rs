@@ -309,7 +309,9 @@ pub struct DescriptorConfig {
     /// Sluice's extension: the failure policy of this rule's limits and those below it.
     #[serde(default)]
     pub failure: Option<Failure>,
-    /// Accepted for compatibility; per-value metrics come with the metrics endpoint.
+    /// Also count this rule's decisions by descriptor value
+    /// (`sluice_decisions_detailed_total`). Every distinct value is a new series: only
+    /// for rules whose values are few.
     #[serde(default)]
     pub detailed_metric: bool,
 }

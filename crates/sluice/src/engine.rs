@@ -182,6 +182,8 @@ pub struct PolicyDecision {
     pub source: Source,
     /// The policy's counters; None for a limit that came with the request.
     pub counters: Option<Arc<PolicyCounters>>,
+    /// Counted by descriptor value too (`detailed_metric`).
+    pub detailed: bool,
 }
 
 /// One descriptor's outcome.
@@ -453,13 +455,17 @@ impl Limiter {
             return;
         }
         let ratio = self.rules.near_limit_ratio;
-        for p in descriptors.iter().flat_map(|d| &d.policies) {
+        for (di, p) in descriptors.iter().enumerate().flat_map(|(di, d)| d.policies.iter().map(move |p| (di, p))) {
             let (Some(c), false) = (&p.counters, matches!(p.source, Source::Skipped | Source::Degraded)) else {
                 continue;
             };
             let d = &p.decision;
             let near = d.used as f64 >= ratio * d.limit as f64;
             c.count(d.allowed, p.shadow, near, matches!(p.source, Source::NearCache(_)));
+            if p.detailed {
+                let entries = req.descriptors[di].entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
+                telemetry::detailed(&req.domain, &p.name, entries, d.allowed || p.shadow);
+            }
             if p.shadow && !d.allowed {
                 tracing::info!(domain = %req.domain, policy = %p.name, "shadow mode: this request would have been refused");
             }
@@ -603,6 +609,7 @@ impl Limiter {
                         shadow: false,
                         failure: rules.default_failure,
                         counters: domain.override_counters.clone(),
+                        detailed: false,
                     }];
                     &override_policy
                 }
@@ -643,6 +650,7 @@ impl Limiter {
                     decision: unevaluated(&p.limit),
                     source: Source::Store,
                     counters: Some(p.counters.clone()),
+                    detailed: p.detailed,
                 });
                 match groups.iter_mut().find(|g| g.tag == tag) {
                     Some(g) if !g.ops.iter().any(|o| o.key == op.key) => {

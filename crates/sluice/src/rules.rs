@@ -25,6 +25,8 @@ pub struct Policy {
     pub failure: Failure,
     /// Its decision counters (`sluice_decisions_total` ...).
     pub counters: Arc<PolicyCounters>,
+    /// `detailed_metric`: also count decisions by descriptor value.
+    pub detailed: bool,
 }
 
 /// A rule node reached by a descriptor.
@@ -176,7 +178,8 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
     let mut root = Level::default();
     let anchors = vec![d.domain.0.clone()];
     for (i, c) in d.descriptors.iter().enumerate() {
-        let inherited = Inherited { domain: &d.domain.0, shadow: limiter.shadow_mode || d.shadow_mode, failure };
+        let inherited =
+            Inherited { domain: &d.domain.0, shadow: limiter.shadow_mode || d.shadow_mode, failure, detailed: false };
         add(&mut root, c, inherited, &[], &anchors, &format!("{path}.descriptors[{i}]"))?;
     }
     Ok(Domain {
@@ -194,6 +197,7 @@ struct Inherited<'a> {
     domain: &'a str,
     shadow: bool,
     failure: Failure,
+    detailed: bool,
 }
 
 fn add(
@@ -211,6 +215,7 @@ fn add(
         return Err(err("`key` must not be empty".into()));
     }
     let shadow = inherited.shadow || c.shadow_mode;
+    let detailed = inherited.detailed || c.detailed_metric;
     let failure = c.failure.unwrap_or(inherited.failure);
     let here = match &c.value {
         Some(v) => format!("{}_{}", c.key, v),
@@ -230,7 +235,7 @@ fn add(
             limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
             let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&chain));
             let counters = Arc::new(PolicyCounters::new(inherited.domain, &name));
-            node.policies.push(Policy { name: name.into(), limit, shadow, failure, counters });
+            node.policies.push(Policy { name: name.into(), limit, shadow, failure, counters, detailed });
         }
     }
     for (j, p) in c.policies.iter().enumerate() {
@@ -248,13 +253,14 @@ fn add(
             shadow: shadow || p.shadow_mode,
             failure: p.failure.unwrap_or(failure),
             counters: Arc::new(PolicyCounters::new(inherited.domain, &p.name.0)),
+            detailed,
         });
     }
     if node.unlimited && !node.policies.is_empty() {
         return Err(err("an `unlimited` rule cannot also have `policies`".into()));
     }
     for (j, child) in c.descriptors.iter().enumerate() {
-        let inherited = Inherited { shadow, failure, ..inherited };
+        let inherited = Inherited { shadow, failure, detailed, ..inherited };
         add(&mut node.children, child, inherited, &chain, &anchors, &format!("{path}.descriptors[{j}]"))?;
     }
     let rules = level.by_key.entry(c.key.clone()).or_default();

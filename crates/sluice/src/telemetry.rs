@@ -24,6 +24,7 @@ pub mod names {
     pub const MEMORY_KEYS: &str = "sluice_memory_store_keys";
     pub const MEMORY_EVICTIONS: &str = "sluice_memory_store_evictions_total";
     pub const CONFIG_RELOADS: &str = "sluice_config_reloads_total";
+    pub const DECISIONS_DETAILED: &str = "sluice_decisions_detailed_total";
 }
 
 /// The counters of one policy of one domain.
@@ -95,6 +96,17 @@ impl DomainCounters {
             leases_acquired: counter!(names::LEASES_ACQUIRED, "domain" => d),
         }
     }
+}
+
+/// Counts a decision of a `detailed_metric` rule by its descriptor (`key_value` pairs
+/// joined by `.`, as envoyproxy/ratelimit names them). Registered per call: only rules
+/// that ask pay for it.
+pub fn detailed<'a>(domain: &str, policy: &str, entries: impl Iterator<Item = (&'a str, &'a str)>, allowed: bool) {
+    let descriptor: Vec<String> = entries.map(|(k, v)| format!("{k}_{v}")).collect();
+    let outcome = if allowed { "allowed" } else { "over_limit" };
+    counter!(names::DECISIONS_DETAILED, "domain" => domain.to_string(), "policy" => policy.to_string(),
+        "descriptor" => descriptor.join("."), "outcome" => outcome)
+    .increment(1);
 }
 
 /// Leases given back (any domain: a lease id does not name one).
