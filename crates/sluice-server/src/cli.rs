@@ -22,6 +22,45 @@ pub enum Command {
     /// Generate load: against a running server over HTTP, or in process against the
     /// store a config names. Prints decisions/s and latency percentiles.
     Bench(BenchArgs),
+    /// The load shedders.
+    #[command(subcommand)]
+    Shed(ShedCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ShedCommand {
+    /// Run the worker utilization controller on a utilization schedule under a simulated
+    /// clock; prints CSV (t, utilization, shed, amount, then each class's drop
+    /// probability, least important first; the last class is critical).
+    Simulate(SimulateArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimulateArgs {
+    /// The schedule: UTILIZATION:DURATION pairs, like 1.0:300s,0.5:300s.
+    #[arg(long, value_parser = crate::shed::parse_schedule)]
+    pub utilization: std::vec::Vec<(f64, u64)>,
+    /// Time between samples.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub step: sluice::config::Duration,
+    /// Priority classes (the last is critical and never shed).
+    #[arg(long, default_value_t = 4)]
+    pub classes: usize,
+    /// Also draw the run as an SVG chart.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+    /// End of good utilization.
+    #[arg(long, default_value_t = 0.7)]
+    pub good: f64,
+    /// Start of bad utilization.
+    #[arg(long, default_value_t = 0.8)]
+    pub bad: f64,
+    /// How long bad utilization lasts before shedding starts.
+    #[arg(long, default_value = "28s", value_parser = parse_duration)]
+    pub before: sluice::config::Duration,
+    /// How long full-speed shedding takes to shed everything.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    pub to_shed_all: sluice::config::Duration,
 }
 
 #[derive(Debug, Clone, clap::Args)]

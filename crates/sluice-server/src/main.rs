@@ -7,9 +7,10 @@ mod http;
 mod load;
 mod reload;
 mod serve;
+mod shed;
 
 use clap::Parser;
-use cli::{Cli, Command, ConfigCommand};
+use cli::{Cli, Command, ConfigCommand, ShedCommand};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -30,6 +31,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => tokio::runtime::Runtime::new()
             .map_err(|e| format!("cannot start the async runtime: {e}"))
             .and_then(|rt| rt.block_on(bench::bench(args))),
+        Command::Shed(ShedCommand::Simulate(args)) => shed::simulate(args),
         Command::Config(ConfigCommand::Check { file }) => {
             load::load_file(&file).map(|_| println!("{}: ok", file.display())).map_err(|e| e.to_string())
         }

@@ -18,6 +18,7 @@
 
 pub mod concurrency;
 pub mod fixed_window;
+pub mod shedder;
 pub mod sliding_window;
 pub mod token_bucket;
 

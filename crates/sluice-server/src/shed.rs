@@ -1,0 +1,114 @@
+//! `sluice shed simulate`: runs the worker utilization controller on a utilization
+//! schedule under a simulated clock, so operators can see what it will do before
+//! enabling it. Prints CSV; `--plot FILE.svg` also draws it.
+
+use crate::cli::SimulateArgs;
+use sluice::algo::shedder::{Shedder, ShedderParams};
+use std::fmt::Write as _;
+
+/// One row of the simulation.
+struct Row {
+    t: f64,
+    utilization: f64,
+    amount: f64,
+    drops: Vec<f64>,
+}
+
+/// Parses `1.0:300s,0.5:300s`: utilization and how long it lasts, in order.
+pub fn parse_schedule(s: &str) -> Result<Vec<(f64, u64)>, String> {
+    s.split(',')
+        .map(|part| {
+            let (u, d) =
+                part.split_once(':').ok_or_else(|| format!("`{part}`: write UTILIZATION:DURATION, like 0.9:60s"))?;
+            let u: f64 = u.trim().parse().map_err(|_| format!("`{u}` is not a utilization between 0 and 1"))?;
+            if !(0.0..=1.0).contains(&u) {
+                return Err(format!("utilization {u} is outside 0 to 1"));
+            }
+            Ok((u, sluice::config::Duration::parse(d)?.0))
+        })
+        .collect()
+}
+
+/// Runs the simulation and prints CSV.
+pub fn simulate(args: SimulateArgs) -> Result<(), String> {
+    let params =
+        ShedderParams { good: args.good, bad: args.bad, before: args.before.0, to_shed_all: args.to_shed_all.0 };
+    params.validate()?;
+    if args.classes < 2 {
+        return Err("--classes must be at least 2 (the last class is critical and never shed)".into());
+    }
+    let step = args.step.0.max(1);
+    let mut shedder = Shedder::new(params);
+    let mut rows = Vec::new();
+    let mut now = 0;
+    for (utilization, length) in &args.utilization {
+        let end = now + length;
+        while now < end {
+            let amount = shedder.update(*utilization, now);
+            let drops = (0..args.classes).map(|c| shedder.drop_probability(c, args.classes)).collect();
+            rows.push(Row { t: now as f64 / 1000.0, utilization: *utilization, amount, drops });
+            now += step;
+        }
+    }
+    let mut out = String::from("t,utilization,shed,amount");
+    for c in 0..args.classes {
+        let _ = write!(out, ",class{c}");
+    }
+    out.push('\n');
+    for r in &rows {
+        // rounded before printing, so a value a hair below zero prints as 0, not -0
+        let amount = (r.amount * 1e4).round() / 1e4 + 0.0;
+        let _ = write!(out, "{},{},{:.4},{:.4}", r.t, r.utilization, amount.max(0.0), amount);
+        for d in &r.drops {
+            let _ = write!(out, ",{d:.4}");
+        }
+        out.push('\n');
+    }
+    print!("{out}");
+    if let Some(path) = &args.plot {
+        std::fs::write(path, svg(&rows, args.classes)).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// A line chart: utilization, shed amount and each class's drop probability over time.
+fn svg(rows: &[Row], classes: usize) -> String {
+    let (w, h, pad) = (900.0, 360.0, 40.0);
+    let t_max = rows.last().map_or(1.0, |r| r.t.max(1.0));
+    let x = |t: f64| pad + t / t_max * (w - 2.0 * pad);
+    let y = |v: f64| h - pad - v.clamp(0.0, 1.0) * (h - 2.0 * pad);
+    let line = |values: &dyn Fn(&Row) -> f64, color: &str, dash: &str| {
+        let points: Vec<String> = rows.iter().map(|r| format!("{:.1},{:.1}", x(r.t), y(values(r)))).collect();
+        format!(
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" stroke-dasharray=\"{dash}\" points=\"{}\"/>\n",
+            points.join(" ")
+        )
+    };
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n"
+    );
+    s += &format!("<rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>\n");
+    s += &format!("<line x1=\"{pad}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n", h - pad, w - pad, h - pad);
+    s += &format!("<line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{}\" stroke=\"black\"/>\n", h - pad);
+    s += &format!("<text x=\"{}\" y=\"{}\">time: 0 to {t_max:.0} s</text>\n", w / 2.0 - 40.0, h - 10.0);
+    s += &format!("<text x=\"5\" y=\"{}\">1</text><text x=\"5\" y=\"{}\">0</text>\n", pad + 4.0, h - pad);
+    s += &line(&|r: &Row| r.utilization, "#999999", "6,4");
+    s += &line(&|r: &Row| r.amount.max(0.0), "#d62728", "");
+    let colors = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
+    for c in 0..classes.saturating_sub(1) {
+        s += &line(&move |r: &Row| r.drops[c], colors[c % colors.len()], "2,2");
+    }
+    let mut legend = vec![("utilization", "#999999"), ("shed", "#d62728")];
+    let names: Vec<String> = (0..classes.saturating_sub(1)).map(|c| format!("class {c} dropped")).collect();
+    for (c, n) in names.iter().enumerate() {
+        legend.push((n.as_str(), colors[c % colors.len()]));
+    }
+    for (i, (name, color)) in legend.iter().enumerate() {
+        let lx = pad + 10.0 + i as f64 * 120.0;
+        s += &format!(
+            "<rect x=\"{lx}\" y=\"8\" width=\"12\" height=\"12\" fill=\"{color}\"/><text x=\"{}\" y=\"18\">{name}</text>\n",
+            lx + 16.0
+        );
+    }
+    s + "</svg>\n"
+}
