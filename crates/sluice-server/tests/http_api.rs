@@ -247,3 +247,20 @@ async fn serve_without_arguments_uses_the_defaults() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A lease never released comes back after its TTL.
+#[tokio::test]
+async fn lost_leases_come_back_after_their_ttl() {
+    let s = start(
+        "  - domain: d\n    descriptors:\n      - key: user\n        policies:\n          - {name: inflight, concurrency: {limit: 1, lease_ttl: 1s}}\n",
+    );
+    let client = reqwest::Client::new();
+    let take = || client.post(format!("{}/v1/leases", s.base)).json(&body("d", &[("user", "lost")])).send();
+    assert_eq!(take().await.unwrap().status(), 200);
+    let r = take().await.unwrap();
+    assert_eq!(r.status(), 429);
+    let wait = num(&r, "retry-after");
+    assert!((1..=2).contains(&wait), "retry-after {wait}");
+    tokio::time::sleep(Duration::from_millis(1_050)).await;
+    assert_eq!(take().await.unwrap().status(), 200, "the lost lease was reclaimed after its TTL");
+}
