@@ -130,13 +130,16 @@ pub enum Mode {
     Acquire,
     /// Give back rate policies' charges (`/v1/refund`).
     Refund,
+    /// Take leases on concurrency policies and charge rate policies, all or nothing, in
+    /// one store call per client: what the tower layer does for each request.
+    Admit,
 }
 
 impl Mode {
     fn wants(self, limit: &Limit) -> bool {
         let concurrency = matches!(limit, Limit::Concurrency { .. });
         match self {
-            Mode::Peek => true,
+            Mode::Peek | Mode::Admit => true,
             Mode::Acquire => concurrency,
             Mode::Charge | Mode::Refund => !concurrency,
         }
@@ -353,7 +356,7 @@ impl Limiter {
     pub async fn run(&self, req: &Request, mode: Mode) -> Result<Verdict, CheckError> {
         let now = self.clock.now();
         let lease = match mode {
-            Mode::Acquire => Some(random_lease()),
+            Mode::Acquire | Mode::Admit => Some(random_lease()),
             _ => None,
         };
         let (mut descriptors, groups) = self.plan(req, mode, lease)?;
@@ -396,7 +399,8 @@ impl Limiter {
                     Source::NearCache(at) if at != i => Source::Skipped,
                     s => s,
                 };
-                if allowed && d.allowed && op.cost > 0 && mode == Mode::Charge && source == Source::Store {
+                let charging = matches!(mode, Mode::Charge | Mode::Admit) && op.lease.is_none();
+                if allowed && d.allowed && op.cost > 0 && charging && source == Source::Store {
                     charges.push((g.tag, refund_of(op, op.cost, d.reset_at)));
                 }
             }
@@ -418,7 +422,8 @@ impl Limiter {
             (Some(lease), true) => groups.iter().find(|g| g.ops.iter().any(|o| o.lease.is_some())).map(|g| LeaseId {
                 tag: g.tag,
                 lease,
-                keys: g.ops.iter().map(|o| o.key).collect(),
+                // only the concurrency states: a group may hold rate limits too (Admit)
+                keys: g.ops.iter().filter(|o| o.lease.is_some()).map(|o| o.key).collect(),
             }),
             _ => None,
         };
@@ -451,7 +456,7 @@ impl Limiter {
         if leased {
             domain.counters.leases_acquired.increment(1);
         }
-        if mode != Mode::Charge {
+        if !matches!(mode, Mode::Charge | Mode::Admit) {
             return;
         }
         let ratio = self.rules.near_limit_ratio;
@@ -478,7 +483,7 @@ impl Limiter {
         if g.ops.is_empty() {
             return Ok((Vec::new(), Source::Store));
         }
-        if mode == Mode::Charge
+        if matches!(mode, Mode::Charge | Mode::Admit)
             && let Some(cache) = &self.near_cache
         {
             for (i, op) in g.ops.iter().enumerate() {
@@ -493,7 +498,7 @@ impl Limiter {
             Mode::Peek => self.store.peek(g.tag, &g.ops, now).await?,
             _ => self.store.apply(g.tag, &g.ops, now).await?,
         };
-        if mode == Mode::Charge
+        if matches!(mode, Mode::Charge | Mode::Admit)
             && let Some(cache) = &self.near_cache
         {
             for (op, d) in g.ops.iter().zip(&decisions) {
@@ -626,7 +631,8 @@ impl Limiter {
             };
             for p in policies.iter().filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name)) {
                 let capacity = p.limit.capacity();
-                if cost > capacity && mode != Mode::Acquire {
+                let is_lease = matches!(p.limit, Limit::Concurrency { .. });
+                if cost > capacity && !is_lease {
                     return Err(RequestError::CostAboveCapacity {
                         descriptor: di,
                         cost,
@@ -634,7 +640,6 @@ impl Limiter {
                         capacity,
                     });
                 }
-                let is_lease = matches!(p.limit, Limit::Concurrency { .. });
                 let op = Op {
                     key: rules.tagger.state_key(entries.iter().copied(), &p.name, p.limit.algorithm()),
                     limit: p.limit,
@@ -724,7 +729,10 @@ fn most_binding<'a, K>(all: impl Iterator<Item = (K, &'a PolicyDecision)>) -> Op
     all.filter(|(_, p)| !p.shadow && matches!(p.source, Source::Store | Source::NearCache(_)))
         .min_by_key(|(_, p)| {
             let d = &p.decision;
-            (d.allowed, std::cmp::Reverse(d.retry_after.unwrap_or(0)), d.remaining)
+            // among allowed decisions the headers describe a rate limit, not the lease
+            // count; a refusal binds whatever refused
+            let lease = d.allowed && matches!(p.limit, Limit::Concurrency { .. });
+            (d.allowed, lease, std::cmp::Reverse(d.retry_after.unwrap_or(0)), d.remaining)
         })
         .map(|(at, _)| at)
 }

@@ -12,6 +12,8 @@ pub mod algo;
 pub mod config;
 pub mod engine;
 pub mod headers;
+#[cfg(feature = "tower")]
+pub mod layer;
 pub mod near_cache;
 pub mod rules;
 pub mod store;

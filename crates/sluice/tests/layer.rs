@@ -1,0 +1,186 @@
+//! The tower layer over a real service, under a manual clock: refusals (429 and 503,
+//! bodies and headers), leases given back when a response is dropped, 304 refunds, and
+//! the order of the limiters.
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use sluice::Limiter;
+use sluice::algo::shedder::ShedderParams;
+use sluice::config::Config;
+use sluice::engine::{Descriptor, Entry, Mode};
+use sluice::layer::{Extract, SluiceLayer, Utilization};
+use sluice::rules::Rules;
+use sluice::store::MemoryStore;
+use sluice::time::ManualClock;
+use std::convert::Infallible;
+use std::sync::Arc;
+use tower::{Layer, Service, ServiceExt};
+
+const RULES: &str = r#"{"domains":[{"domain":"api","descriptors":[
+    {"key":"user","policies":[
+        {"name":"core","fixed_window":{"limit":3,"window":"1h"}},
+        {"name":"inflight","concurrency":{"limit":1,"lease_ttl":"60s"}}]},
+    {"key":"fleet","policies":[{"name":"fleet","concurrency":{"limit":1,"lease_ttl":"60s"}}]}
+]}]}"#;
+
+fn limiter(clock: &ManualClock) -> Arc<Limiter> {
+    let config: Config = serde_json::from_str(RULES).unwrap();
+    let rules = Arc::new(Rules::compile(&config).unwrap());
+    Arc::new(Limiter::new(rules, Arc::new(MemoryStore::new(1000)), Arc::new(clock.clone())))
+}
+
+/// A service answering `status` (200 unless the request asks for another).
+fn app()
+-> impl Service<Request<()>, Response = Response<Full<Bytes>>, Error = Infallible, Future: Send> + Clone + Send + 'static
+{
+    tower::service_fn(|req: Request<()>| async move {
+        let status = req.headers().get("x-answer").map_or(200, |v| v.to_str().unwrap().parse().unwrap());
+        Ok::<_, Infallible>(Response::builder().status(status).body(Full::new(Bytes::from("hello"))).unwrap())
+    })
+}
+
+fn get(user: &str) -> Request<()> {
+    Request::builder().uri("/repos/a/b").header("x-user", user).body(()).unwrap()
+}
+
+fn layer(l: &Arc<Limiter>, clock: &ManualClock) -> SluiceLayer {
+    SluiceLayer::new(l.clone(), "api")
+        .descriptor(vec![("user", Extract::Header("x-user".parse().unwrap()))])
+        .clock(Arc::new(clock.clone()))
+}
+
+/// What a client's policies hold, read without charging.
+async fn used(l: &Limiter, user: &str) -> (u64, u64) {
+    let req = sluice::Request {
+        domain: "api".into(),
+        descriptors: vec![Descriptor {
+            entries: vec![Entry { key: "user".into(), value: user.into() }],
+            ..Default::default()
+        }],
+        hits_addend: None,
+    };
+    let v = l.run(&req, Mode::Peek).await.unwrap();
+    let p = &v.descriptors[0].policies;
+    (p[0].decision.used, p[1].decision.used)
+}
+
+#[tokio::test]
+async fn over_the_limit_answers_429_problem_json_with_headers() {
+    let clock = ManualClock::new(1_767_225_600_000);
+    let l = limiter(&clock);
+    let mut svc = layer(&l, &clock).layer(app());
+    for left in ["2", "1", "0"] {
+        let r = svc.ready().await.unwrap().call(get("ann")).await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-ratelimit-remaining"], left);
+        assert_eq!(r.headers()["x-ratelimit-resource"], "core");
+        assert_eq!(r.into_body().collect().await.unwrap().to_bytes(), "hello");
+        // the lease goes back in a task once the body is done: let it run
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let r = svc.ready().await.unwrap().call(get("ann")).await.unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    assert_eq!(r.headers()["x-ratelimit-remaining"], "0");
+    assert_eq!(r.headers()["retry-after"], "3600");
+    let body: serde_json::Value = serde_json::from_slice(&r.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(body["status"], 429);
+    assert!(body["type"].as_str().unwrap().ends_with("rate-limited"));
+    assert!(body["detail"].as_str().unwrap().contains("core"));
+}
+
+#[tokio::test]
+async fn a_dropped_response_gives_its_lease_back() {
+    let clock = ManualClock::new(1_767_225_600_000);
+    let l = limiter(&clock);
+    let mut svc = layer(&l, &clock).layer(app());
+    let held = svc.ready().await.unwrap().call(get("bo")).await.unwrap();
+    assert_eq!(used(&l, "bo").await, (1, 1), "a lease is held while the response is");
+    let r = svc.ready().await.unwrap().call(get("bo")).await.unwrap();
+    assert_eq!(r.status(), 429, "concurrency limit 1");
+    drop(held); // the client went away without reading the body
+    tokio::task::yield_now().await;
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert_eq!(used(&l, "bo").await.1, 0, "the lease came back");
+    let r = svc.ready().await.unwrap().call(get("bo")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    // a body read to the end gives it back too
+    r.into_body().collect().await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert_eq!(used(&l, "bo").await.1, 0);
+}
+
+#[tokio::test]
+async fn a_304_costs_nothing() {
+    let clock = ManualClock::new(1_767_225_600_000);
+    let l = limiter(&clock);
+    let mut svc = layer(&l, &clock).layer(app());
+    for _ in 0..5 {
+        let mut req = get("cy");
+        req.headers_mut().insert("x-answer", "304".parse().unwrap());
+        let r = svc.ready().await.unwrap().call(req).await.unwrap();
+        assert_eq!(r.status(), 304);
+        r.into_body().collect().await.unwrap();
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert_eq!(used(&l, "cy").await, (0, 0), "refunded, and the lease given back");
+}
+
+/// Stripe's order: worker utilization shedder, fleet shedder, then the client's
+/// concurrency and rate limits. A refusal at one stage leaves the later ones untouched.
+#[tokio::test]
+async fn the_limiters_apply_in_order_and_shedding_spares_critical_traffic() {
+    let clock = ManualClock::new(1_767_225_600_000);
+    let l = limiter(&clock);
+    let utilization = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let u = utilization.clone();
+    let gauge = Utilization::Gauge(Arc::new(move || f64::from_bits(u.load(std::sync::atomic::Ordering::Relaxed))));
+    let mut svc = layer(&l, &clock)
+        .worker_shedder(ShedderParams::default(), gauge)
+        .fleet_shedder(l.clone(), "api")
+        .seed(7)
+        .layer(app());
+
+    // the fleet shedder: one non-critical request at a time fleet-wide; a second is
+    // refused with 503 before the client's own limits are touched
+    let held = svc.ready().await.unwrap().call(get("dee")).await.unwrap();
+    assert_eq!(held.status(), 200);
+    let r = svc.ready().await.unwrap().call(get("eve")).await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    assert_eq!(used(&l, "eve").await, (0, 0), "refused by the fleet shedder: nothing charged");
+    // critical traffic does not pass through the fleet shedder
+    let mut critical = get("eve");
+    critical.headers_mut().insert("x-sluice-priority", "critical".parse().unwrap());
+    let r = svc.ready().await.unwrap().call(critical).await.unwrap();
+    assert_eq!(r.status(), 200);
+    drop(r);
+    drop(held);
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+
+    // the worker utilization shedder: saturated for 3 minutes, it drops non-critical
+    // requests before anything else is asked
+    utilization.store(1.0f64.to_bits(), std::sync::atomic::Ordering::Relaxed);
+    for _ in 0..180 {
+        clock.advance(1_000);
+        let mut c = get("fay");
+        c.headers_mut().insert("x-sluice-priority", "critical".parse().unwrap());
+        svc.ready().await.unwrap().call(c).await.unwrap(); // samples the controller each second
+    }
+    let (mut dropped, mut passed) = (0, 0);
+    for _ in 0..20 {
+        let r = svc.ready().await.unwrap().call(get("gus")).await.unwrap();
+        if r.status() == 503 {
+            dropped += 1;
+        } else {
+            passed += 1;
+        }
+    }
+    assert_eq!((dropped, passed), (20, 0), "everything non-critical is shed");
+    assert_eq!(used(&l, "gus").await, (0, 0), "shed before the client's limits were asked");
+    let mut c = get("gus");
+    c.headers_mut().insert("x-sluice-priority", "critical".parse().unwrap());
+    assert_eq!(svc.ready().await.unwrap().call(c).await.unwrap().status(), 200, "critical is never shed");
+}
