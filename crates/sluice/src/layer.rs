@@ -19,9 +19,9 @@
 
 use crate::algo::shedder::{Shedder, ShedderParams};
 use crate::engine::{Descriptor, Entry, LeaseId, Mode, Request, Verdict};
-use crate::headers;
 use crate::time::{Clock, SystemClock};
 use crate::{Limiter, config::HeadersConfig};
+use crate::{headers, telemetry};
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, Response, StatusCode};
@@ -329,10 +329,14 @@ impl State {
         };
         let p = {
             let mut c = w.controller.lock().unwrap_or_else(|e| e.into_inner());
-            c.update(utilization, self.clock.now());
+            telemetry::shed_amount(c.update(utilization, self.clock.now()));
             c.drop_probability(class, self.classes)
         };
-        p > 0.0 && self.random() < p
+        let dropped = p > 0.0 && self.random() < p;
+        if dropped {
+            telemetry::shed("worker", class);
+        }
+        dropped
     }
 
     fn request(&self, parts: &Parts) -> Option<Request> {
@@ -399,6 +403,7 @@ where
                 };
                 match fleet.limiter.run(&req, Mode::Acquire).await {
                     Ok(v) if !v.allowed => {
+                        telemetry::shed("fleet", class);
                         return Ok(refusal(
                             StatusCode::SERVICE_UNAVAILABLE,
                             "Overloaded",

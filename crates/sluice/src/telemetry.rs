@@ -25,6 +25,8 @@ pub mod names {
     pub const MEMORY_EVICTIONS: &str = "sluice_memory_store_evictions_total";
     pub const CONFIG_RELOADS: &str = "sluice_config_reloads_total";
     pub const DECISIONS_DETAILED: &str = "sluice_decisions_detailed_total";
+    pub const SHED: &str = "sluice_shed_total";
+    pub const SHED_AMOUNT: &str = "sluice_shed_amount";
 }
 
 /// The counters of one policy of one domain.
@@ -107,6 +109,16 @@ pub fn detailed<'a>(domain: &str, policy: &str, entries: impl Iterator<Item = (&
     counter!(names::DECISIONS_DETAILED, "domain" => domain.to_string(), "policy" => policy.to_string(),
         "descriptor" => descriptor.join("."), "outcome" => outcome)
     .increment(1);
+}
+
+/// A request dropped by a load shedder (`worker` or `fleet`), by priority class.
+pub fn shed(shedder: &'static str, class: usize) {
+    counter!(names::SHED, "shedder" => shedder, "class" => class.to_string()).increment(1);
+}
+
+/// The worker utilization controller's amount now (below 0: at rest, nothing shed).
+pub fn shed_amount(amount: f64) {
+    gauge!(names::SHED_AMOUNT).set(amount);
 }
 
 /// Leases given back (any domain: a lease id does not name one).

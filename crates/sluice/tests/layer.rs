@@ -99,6 +99,7 @@ async fn a_dropped_response_gives_its_lease_back() {
     assert_eq!(used(&l, "bo").await, (1, 1), "a lease is held while the response is");
     let r = svc.ready().await.unwrap().call(get("bo")).await.unwrap();
     assert_eq!(r.status(), 429, "concurrency limit 1");
+    assert_eq!(used(&l, "bo").await, (1, 1), "refused by concurrency: the rate limit was not charged either");
     drop(held); // the client went away without reading the body
     tokio::task::yield_now().await;
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
@@ -132,6 +133,8 @@ async fn a_304_costs_nothing() {
 /// concurrency and rate limits. A refusal at one stage leaves the later ones untouched.
 #[tokio::test]
 async fn the_limiters_apply_in_order_and_shedding_spares_critical_traffic() {
+    // a recorder, to see the shed counters (this binary's only one)
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder().unwrap();
     let clock = ManualClock::new(1_767_225_600_000);
     let l = limiter(&clock);
     let utilization = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -183,4 +186,8 @@ async fn the_limiters_apply_in_order_and_shedding_spares_critical_traffic() {
     let mut c = get("gus");
     c.headers_mut().insert("x-sluice-priority", "critical".parse().unwrap());
     assert_eq!(svc.ready().await.unwrap().call(c).await.unwrap().status(), 200, "critical is never shed");
+    let text = metrics.render();
+    assert!(text.contains("sluice_shed_total{shedder=\"worker\",class=\"1\"} 20"), "{text}");
+    assert!(text.contains("sluice_shed_total{shedder=\"fleet\",class=\"1\"} 1"), "{text}");
+    assert!(text.contains("sluice_shed_amount 1"), "{text}");
 }
