@@ -92,22 +92,7 @@ async fn exactly_the_limit_under_concurrency() {
     let _heavy = common::heavy().await;
     let cluster = RedisCluster::start();
     let s = start_with(&cluster_config(&cluster), &rule(200));
-    let client = reqwest::Client::new();
-    let tasks: Vec<_> = (0..300)
-        .map(|_| {
-            let (client, base) = (client.clone(), s.base.clone());
-            tokio::spawn(async move {
-                let r = hit(&client, &base, "d", &[("user", "one")]).await;
-                (r.status().as_u16(), header(&r, "x-sluice-degraded"))
-            })
-        })
-        .collect();
-    let (mut ok, mut degraded) = (0, 0);
-    for t in tasks {
-        let (status, d) = t.await.unwrap();
-        ok += (status == 200) as u32;
-        degraded += !d.is_empty() as u32;
-    }
+    let (ok, degraded) = common::burst(std::slice::from_ref(&s.base), "d", "one", 300).await;
     assert_eq!(degraded, 0, "decisions left to the failure policy");
     assert_eq!(ok, 200);
 }

@@ -27,23 +27,7 @@ async fn two_servers_share_one_exact_limit() {
     let replica = RedisServer::replica_of(&primary);
     let store = redis_store(&primary, &[&replica]);
     let (a, b) = (start_with(&store, &rule(100, "hour")), start_with(&store, &rule(100, "hour")));
-    let client = reqwest::Client::new();
-    let tasks: Vec<_> = (0..300)
-        .map(|i| {
-            let base = if i % 2 == 0 { a.base.clone() } else { b.base.clone() };
-            let client = client.clone();
-            tokio::spawn(async move {
-                let r = hit(&client, &base, "d", &[("user", "shared")]).await;
-                (r.status().as_u16(), header(&r, "x-sluice-degraded"))
-            })
-        })
-        .collect();
-    let (mut ok, mut degraded) = (0, 0);
-    for t in tasks {
-        let (status, d) = t.await.unwrap();
-        ok += (status == 200) as u32;
-        degraded += !d.is_empty() as u32;
-    }
+    let (ok, degraded) = common::burst(&[a.base.clone(), b.base.clone()], "d", "shared", 300).await;
     assert_eq!(degraded, 0, "decisions left to the failure policy");
     assert_eq!(ok, 100);
 }

@@ -96,3 +96,26 @@ pub fn header(r: &reqwest::Response, name: &str) -> String {
 pub fn num(r: &reqwest::Response, name: &str) -> u64 {
     header(r, name).parse().unwrap_or_else(|_| panic!("header {name} is not a number: {:?}", header(r, name)))
 }
+
+/// Sends `n` requests for one client all at once, round robin over `bases`; returns how
+/// many were admitted and how many were decided by the failure policy.
+pub async fn burst(bases: &[String], domain: &str, user: &str, n: usize) -> (u32, u32) {
+    let client = reqwest::Client::new();
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let (client, base) = (client.clone(), bases[i % bases.len()].clone());
+            let (domain, user) = (domain.to_string(), user.to_string());
+            tokio::spawn(async move {
+                let r = hit(&client, &base, &domain, &[("user", &user)]).await;
+                (r.status().as_u16(), header(&r, "x-sluice-degraded"))
+            })
+        })
+        .collect();
+    let (mut ok, mut degraded) = (0, 0);
+    for t in tasks {
+        let (status, d) = t.await.unwrap();
+        ok += (status == 200) as u32;
+        degraded += !d.is_empty() as u32;
+    }
+    (ok, degraded)
+}
