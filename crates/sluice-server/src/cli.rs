@@ -109,6 +109,10 @@ pub struct ServeArgs {
     /// Listen for HTTP on this address instead of `server.http`.
     #[arg(long, value_name = "ADDR")]
     pub http: Option<SocketAddr>,
+    /// Listen for gRPC (Envoy's rate limit service) on this address instead of
+    /// `server.grpc`.
+    #[arg(long, value_name = "ADDR")]
+    pub grpc: Option<SocketAddr>,
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info", value_name = "LEVEL")]
     pub log_level: tracing::Level,

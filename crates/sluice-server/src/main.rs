@@ -6,6 +6,7 @@ mod cli;
 mod http;
 mod load;
 mod reload;
+mod rls;
 mod serve;
 mod shed;
 

@@ -4,7 +4,9 @@
 use crate::cli::ServeArgs;
 use crate::http::{AppState, router};
 use crate::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
+use crate::rls::Rls;
 use arc_swap::{ArcSwap, ArcSwapOption};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sluice::Limiter;
 use sluice::config::{
@@ -47,7 +49,18 @@ pub async fn serve(args: ServeArgs) -> Result<(), String> {
 
     let addr = args.http.unwrap_or(config.server.http);
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-    tracing::info!(http = %addr, store = state.limiter.load().store().kind(), "sluice is serving");
+    // Envoy's rate limit service, on its own port, sharing the engine
+    let grpc_addr = args.grpc.unwrap_or(config.server.grpc);
+    let grpc_listener =
+        tokio::net::TcpListener::bind(grpc_addr).await.map_err(|e| format!("cannot listen on {grpc_addr}: {e}"))?;
+    let rls = RateLimitServiceServer::new(Rls { state: state.clone() });
+    tokio::spawn(async move {
+        let incoming = tonic::transport::server::TcpIncoming::from(grpc_listener);
+        if let Err(e) = tonic::transport::Server::builder().add_service(rls).serve_with_incoming(incoming).await {
+            tracing::error!(error = %e, "the gRPC server stopped");
+        }
+    });
+    tracing::info!(http = %addr, grpc = %grpc_addr, store = state.limiter.load().store().kind(), "sluice is serving");
     if let Some(path) = args.config.clone() {
         crate::reload::watch(path, config, loaded_bytes, state.clone());
     }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 fn config(port: u16, limit: u64) -> String {
     format!(
-        "server:\n  http: 127.0.0.1:{port}\ndomains:\n  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n"
+        "server:\n  http: 127.0.0.1:{port}\n  grpc: 127.0.0.1:0\ndomains:\n  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n"
     )
 }
 

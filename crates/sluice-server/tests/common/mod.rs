@@ -18,6 +18,8 @@ pub async fn heavy() -> tokio::sync::MutexGuard<'static, ()> {
 pub struct Sluice {
     pub process: Process,
     pub base: String,
+    /// `127.0.0.1:PORT` of the gRPC (Envoy rate limit service) listener.
+    pub grpc: String,
     pub dir: TempDir,
 }
 
@@ -59,14 +61,16 @@ fn status_of(base: &str, path: &str) -> Option<u16> {
 /// As [`start_with`], without waiting for the store.
 pub fn start_unready(sections: &str, domains_yaml: &str) -> Sluice {
     let dir = TempDir::new("sluice-test");
-    let port = free_port();
+    let (port, grpc) = (free_port(), free_port());
     let config = dir.path().join("sluice.yaml");
-    std::fs::write(&config, format!("server:\n  http: 127.0.0.1:{port}\n{sections}domains:\n{domains_yaml}")).unwrap();
+    let server = format!("server:\n  http: 127.0.0.1:{port}\n  grpc: 127.0.0.1:{grpc}\n");
+    // further `server:` keys given in `sections` (indented) continue this block
+    std::fs::write(&config, format!("{server}{sections}domains:\n{domains_yaml}")).unwrap();
     let mut cmd = Command::new(bin());
     cmd.arg("serve").arg("--config").arg(&config);
     let process = Process::spawn_logging(&mut cmd, &dir.path().join("sluice.log")).expect("start sluice");
     assert!(wait_for_port(port, Duration::from_secs(10)), "sluice did not start listening on {port}");
-    Sluice { process, base: format!("http://127.0.0.1:{port}"), dir }
+    Sluice { process, base: format!("http://127.0.0.1:{port}"), grpc: format!("127.0.0.1:{grpc}"), dir }
 }
 
 impl Sluice {

@@ -1,0 +1,56 @@
+//! Envoy's rate limit service over gRPC, on the running binary: the same engine path as
+//! the HTTP API (same counts, same headers), and its errors.
+
+mod common;
+
+use common::{hit, num, start};
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+
+fn request(domain: &str, user: &str) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry { key: "user".into(), value: user.into() }],
+            ..Default::default()
+        }],
+        hits_addend: 0,
+    }
+}
+
+#[tokio::test]
+async fn should_rate_limit_shares_the_http_engine() {
+    let s = start(
+        "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 5}\n",
+    );
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", s.grpc)).await.unwrap();
+    for left in (1..5).rev() {
+        let r = rls.should_rate_limit(request("d", "envoy")).await.unwrap().into_inner();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        let status = &r.statuses[0];
+        assert_eq!(status.limit_remaining, left);
+        assert_eq!(status.current_limit.as_ref().unwrap().requests_per_unit, 5);
+        assert!(status.duration_until_reset.as_ref().unwrap().seconds <= 60);
+        let remaining = r.response_headers_to_add.iter().find(|h| h.key == "x-ratelimit-remaining").unwrap();
+        assert_eq!(remaining.value, left.to_string(), "the same headers as the HTTP API");
+    }
+    // the HTTP API sees the same counter: the 5th request of the window
+    let client = reqwest::Client::new();
+    let r = hit(&client, &s.base, "d", &[("user", "envoy")]).await;
+    assert_eq!((r.status().as_u16(), num(&r, "x-ratelimit-remaining")), (200, 0));
+    let r = rls.should_rate_limit(request("d", "envoy")).await.unwrap().into_inner();
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    assert_eq!(r.statuses[0].code, Code::OverLimit as i32);
+    assert!(r.response_headers_to_add.iter().any(|h| h.key == "retry-after"));
+    // a descriptor no rule matches is allowed, as envoyproxy/ratelimit allows it
+    let mut other = request("d", "x");
+    other.descriptors[0].entries[0].key = "path".into();
+    assert_eq!(rls.should_rate_limit(other).await.unwrap().into_inner().overall_code, Code::Ok as i32);
+    // errors
+    let e = rls.should_rate_limit(request("nope", "x")).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("unknown domain 'nope'"), "{}", e.message());
+}
