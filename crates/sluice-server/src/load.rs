@@ -1,7 +1,7 @@
 //! Reading a config file: YAML into the library's model, then compiled rules. Every
 //! error names the file, a line and column, and what to write instead.
 
-use sluice::config::Config;
+use sluice::config::{Config, DomainConfig};
 use sluice::rules::Rules;
 use std::fmt;
 use std::path::Path;
@@ -35,21 +35,89 @@ pub struct Loaded {
     pub rules: Rules,
 }
 
-/// Reads and compiles a config file.
+/// Reads and compiles a config file, and the domain files of its `domains_from`.
 pub fn load_file(path: &Path) -> Result<Loaded, ConfigError> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+    let text = read(path)?;
+    let mut config: Config = parse(&text, &file)?;
+    if let Some(dir) = config.domains_from.clone() {
+        let dir = path.parent().unwrap_or(Path::new(".")).join(dir);
+        for domain_file in domain_files(&dir)? {
+            let name = domain_file.display().to_string();
+            let text = read(&domain_file)?;
+            let domain: DomainConfig = parse(&text, &name)?;
+            // compiled alone first, so a mistake is reported in its own file
+            let alone = Config { domains: vec![domain.clone()], ..Config::default() };
+            Rules::compile(&alone).map_err(|e| ConfigError {
+                file: name.clone(),
+                at: locate(&text, &e.anchors),
+                message: e.to_string(),
+            })?;
+            config.domains.push(domain);
+        }
+    }
+    let rules = Rules::compile(&config).map_err(|e| ConfigError {
         file: file.clone(),
+        at: locate(&text, &e.anchors),
+        message: e.to_string(),
+    })?;
+    Ok(Loaded { config, rules })
+}
+
+/// The `*.yaml` and `*.yml` files of a `domains_from` directory, by name.
+fn domain_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, ConfigError> {
+    let entries = std::fs::read_dir(dir).map_err(|e| ConfigError {
+        file: dir.display().to_string(),
+        at: None,
+        message: format!("cannot read the domains_from directory: {e}"),
+    })?;
+    let mut files: Vec<_> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "yaml" || x == "yml"))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// Everything a config is made of, for the reload watcher to compare: the file, and the
+/// names and bytes of its domain files.
+pub fn fingerprint(path: &Path) -> Option<Vec<u8>> {
+    let mut out = std::fs::read(path).ok()?;
+    if let Ok(config) = serde_norway::from_slice::<Config>(&out)
+        && let Some(dir) = config.domains_from
+    {
+        let dir = path.parent().unwrap_or(Path::new(".")).join(dir);
+        for f in domain_files(&dir).ok()? {
+            out.extend(f.display().to_string().bytes());
+            out.extend(std::fs::read(&f).ok()?);
+        }
+    }
+    Some(out)
+}
+
+fn read(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|e| ConfigError {
+        file: path.display().to_string(),
         at: None,
         message: format!("cannot read the config file: {e}"),
-    })?;
-    load_str(&text, &file)
+    })
 }
 
 /// Parses and compiles config text; `file` names it in errors.
 pub fn load_str(text: &str, file: &str) -> Result<Loaded, ConfigError> {
+    let config: Config = parse(text, file)?;
+    let rules = Rules::compile(&config).map_err(|e| ConfigError {
+        file: file.to_string(),
+        at: locate(text, &e.anchors),
+        message: e.to_string(),
+    })?;
+    Ok(Loaded { config, rules })
+}
+
+/// YAML into `T`, with errors at file:line:col.
+fn parse<T: serde::de::DeserializeOwned>(text: &str, file: &str) -> Result<T, ConfigError> {
     let err = |at, message| ConfigError { file: file.to_string(), at, message };
-    let config: Config = serde_norway::from_str(text).map_err(|e| {
+    serde_norway::from_str(text).map_err(|e| {
         // the library appends "at line L column C"; the position goes in front instead
         let msg = e.to_string();
         let msg = match msg.rfind(" at line ") {
@@ -64,9 +132,7 @@ pub fn load_str(text: &str, file: &str) -> Result<Loaded, ConfigError> {
             quoted.and_then(|q| find_word(text, l.index(), q)).map_or((l.line(), l.column()), |i| position(text, i))
         });
         err(at, msg)
-    })?;
-    let rules = Rules::compile(&config).map_err(|e| err(locate(text, &e.anchors), e.to_string()))?;
-    Ok(Loaded { config, rules })
+    })
 }
 
 /// Finds each anchor in turn, each after the one before, and returns the position of

@@ -1,8 +1,8 @@
 //! Hot reload: the config file is read again when it changes, and the new rules take
 //! effect for the next request.
 //!
-//! The file is polled (every 500 ms, following symlinks) and reloaded when its bytes
-//! change. Polling sees the three ways configs change in the same way: an edit in place,
+//! The file (and the domain files of its `domains_from` directory) is polled (every
+//! 500 ms, following symlinks) and reloaded when its bytes change. Polling sees the three ways configs change in the same way: an edit in place,
 //! a new file renamed over the old one, and a symlink swapped to another target (how
 //! Kubernetes updates a mounted ConfigMap), where file-event APIs are easy to get wrong.
 //! A file that does not validate is refused: the last good config stays, the error is
@@ -10,7 +10,7 @@
 //! requests in flight finish on the engine they started with, so none is dropped.
 
 use crate::http::AppState;
-use crate::load::load_file;
+use crate::load::{fingerprint, load_file};
 use crate::serve::build_limiter;
 use sluice::config::{Config, StoreConfig};
 use sluice::telemetry::names;
@@ -30,7 +30,7 @@ pub fn watch(path: PathBuf, mut config: Config, mut bytes: Vec<u8>, state: Arc<A
         loop {
             tick.tick().await;
             // a file between writes, or a symlink mid-swap, is just looked at again later
-            let Ok(now) = std::fs::read(&path) else { continue };
+            let Some(now) = fingerprint(&path) else { continue };
             if now == bytes {
                 continue;
             }

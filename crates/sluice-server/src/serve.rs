@@ -32,7 +32,7 @@ pub async fn serve(args: ServeArgs) -> Result<(), String> {
     .map_err(|e| e.to_string())?;
     // what the reload watcher compares against: the bytes that gave this config
     let loaded_bytes = match &args.config {
-        Some(path) => std::fs::read(path).unwrap_or_default(),
+        Some(path) => crate::load::fingerprint(path).unwrap_or_default(),
         None => Vec::new(),
     };
     if config.limiter.key_secret == DEFAULT_KEY_SECRET && !matches!(config.store, StoreConfig::Memory { .. }) {

@@ -28,6 +28,10 @@ pub struct Config {
     pub headers: HeadersConfig,
     #[serde(default)]
     pub domains: Vec<DomainConfig>,
+    /// A directory of envoyproxy/ratelimit config files (`*.yaml`, `*.yml`), one domain
+    /// each, loaded beside `domains`. Relative to the config file.
+    #[serde(default)]
+    pub domains_from: Option<std::path::PathBuf>,
 }
 
 /// `server`: where the APIs listen.

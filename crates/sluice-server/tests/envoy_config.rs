@@ -1,0 +1,71 @@
+//! envoyproxy/ratelimit config files, loaded unchanged from a directory
+//! (`domains_from`), behave as that service documents.
+
+mod common;
+
+use common::{bin, hit, num, start_with};
+
+fn fixtures() -> String {
+    format!("{}/tests/envoy-config", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[tokio::test]
+async fn a_directory_of_their_files_loads_and_behaves() {
+    let s = start_with(&format!("domains_from: \"{}\"\n", fixtures()), "  []\n");
+    let c = reqwest::Client::new();
+    let admitted = |domain: &'static str, entries: Vec<(&'static str, &'static str)>, n: usize| {
+        let (c, base) = (c.clone(), s.base.clone());
+        async move {
+            let mut ok = 0;
+            for _ in 0..n {
+                ok += (hit(&c, &base, domain, &entries).await.status() == 200) as usize;
+            }
+            ok
+        }
+    };
+    assert_eq!(admitted("api", vec![("user", "ann")], 5).await, 2);
+    assert_eq!(admitted("api", vec![("user", "vip")], 6).await, 4, "key=value beats key alone");
+    assert_eq!(admitted("api", vec![("tenant", "t1"), ("path", "/a")], 3).await, 1);
+    assert_eq!(admitted("api", vec![("tenant", "t1"), ("path", "/b")], 3).await, 1, "each path counted apart");
+    assert_eq!(admitted("api", vec![("path", "/healthz")], 5).await, 5, "unlimited, by prefix");
+    // both plans: promo's weekly limit replaces free's daily one
+    let both = |c: reqwest::Client, base: String| async move {
+        let body = serde_json::json!({"domain": "billing", "descriptors": [
+            {"entries": [{"key": "plan", "value": "free"}]},
+            {"entries": [{"key": "plan", "value": "promo"}]}]});
+        c.post(format!("{base}/v1/ratelimit")).json(&body).send().await.unwrap()
+    };
+    for left in [2, 1, 0] {
+        let r = both(c.clone(), s.base.clone()).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(num(&r, "x-ratelimit-remaining"), left);
+        assert_eq!(num(&r, "x-ratelimit-limit"), 3, "the week limit, not the replaced day limit");
+    }
+    assert_eq!(both(c.clone(), s.base.clone()).await.status(), 429);
+    // shadow mode: never refused
+    assert_eq!(admitted("billing", vec![("trial", "x")], 3).await, 3);
+}
+
+#[test]
+fn a_broken_domain_file_is_reported_in_its_own_file() {
+    let dir = sluice_testkit::TempDir::new("sluice-envoy-config");
+    let domains = dir.path().join("domains");
+    std::fs::create_dir(&domains).unwrap();
+    std::fs::write(
+        domains.join("good.yaml"),
+        "domain: a\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        domains.join("bad.yaml"),
+        "domain: b\ndescriptors:\n  - key: k\n    rate_limit:\n      unit: fortnight\n      requests_per_unit: 1\n",
+    )
+    .unwrap();
+    let config = dir.path().join("sluice.yaml");
+    std::fs::write(&config, "domains_from: domains\n").unwrap();
+    let out = std::process::Command::new(bin()).args(["config", "check"]).arg(&config).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad.yaml:5:"), "{err}");
+    assert!(err.contains("unknown unit `fortnight`"), "{err}");
+}
