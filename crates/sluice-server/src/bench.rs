@@ -1,5 +1,6 @@
 //! `sluice bench`: a load generator. Against a running server over HTTP (keep-alive
-//! connections, one per worker), or in process against the store a config names. Prints
+//! connections, one per worker) or gRPC (`--grpc`: Envoy's ShouldRateLimit, one HTTP/2
+//! channel), or in process against the store a config names. Prints
 //! decisions per second and latency percentiles; `--json` for machines.
 //!
 //! The HTTP client is a few lines over a TCP stream on purpose: the tool should measure
@@ -8,6 +9,9 @@
 use crate::cli::BenchArgs;
 use crate::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
 use crate::serve::build_limiter;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor};
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use serde::Serialize;
 use sluice::engine::{Descriptor, Entry, Request};
 use std::collections::BTreeMap;
@@ -79,6 +83,38 @@ pub async fn bench(args: BenchArgs) -> Result<(), String> {
             })
         });
         join(workers).await?
+    } else if args.grpc {
+        let addr = args.target.trim_start_matches("http://").trim_end_matches('/').to_string();
+        target = format!("grpc://{addr} ShouldRateLimit");
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| format!("bad --target {addr}: {e}"))?
+            .connect()
+            .await
+            .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+        let workers = (0..args.concurrency).map(|w| {
+            let (channel, done, args) = (channel.clone(), done.clone(), args.clone());
+            tokio::spawn(async move {
+                let mut client = RateLimitServiceClient::new(channel);
+                let mut tally = Tally::default();
+                let mut i = w as u64;
+                while Instant::now() < deadline {
+                    let req = rls_request(&args, i);
+                    i += args.concurrency as u64;
+                    let t = Instant::now();
+                    match client.should_rate_limit(req).await {
+                        Ok(r) => {
+                            let status = if r.into_inner().overall_code == 1 { 200 } else { 429 };
+                            *tally.statuses.entry(status).or_default() += 1;
+                        }
+                        Err(_) => tally.errors += 1,
+                    }
+                    tally.latencies_us.push(t.elapsed().as_micros().min(u32::MAX as u128) as u32);
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+                tally
+            })
+        });
+        join(workers).await?
     } else {
         let addr = args.target.trim_start_matches("http://").trim_end_matches('/').to_string();
         target = format!("http://{addr}{}", args.endpoint.path());
@@ -138,6 +174,21 @@ fn request(args: &BenchArgs, i: u64) -> Request {
             ..Default::default()
         }],
         hits_addend: None,
+    }
+}
+
+/// The gRPC request for iteration `i`.
+fn rls_request(args: &BenchArgs, i: u64) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: args.domain.clone(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![rate_limit_descriptor::Entry {
+                key: args.key.clone(),
+                value: format!("client-{}", i % args.clients),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 0,
     }
 }
 

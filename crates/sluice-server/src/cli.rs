@@ -74,6 +74,10 @@ pub struct BenchArgs {
     /// Call the engine in this process instead, on the store of `--config`.
     #[arg(long)]
     pub in_process: bool,
+    /// Call Envoy's rate limit service (gRPC ShouldRateLimit) at `--target` instead of
+    /// the HTTP API.
+    #[arg(long, conflicts_with = "in_process")]
+    pub grpc: bool,
     /// Config for `--in-process` (default: the built-in one).
     #[arg(long, short)]
     pub config: Option<PathBuf>,
