@@ -83,12 +83,13 @@ async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Resu
     parsed.into_request().map_err(|e| error(StatusCode::BAD_REQUEST, "bad_limit", e))
 }
 
-/// A verdict as a response: status, headers, JSON body. A fail-closed refusal (503)
-/// carries a JSON `error` beside the statuses.
-fn verdict_response(state: &AppState, v: &sluice::Verdict, status: StatusCode) -> Response {
+/// A verdict as a response: status, headers, JSON body. The headers are rendered with
+/// the rules of the engine that decided (`limiter`), not whatever a reload has put in
+/// force since.
+fn verdict_response(limiter: &Limiter, v: &sluice::Verdict, status: StatusCode) -> Response {
     let mut resp = (status, axum::Json(response_json(v))).into_response();
     let h = resp.headers_mut();
-    for (name, value) in headers::render(v, &state.limiter.load().rules().headers) {
+    for (name, value) in headers::render(v, &limiter.rules().headers) {
         if let Ok(value) = HeaderValue::from_str(&value) {
             h.insert(HeaderName::from_static(name), value);
         }
@@ -116,8 +117,9 @@ async fn decide(state: &AppState, headers: &HeaderMap, body: Body, mode: Mode) -
         Ok(r) => r,
         Err(resp) => return resp,
     };
-    match state.limiter.load_full().run(&req, mode).await {
-        Ok(v) => verdict_response(state, &v, code(&v)),
+    let limiter = state.limiter.load_full();
+    match limiter.run(&req, mode).await {
+        Ok(v) => verdict_response(&limiter, &v, code(&v)),
         Err(e) => check_error(e),
     }
 }
@@ -142,8 +144,9 @@ async fn status(State(state): Shared, Query(pairs): Query<Vec<(String, String)>>
         );
     };
     let req = Request { domain, descriptors: vec![Descriptor { entries, ..Default::default() }], hits_addend: None };
-    match state.limiter.load_full().run(&req, Mode::Peek).await {
-        Ok(v) => verdict_response(&state, &v, StatusCode::OK),
+    let limiter = state.limiter.load_full();
+    match limiter.run(&req, Mode::Peek).await {
+        Ok(v) => verdict_response(&limiter, &v, StatusCode::OK),
         Err(e) => check_error(e),
     }
 }
