@@ -11,7 +11,7 @@
 use crate::algo::{Decision, Lease, Limit, MAX_EXACT, Op};
 use crate::config::{Failure, Unit};
 use crate::near_cache::NearCache;
-use crate::rules::{Policy, Rules};
+use crate::rules::{Domain, Policy, Rules};
 use crate::store::{Refund, Store, StoreError};
 use crate::tag::Tag;
 use crate::telemetry::{self, PolicyCounters};
@@ -359,7 +359,7 @@ impl Limiter {
             Mode::Acquire | Mode::Admit => Some(random_lease()),
             _ => None,
         };
-        let (mut descriptors, groups) = self.plan(req, mode, lease)?;
+        let (domain, mut descriptors, groups) = self.plan(req, mode, lease)?;
         if mode == Mode::Refund {
             for g in &groups {
                 let refunds: Vec<Refund> = g.ops.iter().map(|o| refund_of(o, o.cost, 0)).collect();
@@ -433,7 +433,7 @@ impl Limiter {
             // refused only because a fail-closed policy's store failed
             (false, false) => 503,
         };
-        self.count(req, mode, &descriptors, degraded, lease.is_some());
+        self.count(domain, req, mode, &descriptors, degraded, lease.is_some());
         let binding = binding(&descriptors);
         Ok(Verdict { allowed, status, descriptors, binding, lease, degraded, now, charges })
     }
@@ -441,13 +441,13 @@ impl Limiter {
     /// Counts a request's decisions (see [`crate::telemetry`]).
     fn count(
         &self,
+        domain: &Domain,
         req: &Request,
         mode: Mode,
         descriptors: &[DescriptorVerdict],
         degraded: Option<Failure>,
         leased: bool,
     ) {
-        let Some(domain) = self.rules.domain(&req.domain) else { return };
         match degraded {
             Some(Failure::Open) => domain.counters.fail_open.increment(1),
             Some(Failure::Closed) => domain.counters.fail_closed.increment(1),
@@ -585,7 +585,7 @@ impl Limiter {
         req: &Request,
         mode: Mode,
         lease: Option<Lease>,
-    ) -> Result<(Vec<DescriptorVerdict>, Vec<Group>), RequestError> {
+    ) -> Result<(&Domain, Vec<DescriptorVerdict>, Vec<Group>), RequestError> {
         let rules = &*self.rules;
         let domain = rules.domain(&req.domain).ok_or_else(|| RequestError::UnknownDomain {
             domain: req.domain.chars().take(200).collect(),
@@ -670,7 +670,7 @@ impl Limiter {
             }
             descriptors.push(verdict);
         }
-        Ok((descriptors, groups))
+        Ok((domain, descriptors, groups))
     }
 }
 
