@@ -63,26 +63,7 @@ pub async fn bench(args: BenchArgs) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
         let limiter = Arc::new(build_limiter(&config, rules)?.0);
         target = format!("in-process {} store", limiter.store().kind());
-        let workers = (0..args.concurrency).map(|w| {
-            let (limiter, done, args) = (limiter.clone(), done.clone(), args.clone());
-            tokio::spawn(async move {
-                let mut tally = Tally::default();
-                let mut i = w as u64;
-                while Instant::now() < deadline {
-                    let req = request(&args, i);
-                    i += args.concurrency as u64;
-                    let t = Instant::now();
-                    match limiter.check(&req).await {
-                        Ok(v) => *tally.statuses.entry(v.status).or_default() += 1,
-                        Err(_) => tally.errors += 1,
-                    }
-                    tally.latencies_us.push(t.elapsed().as_micros().min(u32::MAX as u128) as u32);
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
-                tally
-            })
-        });
-        join(workers).await?
+        drive(&args, deadline, &done, |_| InProcess { limiter: limiter.clone(), args: args.clone() }).await?
     } else if args.grpc {
         let addr = args.target.trim_start_matches("http://").trim_end_matches('/').to_string();
         target = format!("grpc://{addr} ShouldRateLimit");
@@ -91,57 +72,15 @@ pub async fn bench(args: BenchArgs) -> Result<(), String> {
             .connect()
             .await
             .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
-        let workers = (0..args.concurrency).map(|w| {
-            let (channel, done, args) = (channel.clone(), done.clone(), args.clone());
-            tokio::spawn(async move {
-                let mut client = RateLimitServiceClient::new(channel);
-                let mut tally = Tally::default();
-                let mut i = w as u64;
-                while Instant::now() < deadline {
-                    let req = rls_request(&args, i);
-                    i += args.concurrency as u64;
-                    let t = Instant::now();
-                    match client.should_rate_limit(req).await {
-                        Ok(r) => {
-                            let status = if r.into_inner().overall_code == 1 { 200 } else { 429 };
-                            *tally.statuses.entry(status).or_default() += 1;
-                        }
-                        Err(_) => tally.errors += 1,
-                    }
-                    tally.latencies_us.push(t.elapsed().as_micros().min(u32::MAX as u128) as u32);
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
-                tally
-            })
-        });
-        join(workers).await?
+        drive(&args, deadline, &done, |_| Grpc {
+            client: RateLimitServiceClient::new(channel.clone()),
+            args: args.clone(),
+        })
+        .await?
     } else {
         let addr = args.target.trim_start_matches("http://").trim_end_matches('/').to_string();
         target = format!("http://{addr}{}", args.endpoint.path());
-        let workers = (0..args.concurrency).map(|w| {
-            let (addr, done, args) = (addr.clone(), done.clone(), args.clone());
-            tokio::spawn(async move {
-                let mut tally = Tally::default();
-                let mut conn: Option<BufReader<TcpStream>> = None;
-                let mut i = w as u64;
-                while Instant::now() < deadline {
-                    let payload = http_request(&args, &addr, i);
-                    i += args.concurrency as u64;
-                    let t = Instant::now();
-                    match exchange(&mut conn, &addr, &payload).await {
-                        Ok(status) => *tally.statuses.entry(status).or_default() += 1,
-                        Err(_) => {
-                            tally.errors += 1;
-                            conn = None;
-                        }
-                    }
-                    tally.latencies_us.push(t.elapsed().as_micros().min(u32::MAX as u128) as u32);
-                    done.fetch_add(1, Ordering::Relaxed);
-                }
-                tally
-            })
-        });
-        join(workers).await?
+        drive(&args, deadline, &done, |_| Http { addr: addr.clone(), conn: None, args: args.clone() }).await?
     };
     let seconds = started.elapsed().as_secs_f64();
     if let Some(p) = progress {
@@ -157,9 +96,81 @@ pub async fn bench(args: BenchArgs) -> Result<(), String> {
     Ok(())
 }
 
-async fn join<T>(workers: impl Iterator<Item = tokio::task::JoinHandle<T>>) -> Result<Vec<T>, String> {
+/// One way of making a decision call: in process, over HTTP, over gRPC.
+trait Caller: Send + 'static {
+    /// Makes call number `i`; answers the HTTP status it stands for, or an error.
+    fn call(&mut self, i: u64) -> impl std::future::Future<Output = Result<u16, ()>> + Send;
+}
+
+struct InProcess {
+    limiter: Arc<sluice::Limiter>,
+    args: BenchArgs,
+}
+
+impl Caller for InProcess {
+    async fn call(&mut self, i: u64) -> Result<u16, ()> {
+        self.limiter.check(&request(&self.args, i)).await.map(|v| v.status).map_err(|_| ())
+    }
+}
+
+struct Grpc {
+    client: RateLimitServiceClient<tonic::transport::Channel>,
+    args: BenchArgs,
+}
+
+impl Caller for Grpc {
+    async fn call(&mut self, i: u64) -> Result<u16, ()> {
+        let r = self.client.should_rate_limit(rls_request(&self.args, i)).await.map_err(|_| ())?;
+        Ok(if r.into_inner().overall_code == 1 { 200 } else { 429 })
+    }
+}
+
+struct Http {
+    addr: String,
+    conn: Option<BufReader<TcpStream>>,
+    args: BenchArgs,
+}
+
+impl Caller for Http {
+    async fn call(&mut self, i: u64) -> Result<u16, ()> {
+        let payload = http_request(&self.args, &self.addr, i);
+        exchange(&mut self.conn, &self.addr, &payload).await.map_err(|_| {
+            // a broken connection is opened again by the next call
+            self.conn = None;
+        })
+    }
+}
+
+/// Runs `--concurrency` workers, each with its own caller (made by `caller(worker)`),
+/// until `deadline`; client `i` is call `i`, spread round robin over the workers.
+async fn drive<C: Caller>(
+    args: &BenchArgs,
+    deadline: Instant,
+    done: &Arc<AtomicU64>,
+    caller: impl Fn(usize) -> C,
+) -> Result<Vec<Tally>, String> {
+    let workers: Vec<_> = (0..args.concurrency)
+        .map(|w| {
+            let (mut c, done, step) = (caller(w), done.clone(), args.concurrency as u64);
+            tokio::spawn(async move {
+                let mut tally = Tally::default();
+                let mut i = w as u64;
+                while Instant::now() < deadline {
+                    let t = Instant::now();
+                    match c.call(i).await {
+                        Ok(status) => *tally.statuses.entry(status).or_default() += 1,
+                        Err(()) => tally.errors += 1,
+                    }
+                    tally.latencies_us.push(t.elapsed().as_micros().min(u32::MAX as u128) as u32);
+                    done.fetch_add(1, Ordering::Relaxed);
+                    i += step;
+                }
+                tally
+            })
+        })
+        .collect();
     let mut out = Vec::new();
-    for w in workers.collect::<Vec<_>>() {
+    for w in workers {
         out.push(w.await.map_err(|e| format!("a bench worker failed: {e}"))?);
     }
     Ok(out)
