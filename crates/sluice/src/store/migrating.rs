@@ -7,11 +7,8 @@
 //! migration can be rolled back at once. A client that moves starts afresh on its new
 //! backend: for a window, it may get up to one extra window's worth once.
 
-use super::{Refund, Store, StoreError};
-use crate::algo::{Decision, Lease, Op};
+use super::{Router, Store};
 use crate::tag::Tag;
-use crate::time::Millis;
-use async_trait::async_trait;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -51,28 +48,14 @@ impl MigratingStore {
         z ^= z >> 33;
         z % 100 < u64::from(percent)
     }
-
-    fn pick(&self, tag: Tag) -> &dyn Store {
-        if Self::on_new_store(tag, self.percent()) { &*self.to } else { &*self.from }
-    }
 }
 
-#[async_trait]
-impl Store for MigratingStore {
-    async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        self.pick(tag).apply(tag, ops, now).await
+impl Router for MigratingStore {
+    fn route(&self, tag: Tag) -> &dyn Store {
+        if Self::on_new_store(tag, self.percent()) { &*self.to } else { &*self.from }
     }
-    async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        self.pick(tag).peek(tag, ops, now).await
-    }
-    async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: Millis) -> Result<bool, StoreError> {
-        self.pick(tag).release(tag, keys, lease, now).await
-    }
-    async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
-        self.pick(tag).refund(tag, refunds, now).await
-    }
-    async fn ready(&self) -> bool {
-        self.from.ready().await && self.to.ready().await
+    fn stores(&self) -> Vec<&dyn Store> {
+        vec![&*self.from, &*self.to]
     }
     fn kind(&self) -> &'static str {
         "migrating"

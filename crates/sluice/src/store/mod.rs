@@ -101,3 +101,41 @@ pub trait Store: Send + Sync + 'static {
     /// A short name for logs and metrics.
     fn kind(&self) -> &'static str;
 }
+
+/// A store made of other stores, each client on one of them (client-side shards, a
+/// migration). Implementing this gives the `Store`: every call goes to `route(tag)`.
+pub trait Router: Send + Sync + 'static {
+    /// The store that holds `tag`'s state.
+    fn route(&self, tag: Tag) -> &dyn Store;
+    /// Every store behind it (ready only when all are).
+    fn stores(&self) -> Vec<&dyn Store>;
+    /// The store kind, for logs and metrics.
+    fn kind(&self) -> &'static str;
+}
+
+#[async_trait]
+impl<R: Router> Store for R {
+    async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
+        self.route(tag).apply(tag, ops, now).await
+    }
+    async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
+        self.route(tag).peek(tag, ops, now).await
+    }
+    async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: Millis) -> Result<bool, StoreError> {
+        self.route(tag).release(tag, keys, lease, now).await
+    }
+    async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
+        self.route(tag).refund(tag, refunds, now).await
+    }
+    async fn ready(&self) -> bool {
+        for s in self.stores() {
+            if !s.ready().await {
+                return false;
+            }
+        }
+        true
+    }
+    fn kind(&self) -> &'static str {
+        Router::kind(self)
+    }
+}

@@ -7,11 +7,8 @@
 //! to one extra window's worth once; plan shard changes at quiet times.
 
 use super::RedisStore;
-use crate::algo::{Decision, Lease, Op};
-use crate::store::{Refund, Store, StoreError};
+use crate::store::{Router, Store};
 use crate::tag::Tag;
-use crate::time::Millis;
-use async_trait::async_trait;
 
 /// `store.kind: redis_sharded`.
 pub struct ShardedRedisStore {
@@ -29,10 +26,6 @@ impl ShardedRedisStore {
     pub fn shard_of(tag: Tag, shards: usize) -> usize {
         (0..shards).max_by_key(|&i| score(tag, i as u64)).unwrap_or(0)
     }
-
-    fn shard(&self, tag: Tag) -> &RedisStore {
-        &self.shards[Self::shard_of(tag, self.shards.len())]
-    }
 }
 
 /// A rendezvous score: the tag is already a keyed hash, so a strong mix of it with the
@@ -44,27 +37,12 @@ fn score(tag: Tag, shard: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-#[async_trait]
-impl Store for ShardedRedisStore {
-    async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        self.shard(tag).apply(tag, ops, now).await
+impl Router for ShardedRedisStore {
+    fn route(&self, tag: Tag) -> &dyn Store {
+        &self.shards[Self::shard_of(tag, self.shards.len())]
     }
-    async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        self.shard(tag).peek(tag, ops, now).await
-    }
-    async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: Millis) -> Result<bool, StoreError> {
-        self.shard(tag).release(tag, keys, lease, now).await
-    }
-    async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
-        self.shard(tag).refund(tag, refunds, now).await
-    }
-    async fn ready(&self) -> bool {
-        for s in &self.shards {
-            if !s.ready().await {
-                return false;
-            }
-        }
-        true
+    fn stores(&self) -> Vec<&dyn Store> {
+        self.shards.iter().map(|s| s as &dyn Store).collect()
     }
     fn kind(&self) -> &'static str {
         "redis_sharded"
