@@ -10,6 +10,14 @@ fn hit(limit: Limit, state: Option<State>, cost: u64, now: u64) -> (Decision, St
     (d, c.unwrap_or(s))
 }
 
+/// One small limit of each algorithm.
+const ONE_OF_EACH: [Limit; 4] = [
+    Limit::FixedWindow { limit: 5, window: 1_000, aligned: true },
+    Limit::TokenBucket { rate: 3, per: 1_000, burst: 5 },
+    Limit::SlidingWindow { limit: 5, window: 1_000 },
+    Limit::Concurrency { limit: 2, lease_ttl: 900 },
+];
+
 /// Times that only move forward: (gap, cost) pairs.
 fn steps() -> impl Strategy<Value = Vec<(u64, u64)>> {
     prop::collection::vec((0u64..700, 0u64..4), 1..300)
@@ -161,12 +169,7 @@ proptest! {
     /// `admits` (the all-or-nothing pass's shortcut) agrees with `charge` everywhere.
     #[test]
     fn admits_agrees_with_charge(kind in 0usize..4, start in 0u64..1_000_000, steps in steps()) {
-        let l = [
-            Limit::FixedWindow { limit: 5, window: 1_000, aligned: true },
-            Limit::TokenBucket { rate: 3, per: 1_000, burst: 5 },
-            Limit::SlidingWindow { limit: 5, window: 1_000 },
-            Limit::Concurrency { limit: 2, lease_ttl: 900 },
-        ][kind];
+        let l = ONE_OF_EACH[kind];
         let (mut now, mut state) = (start, None);
         for (i, (gap, cost)) in steps.into_iter().enumerate() {
             now += gap;
@@ -175,6 +178,29 @@ proptest! {
             let (d, c) = l.charge(&s, cost, lease, now);
             prop_assert_eq!(l.admits(&s, cost, lease, now), d.allowed);
             state = Some(c.unwrap_or(s));
+        }
+    }
+}
+
+proptest! {
+    /// The single-op fast path ([`sluice::algo::apply_one`]) is the all-or-nothing model
+    /// for one op: same decisions, same stored state, and the expiry it reports is
+    /// [`Limit::expires_at`] of that state.
+    #[test]
+    fn apply_one_is_apply_all_for_one_op(kind in 0usize..4, shadow: bool, start in 0u64..1_000_000, steps in steps()) {
+        let limit = ONE_OF_EACH[kind];
+        let mut now = start;
+        let mut model = [Some(limit.fresh(now))];
+        let mut fast = limit.fresh(now);
+        for (i, (gap, cost)) in steps.into_iter().enumerate() {
+            now += gap;
+            let lease = (kind == 3 && cost > 0).then_some((i % 4) as u128);
+            let op = sluice::algo::Op { key: 1, limit, cost, lease, shadow };
+            let want = sluice::algo::apply_all(&[op], &mut model, now);
+            let (got, expires_at) = sluice::algo::apply_one(&op, &mut fast, now);
+            prop_assert_eq!(got, want[0]);
+            prop_assert_eq!(Some(&fast), model[0].as_ref());
+            prop_assert_eq!(expires_at, limit.expires_at(&fast));
         }
     }
 }

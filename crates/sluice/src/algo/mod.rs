@@ -332,6 +332,34 @@ pub fn apply_into(ops: &[Op], states: &mut [Option<State>], now: Millis, out: &m
     }
 }
 
+/// [`apply_into`] for a single op on state already stored, updated in place: the memory
+/// store's fast path. With one op, all or nothing reduces to "keep the charged state if
+/// charged, else the normalized one". Also returns when the resulting state stops
+/// mattering ([`Limit::expires_at`]), which for a window or a bucket is the decision's own
+/// `reset_at`, so it costs nothing to compute.
+pub fn apply_one(op: &Op, state: &mut State, now: Millis) -> (Decision, Millis) {
+    match (op.limit, &mut *state) {
+        (Limit::TokenBucket { rate, per, burst }, State::Bucket(s)) => {
+            let n = token_bucket::normalize(*s, rate, per, burst, now);
+            let (d, c) = token_bucket::charge(n, rate, per, burst, op.cost, now);
+            *s = c.unwrap_or(n);
+            (d, d.reset_at)
+        }
+        (Limit::FixedWindow { limit, window, aligned }, State::Window(s)) => {
+            let n = fixed_window::normalize(*s, window, aligned, now);
+            let (d, c) = fixed_window::charge(n, limit, op.cost, now);
+            *s = c.unwrap_or(n);
+            (d, d.reset_at)
+        }
+        (limit, state) => {
+            let normalized = limit.normalize(Some(std::mem::take(state)), now);
+            let (d, c) = limit.charge(&normalized, op.cost, op.lease, now);
+            *state = c.unwrap_or(normalized);
+            (d, limit.expires_at(state))
+        }
+    }
+}
+
 /// [`apply_into`], returning the decisions.
 pub fn apply_all(ops: &[Op], states: &mut [Option<State>], now: Millis) -> Vec<Decision> {
     let mut out = Vec::with_capacity(ops.len());

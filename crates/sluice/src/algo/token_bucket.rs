@@ -37,7 +37,9 @@ pub fn normalize(s: BucketState, rate: u64, per: Millis, burst: u64, now: Millis
     }
     let missing = cap.saturating_sub(s.tokens);
     let elapsed = now - s.at;
-    let tokens = if elapsed >= missing.div_ceil(rate) { cap } else { s.tokens + elapsed * rate };
+    // `elapsed * rate >= missing` is `elapsed >= missing / rate` without a division (a
+    // product too large to hold is certainly enough)
+    let tokens = if elapsed.saturating_mul(rate) >= missing { cap } else { s.tokens + elapsed * rate };
     BucketState { tokens, at: now }
 }
 

@@ -44,7 +44,18 @@ impl Hasher for FoldHasher {
     }
 }
 
-type Map = HashMap<(u128, u64), Entry, BuildHasherDefault<FoldHasher>>;
+type Map = HashMap<Slot, Entry, BuildHasherDefault<FoldHasher>>;
+
+/// Where one state lives: the client tag and the state key folded into 128 bits, held as
+/// two u64 so a table slot is 8-byte aligned (a `u128` would pad every slot to 16). Tags
+/// are keyed 128-bit hashes and the fold is a bijection in each argument, so two states
+/// share a slot only by a 128-bit collision.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct Slot(u64, u64);
+
+fn slot(tag: Tag, key: u64) -> Slot {
+    Slot(tag.0 as u64 ^ key.wrapping_mul(0x9e37_79b9_7f4a_7c15), (tag.0 >> 64) as u64)
+}
 
 struct Entry {
     state: State,
@@ -124,27 +135,25 @@ impl MemoryStore {
         let mut shard = self.shard(tag);
         // the common case, one limit: one lookup, no allocation
         if let [op] = ops {
-            let key = (tag.0, op.key);
+            let key = slot(tag, op.key);
             if let Some(e) = shard.map.get_mut(&key) {
-                let mut states = [Some(std::mem::take(&mut e.state))];
-                algo::apply_into(ops, &mut states, now, out);
-                let [state] = states;
-                e.state = state.unwrap_or_default();
-                e.expires_at = op.limit.expires_at(&e.state);
+                let (d, expires_at) = algo::apply_one(op, &mut e.state, now);
+                e.expires_at = expires_at;
+                out.push(d);
                 return;
             }
         }
         let mut states: Vec<Option<State>> =
-            ops.iter().map(|op| shard.map.get_mut(&(tag.0, op.key)).map(|e| std::mem::take(&mut e.state))).collect();
+            ops.iter().map(|op| shard.map.get_mut(&slot(tag, op.key)).map(|e| std::mem::take(&mut e.state))).collect();
         algo::apply_into(ops, &mut states, now, out);
         for (op, state) in ops.iter().zip(states) {
             if let Some(state) = state {
-                self.put(&mut shard, (tag.0, op.key), op.limit, state, now);
+                self.put(&mut shard, slot(tag, op.key), op.limit, state, now);
             }
         }
     }
 
-    fn put(&self, shard: &mut Shard, key: (u128, u64), limit: Limit, state: State, now: Millis) {
+    fn put(&self, shard: &mut Shard, key: Slot, limit: Limit, state: State, now: Millis) {
         let expires_at = limit.expires_at(&state);
         if let Some(e) = shard.map.get_mut(&key) {
             *e = Entry { state, expires_at };
@@ -165,7 +174,7 @@ impl MemoryStore {
     }
 
     fn get(shard: &Shard, tag: Tag, key: u64) -> Option<State> {
-        shard.map.get(&(tag.0, key)).map(|e| e.state.clone())
+        shard.map.get(&slot(tag, key)).map(|e| e.state.clone())
     }
 }
 
@@ -193,7 +202,7 @@ impl Store for MemoryStore {
         let mut shard = self.shard(tag);
         let mut held = false;
         for key in keys {
-            if let Some(Entry { state: State::Leases(s), .. }) = shard.map.get_mut(&(tag.0, *key)) {
+            if let Some(Entry { state: State::Leases(s), .. }) = shard.map.get_mut(&slot(tag, *key)) {
                 held |= algo::concurrency::release(s, lease);
             }
         }
@@ -207,7 +216,7 @@ impl Store for MemoryStore {
                 continue;
             };
             if let Some(state) = r.limit.refund(state, r.cost, r.window, now) {
-                self.put(&mut shard, (tag.0, r.key), r.limit, state, now);
+                self.put(&mut shard, slot(tag, r.key), r.limit, state, now);
             }
         }
         Ok(())
