@@ -131,10 +131,12 @@ fn build_store(
             timeout: Duration::from_millis(c.timeout.0),
             replica_acks: c.replica_acks,
             tls: tls(c.tls.as_ref())?,
+            buckets: c.buckets.0,
             ..RedisOptions::default()
         })
     };
     let redis_error = |e: StoreError| format!("store: {e}");
+
     Ok(match config {
         &StoreConfig::Memory { max_keys } => {
             let store = Arc::new(MemoryStore::new(max_keys));
@@ -160,11 +162,12 @@ fn build_store(
             let store = RedisStore::new(url, replicas, options(connection)?).map_err(redis_error)?;
             Arc::new(Resilient::new(store, resilience))
         }
-        StoreConfig::RedisCluster { nodes, read_from_replicas, timeout, retries, tls: files } => {
+        StoreConfig::RedisCluster { nodes, read_from_replicas, timeout, retries, tls: files, buckets: n } => {
             let options = RedisOptions {
                 timeout: Duration::from_millis(timeout.0),
                 cluster_retries: *retries,
                 tls: tls(files.as_ref())?,
+                buckets: n.0,
                 ..RedisOptions::default()
             };
             let store = RedisStore::cluster(nodes, *read_from_replicas, options).map_err(redis_error)?;

@@ -217,6 +217,14 @@ fn config_check_points_at_the_problem() {
     assert!(err.contains(&format!("{}:7:", bad.display())), "{err}");
     assert!(err.contains("unknown unit `fortnight`") && err.contains("minute"), "{err}");
 
+    // a Redis store's bucket count out of range, on line 4
+    let bad = dir.path().join("buckets.yaml");
+    std::fs::write(&bad, "store:\n  kind: redis\n  url: redis://127.0.0.1:1/\n  buckets: 0\ndomains: []\n").unwrap();
+    let out = std::process::Command::new(bin()).args(["config", "check"]).arg(&bad).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("{}:4:", bad.display())) && err.contains("`buckets` is 0; write 1 to"), "{err}");
+
     let good = dir.path().join("good.yaml");
     std::fs::write(&good, "domains:\n  - domain: demo\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 5}\n").unwrap();
     let out = std::process::Command::new(bin()).args(["config", "check"]).arg(&good).output().unwrap();

@@ -92,6 +92,9 @@ pub enum StoreConfig {
         /// 4, 8 ... ms, at most 50); the engine's deadline bounds them all.
         #[serde(default = "default_cluster_retries")]
         retries: u32,
+        /// As for `redis`: how many bucket hashes client states share.
+        #[serde(default)]
+        buckets: Buckets,
         /// Certificates for `rediss://` node URLs.
         #[serde(default)]
         tls: Option<TlsConfig>,
@@ -154,11 +157,43 @@ pub struct RedisConnectionConfig {
     pub replica_acks: u32,
     /// Certificates for `rediss://` URLs.
     pub tls: Option<TlsConfig>,
+    /// How many bucket hashes client states share (1 to 16,777,216); about the number of
+    /// active states divided by 64. Changing it moves every client, which starts afresh.
+    /// See docs/operations.md.
+    pub buckets: Buckets,
 }
 
 impl Default for RedisConnectionConfig {
     fn default() -> Self {
-        Self { timeout: Duration(1_000), replica_acks: 0, tls: None }
+        Self { timeout: Duration(1_000), replica_acks: 0, tls: None, buckets: Buckets::default() }
+    }
+}
+
+/// `store.buckets`: how many bucket hashes the Redis stores spread client states over
+/// (see [`crate::store::redis::Location`]), 1 to 16,777,216.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buckets(pub u32);
+
+impl Buckets {
+    pub const MAX: u32 = 1 << 24;
+}
+
+impl Default for Buckets {
+    fn default() -> Self {
+        Buckets(crate::store::redis::DEFAULT_BUCKETS)
+    }
+}
+
+impl<'de> Deserialize<'de> for Buckets {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        match u32::try_from(n) {
+            Ok(n @ 1..=Buckets::MAX) => Ok(Buckets(n)),
+            _ => Err(de::Error::custom(format!(
+                "`buckets` is {n}; write 1 to {} (about the number of active states / 64)",
+                Buckets::MAX
+            ))),
+        }
     }
 }
 
@@ -187,8 +222,9 @@ pub struct LimiterConfig {
     /// Secret for client tags. Every server sharing a store must use the same one; change
     /// it from the default so clients cannot predict where their state lives.
     pub key_secret: String,
-    /// Where `now` comes from: `system` (precise to the millisecond) or `coarse` (the
-    /// kernel tick, 1 to 4 ms, about ten times cheaper to read; see [`crate::time::CoarseClock`]).
+    /// Where `now` comes from: `system` (precise to the millisecond, see
+    /// [`crate::time::SystemClock`]) or `coarse` (the kernel tick, 1 to 4 ms, a little
+    /// cheaper to read; see [`crate::time::CoarseClock`]).
     pub clock: ClockKind,
     /// What a request gets when the store cannot answer in time: `open` (allowed, the
     /// default, as Stripe's limiters do) or `closed` (refused with 503). Descriptors and

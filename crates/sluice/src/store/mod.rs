@@ -22,15 +22,10 @@ pub use memory::MemoryStore;
 pub use migrating::MigratingStore;
 pub use resilient::{Resilience, Resilient};
 
-/// The key of one state in a remote store (Redis, Memcached): `s:{TAG}KEY`. Every key of a client shares the hash tag
-/// `{TAG}`, so every script for that client touches one slot of a Redis Cluster.
-///
-/// Keys are short because Redis memory per client is mostly per-key overhead: TAG is 96
-/// bits of the client tag and KEY 48 bits of the state key, in base64url (no braces, so
-/// the hash tag stays intact), 28 bytes in all, which fits jemalloc's 32-byte class where
-/// the readable form (`sluice:{32 hex}:16 hex`, 58 bytes) took 64. 96 bits keep tag
-/// collisions negligible (about 6e-12 among 10^9 clients); 48 bits separate the few
-/// states of one client.
+/// The key of one state in Memcached: `s:{TAG}KEY`, TAG 96 bits of the client tag and
+/// KEY 48 bits of the state key, in base64url, 28 bytes. 96 bits keep tag collisions
+/// negligible (about 6e-12 among 10^9 clients); 48 bits separate the few states of one
+/// client. (Redis keeps states in shared buckets: [`redis::Location`].)
 pub fn state_key(tag: Tag, key: u64) -> String {
     // Tags and keys are opaque to a store: multiply by an odd constant (a bijection, so
     // every input bit matters) before keeping the high bits.
@@ -45,7 +40,7 @@ pub fn state_key(tag: Tag, key: u64) -> String {
 }
 
 /// Appends the low `6 * chars` bits of `v` in base64url, most significant first.
-fn b64(out: &mut String, v: u128, chars: u32) {
+pub(crate) fn b64(out: &mut String, v: u128, chars: u32) {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
     for i in (0..chars).rev() {
         out.push(ALPHABET[((v >> (6 * i)) & 63) as usize] as char);

@@ -15,7 +15,7 @@ mod sharded;
 
 pub use sharded::ShardedRedisStore;
 
-use super::{Refund, Store, StoreError};
+use super::{Refund, Store, StoreError, b64};
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::tag::Tag;
 use crate::time::Millis;
@@ -67,7 +67,53 @@ impl Scripts {
 /// the scripts from stored times; the TTL only collects garbage.
 const GRACE_MS: Millis = 1_000;
 
-pub use super::state_key;
+/// Where one state lives: the key a script touches and, for states kept in a bucket, the
+/// field inside it.
+///
+/// Fixed windows, token buckets and sliding windows are fields of a bucket hash
+/// `s:{<bucket>}` shared by the clients whose tags fall in it: one key of its own with a TTL
+/// costs Redis 7 about 165 bytes, a field in a bucket of a few dozen about 50 (see
+/// docs/benchmarks.md). The bucket is also the cluster hash tag, so every state of a
+/// client is in one slot. A concurrency limit is a sorted set, its own key in the same
+/// slot: `s:{<bucket>}<field>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    pub key: String,
+    pub field: String,
+}
+
+impl Location {
+    /// The location of state `key` of the client `tag`, with `buckets` buckets.
+    pub fn of(tag: Tag, key: u64, limit: &Limit, buckets: u32) -> Self {
+        // tags and keys are opaque to a store: multiply by an odd constant (a bijection,
+        // so every input bit matters) before taking bits apart
+        let t = tag.0.wrapping_mul(0x2545_f491_4f6c_dd1d_9e37_79b9_7f4a_7c15);
+        let bucket = ((t >> 64) as u64) % u64::from(buckets.max(1));
+        let mut field = String::with_capacity(19);
+        b64(&mut field, u128::from(t as u64), 11);
+        b64(&mut field, u128::from(key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 16), 8);
+        let chars = (64 - u64::from(buckets.max(2) - 1).leading_zeros()).div_ceil(6);
+        let mut key = String::with_capacity(5 + chars as usize + field.len());
+        key.push_str("s:{");
+        b64(&mut key, u128::from(bucket), chars);
+        key.push('}');
+        if matches!(limit, Limit::Concurrency { .. }) {
+            key.push_str(&field);
+            field.clear();
+        }
+        Self { key, field }
+    }
+}
+
+/// Buckets when the configuration names none: fewer than one state per bucket wastes
+/// the sharing, more than 128 turns a bucket from a listpack into a hash table (about 100
+/// bytes a state, and pruning scans get longer). 65,536 suits up to about 8 million
+/// active states.
+pub const DEFAULT_BUCKETS: u32 = 65_536;
+
+fn keys(at: &[Location]) -> Vec<&str> {
+    at.iter().map(|l| l.key.as_str()).collect()
+}
 
 /// An algorithm and its three parameters, as the scripts number them.
 fn params(limit: &Limit) -> [u64; 4] {
@@ -200,22 +246,18 @@ impl Conn {
         }
     }
 
-    /// Runs `script` on the keys of `tag`, with the arguments `fill` appends; on
-    /// NOSCRIPT sends the source instead of the SHA.
+    /// Runs `script` on `keys`, with the arguments `fill` appends; on NOSCRIPT sends the
+    /// source instead of the SHA.
     async fn run(
         &self,
         script: &Script,
         read_only: bool,
-        tag: Tag,
-        keys: &[u64],
+        keys: &[&str],
         fill: impl Fn(&mut Cmd),
     ) -> Result<Value, RedisError> {
         let call = |name: &str, body: &str| {
             let mut cmd = redis::cmd(name);
-            cmd.arg(body).arg(keys.len());
-            for &k in keys {
-                cmd.arg(state_key(tag, k));
-            }
+            cmd.arg(body).arg(keys.len()).arg(keys);
             fill(&mut cmd);
             cmd
         };
@@ -297,11 +339,20 @@ pub struct RedisOptions {
     pub cluster_retries: u32,
     /// Certificates for `rediss://` URLs (None: the system's roots, no client certificate).
     pub tls: Option<Tls>,
+    /// How many bucket hashes the states are spread over (see [`Location`]). Changing it
+    /// moves every client to a new bucket, where it starts afresh.
+    pub buckets: u32,
 }
 
 impl Default for RedisOptions {
     fn default() -> Self {
-        Self { timeout: Duration::from_secs(1), replica_acks: 0, cluster_retries: 6, tls: None }
+        Self {
+            timeout: Duration::from_secs(1),
+            replica_acks: 0,
+            cluster_retries: 6,
+            tls: None,
+            buckets: DEFAULT_BUCKETS,
+        }
     }
 }
 
@@ -388,14 +439,8 @@ impl RedisStore {
     }
 
     /// Runs a writing script on the primary, then waits for `replica_acks` replicas.
-    async fn write(
-        &self,
-        script: &Script,
-        tag: Tag,
-        keys: &[u64],
-        fill: impl Fn(&mut Cmd),
-    ) -> Result<Value, StoreError> {
-        let reply = self.primary.run(script, false, tag, keys, fill).await.map_err(store_error)?;
+    async fn write(&self, script: &Script, keys: &[&str], fill: impl Fn(&mut Cmd)) -> Result<Value, StoreError> {
+        let reply = self.primary.run(script, false, keys, fill).await.map_err(store_error)?;
         if self.options.replica_acks > 0 {
             let mut wait = redis::cmd("WAIT");
             wait.arg(self.options.replica_acks).arg(self.options.timeout.as_millis() as u64);
@@ -412,6 +457,10 @@ impl RedisStore {
         Ok(reply)
     }
 
+    fn locate<'a>(&self, tag: Tag, states: impl Iterator<Item = (u64, &'a Limit)>) -> Vec<Location> {
+        states.map(|(key, limit)| Location::of(tag, key, limit, self.options.buckets)).collect()
+    }
+
     fn replica(&self) -> Option<&Arc<Replica>> {
         let n = self.replicas.len();
         let start = self.next.fetch_add(1, Ordering::Relaxed);
@@ -422,27 +471,28 @@ impl RedisStore {
 #[async_trait]
 impl Store for RedisStore {
     async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        let keys: Vec<u64> = ops.iter().map(|o| o.key).collect();
+        let at = self.locate(tag, ops.iter().map(|o| (o.key, &o.limit)));
         let fill = |cmd: &mut Cmd| {
             cmd.arg(now).arg(GRACE_MS);
-            for op in ops {
+            for (op, at) in ops.iter().zip(&at) {
                 cmd.arg(&params(&op.limit)[..]).arg(op.cost).arg(op.shadow as u8);
-                cmd.arg(op.lease.map(lease_hex).unwrap_or_default());
+                cmd.arg(op.lease.map(lease_hex).unwrap_or_default()).arg(&at.field);
             }
         };
-        decisions(self.write(&self.scripts.apply, tag, &keys, fill).await?, ops.len())
+        decisions(self.write(&self.scripts.apply, &keys(&at), fill).await?, ops.len())
     }
 
     async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        let keys: Vec<u64> = ops.iter().map(|o| o.key).collect();
+        let at = self.locate(tag, ops.iter().map(|o| (o.key, &o.limit)));
+        let keys = keys(&at);
         let fill = |cmd: &mut Cmd| {
             cmd.arg(now);
-            for op in ops {
-                cmd.arg(&params(&op.limit)[..]);
+            for (op, at) in ops.iter().zip(&at) {
+                cmd.arg(&params(&op.limit)[..]).arg(&at.field);
             }
         };
         if let Some(r) = self.replica() {
-            match r.conn.run(&self.scripts.peek, true, tag, &keys, fill).await {
+            match r.conn.run(&self.scripts.peek, true, &keys, fill).await {
                 Ok(reply) => return decisions(reply, ops.len()),
                 Err(e) => {
                     // a replica that fails gets no reads until its health check passes
@@ -451,28 +501,32 @@ impl Store for RedisStore {
                 }
             }
         }
-        let reply = self.primary.run(&self.scripts.peek, true, tag, &keys, fill).await.map_err(store_error)?;
+        let reply = self.primary.run(&self.scripts.peek, true, &keys, fill).await.map_err(store_error)?;
         decisions(reply, ops.len())
     }
 
     async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, _now: Millis) -> Result<bool, StoreError> {
-        let reply = self.write(&self.scripts.release, tag, keys, |cmd| {
-            cmd.arg(lease_hex(lease));
-        });
+        const LEASES: Limit = Limit::Concurrency { limit: 1, lease_ttl: 1 };
+        let at = self.locate(tag, keys.iter().map(|&k| (k, &LEASES)));
+        let reply = self
+            .write(&self.scripts.release, &self::keys(&at), |cmd| {
+                cmd.arg(lease_hex(lease));
+            })
+            .await;
         let held: i64 =
-            redis::from_redis_value(reply.await?).map_err(|e| StoreError::Protocol(format!("script reply: {e}")))?;
+            redis::from_redis_value(reply?).map_err(|e| StoreError::Protocol(format!("script reply: {e}")))?;
         Ok(held == 1)
     }
 
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
-        let keys: Vec<u64> = refunds.iter().map(|r| r.key).collect();
+        let at = self.locate(tag, refunds.iter().map(|r| (r.key, &r.limit)));
         let fill = |cmd: &mut Cmd| {
             cmd.arg(now).arg(GRACE_MS);
-            for r in refunds {
-                cmd.arg(&params(&r.limit)[..]).arg(r.cost).arg(r.window);
+            for (r, at) in refunds.iter().zip(&at) {
+                cmd.arg(&params(&r.limit)[..]).arg(r.cost).arg(r.window).arg(&at.field);
             }
         };
-        self.write(&self.scripts.refund, tag, &keys, fill).await.map(|_| ())
+        self.write(&self.scripts.refund, &keys(&at), fill).await.map(|_| ())
     }
 
     async fn ready(&self) -> bool {
@@ -499,19 +553,28 @@ mod tests {
     }
 
     #[test]
-    fn keys_are_short_distinct_and_share_the_hash_tag() {
+    fn states_are_distinct_and_a_client_keeps_to_one_hash_tag() {
+        const FW: Limit = Limit::FixedWindow { limit: 1, window: 1, aligned: false };
+        const CC: Limit = Limit::Concurrency { limit: 1, lease_ttl: 1 };
         let mut seen = std::collections::HashSet::new();
         for t in 0..64u128 {
             for k in 0..64u64 {
-                let key = state_key(Tag(t), k);
-                assert_eq!(key.len(), 28);
-                assert!(seen.insert(key), "small tags and keys must not collide");
+                let at = Location::of(Tag(t), k, &FW, DEFAULT_BUCKETS);
+                assert_eq!((at.key.len(), at.field.len()), (7, 19), "{at:?}");
+                assert!(at.key.starts_with("s:{") && at.key.ends_with('}'));
+                assert!(seen.insert((at.key, at.field)), "small tags and keys must not collide");
             }
         }
-        // two states of one client: the same hash tag
-        let (a, b) = (state_key(Tag(7), 1), state_key(Tag(7), 2));
-        assert_ne!(a, b);
-        assert_eq!(a[..20], b[..20]);
-        assert!(a.starts_with("s:{") && a.as_bytes()[19] == b'}');
+        // every state of one client, its sorted sets too: one hash tag
+        let a = Location::of(Tag(7), 1, &FW, DEFAULT_BUCKETS);
+        let b = Location::of(Tag(7), 2, &FW, DEFAULT_BUCKETS);
+        let c = Location::of(Tag(7), 3, &CC, DEFAULT_BUCKETS);
+        assert_eq!(a.key, b.key);
+        assert_ne!(a.field, b.field);
+        assert!(c.key.starts_with(&a.key) && c.field.is_empty() && c.key.len() == a.key.len() + 19);
+        // the bucket id is as wide as the bucket count needs
+        assert_eq!(Location::of(Tag(7), 1, &FW, 64).key.len(), 5);
+        assert_eq!(Location::of(Tag(7), 1, &FW, 65).key.len(), 6);
+        assert_eq!(Location::of(Tag(7), 1, &FW, 1).key, "s:{A}");
     }
 }

@@ -3,7 +3,7 @@
 //! A client tag goes to the shard with the highest rendezvous score (a keyed mix of tag
 //! and shard index). Adding a shard to N moves only the clients whose new highest score
 //! is the new shard: about 1/(N+1) of them. A moved client starts afresh on its new shard
-//! (its counters stay behind on the old one until their TTL): for a window, it may get up
+//! (its counters stay behind on the old one until they expire): for a window, it may get up
 //! to one extra window's worth once; plan shard changes at quiet times.
 
 use super::RedisStore;

@@ -6,11 +6,20 @@
 -- exact, and floor(a / b) is the exact integer quotient. Numbers are written back with
 -- "%.0f": Lua's own number-to-string conversion keeps only 14 digits.
 --
--- Kinds: 1 fixed window {u = used, r = resets_at}; 2 token bucket {t = tokens in 1/per
--- units, a = at}; 3 sliding window {s = start, c = cur, p = prev}; 4 concurrency: a
--- sorted set of lease -> acquired_at, held in Lua as {n = count, min = oldest at,
--- max = newest at}. Parameters p1, p2, p3 per kind: fixed (limit, window, aligned),
--- bucket (rate, per, burst), sliding (limit, window, -), concurrency (limit, lease_ttl, -).
+-- Layout (see docs/architecture.md): states of kinds 1 to 3 are fields of a bucket hash
+-- `s:{bucket}` shared by many clients; the field names one state of one client and its
+-- value is "expires_at:a:b", the moment the state stops mattering first, so that pruning
+-- reads one number. A bucket of a few dozen fields stays a listpack, about 50 bytes a
+-- state instead of about 165 for a key of its own with a TTL. The bucket's TTL is the
+-- latest expiry of its fields plus the grace; fields that expire while the bucket lives
+-- are pruned as new ones arrive. Kind 4 keeps a sorted set per client, `s:{bucket}field`.
+--
+-- Kinds: 1 fixed window {u = used, r = resets_at}, stored "r:u"; 2 token bucket
+-- {t = tokens in 1/per units, a = at}, stored "full_at:t:(full_at - a)"; 3 sliding window
+-- {s = start, c = cur, p = prev}, stored "(s + 2 * window):c:p"; 4 concurrency: a sorted
+-- set of lease -> acquired_at, held in Lua as {n = count, min = oldest at, max = newest
+-- at}. Parameters p1, p2, p3 per kind: fixed (limit, window, aligned), bucket (rate, per,
+-- burst), sliding (limit, window, -), concurrency (limit, lease_ttl, -).
 
 local floor = math.floor
 local function cdiv(a, b) return floor((a + b - 1) / b) end
@@ -18,18 +27,10 @@ local function min(a, b) if a < b then return a end return b end
 local function max(a, b) if a > b then return a end return b end
 local function num(x) return string.format('%.0f', x) end
 
--- Reads the stored state of one op, or nil.
-local function load(kind, key, p1, p2, now)
-  if kind == 1 then
-    local v = redis.call('HMGET', key, 'u', 'r')
-    if v[2] then return {u = tonumber(v[1]) or 0, r = tonumber(v[2])} end
-  elseif kind == 2 then
-    local v = redis.call('HMGET', key, 't', 'a')
-    if v[2] then return {t = tonumber(v[1]) or 0, a = tonumber(v[2])} end
-  elseif kind == 3 then
-    local v = redis.call('HMGET', key, 's', 'c', 'p')
-    if v[1] then return {s = tonumber(v[1]), c = tonumber(v[2]) or 0, p = tonumber(v[3]) or 0} end
-  else
+-- Reads the stored state of one op (field `field` of bucket `key`; kind 4: the sorted set
+-- `key`), or nil.
+local function load(kind, key, field, p1, p2, now)
+  if kind == 4 then
     -- leases past their TTL do not count (normalize drops them; the write removes them)
     local live = '(' .. num(now - p2)
     local n = redis.call('ZCOUNT', key, live, '+inf')
@@ -38,7 +39,13 @@ local function load(kind, key, p1, p2, now)
     local last = redis.call('ZREVRANGEBYSCORE', key, '+inf', live, 'WITHSCORES', 'LIMIT', 0, 1)
     return {n = n, min = tonumber(first[2]), max = tonumber(last[2])}
   end
-  return nil
+  local v = redis.call('HGET', key, field)
+  if not v then return nil end
+  local e, a, b = string.match(v, '^(%d+):(%d+):?(%d*)$')
+  if e == nil then return nil end
+  if kind == 1 then return {u = tonumber(a), r = tonumber(e)} end
+  if kind == 2 then return {t = tonumber(a), a = tonumber(e) - tonumber(b)} end
+  return {s = tonumber(e) - 2 * p2, c = tonumber(a), p = tonumber(b)}
 end
 
 local function window_end(window, aligned, now)
@@ -170,31 +177,53 @@ local function same(kind, a, b)
   return false
 end
 
--- Writes a state back, with a TTL of `grace` ms past the moment it stops mattering.
--- `loaded` is what was read: an unchanged state is not written again, and the TTL is only
--- set when the moment moved (every write sets it, so an unmoved one is already right).
-local function store(kind, key, st, p1, p2, p3, now, grace, loaded)
-  if same(kind, st, loaded) then return end
-  if loaded ~= nil and kind ~= 4 and expires_at(kind, st, p1, p2, p3) == expires_at(kind, loaded, p1, p2, p3) then
-    if kind == 1 then
-      redis.call('HSET', key, 'u', num(st.u), 'r', num(st.r))
-    elseif kind == 2 then
-      redis.call('HSET', key, 't', num(st.t), 'a', num(st.a))
-    else
-      redis.call('HSET', key, 's', num(st.s), 'c', num(st.c), 'p', num(st.p))
-    end
-    return
+-- Deletes the fields of bucket `key` that stopped mattering more than `grace` ago.
+local function prune(key, now, grace)
+  local all = redis.call('HGETALL', key)
+  local dead = {}
+  for i = 1, #all, 2 do
+    local e = tonumber(string.match(all[i + 1], '^%d+'))
+    if e == nil or e + grace <= now then dead[#dead + 1] = all[i] end
   end
-  if kind == 1 then
-    redis.call('HSET', key, 'u', num(st.u), 'r', num(st.r))
-  elseif kind == 2 then
-    redis.call('HSET', key, 't', num(st.t), 'a', num(st.a))
-  elseif kind == 3 then
-    redis.call('HSET', key, 's', num(st.s), 'c', num(st.c), 'p', num(st.p))
-  else
+  if #dead > 0 then redis.call('HDEL', key, unpack(dead)) end
+end
+
+-- New fields between two prunes of a bucket.
+local PRUNE_EVERY = 16
+
+-- Writes a state back. A bucket lives `grace` ms past the latest moment one of its
+-- states stops mattering. `loaded` is what was read: an unchanged state is not written
+-- again.
+local function store(kind, key, field, st, p1, p2, p3, now, grace, loaded)
+  if same(kind, st, loaded) then return end
+  if kind == 4 then
     redis.call('ZREMRANGEBYSCORE', key, '-inf', num(now - p2))
     if st.add then redis.call('ZADD', key, num(now), st.add) end
-    if st.n == 0 then return end
+    if st.n > 0 then redis.call('PEXPIREAT', key, num(expires_at(kind, st, p1, p2, p3) + grace)) end
+    return
   end
-  redis.call('PEXPIREAT', key, num(expires_at(kind, st, p1, p2, p3) + grace))
+  local e = expires_at(kind, st, p1, p2, p3)
+  local v
+  if kind == 1 then
+    v = num(st.r) .. ':' .. num(st.u)
+  elseif kind == 2 then
+    v = num(e) .. ':' .. num(st.t) .. ':' .. num(e - st.a)
+  else
+    v = num(e) .. ':' .. num(st.c) .. ':' .. num(st.p)
+  end
+  local added = redis.call('HSET', key, field, v)
+  local at = num(e + grace)
+  if added == 1 then
+    local n = redis.call('HLEN', key)
+    if n == 1 then
+      -- a new bucket: PEXPIREAT GT treats a key without a TTL as never expiring
+      redis.call('PEXPIREAT', key, at)
+      return
+    end
+    if n % PRUNE_EVERY == 0 then prune(key, now, grace) end
+  elseif loaded ~= nil and e == expires_at(kind, loaded, p1, p2, p3) then
+    -- the moment did not move, and the bucket's TTL already covers it
+    return
+  end
+  redis.call('PEXPIREAT', key, at, 'GT')
 end
