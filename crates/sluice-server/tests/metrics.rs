@@ -42,7 +42,7 @@ async fn decisions_are_counted_without_descriptor_values() {
         reported += json["shadow_denials"].as_array().map_or(0, |a| a.len());
     }
     assert_eq!(reported, 2);
-    let text = client.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
+    let text = common::metrics(&client, &s.base).await;
     let d = |outcome| {
         sample(&text, "sluice_decisions_total", &[("domain", "demo"), ("policy", "user"), ("outcome", outcome)])
     };
@@ -66,7 +66,7 @@ async fn detailed_metric_counts_by_value_when_a_rule_asks() {
         hit(&client, &s.base, "demo", &[("plan", "gold")]).await;
         hit(&client, &s.base, "demo", &[("user", "carol-private")]).await;
     }
-    let text = client.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
+    let text = common::metrics(&client, &s.base).await;
     let d = |outcome| {
         sample(&text, "sluice_decisions_detailed_total", &[("descriptor", "plan_gold"), ("outcome", outcome)])
     };

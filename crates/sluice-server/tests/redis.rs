@@ -130,7 +130,7 @@ async fn a_dead_redis_fails_open_fast_and_recovers() {
     assert_eq!(client.get(format!("{}/healthz", s.base)).send().await.unwrap().status(), 200);
     assert_eq!(client.get(format!("{}/readyz", s.base)).send().await.unwrap().status(), 503);
     // every one of them counted, by cause; the breaker opened
-    let metrics = client.get(format!("{}/metrics", s.base)).send().await.unwrap().text().await.unwrap();
+    let metrics = common::metrics(&client, &s.base).await;
     let value = |series: &str| {
         metrics
             .lines()

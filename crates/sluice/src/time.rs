@@ -21,10 +21,10 @@ pub trait Clock: Send + Sync + 'static {
 /// The system's wall clock, precise to the millisecond and cheap to read.
 ///
 /// Asking the OS (`clock_gettime`) costs about 30 ns on a virtual machine, as much as a
-/// whole in-memory decision; this clock reads in about 9. So each thread asks it once every [`REANCHOR_NS`] and, in
+/// whole in-memory decision. So each thread asks it once every [`REANCHOR_NS`] and, in
 /// between, adds the time the CPU's timestamp counter has counted since (read through
 /// `quanta`, which calibrates the counter against the OS clock and falls back to the OS's
-/// monotonic clock where the counter cannot be trusted). Between two anchors the error is
+/// monotonic clock where the counter cannot be trusted): about 9 ns a read. Between two anchors the error is
 /// the counter's calibration error over 10 ms, nanoseconds; a step of the OS clock (NTP, an
 /// operator) is seen within 10 ms.
 #[derive(Debug, Default, Clone, Copy)]
@@ -41,7 +41,7 @@ thread_local! {
 }
 
 /// The OS wall clock in ns since the epoch.
-pub fn os_now_ns() -> u64 {
+fn os_now_ns() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
 }
 

@@ -85,6 +85,11 @@ pub async fn hit(client: &reqwest::Client, base: &str, domain: &str, entries: &[
     client.post(format!("{base}/v1/ratelimit")).json(&body(domain, entries)).send().await.unwrap()
 }
 
+/// The server's `/metrics` text.
+pub async fn metrics(client: &reqwest::Client, base: &str) -> String {
+    client.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap()
+}
+
 /// A rate limit request body for one descriptor.
 pub fn body(domain: &str, entries: &[(&str, &str)]) -> serde_json::Value {
     let entries: Vec<_> = entries.iter().map(|(k, v)| serde_json::json!({"key": k, "value": v})).collect();

@@ -38,10 +38,6 @@ impl Hasher for FoldHasher {
     fn write_u64(&mut self, n: u64) {
         self.0 = (self.0.rotate_left(29) ^ n).wrapping_mul(0xff51_afd7_ed55_8ccd);
     }
-    fn write_u128(&mut self, n: u128) {
-        self.write_u64(n as u64);
-        self.write_u64((n >> 64) as u64);
-    }
 }
 
 type Map = HashMap<Slot, Entry, BuildHasherDefault<FoldHasher>>;

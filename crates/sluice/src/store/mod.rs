@@ -22,23 +22,6 @@ pub use memory::MemoryStore;
 pub use migrating::MigratingStore;
 pub use resilient::{Resilience, Resilient};
 
-/// The key of one state in Memcached: `s:{TAG}KEY`, TAG 96 bits of the client tag and
-/// KEY 48 bits of the state key, in base64url, 28 bytes. 96 bits keep tag collisions
-/// negligible (about 6e-12 among 10^9 clients); 48 bits separate the few states of one
-/// client. (Redis keeps states in shared buckets: [`redis::Location`].)
-pub fn state_key(tag: Tag, key: u64) -> String {
-    // Tags and keys are opaque to a store: multiply by an odd constant (a bijection, so
-    // every input bit matters) before keeping the high bits.
-    let tag = tag.0.wrapping_mul(0x2545_f491_4f6c_dd1d_9e37_79b9_7f4a_7c15) >> 32;
-    let key = key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 16;
-    let mut out = String::with_capacity(28);
-    out.push_str("s:{");
-    b64(&mut out, tag, 16);
-    out.push('}');
-    b64(&mut out, u128::from(key), 8);
-    out
-}
-
 /// Appends the low `6 * chars` bits of `v` in base64url, most significant first.
 pub(crate) fn b64(out: &mut String, v: u128, chars: u32) {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";

@@ -83,8 +83,22 @@ pub struct Location {
 }
 
 impl Location {
-    /// The location of state `key` of the client `tag`, with `buckets` buckets.
+    /// The location of state `key` of the client `tag` under `limit`, with `buckets`
+    /// buckets.
     pub fn of(tag: Tag, key: u64, limit: &Limit, buckets: u32) -> Self {
+        match limit {
+            Limit::Concurrency { .. } => Self::leases(tag, key, buckets),
+            _ => Self::field(tag, key, buckets),
+        }
+    }
+
+    /// The location of a concurrency state: a key of its own, in the bucket's slot.
+    pub fn leases(tag: Tag, key: u64, buckets: u32) -> Self {
+        let at = Self::field(tag, key, buckets);
+        Self { key: at.key + &at.field, field: String::new() }
+    }
+
+    fn field(tag: Tag, key: u64, buckets: u32) -> Self {
         // tags and keys are opaque to a store: multiply by an odd constant (a bijection,
         // so every input bit matters) before taking bits apart
         let t = tag.0.wrapping_mul(0x2545_f491_4f6c_dd1d_9e37_79b9_7f4a_7c15);
@@ -97,10 +111,6 @@ impl Location {
         key.push_str("s:{");
         b64(&mut key, u128::from(bucket), chars);
         key.push('}');
-        if matches!(limit, Limit::Concurrency { .. }) {
-            key.push_str(&field);
-            field.clear();
-        }
         Self { key, field }
     }
 }
@@ -506,8 +516,7 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, _now: Millis) -> Result<bool, StoreError> {
-        const LEASES: Limit = Limit::Concurrency { limit: 1, lease_ttl: 1 };
-        let at = self.locate(tag, keys.iter().map(|&k| (k, &LEASES)));
+        let at: Vec<Location> = keys.iter().map(|&k| Location::leases(tag, k, self.options.buckets)).collect();
         let reply = self
             .write(&self.scripts.release, &self::keys(&at), |cmd| {
                 cmd.arg(lease_hex(lease));

@@ -203,15 +203,15 @@ local function store(kind, key, field, st, p1, p2, p3, now, grace, loaded)
     return
   end
   local e = expires_at(kind, st, p1, p2, p3)
-  local v
+  local rest
   if kind == 1 then
-    v = num(st.r) .. ':' .. num(st.u)
+    rest = num(st.u)
   elseif kind == 2 then
-    v = num(e) .. ':' .. num(st.t) .. ':' .. num(e - st.a)
+    rest = num(st.t) .. ':' .. num(e - st.a)
   else
-    v = num(e) .. ':' .. num(st.c) .. ':' .. num(st.p)
+    rest = num(st.c) .. ':' .. num(st.p)
   end
-  local added = redis.call('HSET', key, field, v)
+  local added = redis.call('HSET', key, field, num(e) .. ':' .. rest)
   local at = num(e + grace)
   if added == 1 then
     local n = redis.call('HLEN', key)
