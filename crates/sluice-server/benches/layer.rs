@@ -9,12 +9,8 @@ use axum::body::Body;
 use axum::http::Request;
 use axum::routing::get;
 use criterion::{Criterion, criterion_group, criterion_main};
-use sluice::Limiter;
-use sluice::config::Config;
 use sluice::layer::{Extract, SluiceLayer};
-use sluice::rules::Rules;
-use sluice::store::MemoryStore;
-use sluice::time::SystemClock;
+use sluice::{DomainBuilder, Limiter, RulesBuilder};
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,15 +18,18 @@ use tower::ServiceExt;
 
 fn requests(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let yaml = "domains:\n  - domain: api\n    descriptors:\n      - key: user\n        policies:\n          - {name: core, fixed_window: {limit: 1000000000000, window: 1h}}\n";
-    let config: Config = serde_norway::from_str(yaml).unwrap();
-    let limiter = Arc::new(Limiter::new(
-        Arc::new(Rules::compile(&config).unwrap()),
-        Arc::new(MemoryStore::new(1_000_000)),
-        Arc::new(SystemClock),
-    ));
+    let rules = RulesBuilder::new()
+        .domain(
+            DomainBuilder::new("api")
+                .rule([("user", None)], |r| r.fixed_window("core", 1_000_000_000_000, Duration::from_secs(3600))),
+        )
+        .build()
+        .unwrap();
+    let limiter = Arc::new(Limiter::in_memory(rules));
     let bare = Router::new().route("/", get(|| async { "hello" }));
-    let layer = SluiceLayer::new(limiter, "api").descriptor(vec![("user", Extract::Header("x-user".parse().unwrap()))]);
+    let layer = SluiceLayer::builder(limiter, "api")
+        .descriptor(vec![("user", Extract::Header("x-user".parse().unwrap()))])
+        .build();
     let limited = Router::new().route("/", get(|| async { "hello" })).route_layer(layer);
     let request =
         |i: u64| Request::builder().uri("/").header("x-user", format!("u{}", i % 1000)).body(Body::empty()).unwrap();

@@ -22,13 +22,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use clap::Parser;
 use serde_json::json;
-use sluice::config::Config;
-use sluice::engine::{Descriptor, Entry, Mode, Request};
 use sluice::layer::{Extract, SluiceLayer};
-use sluice::rules::Rules;
-use sluice::store::MemoryStore;
-use sluice::time::{SystemClock, ceil_secs};
-use sluice::{Limiter, headers};
+use sluice::time::ceil_secs;
+use sluice::{DomainBuilder, Limiter, Request, RulesBuilder, headers};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -83,15 +79,8 @@ async fn rate_limit(
     headers: HeaderMap,
 ) -> Response {
     let client = identity(&headers, Some(addr));
-    let req = Request {
-        domain: "github".into(),
-        descriptors: vec![Descriptor {
-            entries: vec![Entry { key: "client".into(), value: client }],
-            ..Default::default()
-        }],
-        hits_addend: None,
-    };
-    let verdict = match limiter.run(&req, Mode::Peek).await {
+    let req = Request::new("github").descriptor([("client", client)]);
+    let verdict = match limiter.status(&req).await {
         Ok(v) => v,
         Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, e.to_string()).into_response(),
     };
@@ -99,7 +88,7 @@ async fn rate_limit(
     let Some(d) = core else { return StatusCode::INTERNAL_SERVER_ERROR.into_response() };
     let resource = json!({"limit": d.limit, "used": d.used, "remaining": d.remaining, "reset": ceil_secs(d.reset_at)});
     let mut resp = axum::Json(json!({"resources": {"core": resource}, "rate": resource})).into_response();
-    for (name, value) in headers::render(&verdict, &limiter.rules().headers) {
+    for (name, value) in headers::render(&verdict, &Default::default()) {
         if let Ok(v) = HeaderValue::from_str(&value) {
             resp.headers_mut().insert(name, v);
         }
@@ -107,22 +96,30 @@ async fn rate_limit(
     resp
 }
 
+/// GitHub's two limits on every client: `core` requests per window, and a secondary
+/// limit on requests in flight.
 fn limiter(args: &Args) -> Result<Limiter, String> {
-    let yaml = format!(
-        "domains:\n  - domain: github\n    descriptors:\n      - key: client\n        policies:\n          - {{name: core, fixed_window: {{limit: {}, window: {}}}}}\n          - {{name: secondary, concurrency: {{limit: {}, lease_ttl: 60s}}}}\n",
-        args.core_limit, args.window, args.concurrency
-    );
-    let config: Config = serde_norway::from_str(&yaml).map_err(|e| e.to_string())?;
-    let rules = Rules::compile(&config).map_err(|e| e.to_string())?;
-    Ok(Limiter::new(Arc::new(rules), Arc::new(MemoryStore::new(1_000_000)), Arc::new(SystemClock)))
+    let window = sluice::config::Duration::parse(&args.window)?;
+    let rules = RulesBuilder::new()
+        .domain(DomainBuilder::new("github").rule([("client", None)], |r| {
+            r.fixed_window("core", args.core_limit, std::time::Duration::from_millis(window.0)).concurrency(
+                "secondary",
+                args.concurrency,
+                std::time::Duration::from_secs(60),
+            )
+        }))
+        .build()
+        .map_err(|e| e.to_string())?;
+    Ok(Limiter::in_memory(rules))
 }
 
 #[tokio::main]
 async fn main() -> Result<(), String> {
     let args = Args::parse();
     let limiter = Arc::new(limiter(&args)?);
-    let layer = SluiceLayer::new(limiter.clone(), "github")
-        .descriptor(vec![("client", Extract::Custom(Arc::new(identity_of)))]);
+    let layer = SluiceLayer::builder(limiter.clone(), "github")
+        .descriptor(vec![("client", Extract::Custom(Arc::new(identity_of)))])
+        .build();
     let app = Router::new()
         .route("/repos/{owner}/{repo}", get(repo))
         .route_layer(layer)

@@ -6,10 +6,8 @@
 use serde::{Deserialize, Deserializer, Serialize};
 use sluice::algo::Limit;
 use sluice::config::Unit;
-use sluice::engine::{
-    Code, Descriptor, DescriptorVerdict, Entry, LimitOverride, PolicyDecision, Request, Source, Verdict,
-};
 use sluice::time::ceil_secs;
+use sluice::{Code, Descriptor, DescriptorVerdict, Entry, LimitOverride, PolicyDecision, Request, Source, Verdict};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -200,7 +198,7 @@ fn status_json(d: &DescriptorVerdict, now: u64) -> StatusJson {
 
 /// The response body for a verdict.
 pub fn response_json(v: &Verdict) -> ResponseJson {
-    let overall = if v.allowed { Code::Ok } else { Code::OverLimit };
+    let overall = if v.allowed() { Code::Ok } else { Code::OverLimit };
     ResponseJson {
         overall_code: overall.to_string(),
         statuses: v.descriptors.iter().map(|d| status_json(d, v.now)).collect(),

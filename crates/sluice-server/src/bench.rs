@@ -6,21 +6,58 @@
 //! The HTTP client is a few lines over a TCP stream on purpose: the tool should measure
 //! the server, not an HTTP library.
 
-use crate::cli::BenchArgs;
 use crate::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
-use crate::serve::build_limiter;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use serde::Serialize;
-use sluice::engine::{Descriptor, Entry, Request};
+use sluice::{Descriptor, Entry, Outcome, Request};
 use std::collections::BTreeMap;
 use std::io::Write as _;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// The server to load (`host:port` or `http://host:port`).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub target: String,
+    /// What to ask the server for.
+    #[arg(long, value_enum, default_value = "ratelimit")]
+    pub endpoint: Endpoint,
+    /// Call the engine in this process instead, on the store of `--config`.
+    #[arg(long)]
+    pub in_process: bool,
+    /// Call Envoy's rate limit service (gRPC ShouldRateLimit) at `--target` instead of
+    /// the HTTP API.
+    #[arg(long, conflicts_with = "in_process")]
+    pub grpc: bool,
+    /// Config for `--in-process` (default: the built-in one).
+    #[arg(long, short)]
+    pub config: Option<PathBuf>,
+    /// Requests in flight at once (one connection each over HTTP).
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// How long to run, like 10s.
+    #[arg(long, default_value = "10s", value_parser = crate::cli::duration)]
+    pub duration: sluice::config::Duration,
+    /// Distinct clients to spread the requests over.
+    #[arg(long, default_value_t = 1000)]
+    pub clients: u64,
+    /// Domain of the requests.
+    #[arg(long, default_value = "demo")]
+    pub domain: String,
+    /// Descriptor key of the requests; values are `client-N`.
+    #[arg(long, default_value = "user")]
+    pub key: String,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// What one run measured.
 #[derive(Debug, Serialize)]
@@ -49,7 +86,7 @@ struct Tally {
 }
 
 /// Runs the benchmark and prints its report.
-pub async fn bench(args: BenchArgs) -> Result<(), String> {
+pub async fn bench(args: Args) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_millis(args.duration.0);
     let done = Arc::new(AtomicU64::new(0));
     let progress = (!args.json).then(|| spawn_progress(done.clone(), args.duration.0));
@@ -61,7 +98,7 @@ pub async fn bench(args: BenchArgs) -> Result<(), String> {
             None => load_str(DEFAULT_CONFIG, "<built-in config>"),
         }
         .map_err(|e| e.to_string())?;
-        let limiter = Arc::new(build_limiter(&config, rules)?.0);
+        let limiter = Arc::new(crate::build::build(&config, rules).map_err(|e| e.to_string())?.engine.limiter);
         target = format!("in-process {} store", limiter.store().kind());
         drive(&args, deadline, &done, |_| InProcess { limiter: limiter.clone(), args: args.clone() }).await?
     } else if args.grpc {
@@ -104,18 +141,24 @@ trait Caller: Send + 'static {
 
 struct InProcess {
     limiter: Arc<sluice::Limiter>,
-    args: BenchArgs,
+    args: Args,
 }
 
 impl Caller for InProcess {
     async fn call(&mut self, i: u64) -> Result<u16, ()> {
-        self.limiter.check(&request(&self.args, i)).await.map(|v| v.status).map_err(|_| ())
+        let v = self.limiter.check(&request(&self.args, i)).await.map_err(|_| ())?;
+        // the status the HTTP API would answer
+        Ok(match v.outcome {
+            Outcome::Allowed => 200,
+            Outcome::OverLimit => 429,
+            Outcome::Unavailable => 503,
+        })
     }
 }
 
 struct Grpc {
     client: RateLimitServiceClient<tonic::transport::Channel>,
-    args: BenchArgs,
+    args: Args,
 }
 
 impl Caller for Grpc {
@@ -128,7 +171,7 @@ impl Caller for Grpc {
 struct Http {
     addr: String,
     conn: Option<BufReader<TcpStream>>,
-    args: BenchArgs,
+    args: Args,
 }
 
 impl Caller for Http {
@@ -144,7 +187,7 @@ impl Caller for Http {
 /// Runs `--concurrency` workers, each with its own caller (made by `caller(worker)`),
 /// until `deadline`; client `i` is call `i`, spread round robin over the workers.
 async fn drive<C: Caller>(
-    args: &BenchArgs,
+    args: &Args,
     deadline: Instant,
     done: &Arc<AtomicU64>,
     caller: impl Fn(usize) -> C,
@@ -177,7 +220,7 @@ async fn drive<C: Caller>(
 }
 
 /// The request for iteration `i`: client `i % clients`.
-fn request(args: &BenchArgs, i: u64) -> Request {
+fn request(args: &Args, i: u64) -> Request {
     Request {
         domain: args.domain.clone(),
         descriptors: vec![Descriptor {
@@ -189,7 +232,7 @@ fn request(args: &BenchArgs, i: u64) -> Request {
 }
 
 /// The gRPC request for iteration `i`.
-fn rls_request(args: &BenchArgs, i: u64) -> RateLimitRequest {
+fn rls_request(args: &Args, i: u64) -> RateLimitRequest {
     RateLimitRequest {
         domain: args.domain.clone(),
         descriptors: vec![RateLimitDescriptor {
@@ -203,7 +246,7 @@ fn rls_request(args: &BenchArgs, i: u64) -> RateLimitRequest {
     }
 }
 
-fn http_request(args: &BenchArgs, addr: &str, i: u64) -> Vec<u8> {
+fn http_request(args: &Args, addr: &str, i: u64) -> Vec<u8> {
     match args.endpoint {
         Endpoint::Healthz => format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\n\r\n").into_bytes(),
         Endpoint::Ratelimit => {
@@ -281,7 +324,7 @@ fn spawn_progress(done: Arc<AtomicU64>, total_ms: u64) -> tokio::task::JoinHandl
     })
 }
 
-fn summarize(tallies: Vec<Tally>, target: String, args: &BenchArgs, seconds: f64) -> Report {
+fn summarize(tallies: Vec<Tally>, target: String, args: &Args, seconds: f64) -> Report {
     let mut lat = Vec::new();
     let mut statuses = BTreeMap::new();
     let mut errors = 0;

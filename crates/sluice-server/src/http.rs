@@ -1,7 +1,7 @@
 //! The HTTP JSON API (see docs/configuration.md and the README for examples).
 
 use crate::api::{RequestJson, response_json};
-use arc_swap::{ArcSwap, ArcSwapOption};
+use crate::state::{AppState, Engine};
 use axum::Router;
 use axum::body::{Body, to_bytes};
 use axum::extract::{Path, Query, State};
@@ -9,23 +9,8 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use serde_json::json;
-use sluice::engine::{CheckError, Descriptor, Entry, LeaseId, Mode, Request, RequestError};
-use sluice::store::MigratingStore;
-use sluice::{Limiter, headers};
+use sluice::{CheckError, Descriptor, Entry, LeaseId, Outcome, Request, RequestError, Verdict, headers};
 use std::sync::Arc;
-
-/// What every handler shares.
-pub struct AppState {
-    /// The engine in force; a config reload swaps it (see `reload.rs`).
-    pub limiter: ArcSwap<Limiter>,
-    /// The migrating store, when the store is one (admin API, reloads).
-    pub migration: ArcSwapOption<MigratingStore>,
-    /// `server.admin_token`: the admin endpoints exist only when it is set.
-    pub admin_token: Option<String>,
-    pub max_body_bytes: usize,
-    /// Renders `/metrics`; None when no recorder is installed.
-    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
-}
 
 type Shared = State<Arc<AppState>>;
 
@@ -84,12 +69,12 @@ async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Resu
 }
 
 /// A verdict as a response: status, headers, JSON body. The headers are rendered with
-/// the rules of the engine that decided (`limiter`), not whatever a reload has put in
+/// the settings of the engine that decided, not whatever a reload has put in
 /// force since.
-fn verdict_response(limiter: &Limiter, v: &sluice::Verdict, status: StatusCode) -> Response {
+fn verdict_response(engine: &Engine, v: &Verdict, status: StatusCode) -> Response {
     let mut resp = (status, axum::Json(response_json(v))).into_response();
     let h = resp.headers_mut();
-    for (name, value) in headers::render(v, &limiter.rules().headers) {
+    for (name, value) in headers::render(v, &engine.headers) {
         if let Ok(value) = HeaderValue::from_str(&value) {
             h.insert(HeaderName::from_static(name), value);
         }
@@ -97,29 +82,37 @@ fn verdict_response(limiter: &Limiter, v: &sluice::Verdict, status: StatusCode) 
     resp
 }
 
-fn code(v: &sluice::Verdict) -> StatusCode {
-    StatusCode::from_u16(v.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+/// The HTTP status of a verdict: the API's one mapping of the engine's outcome.
+fn code(v: &Verdict) -> StatusCode {
+    match v.outcome {
+        Outcome::Allowed => StatusCode::OK,
+        Outcome::OverLimit => StatusCode::TOO_MANY_REQUESTS,
+        Outcome::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+    }
 }
 
 /// `POST /v1/ratelimit`: charge and decide.
 async fn ratelimit(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
-    decide(&state, &headers, body, Mode::Charge).await
+    let engine = state.engine.load_full();
+    match read_request(&state, &headers, body).await {
+        Ok(req) => answer(&engine, engine.limiter.check(&req).await),
+        Err(resp) => resp,
+    }
 }
 
 /// `POST /v1/leases`: take a lease on every matching concurrency policy.
 async fn acquire(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
-    decide(&state, &headers, body, Mode::Acquire).await
+    let engine = state.engine.load_full();
+    match read_request(&state, &headers, body).await {
+        Ok(req) => answer(&engine, engine.limiter.acquire(&req).await),
+        Err(resp) => resp,
+    }
 }
 
-/// Reads a request body, runs it in `mode`, and answers with the verdict.
-async fn decide(state: &AppState, headers: &HeaderMap, body: Body, mode: Mode) -> Response {
-    let req = match read_request(state, headers, body).await {
-        Ok(r) => r,
-        Err(resp) => return resp,
-    };
-    let limiter = state.limiter.load_full();
-    match limiter.run(&req, mode).await {
-        Ok(v) => verdict_response(&limiter, &v, code(&v)),
+/// A decision as a response.
+fn answer(engine: &Engine, decided: Result<Verdict, CheckError>) -> Response {
+    match decided {
+        Ok(v) => verdict_response(engine, &v, code(&v)),
         Err(e) => check_error(e),
     }
 }
@@ -144,9 +137,9 @@ async fn status(State(state): Shared, Query(pairs): Query<Vec<(String, String)>>
         );
     };
     let req = Request { domain, descriptors: vec![Descriptor { entries, ..Default::default() }], hits_addend: None };
-    let limiter = state.limiter.load_full();
-    match limiter.run(&req, Mode::Peek).await {
-        Ok(v) => verdict_response(&limiter, &v, StatusCode::OK),
+    let engine = state.engine.load_full();
+    match engine.limiter.status(&req).await {
+        Ok(v) => verdict_response(&engine, &v, StatusCode::OK),
         Err(e) => check_error(e),
     }
 }
@@ -157,7 +150,7 @@ async fn release(State(state): Shared, Path(lease_id): Path<String>) -> Response
         Ok(l) => l,
         Err(e) => return error(StatusCode::BAD_REQUEST, RequestError::code(&e), e.to_string()),
     };
-    match state.limiter.load_full().release(&lease).await {
+    match state.engine.load_full().limiter.release(&lease).await {
         Ok(held) => axum::Json(json!({"released": held})).into_response(),
         Err(e) => check_error(e.into()),
     }
@@ -169,7 +162,7 @@ async fn refund(State(state): Shared, headers: HeaderMap, body: Body) -> Respons
         Ok(r) => r,
         Err(resp) => return resp,
     };
-    match state.limiter.load_full().run(&req, Mode::Refund).await {
+    match state.engine.load_full().limiter.refund_request(&req).await {
         Ok(_) => axum::Json(json!({"refunded": true})).into_response(),
         Err(e) => check_error(e),
     }
@@ -248,7 +241,7 @@ async fn metrics(State(state): Shared) -> Response {
 
 /// `GET /readyz`: 200 when the store takes calls.
 async fn ready(State(state): Shared) -> Response {
-    if state.limiter.load_full().store().ready().await {
+    if state.engine.load_full().limiter.store().ready().await {
         (StatusCode::OK, "ready\n").into_response()
     } else {
         (StatusCode::SERVICE_UNAVAILABLE, "store not ready\n").into_response()

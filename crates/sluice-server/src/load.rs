@@ -1,7 +1,8 @@
 //! Reading a config file: YAML into the library's model, then compiled rules. Every
 //! error names the file, a line and column, and what to write instead.
 
-use sluice::config::{Config, DomainConfig};
+use crate::config::Config;
+use sluice::config::{DomainConfig, LimiterConfig};
 use sluice::rules::Rules;
 use std::fmt;
 use std::path::Path;
@@ -18,6 +19,8 @@ pub struct ConfigError {
     pub message: String,
 }
 
+impl std::error::Error for ConfigError {}
+
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.at {
@@ -27,12 +30,17 @@ impl fmt::Display for ConfigError {
     }
 }
 
-impl std::error::Error for ConfigError {}
-
 /// A config and the rules compiled from it.
 pub struct Loaded {
     pub config: Config,
     pub rules: Rules,
+}
+
+/// `sluice config check FILE`: loads the file, or says where it is wrong.
+pub fn check(file: &Path) -> Result<(), ConfigError> {
+    load_file(file)?;
+    println!("{}: ok", file.display());
+    Ok(())
 }
 
 /// Reads and compiles a config file, and the domain files of its `domains_from`.
@@ -47,8 +55,8 @@ pub fn load_file(path: &Path) -> Result<Loaded, ConfigError> {
             let text = read(&domain_file)?;
             let domain: DomainConfig = parse(&text, &name)?;
             // compiled alone first, so a mistake is reported in its own file
-            let alone = Config { domains: vec![domain.clone()], ..Config::default() };
-            Rules::compile(&alone).map_err(|e| ConfigError {
+            let alone = std::slice::from_ref(&domain);
+            Rules::compile(&LimiterConfig::default(), alone).map_err(|e| ConfigError {
                 file: name.clone(),
                 at: locate(&text, &e.anchors),
                 message: e.to_string(),
@@ -56,7 +64,7 @@ pub fn load_file(path: &Path) -> Result<Loaded, ConfigError> {
             config.domains.push(domain);
         }
     }
-    let rules = Rules::compile(&config).map_err(|e| ConfigError {
+    let rules = config.rules().map_err(|e| ConfigError {
         file: file.clone(),
         at: locate(&text, &e.anchors),
         message: e.to_string(),
@@ -106,7 +114,7 @@ fn read(path: &Path) -> Result<String, ConfigError> {
 /// Parses and compiles config text; `file` names it in errors.
 pub fn load_str(text: &str, file: &str) -> Result<Loaded, ConfigError> {
     let config: Config = parse(text, file)?;
-    let rules = Rules::compile(&config).map_err(|e| ConfigError {
+    let rules = config.rules().map_err(|e| ConfigError {
         file: file.to_string(),
         at: locate(text, &e.anchors),
         message: e.to_string(),
@@ -180,7 +188,7 @@ mod tests {
     #[test]
     fn the_default_config_loads() {
         let l = load_str(DEFAULT_CONFIG, "default.yaml").unwrap();
-        assert!(l.rules.domain("demo").is_some());
+        assert!(l.rules.domain_names().contains(&"demo"));
     }
 
     #[test]

@@ -2,21 +2,23 @@
 
 mod api;
 mod bench;
+mod build;
 mod cli;
+mod config;
 mod http;
 mod load;
 mod reload;
 mod rls;
 mod serve;
 mod shed;
+mod state;
 
 use clap::Parser;
 use cli::{Cli, Command, ConfigCommand, ShedCommand};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let result = match cli.command {
+    let result: Result<(), Box<dyn std::error::Error>> = match Cli::parse().command {
         Command::Serve(args) => {
             let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
             tracing_subscriber::fmt()
@@ -25,17 +27,11 @@ fn main() -> ExitCode {
                 .with_ansi(tty)
                 .with_writer(std::io::stderr)
                 .init();
-            tokio::runtime::Runtime::new()
-                .map_err(|e| format!("cannot start the async runtime: {e}"))
-                .and_then(|rt| rt.block_on(serve::serve(args)))
+            runtime().and_then(|rt| Ok(rt.block_on(serve::serve(args))?))
         }
-        Command::Bench(args) => tokio::runtime::Runtime::new()
-            .map_err(|e| format!("cannot start the async runtime: {e}"))
-            .and_then(|rt| rt.block_on(bench::bench(args))),
-        Command::Shed(ShedCommand::Simulate(args)) => shed::simulate(args),
-        Command::Config(ConfigCommand::Check { file }) => {
-            load::load_file(&file).map(|_| println!("{}: ok", file.display())).map_err(|e| e.to_string())
-        }
+        Command::Bench(args) => runtime().and_then(|rt| Ok(rt.block_on(bench::bench(args))?)),
+        Command::Shed(ShedCommand::Simulate(args)) => shed::simulate(args).map_err(Into::into),
+        Command::Config(ConfigCommand::Check { file }) => load::check(&file).map_err(Into::into),
         Command::Config(ConfigCommand::Default) => {
             print!("{}", load::DEFAULT_CONFIG);
             Ok(())
@@ -43,9 +39,13 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            eprintln!("error: {message}");
+        Err(e) => {
+            eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, Box<dyn std::error::Error>> {
+    tokio::runtime::Runtime::new().map_err(|e| format!("cannot start the async runtime: {e}").into())
 }

@@ -1,25 +1,44 @@
-//! Hot reload: the config file is read again when it changes, and the new rules take
-//! effect for the next request.
+//! Hot reload: the config file is read again when it changes, and every section takes
+//! effect for the next request, or the whole file is refused.
 //!
 //! The file (and the domain files of its `domains_from` directory) is polled (every
-//! 500 ms, following symlinks) and reloaded when its bytes change. Polling sees the three ways configs change in the same way: an edit in place,
-//! a new file renamed over the old one, and a symlink swapped to another target (how
-//! Kubernetes updates a mounted ConfigMap), where file-event APIs are easy to get wrong.
-//! A file that does not validate is refused: the last good config stays, the error is
-//! logged with file:line:col and counted. A changed `store:` section builds a new store;
-//! requests in flight finish on the engine they started with, so none is dropped.
+//! 500 ms, following symlinks) and reloaded when its bytes change. Polling sees the three
+//! ways configs change in the same way: an edit in place, a new file renamed over the old
+//! one, and a symlink swapped to another target (how Kubernetes updates a mounted
+//! ConfigMap), where file-event APIs are easy to get wrong.
+//!
+//! What a reload does with each section:
+//! - `domains`, `domains_from`, `headers`: new rules, in force for the next request;
+//! - `limiter`: the deadline and breaker are retuned on the running store; the clock, the
+//!   near-cache and the rule settings (`key_secret`, `failure`, `shadow_mode`,
+//!   `near_limit_ratio`) come with the new engine;
+//! - `store`: a changed store is built and connected (requests in flight finish on the
+//!   engine they started with); a changed migration percentage alone moves clients live;
+//! - `server`: listeners and tokens need a restart; a reload that changes them says so.
+//!
+//! A file that does not validate, or whose rules the store cannot run, is refused whole:
+//! the last good config stays, and the error is logged (with file:line:col) and counted.
 
-use crate::http::AppState;
-use crate::load::{fingerprint, load_file};
-use crate::serve::build_limiter;
-use sluice::config::{Config, StoreConfig};
-use sluice::telemetry::names;
-use std::path::PathBuf;
+use crate::build::{self, BuildError};
+use crate::config::{Config, ServerConfig, StoreConfig};
+use crate::load::{ConfigError, Loaded, fingerprint, load_file};
+use crate::state::AppState;
+use sluice::metric_names as names;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 /// How often the file is looked at.
 const POLL: Duration = Duration::from_millis(500);
+
+/// Why a changed config was not put in force.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Build(#[from] BuildError),
+}
 
 /// Watches `path` (already loaded as `config` from `bytes`) until the process ends.
 pub fn watch(path: PathBuf, mut config: Config, mut bytes: Vec<u8>, state: Arc<AppState>) {
@@ -35,52 +54,72 @@ pub fn watch(path: PathBuf, mut config: Config, mut bytes: Vec<u8>, state: Arc<A
                 continue;
             }
             bytes = now;
-            let loaded = match load_file(&path) {
-                Ok(l) => l,
+            match reload(&path, &config, &state) {
+                Ok(next) => {
+                    config = next;
+                    ok.increment(1);
+                }
                 Err(e) => {
                     failed.increment(1);
                     tracing::error!(error = %e, "config reload refused; the last good config stays");
-                    continue;
                 }
-            };
-            let next = if same_but_percent(&loaded.config.store, &config.store) {
-                // the same store, perhaps another migration percentage: no reconnect
-                if let (StoreConfig::Migrating { percent, .. }, Some(m)) =
-                    (&loaded.config.store, &*state.migration.load())
-                {
-                    if *percent != m.percent() {
-                        tracing::info!(from = m.percent(), to = percent, "config reload: migration percentage changed");
-                    }
-                    m.set_percent(*percent);
-                }
-                state.limiter.load().with_rules(Arc::new(loaded.rules))
-            } else {
-                match build_limiter(&loaded.config, loaded.rules) {
-                    Ok((l, migration)) => {
-                        tracing::info!("config reload: store changed, new store connected");
-                        state.migration.store(migration);
-                        l
-                    }
-                    Err(e) => {
-                        failed.increment(1);
-                        tracing::error!(error = %e, "config reload refused: the new store cannot be built");
-                        continue;
-                    }
-                }
-            };
-            if loaded.config.server.http != config.server.http || loaded.config.server.grpc != config.server.grpc {
-                tracing::warn!("config reload: server addresses changed; restart to listen on them");
             }
-            state.limiter.store(Arc::new(next));
-            config = loaded.config;
-            ok.increment(1);
-            tracing::info!(file = %path.display(), "config reloaded");
         }
     });
 }
 
+/// Loads `path` and puts every section in force, or none. Returns the config now in
+/// force.
+fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Config, ReloadError> {
+    let Loaded { config, rules } = load_file(path)?;
+    let mut applied = vec!["rules (domains, headers)"];
+    if same_store(&config.store, &current.store) {
+        build::supports(&config.store, &rules)?;
+        if let (StoreConfig::Migrating { percent, .. }, Some(m)) = (&config.store, &*state.migration.load()) {
+            if *percent != m.percent() {
+                tracing::info!(from = m.percent(), to = percent, "config reload: migration percentage changed");
+                applied.push("store.percent");
+            }
+            m.set_percent(*percent);
+        }
+        // the same store, retuned and under new rules: no reconnect, no state lost
+        state.tuning.load().set(build::resilience(&config.limiter));
+        let store = state.engine.load().limiter.store().clone();
+        let next = build::engine(&config, rules, store, build::clock(&config.limiter));
+        state.engine.store(Arc::new(next));
+    } else {
+        state.install(build::build(&config, rules)?);
+        applied.push("store (a new store, connected)");
+    }
+    if config.limiter != current.limiter {
+        applied.push("limiter");
+    }
+    let restart = needs_restart(&config.server, &current.server);
+    if !restart.is_empty() {
+        tracing::warn!(keys = %restart.join(", "), "config reload: these settings need a restart to take effect");
+    }
+    tracing::info!(file = %path.display(), applied = %applied.join(", "), "config reloaded");
+    Ok(config)
+}
+
+/// The `server` keys that differ: listeners and tokens are set up once, at start.
+fn needs_restart(new: &ServerConfig, old: &ServerConfig) -> Vec<&'static str> {
+    let mut keys = Vec::new();
+    for (key, changed) in [
+        ("server.http", new.http != old.http),
+        ("server.grpc", new.grpc != old.grpc),
+        ("server.max_body_bytes", new.max_body_bytes != old.max_body_bytes),
+        ("server.admin_token", new.admin_token != old.admin_token),
+    ] {
+        if changed {
+            keys.push(key);
+        }
+    }
+    keys
+}
+
 /// Whether two store configs are the same store (a migrating store's percentage aside).
-fn same_but_percent(a: &StoreConfig, b: &StoreConfig) -> bool {
+fn same_store(a: &StoreConfig, b: &StoreConfig) -> bool {
     match (a, b) {
         (StoreConfig::Migrating { from: f1, to: t1, .. }, StoreConfig::Migrating { from: f2, to: t2, .. }) => {
             f1 == f2 && t1 == t2

@@ -7,7 +7,7 @@
 //! refusal by a fail-closed policy whose store failed answers `UNAVAILABLE`, so Envoy's
 //! `failure_mode_deny` decides; fail-open answers OK (counted, as everywhere).
 
-use crate::http::AppState;
+use crate::state::AppState;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
@@ -18,8 +18,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use sluice::algo::Limit;
 use sluice::config::Unit;
-use sluice::engine::{CheckError, Descriptor, Entry, LimitOverride, Mode, Request, Verdict};
 use sluice::headers;
+use sluice::{CheckError, Descriptor, Entry, LimitOverride, Outcome, Request, Verdict};
 use std::sync::Arc;
 use tonic::{Response, Status};
 
@@ -82,7 +82,7 @@ fn request(r: RateLimitRequest) -> Result<Request, Status> {
 }
 
 /// The engine's verdict as Envoy's response.
-fn response(v: &Verdict, headers_cfg: &sluice::config::HeadersConfig) -> RateLimitResponse {
+fn response(v: &Verdict, headers_cfg: &sluice::headers::HeadersConfig) -> RateLimitResponse {
     let statuses = v
         .descriptors
         .iter()
@@ -90,8 +90,8 @@ fn response(v: &Verdict, headers_cfg: &sluice::config::HeadersConfig) -> RateLim
             let binding = d.binding().map(|i| &d.policies[i]);
             DescriptorStatus {
                 code: match d.code {
-                    sluice::engine::Code::Ok => Code::Ok,
-                    sluice::engine::Code::OverLimit => Code::OverLimit,
+                    sluice::Code::Ok => Code::Ok,
+                    sluice::Code::OverLimit => Code::OverLimit,
                 } as i32,
                 current_limit: binding.map(|p| RateLimit {
                     name: p.name.to_string(),
@@ -113,7 +113,7 @@ fn response(v: &Verdict, headers_cfg: &sluice::config::HeadersConfig) -> RateLim
         })
         .collect();
     RateLimitResponse {
-        overall_code: if v.allowed { Code::Ok } else { Code::OverLimit } as i32,
+        overall_code: if v.allowed() { Code::Ok } else { Code::OverLimit } as i32,
         statuses,
         response_headers_to_add: headers::render(v, headers_cfg)
             .into_iter()
@@ -130,10 +130,12 @@ impl RateLimitService for Rls {
         request_: tonic::Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         let req = request(request_.into_inner())?;
-        let limiter = self.state.limiter.load_full();
-        match limiter.run(&req, Mode::Charge).await {
-            Ok(v) if v.status == 503 => Err(Status::unavailable("the rate limit store is unavailable (fail-closed)")),
-            Ok(v) => Ok(Response::new(response(&v, &limiter.rules().headers))),
+        let engine = self.state.engine.load_full();
+        match engine.limiter.check(&req).await {
+            Ok(v) if v.outcome == Outcome::Unavailable => {
+                Err(Status::unavailable("the rate limit store is unavailable (fail-closed)"))
+            }
+            Ok(v) => Ok(Response::new(response(&v, &engine.headers))),
             Err(CheckError::Request(e)) => Err(Status::invalid_argument(e.to_string())),
             Err(CheckError::Store(e)) => Err(Status::unavailable(e.to_string())),
         }

@@ -2,9 +2,52 @@
 //! schedule under a simulated clock, so operators can see what it will do before
 //! enabling it. Prints CSV; `--plot FILE.svg` also draws it.
 
-use crate::cli::SimulateArgs;
 use sluice::algo::shedder::{Shedder, ShedderParams};
 use std::fmt::Write as _;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// The schedule: UTILIZATION:DURATION pairs, like 1.0:300s,0.5:300s.
+    #[arg(long, value_parser = parse_schedule)]
+    pub utilization: std::vec::Vec<(f64, u64)>,
+    /// Time between samples.
+    #[arg(long, default_value = "1s", value_parser = crate::cli::duration)]
+    pub step: sluice::config::Duration,
+    /// Priority classes (the last is critical and never shed).
+    #[arg(long, default_value_t = 4)]
+    pub classes: usize,
+    /// Also draw the run as an SVG chart.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
+    /// End of good utilization.
+    #[arg(long, default_value_t = 0.7)]
+    pub good: f64,
+    /// Start of bad utilization.
+    #[arg(long, default_value_t = 0.8)]
+    pub bad: f64,
+    /// How long bad utilization lasts before shedding starts.
+    #[arg(long, default_value = "28s", value_parser = crate::cli::duration)]
+    pub before: sluice::config::Duration,
+    /// How long full-speed shedding takes to shed everything.
+    #[arg(long, default_value = "120s", value_parser = crate::cli::duration)]
+    pub to_shed_all: sluice::config::Duration,
+}
+
+/// Why a simulation cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum ShedError {
+    #[error(transparent)]
+    Params(#[from] sluice::algo::shedder::ShedderError),
+    #[error("--classes must be at least 2 (the last class is critical and never shed)")]
+    Classes,
+    #[error("cannot write {path}: {source}")]
+    Plot {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
 
 /// One row of the simulation.
 struct Row {
@@ -30,12 +73,12 @@ pub fn parse_schedule(s: &str) -> Result<Vec<(f64, u64)>, String> {
 }
 
 /// Runs the simulation and prints CSV.
-pub fn simulate(args: SimulateArgs) -> Result<(), String> {
+pub fn simulate(args: Args) -> Result<(), ShedError> {
     let params =
         ShedderParams { good: args.good, bad: args.bad, before: args.before.0, to_shed_all: args.to_shed_all.0 };
     params.validate()?;
     if args.classes < 2 {
-        return Err("--classes must be at least 2 (the last class is critical and never shed)".into());
+        return Err(ShedError::Classes);
     }
     let step = args.step.0.max(1);
     let mut shedder = Shedder::new(params);
@@ -66,7 +109,8 @@ pub fn simulate(args: SimulateArgs) -> Result<(), String> {
     }
     print!("{out}");
     if let Some(path) = &args.plot {
-        std::fs::write(path, svg(&rows, args.classes)).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        std::fs::write(path, svg(&rows, args.classes))
+            .map_err(|source| ShedError::Plot { path: path.display().to_string(), source })?;
     }
     Ok(())
 }

@@ -180,3 +180,100 @@ async fn a_reload_moves_the_migration_percentage() {
     assert_eq!(num(&r, "x-ratelimit-used"), 2);
     assert_eq!(num(&r, "x-ratelimit-limit"), 200, "and the new rules are in force");
 }
+
+/// A TCP listener that accepts connections and never answers: a store that hangs.
+fn silent_server() -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for c in listener.incoming().flatten() {
+            held.push(c);
+        }
+    });
+    addr
+}
+
+/// How long one decision takes (the store hangs, so: the deadline in force).
+async fn decision_time(client: &reqwest::Client, base: &str) -> Duration {
+    let started = Instant::now();
+    let r = common::hit(client, base, "d", &[("user", "u")]).await;
+    assert_eq!(common::header(&r, "x-sluice-degraded"), "fail-open");
+    started.elapsed()
+}
+
+/// Editing `limiter:` alone (the store unchanged) takes effect: a new deadline bounds
+/// the next decisions. (It used to be ignored while "config reloaded" was logged.)
+#[tokio::test]
+async fn a_changed_deadline_takes_effect_without_a_new_store() {
+    let hang = silent_server();
+    let dir = TempDir::new("sluice-reload-deadline");
+    let port = free_port();
+    let file = dir.path().join("sluice.yaml");
+    let at = |deadline: &str| {
+        config(port, 100).replace(
+            "domains:",
+            &format!(
+                "store: {{kind: redis, url: \"redis://{hang}\", timeout: 10s}}\nlimiter: {{deadline: {deadline}, breaker_failures: 1000, near_cache: 0}}\ndomains:"
+            ),
+        )
+    };
+    std::fs::write(&file, at("100ms")).unwrap();
+    let server = Process::spawn_logging(
+        std::process::Command::new(bin()).arg("serve").arg("--config").arg(&file),
+        &dir.path().join("sluice.log"),
+    )
+    .unwrap();
+    assert!(wait_for_port(port, Duration::from_secs(10)));
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    let before = decision_time(&client, &base).await;
+    assert!(before < Duration::from_millis(800), "the 100ms deadline took {before:?}");
+    write_atomically(&file, &at("1500ms"));
+    let started = Instant::now();
+    loop {
+        let took = decision_time(&client, &base).await;
+        if took >= Duration::from_millis(1_400) {
+            break;
+        }
+        let log = std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
+        assert!(started.elapsed() < Duration::from_secs(4), "the new deadline never took effect: {took:?}\n{log}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let log = std::fs::read_to_string(dir.path().join("sluice.log")).unwrap();
+    assert!(log.contains("applied") && log.contains("limiter"), "the reload says what it applied:\n{log}");
+    drop(server);
+}
+
+/// A reload whose rules the store cannot run (a token bucket on Memcached) is refused
+/// whole; the last good rules keep serving.
+#[tokio::test]
+async fn a_reload_the_store_cannot_run_is_refused() {
+    let memcached = sluice_testkit::MemcachedServer::start();
+    let dir = TempDir::new("sluice-reload-capability");
+    let port = free_port();
+    let file = dir.path().join("sluice.yaml");
+    let text = config(port, 100)
+        .replace("domains:", &format!("store: {{kind: memcached, servers: [\"{}\"]}}\ndomains:", memcached.addr()));
+    std::fs::write(&file, &text).unwrap();
+    let _server = Process::spawn(std::process::Command::new(bin()).arg("serve").arg("--config").arg(&file)).unwrap();
+    assert!(wait_for_port(port, Duration::from_secs(10)));
+    let base = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    assert_eq!(num(&common::hit(&client, &base, "d", &[("user", "m")]).await, "x-ratelimit-limit"), 100);
+    let bucket = text.replace(
+        "rate_limit: {unit: hour, requests_per_unit: 100}",
+        "policies: [{name: b, token_bucket: {rate: 5, per: 1s, burst: 5}}]",
+    );
+    assert_ne!(bucket, text);
+    write_atomically(&file, &bucket);
+    let started = Instant::now();
+    while !common::metrics(&client, &base).await.contains("sluice_config_reloads_total{result=\"failed\"} 1") {
+        assert!(started.elapsed() < Duration::from_secs(3), "the reload was not refused");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = common::hit(&client, &base, "d", &[("user", "m")]).await;
+    assert_eq!((r.status().as_u16(), num(&r, "x-ratelimit-limit")), (200, 100), "the last good rules serve");
+    let metrics = common::metrics(&client, &base).await;
+    assert!(metrics.contains("sluice_config_reloads_total{result=\"ok\"} 0"), "{metrics}");
+}

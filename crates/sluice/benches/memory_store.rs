@@ -10,8 +10,8 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use governor::{Quota, RateLimiter};
+use sluice::Request;
 use sluice::algo::{Limit, Op};
-use sluice::engine::{Descriptor, Entry, Request};
 use sluice::store::MemoryStore;
 use sluice::tag::{Tag, Tagger};
 use sluice::time::{Clock, CoarseClock, SystemClock};
@@ -106,43 +106,18 @@ fn decisions(c: &mut Criterion) {
 }
 
 fn engine(c: &mut Criterion) {
-    let config = sluice::config::Config {
-        domains: vec![sluice::config::DomainConfig {
-            domain: sluice::config::Name("bench".into()),
-            descriptors: vec![sluice::config::DescriptorConfig {
-                key: "user".into(),
-                value: None,
-                rate_limit: Some(sluice::config::RateLimitConfig {
-                    name: None,
-                    unit: Some(sluice::config::Unit::Second),
-                    requests_per_unit: Some(1 << 40),
-                    unlimited: false,
-                    replaces: vec![],
-                }),
-                policies: vec![],
-                descriptors: vec![],
-                shadow_mode: false,
-                failure: None,
-                detailed_metric: false,
-            }],
-            shadow_mode: false,
-            client_key: None,
-        }],
-        ..Default::default()
-    };
-    let rules = Arc::new(sluice::rules::Rules::compile(&config).unwrap());
-    let limiter = sluice::Limiter::new(rules, Arc::new(MemoryStore::new(1_000_000)), Arc::new(SystemClock));
+    // one fixed window per second that never refuses: the engine's own cost
+    let rules = sluice::RulesBuilder::new()
+        .domain(
+            sluice::DomainBuilder::new("bench")
+                .rule([("user", None)], |r| r.fixed_window("per_second", 1 << 40, Duration::from_secs(1))),
+        )
+        .build()
+        .unwrap();
+    let limiter = sluice::Limiter::new(Arc::new(rules), Arc::new(MemoryStore::new(1_000_000)), Arc::new(SystemClock));
     let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
-    let requests: Vec<Request> = (0..1000)
-        .map(|i| Request {
-            domain: "bench".into(),
-            descriptors: vec![Descriptor {
-                entries: vec![Entry { key: "user".into(), value: format!("user-{i}") }],
-                ..Default::default()
-            }],
-            hits_addend: None,
-        })
-        .collect();
+    let requests: Vec<Request> =
+        (0..1000).map(|i| Request::new("bench").descriptor([("user", format!("user-{i}"))])).collect();
     let mut g = c.benchmark_group("engine");
     g.throughput(Throughput::Elements(1));
     let mut i = 0;

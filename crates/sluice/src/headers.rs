@@ -1,13 +1,29 @@
 //! Rate limit headers, all rendered from one verdict.
 //!
-//! Every header of a response comes from the same store answer (DESIGN invariant 4), so
+//! Every header of a response comes from the same store answer (invariant 4, docs/architecture.md), so
 //! they cannot contradict each other: a 429 always says `Remaining: 0`, and the reset is
 //! the stored one.
 
 use crate::algo::Limit;
-use crate::config::HeadersConfig;
-use crate::engine::Verdict;
 use crate::time::ceil_secs;
+use crate::verdict::{Outcome, Verdict};
+use serde::Deserialize;
+
+/// `headers`: which rate limit headers responses carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HeadersConfig {
+    /// GitHub's `X-RateLimit-Limit`, `-Remaining`, `-Used`, `-Reset`, `-Resource`.
+    pub github: bool,
+    /// IETF draft-ietf-httpapi-ratelimit-headers-10 `RateLimit-Policy` and `RateLimit`.
+    pub ietf: bool,
+}
+
+impl Default for HeadersConfig {
+    fn default() -> Self {
+        Self { github: true, ietf: true }
+    }
+}
 
 /// The headers for a verdict, as `(name, value)` pairs in lower case.
 pub fn render(v: &Verdict, cfg: &HeadersConfig) -> Vec<(&'static str, String)> {
@@ -15,7 +31,7 @@ pub fn render(v: &Verdict, cfg: &HeadersConfig) -> Vec<(&'static str, String)> {
     if let Some(f) = v.degraded {
         // decided by the failure policy, not by the store: say so, and invent no numbers
         out.push(("x-sluice-degraded", f.header_value().to_string()));
-        if v.status == 503 {
+        if v.outcome == Outcome::Unavailable {
             out.push(("retry-after", "1".to_string()));
         }
     }
@@ -41,7 +57,7 @@ pub fn render(v: &Verdict, cfg: &HeadersConfig) -> Vec<(&'static str, String)> {
         let t = ceil_secs(d.retry_after.unwrap_or_else(|| d.reset_at.saturating_sub(v.now)));
         out.push(("ratelimit", format!("\"{}\";r={};t={}", b.name, d.remaining, t)));
     }
-    if let Some(wait) = d.retry_after.filter(|_| !v.allowed && v.status == 429) {
+    if let Some(wait) = d.retry_after.filter(|_| v.outcome == Outcome::OverLimit) {
         out.push(("retry-after", ceil_secs(wait).to_string()));
     }
     out

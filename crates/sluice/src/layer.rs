@@ -9,7 +9,7 @@
 //! 2. **fleet usage shedder**: a fleet-wide concurrency limit that only non-critical
 //!    traffic passes through, so critical traffic keeps its reserved share. 503.
 //! 3. **concurrency and rate limits** of the request's descriptors, in one store call per
-//!    client ([`Mode::Admit`]). 429.
+//!    client ([`Limiter::admit`]). 429.
 //!
 //! Refusals answer `application/problem+json` with the rate limit headers and
 //! `Retry-After`. Leases (and the in-flight count) are given back when the response body
@@ -18,10 +18,11 @@
 //! cannot exceed its limit while its last request is in flight.
 
 use crate::algo::shedder::{Shedder, ShedderParams};
-use crate::engine::{Descriptor, Entry, LeaseId, Mode, Request, Verdict};
+use crate::headers::{self, HeadersConfig};
+use crate::request::{Descriptor, Entry, Request};
 use crate::time::{Clock, SystemClock};
-use crate::{Limiter, config::HeadersConfig};
-use crate::{headers, telemetry};
+use crate::verdict::{LeaseId, Outcome, Verdict};
+use crate::{Limiter, telemetry};
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderValue, Response, StatusCode};
@@ -98,7 +99,8 @@ struct Fleet {
     domain: String,
 }
 
-struct State {
+/// Everything a layer's services share.
+struct Shared {
     limiter: Arc<Limiter>,
     domain: String,
     descriptors: Vec<Vec<(String, Extract)>>,
@@ -113,19 +115,43 @@ struct State {
     rng: AtomicU64,
 }
 
-/// The layer. Build it, then `.layer(service)` or use it in a tower/axum stack.
+/// The layer: `.layer(service)`, or put it in a tower or axum stack. Made by
+/// [`SluiceLayer::builder`]; once built it cannot be changed, so every clone of it
+/// behaves the same.
+///
+/// ```
+/// use sluice::layer::{Extract, SluiceLayer};
+/// use sluice::{DomainBuilder, Limiter, RulesBuilder};
+/// use std::{sync::Arc, time::Duration};
+///
+/// let rules = RulesBuilder::new()
+///     .domain(DomainBuilder::new("api").rule([("user", None)], |r| {
+///         r.fixed_window("per_minute", 100, Duration::from_secs(60))
+///             .concurrency("inflight", 10, Duration::from_secs(30))
+///     }))
+///     .build()
+///     .unwrap();
+/// let layer = SluiceLayer::builder(Arc::new(Limiter::in_memory(rules)), "api")
+///     .descriptor(vec![("user", Extract::Header("x-user".parse().unwrap()))])
+///     .build();
+/// # let _ = layer;
+/// ```
 #[derive(Clone)]
 pub struct SluiceLayer {
-    state: Arc<State>,
+    shared: Arc<Shared>,
+}
+
+/// Configures a [`SluiceLayer`].
+pub struct SluiceLayerBuilder {
+    shared: Shared,
 }
 
 impl SluiceLayer {
     /// A layer deciding through `limiter` in `domain`. Add descriptors with
-    /// [`SluiceLayer::descriptor`].
-    pub fn new(limiter: Arc<Limiter>, domain: impl Into<String>) -> Self {
-        let headers = limiter.rules().headers;
-        Self {
-            state: Arc::new(State {
+    /// [`SluiceLayerBuilder::descriptor`], then [`SluiceLayerBuilder::build`].
+    pub fn builder(limiter: Arc<Limiter>, domain: impl Into<String>) -> SluiceLayerBuilder {
+        SluiceLayerBuilder {
+            shared: Shared {
                 limiter,
                 domain: domain.into(),
                 descriptors: Vec::new(),
@@ -134,68 +160,80 @@ impl SluiceLayer {
                 worker: None,
                 fleet: None,
                 refund_on: vec![StatusCode::NOT_MODIFIED],
-                headers,
+                headers: HeadersConfig::default(),
                 clock: Arc::new(SystemClock),
                 in_flight: Arc::new(AtomicUsize::new(0)),
                 rng: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
-            }),
+            },
         }
     }
+}
 
-    fn edit(mut self, f: impl FnOnce(&mut State)) -> Self {
-        f(Arc::get_mut(&mut self.state).expect("configure the layer before cloning it"));
+impl SluiceLayerBuilder {
+    /// Adds a descriptor: entries `(key, where its value comes from)`, in order. A
+    /// request lacking any entry's value does not carry this descriptor.
+    pub fn descriptor(mut self, entries: Vec<(&str, Extract)>) -> Self {
+        let d = entries.into_iter().map(|(k, e)| (k.to_string(), e)).collect();
+        self.shared.descriptors.push(d);
         self
     }
 
-    /// Adds a descriptor: entries `(key, where its value comes from)`, in order. A
-    /// request lacking any entry's value does not carry this descriptor.
-    pub fn descriptor(self, entries: Vec<(&str, Extract)>) -> Self {
-        let d = entries.into_iter().map(|(k, e)| (k.to_string(), e)).collect();
-        self.edit(|s| s.descriptors.push(d))
-    }
-
     /// Replaces the priority classifier; `classes` classes, the last critical.
-    pub fn priority(self, classes: usize, classifier: Classifier) -> Self {
-        self.edit(|s| {
-            s.classes = classes.max(2);
-            s.classifier = classifier;
-        })
+    pub fn priority(mut self, classes: usize, classifier: Classifier) -> Self {
+        self.shared.classes = classes.max(2);
+        self.shared.classifier = classifier;
+        self
     }
 
     /// Turns the worker utilization shedder on.
-    pub fn worker_shedder(self, params: ShedderParams, source: Utilization) -> Self {
-        self.edit(|s| s.worker = Some(WorkerShedder { controller: Mutex::new(Shedder::new(params)), source }))
+    pub fn worker_shedder(mut self, params: ShedderParams, source: Utilization) -> Self {
+        self.shared.worker = Some(WorkerShedder { controller: Mutex::new(Shedder::new(params)), source });
+        self
     }
 
     /// Turns the fleet usage shedder on: non-critical requests take a lease on the
     /// concurrency policies of descriptor `[(fleet, all)]` in `domain` of `limiter`
     /// (configure one there, e.g. `{key: fleet, policies: [{name: fleet, concurrency:
     /// {limit: 80, lease_ttl: 60s}}]}`).
-    pub fn fleet_shedder(self, limiter: Arc<Limiter>, domain: impl Into<String>) -> Self {
-        let fleet = Fleet { limiter, domain: domain.into() };
-        self.edit(|s| s.fleet = Some(fleet))
+    pub fn fleet_shedder(mut self, limiter: Arc<Limiter>, domain: impl Into<String>) -> Self {
+        self.shared.fleet = Some(Fleet { limiter, domain: domain.into() });
+        self
+    }
+
+    /// Which rate limit headers responses carry (default: GitHub's and the IETF's).
+    pub fn headers(mut self, headers: HeadersConfig) -> Self {
+        self.shared.headers = headers;
+        self
     }
 
     /// Statuses whose charges are given back (default: 304).
-    pub fn refund_on(self, statuses: Vec<StatusCode>) -> Self {
-        self.edit(|s| s.refund_on = statuses)
+    pub fn refund_on(mut self, statuses: Vec<StatusCode>) -> Self {
+        self.shared.refund_on = statuses;
+        self
     }
 
     /// The clock the shedder reads (a manual clock in tests).
-    pub fn clock(self, clock: Arc<dyn Clock>) -> Self {
-        self.edit(|s| s.clock = clock)
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.shared.clock = clock;
+        self
     }
 
     /// Seeds the random source that decides drops (for deterministic tests).
-    pub fn seed(self, seed: u64) -> Self {
-        self.edit(|s| s.rng = AtomicU64::new(seed | 1))
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.shared.rng = AtomicU64::new(seed | 1);
+        self
+    }
+
+    /// The layer.
+    pub fn build(self) -> SluiceLayer {
+        SluiceLayer { shared: Arc::new(self.shared) }
     }
 }
 
 impl<S> tower::Layer<S> for SluiceLayer {
     type Service = SluiceService<S>;
     fn layer(&self, inner: S) -> Self::Service {
-        SluiceService { inner, state: self.state.clone() }
+        SluiceService { inner, shared: self.shared.clone() }
     }
 }
 
@@ -203,18 +241,18 @@ impl<S> tower::Layer<S> for SluiceLayer {
 #[derive(Clone)]
 pub struct SluiceService<S> {
     inner: S,
-    state: Arc<State>,
+    shared: Arc<Shared>,
 }
 
 /// What is given back when the response is done.
 struct Guard {
-    state: Arc<State>,
+    shared: Arc<Shared>,
     leases: Vec<(Arc<Limiter>, LeaseId)>,
 }
 
 impl Drop for Guard {
     fn drop(&mut self) {
-        self.state.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
         for (limiter, lease) in self.leases.drain(..) {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(async move {
@@ -306,7 +344,7 @@ fn json_string(s: &str) -> String {
     out
 }
 
-impl State {
+impl Shared {
     fn random(&self) -> f64 {
         // xorshift64*: deterministic under a seed, good enough for drop decisions
         let mut x = self.rng.load(Ordering::Relaxed);
@@ -353,6 +391,70 @@ impl State {
             .collect();
         (!descriptors.is_empty()).then(|| Request { domain: self.domain.clone(), descriptors, hits_addend: None })
     }
+
+    /// Stage 1, Stripe's worker utilization shedder: samples utilization and refuses
+    /// with 503 when this request's class is dropped (never the critical class).
+    fn worker_stage<B>(&self, class: usize) -> Option<Response<SluiceBody<B>>> {
+        self.shed(class).then(|| {
+            let detail = "this server is shedding load; retry later";
+            refusal(StatusCode::SERVICE_UNAVAILABLE, "Overloaded", detail, vec![("retry-after", "1".into())])
+        })
+    }
+
+    /// Stage 2, the fleet usage shedder: a non-critical request takes a lease on the
+    /// fleet's concurrency policy, or is refused with 503. The lease goes in `guard`.
+    async fn fleet_stage<B>(&self, class: usize, guard: &mut Guard) -> Option<Response<SluiceBody<B>>> {
+        let fleet = self.fleet.as_ref().filter(|_| class + 1 < self.classes)?;
+        let req = Request::new(fleet.domain.clone()).descriptor([("fleet", "all")]);
+        match fleet.limiter.acquire(&req).await {
+            Ok(v) if !v.allowed() => {
+                telemetry::shed("fleet", class);
+                let detail = "the fleet's share for this kind of request is in use; retry later";
+                Some(refusal(StatusCode::SERVICE_UNAVAILABLE, "Overloaded", detail, vec![("retry-after", "1".into())]))
+            }
+            Ok(v) => {
+                guard.leases.extend(v.lease.map(|l| (fleet.limiter.clone(), l)));
+                None
+            }
+            // the store failed: fail open, as Stripe's limiters do
+            Err(e) => {
+                tracing::warn!(error = %e, "fleet shedder store call failed");
+                None
+            }
+        }
+    }
+
+    /// Stage 3, the client's concurrency and rate limits in one store call per client:
+    /// the verdict and its headers, or the refusal (429, or 503 when a fail-closed
+    /// policy's store failed). Leases taken go in `guard`.
+    async fn limit_stage<B>(
+        &self,
+        parts: &Parts,
+        guard: &mut Guard,
+    ) -> Result<Option<(Verdict, Vec<(&'static str, String)>)>, Response<SluiceBody<B>>> {
+        let Some(req) = self.request(parts) else { return Ok(None) };
+        let v = match self.limiter.admit(&req).await {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(error = %e, "rate limit check failed; allowing");
+                return Ok(None);
+            }
+        };
+        let headers = headers::render(&v, &self.headers);
+        let (status, title) = match v.outcome {
+            Outcome::Allowed => {
+                guard.leases.extend(v.lease.clone().map(|l| (self.limiter.clone(), l)));
+                return Ok(Some((v, headers)));
+            }
+            Outcome::OverLimit => (StatusCode::TOO_MANY_REQUESTS, "Too Many Requests"),
+            Outcome::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, "Overloaded"),
+        };
+        let detail = match v.binding() {
+            Some(b) => format!("over the limit of policy '{}'; see Retry-After", b.name),
+            None => "the rate limiter's store is unavailable".into(),
+        };
+        Err(refusal(status, title, &detail, headers))
+    }
 }
 
 impl<S, ReqBody, ResBody> tower::Service<http::Request<ReqBody>> for SluiceService<S>
@@ -374,86 +476,33 @@ where
         // the clone is ready only after poll_ready; keep the ready one (tower's rule)
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let state = self.state.clone();
+        let shared = self.shared.clone();
         Box::pin(async move {
             let (parts, body) = req.into_parts();
-            let class = (state.classifier)(&parts).min(state.classes - 1);
-            let critical = class + 1 == state.classes;
-            state.in_flight.fetch_add(1, Ordering::Relaxed);
-            let mut guard = Guard { state: state.clone(), leases: Vec::new() };
-            // 1. worker utilization shedder (every request samples it; the critical class
-            // is never dropped)
-            if state.shed(class) {
-                return Ok(refusal(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "Overloaded",
-                    "this server is shedding load; retry later",
-                    vec![("retry-after", "1".into())],
-                ));
+            let class = (shared.classifier)(&parts).min(shared.classes - 1);
+            shared.in_flight.fetch_add(1, Ordering::Relaxed);
+            let mut guard = Guard { shared: shared.clone(), leases: Vec::new() };
+            if let Some(refused) = shared.worker_stage(class) {
+                return Ok(refused);
             }
-            // 2. fleet usage shedder
-            if let (Some(fleet), false) = (&state.fleet, critical) {
-                let req = Request {
-                    domain: fleet.domain.clone(),
-                    descriptors: vec![Descriptor {
-                        entries: vec![Entry { key: "fleet".into(), value: "all".into() }],
-                        ..Default::default()
-                    }],
-                    hits_addend: None,
-                };
-                match fleet.limiter.run(&req, Mode::Acquire).await {
-                    Ok(v) if !v.allowed => {
-                        telemetry::shed("fleet", class);
-                        return Ok(refusal(
-                            StatusCode::SERVICE_UNAVAILABLE,
-                            "Overloaded",
-                            "the fleet's share for this kind of request is in use; retry later",
-                            vec![("retry-after", "1".into())],
-                        ));
-                    }
-                    Ok(v) => guard.leases.extend(v.lease.map(|l| (fleet.limiter.clone(), l))),
-                    // the store failed: fail open, as Stripe's limiters do
-                    Err(e) => tracing::warn!(error = %e, "fleet shedder store call failed"),
-                }
+            if let Some(refused) = shared.fleet_stage(class, &mut guard).await {
+                return Ok(refused);
             }
-            // 3. concurrency and rate limits, in one store call per client
-            let verdict: Option<Verdict> = match state.request(&parts) {
-                None => None,
-                Some(req) => match state.limiter.run(&req, Mode::Admit).await {
-                    Ok(v) => Some(v),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "rate limit check failed; allowing");
-                        None
-                    }
-                },
+            let verdict = match shared.limit_stage(&parts, &mut guard).await {
+                Ok(v) => v,
+                Err(refused) => return Ok(refused),
             };
-            let mut extra = Vec::new();
-            if let Some(v) = &verdict {
-                extra = headers::render(v, &state.headers);
-                if !v.allowed {
-                    let (status, title) = match v.status {
-                        503 => (StatusCode::SERVICE_UNAVAILABLE, "Overloaded"),
-                        _ => (StatusCode::TOO_MANY_REQUESTS, "Too Many Requests"),
-                    };
-                    let detail = match v.binding() {
-                        Some(b) => format!("over the limit of policy '{}'; see Retry-After", b.name),
-                        None => "the rate limiter's store is unavailable".into(),
-                    };
-                    return Ok(refusal(status, title, &detail, extra));
-                }
-                guard.leases.extend(v.lease.clone().map(|l| (state.limiter.clone(), l)));
-            }
             let response = inner.call(http::Request::from_parts(parts, body)).await?;
-            if let Some(v) = &verdict
-                && state.refund_on.contains(&response.status())
-            {
-                // GitHub's rule: a 304 costs nothing
-                let _ = state.limiter.refund(v).await;
-            }
             let (mut head, body) = response.into_parts();
-            for (k, v) in extra {
-                if let Ok(v) = HeaderValue::from_str(&v) {
-                    head.headers.insert(k, v);
+            if let Some((v, headers)) = verdict {
+                if shared.refund_on.contains(&head.status) {
+                    // GitHub's rule: a 304 costs nothing
+                    let _ = shared.limiter.refund(&v).await;
+                }
+                for (k, v) in headers {
+                    if let Ok(v) = HeaderValue::from_str(&v) {
+                        head.headers.insert(k, v);
+                    }
                 }
             }
             Ok(Response::from_parts(head, SluiceBody { inner: Some(body), refusal: None, guard: Some(guard) }))

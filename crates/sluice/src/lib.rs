@@ -1,24 +1,62 @@
 //! Sluice: a distributed rate limiter and load shedder for HTTP APIs.
 //!
-//! Layers, data flowing down:
-//! - [`engine`]: a request's descriptors become store calls and one [`engine::Verdict`];
-//! - [`rules`]: which policies apply, compiled from a [`config::Config`];
+//! GitHub's and Stripe's rate limiters as one library: fixed windows with a stored reset,
+//! token buckets, sliding windows and concurrency limits, several per client evaluated
+//! all or nothing, in process memory or in Redis (a node, replicas, client-side shards,
+//! Redis Cluster), with the same answers everywhere.
+//!
+//! Ten lines to a limiter in process:
+//!
+//! ```
+//! use sluice::{DomainBuilder, Limiter, Request, RulesBuilder};
+//! use std::time::Duration;
+//!
+//! # tokio::runtime::Runtime::new().unwrap().block_on(async {
+//! let rules = RulesBuilder::new()
+//!     .domain(DomainBuilder::new("api").rule([("user", None)], |r| {
+//!         r.fixed_window("per_minute", 100, Duration::from_secs(60))
+//!     }))
+//!     .build()?;
+//! let limiter = Limiter::in_memory(rules);
+//! let verdict = limiter.check(&Request::new("api").descriptor([("user", "alice")])).await?;
+//! assert!(verdict.allowed());
+//! assert_eq!(verdict.binding().unwrap().decision.remaining, 99);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).unwrap();
+//! ```
+//!
+//! The parts, top down (docs/architecture.md has the rules they keep):
+//! - [`layer`] (feature `tower`): all of it in front of a service, with Stripe's load
+//!   shedders;
+//! - [`Limiter`]: a [`Request`] becomes store calls and one [`Verdict`];
+//!   [`headers::render`] turns a verdict into GitHub and IETF headers;
+//! - [`RulesBuilder`] (or a config file's [`config`] model) compiles into [`rules::Rules`];
 //! - [`store`]: where state lives, behind the [`store::Store`] trait;
 //! - [`algo`]: the pure algorithms, the reference every store is held to.
-//!
-//! [`headers`] renders a verdict as GitHub and IETF rate limit headers.
 
 pub mod algo;
+mod builder;
 pub mod config;
-pub mod engine;
+mod engine;
+mod hash;
 pub mod headers;
 #[cfg(feature = "tower")]
 pub mod layer;
-pub mod near_cache;
+mod near_cache;
+mod plan;
+mod request;
 pub mod rules;
 pub mod store;
 pub mod tag;
-pub mod telemetry;
+mod telemetry;
 pub mod time;
+mod verdict;
 
-pub use engine::{Limiter, Request, Verdict};
+pub use builder::{DomainBuilder, RuleBuilder, RulesBuilder};
+pub use engine::{CheckError, Limiter};
+pub use request::{
+    Descriptor, Entry, LimitOverride, MAX_DESCRIPTORS, MAX_ENTRIES, MAX_KEY_BYTES, MAX_VALUE_BYTES, Request,
+    RequestError,
+};
+pub use telemetry::names as metric_names;
+pub use verdict::{Code, DescriptorVerdict, LeaseId, Outcome, PolicyDecision, Source, Verdict};

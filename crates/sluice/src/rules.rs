@@ -7,7 +7,7 @@
 //! descriptor that falls off the tree matches nothing and is allowed.
 
 use crate::algo::Limit;
-use crate::config::{Config, DescriptorConfig, DomainConfig, Failure, HeadersConfig, LimiterConfig};
+use crate::config::{DescriptorConfig, DomainConfig, Failure, LimiterConfig};
 use crate::tag::{Tag, Tagger};
 use crate::telemetry::{DomainCounters, PolicyCounters};
 use std::collections::HashMap;
@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 /// One limit of a rule.
 #[derive(Debug, Clone)]
-pub struct Policy {
+pub(crate) struct Policy {
     /// Reported in `X-RateLimit-Resource` and the IETF headers.
     pub name: Arc<str>,
     pub limit: Limit,
@@ -31,7 +31,7 @@ pub struct Policy {
 
 /// A rule node reached by a descriptor.
 #[derive(Debug, Default)]
-pub struct Node {
+pub(crate) struct Node {
     pub policies: Vec<Policy>,
     /// `rate_limit.unlimited`: matched, and never limited.
     pub unlimited: bool,
@@ -54,7 +54,7 @@ struct KeyRules {
 
 /// The rules of one domain.
 #[derive(Debug)]
-pub struct Domain {
+pub(crate) struct Domain {
     pub name: String,
     client_key: Option<String>,
     root: Level,
@@ -66,7 +66,7 @@ pub struct Domain {
 
 impl Domain {
     /// The rule a descriptor's entries reach, if any.
-    pub fn find<'a, 'e>(&'a self, entries: impl IntoIterator<Item = (&'e str, &'e str)>) -> Option<&'a Node> {
+    pub(crate) fn find<'a, 'e>(&'a self, entries: impl IntoIterator<Item = (&'e str, &'e str)>) -> Option<&'a Node> {
         let mut level = &self.root;
         let mut node = None;
         for (k, v) in entries {
@@ -83,7 +83,7 @@ impl Domain {
     }
 
     /// The client tag of a descriptor: its entry keyed `client_key`, else its first.
-    pub fn tag<'e>(&self, tagger: &Tagger, entries: &[(&'e str, &'e str)]) -> Tag {
+    pub(crate) fn tag<'e>(&self, tagger: &Tagger, entries: &[(&'e str, &'e str)]) -> Tag {
         let (k, v) = self
             .client_key
             .as_deref()
@@ -95,16 +95,16 @@ impl Domain {
     }
 }
 
-/// Everything the engine needs from a config.
+/// Everything the engine needs from a config: the compiled domains, and the settings
+/// that shape every decision.
 #[derive(Debug)]
 pub struct Rules {
     domains: HashMap<String, Domain>,
-    pub headers: HeadersConfig,
-    pub tagger: Tagger,
+    pub(crate) tagger: Tagger,
     /// The failure policy of limits that come with a request (Envoy's `limit`).
-    pub default_failure: Failure,
+    pub(crate) default_failure: Failure,
     /// Decisions that use at least this share of their quota count as near the limit.
-    pub near_limit_ratio: f64,
+    pub(crate) near_limit_ratio: f64,
 }
 
 /// A config that cannot be compiled: where (a path like
@@ -121,12 +121,13 @@ pub struct RuleError {
 }
 
 impl Rules {
-    /// Compiles a config's domains.
-    pub fn compile(config: &Config) -> Result<Self, RuleError> {
+    /// Compiles domains under the engine settings of `limiter`.
+    pub fn compile(limiter: &LimiterConfig, domains: &[DomainConfig]) -> Result<Self, RuleError> {
+        let config = domains;
         let mut domains = HashMap::new();
-        for (i, d) in config.domains.iter().enumerate() {
+        for (i, d) in config.iter().enumerate() {
             let path = format!("domains[{i}] (domain {})", d.domain);
-            let domain = compile_domain(d, &config.limiter, &path)?;
+            let domain = compile_domain(d, limiter, &path)?;
             if domains.insert(domain.name.clone(), domain).is_some() {
                 let message = format!("domain '{}' is defined twice; merge the two", d.domain);
                 return Err(RuleError { path, message, anchors: vec![d.domain.0.clone(), d.domain.0.clone()] });
@@ -134,15 +135,14 @@ impl Rules {
         }
         Ok(Self {
             domains,
-            headers: config.headers,
-            tagger: Tagger::new(&config.limiter.key_secret),
-            default_failure: config.limiter.failure,
-            near_limit_ratio: config.limiter.near_limit_ratio,
+            tagger: Tagger::new(&limiter.key_secret),
+            default_failure: limiter.failure,
+            near_limit_ratio: limiter.near_limit_ratio,
         })
     }
 
     /// A domain's rules.
-    pub fn domain(&self, name: &str) -> Option<&Domain> {
+    pub(crate) fn domain(&self, name: &str) -> Option<&Domain> {
         self.domains.get(name)
     }
 
@@ -200,6 +200,7 @@ struct Inherited<'a> {
     detailed: bool,
 }
 
+/// Compiles rule `c` (at `path`, below the rules named `parents`) into `level`.
 fn add(
     level: &mut Level,
     c: &DescriptorConfig,
@@ -214,79 +215,95 @@ fn add(
     if c.key.is_empty() {
         return Err(err("`key` must not be empty".into()));
     }
-    let shadow = inherited.shadow || c.shadow_mode;
-    let detailed = inherited.detailed || c.detailed_metric;
-    let failure = c.failure.unwrap_or(inherited.failure);
-    let here = match &c.value {
-        Some(v) => format!("{}_{}", c.key, v),
-        None => c.key.clone(),
+    let inherited = Inherited {
+        shadow: inherited.shadow || c.shadow_mode,
+        detailed: inherited.detailed || c.detailed_metric,
+        failure: c.failure.unwrap_or(inherited.failure),
+        ..inherited
     };
     let mut chain = parents.to_vec();
-    chain.push(here);
-    let mut node = Node::default();
-    if let Some(rl) = &c.rate_limit {
-        node.unlimited = rl.unlimited;
-        node.replaces = rl.replaces.iter().map(|r| Arc::from(r.name.0.as_str())).collect();
-        if !rl.unlimited {
-            let (Some(unit), Some(rpu)) = (rl.unit, rl.requests_per_unit) else {
-                return Err(err("rate_limit needs `unit` and `requests_per_unit` (or `unlimited: true`)".into()));
-            };
-            let limit = Limit::FixedWindow { limit: rpu, window: unit.millis(), aligned: false };
-            limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
-            let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&chain));
-            let counters = Arc::new(PolicyCounters::new(inherited.domain, &name));
-            node.policies.push(Policy { name: name.into(), limit, shadow, failure, counters, detailed });
-        }
-    }
+    chain.push(match &c.value {
+        Some(v) => format!("{}_{}", c.key, v),
+        None => c.key.clone(),
+    });
+    let mut node = node(c, inherited, &chain, &err)?;
     for (j, p) in c.policies.iter().enumerate() {
-        let limit = p.limit().map_err(|message| {
+        let at = |message: String| {
             let mut anchors = anchors.clone();
             anchors.push(p.name.0.clone());
             RuleError { path: format!("{path}.policies[{j}]"), message, anchors }
-        })?;
+        };
+        let limit = p.limit().map_err(|e| at(e.to_string()))?;
         if node.policies.iter().any(|q| *q.name == *p.name.0) {
             return Err(err(format!("two limits on this descriptor are named '{}'; names must differ", p.name)));
         }
         node.policies.push(Policy {
             name: p.name.0.as_str().into(),
             limit,
-            shadow: shadow || p.shadow_mode,
-            failure: p.failure.unwrap_or(failure),
+            shadow: inherited.shadow || p.shadow_mode,
+            failure: p.failure.unwrap_or(inherited.failure),
             counters: Arc::new(PolicyCounters::new(inherited.domain, &p.name.0)),
-            detailed,
+            detailed: inherited.detailed,
         });
     }
     if node.unlimited && !node.policies.is_empty() {
         return Err(err("an `unlimited` rule cannot also have `policies`".into()));
     }
     for (j, child) in c.descriptors.iter().enumerate() {
-        let inherited = Inherited { shadow, failure, detailed, ..inherited };
         add(&mut node.children, child, inherited, &chain, &anchors, &format!("{path}.descriptors[{j}]"))?;
     }
+    insert(level, c, node).map_err(err)
+}
+
+/// The node of rule `c` with its envoyproxy/ratelimit `rate_limit`, if any.
+fn node(
+    c: &DescriptorConfig,
+    inherited: Inherited,
+    chain: &[String],
+    err: &dyn Fn(String) -> RuleError,
+) -> Result<Node, RuleError> {
+    let mut node = Node::default();
+    let Some(rl) = &c.rate_limit else { return Ok(node) };
+    node.unlimited = rl.unlimited;
+    node.replaces = rl.replaces.iter().map(|r| Arc::from(r.name.0.as_str())).collect();
+    if !rl.unlimited {
+        let (Some(unit), Some(rpu)) = (rl.unit, rl.requests_per_unit) else {
+            return Err(err("rate_limit needs `unit` and `requests_per_unit` (or `unlimited: true`)".into()));
+        };
+        let limit = Limit::FixedWindow { limit: rpu, window: unit.millis(), aligned: false };
+        limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
+        let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(chain));
+        let counters = Arc::new(PolicyCounters::new(inherited.domain, &name));
+        let Inherited { shadow, failure, detailed, .. } = inherited;
+        node.policies.push(Policy { name: name.into(), limit, shadow, failure, counters, detailed });
+    }
+    Ok(node)
+}
+
+/// Puts the node of rule `c` in its place at `level`: by exact value, by prefix, or for
+/// any value. Fails when that place is taken.
+fn insert(level: &mut Level, c: &DescriptorConfig, node: Node) -> Result<(), String> {
     let rules = level.by_key.entry(c.key.clone()).or_default();
-    let slot = match &c.value {
-        None => &mut rules.any,
+    match &c.value {
+        None if rules.any.is_some() => Err(format!("`key: {}` without a value is defined twice at this level", c.key)),
+        None => {
+            rules.any = Some(node);
+            Ok(())
+        }
         Some(v) if v.ends_with('*') => {
             let prefix = v.trim_end_matches('*').to_string();
             if rules.prefixes.iter().any(|(p, _)| *p == prefix) {
-                return Err(err(format!("`{}: {v}` is defined twice at this level", c.key)));
+                return Err(format!("`{}: {v}` is defined twice at this level", c.key));
             }
             rules.prefixes.push((prefix, node));
-            return Ok(());
+            Ok(())
         }
+        Some(v) if rules.exact.contains_key(v) => Err(format!("`{}: {v}` is defined twice at this level", c.key)),
         Some(v) => {
-            if rules.exact.contains_key(v) {
-                return Err(err(format!("`{}: {v}` is defined twice at this level", c.key)));
-            }
             rules.exact.insert(v.clone(), node);
-            return Ok(());
+            Ok(())
         }
-    };
-    if slot.is_some() {
-        return Err(err(format!("`key: {}` without a value is defined twice at this level", c.key)));
     }
-    *slot = Some(node);
-    Ok(())
 }
 
 /// A name for a `rate_limit` without one: the rule's keys and values joined by dots,

@@ -1,6 +1,6 @@
 //! Client tags: where a client's state lives.
 //!
-//! All state of one client lives under one tag (DESIGN invariant 5): in Redis the tag is
+//! All state of one client lives under one tag (invariant 5, docs/architecture.md): in Redis the tag is
 //! the hash tag `{...}` of every key, so every limit of the client runs in one script on
 //! one node. The tag is a keyed hash (SipHash-1-3, 128 bits, with a configured secret)
 //! of domain and client identity (invariant 6): a client cannot choose where its state

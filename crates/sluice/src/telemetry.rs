@@ -4,7 +4,12 @@
 //!
 //! Per-policy counters are registered once, when rules are compiled, so a decision only
 //! increments atomics. Labels are names from the config (domain, policy, store) and fixed
-//! words: a descriptor value (a user id, a token) never becomes a label.
+//! words. A descriptor value (a user id, a token) becomes a label in one case only: a
+//! rule that sets `detailed_metric: true` adds `sluice_decisions_detailed_total` with a
+//! `descriptor` label, for rules whose values are few (routes, not users).
+//!
+//! A leaf of the crate: it uses nothing else in it, and anything may use it. Only the
+//! metric [`names`] are public; the handles are the crate's.
 
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
 use std::fmt;
@@ -30,7 +35,7 @@ pub mod names {
 }
 
 /// The counters of one policy of one domain.
-pub struct PolicyCounters {
+pub(crate) struct PolicyCounters {
     allowed: Counter,
     over_limit: Counter,
     near_limit: Counter,
@@ -46,7 +51,7 @@ impl fmt::Debug for PolicyCounters {
 
 impl PolicyCounters {
     /// Registers the counters of `policy` in `domain`.
-    pub fn new(domain: &str, policy: &str) -> Self {
+    pub(crate) fn new(domain: &str, policy: &str) -> Self {
         let (d, p) = (domain.to_string(), policy.to_string());
         Self {
             allowed: counter!(names::DECISIONS, "domain" => d.clone(), "policy" => p.clone(), "outcome" => "allowed"),
@@ -59,7 +64,7 @@ impl PolicyCounters {
 
     /// Counts one decision. `near` is whether an allowed decision used at least the
     /// near-limit share of its quota.
-    pub fn count(&self, allowed: bool, shadow: bool, near: bool, from_near_cache: bool) {
+    pub(crate) fn count(&self, allowed: bool, shadow: bool, near: bool, from_near_cache: bool) {
         match (shadow, allowed) {
             (true, false) => self.shadow_over_limit.increment(1),
             (true, true) => {}
@@ -76,10 +81,10 @@ impl PolicyCounters {
 }
 
 /// A domain's counters of decisions made by the failure policy, and of leases.
-pub struct DomainCounters {
-    pub fail_open: Counter,
-    pub fail_closed: Counter,
-    pub leases_acquired: Counter,
+pub(crate) struct DomainCounters {
+    fail_open: Counter,
+    fail_closed: Counter,
+    leases_acquired: Counter,
 }
 
 impl fmt::Debug for DomainCounters {
@@ -90,7 +95,7 @@ impl fmt::Debug for DomainCounters {
 
 impl DomainCounters {
     /// Registers the counters of `domain`.
-    pub fn new(domain: &str) -> Self {
+    pub(crate) fn new(domain: &str) -> Self {
         let d = domain.to_string();
         Self {
             fail_open: counter!(names::DEGRADED, "domain" => d.clone(), "failure" => "open"),
@@ -98,12 +103,28 @@ impl DomainCounters {
             leases_acquired: counter!(names::LEASES_ACQUIRED, "domain" => d),
         }
     }
+
+    /// Counts one request: decided by a failure policy (open or closed), a lease taken.
+    pub(crate) fn count(&self, fail_open: bool, fail_closed: bool, leased: bool) {
+        for (happened, counter) in
+            [(fail_open, &self.fail_open), (fail_closed, &self.fail_closed), (leased, &self.leases_acquired)]
+        {
+            if happened {
+                counter.increment(1);
+            }
+        }
+    }
 }
 
 /// Counts a decision of a `detailed_metric` rule by its descriptor (`key_value` pairs
 /// joined by `.`, as envoyproxy/ratelimit names them). Registered per call: only rules
 /// that ask pay for it.
-pub fn detailed<'a>(domain: &str, policy: &str, entries: impl Iterator<Item = (&'a str, &'a str)>, allowed: bool) {
+pub(crate) fn detailed<'a>(
+    domain: &str,
+    policy: &str,
+    entries: impl Iterator<Item = (&'a str, &'a str)>,
+    allowed: bool,
+) {
     let descriptor: Vec<String> = entries.map(|(k, v)| format!("{k}_{v}")).collect();
     let outcome = if allowed { "allowed" } else { "over_limit" };
     counter!(names::DECISIONS_DETAILED, "domain" => domain.to_string(), "policy" => policy.to_string(),
@@ -112,33 +133,33 @@ pub fn detailed<'a>(domain: &str, policy: &str, entries: impl Iterator<Item = (&
 }
 
 /// A request dropped by a load shedder (`worker` or `fleet`), by priority class.
-pub fn shed(shedder: &'static str, class: usize) {
+#[cfg(feature = "tower")]
+pub(crate) fn shed(shedder: &'static str, class: usize) {
     counter!(names::SHED, "shedder" => shedder, "class" => class.to_string()).increment(1);
 }
 
 /// The worker utilization controller's amount now (below 0: at rest, nothing shed).
-pub fn shed_amount(amount: f64) {
+#[cfg(feature = "tower")]
+pub(crate) fn shed_amount(amount: f64) {
     gauge!(names::SHED_AMOUNT).set(amount);
 }
 
 /// Leases given back (any domain: a lease id does not name one).
-pub fn lease_released() {
+pub(crate) fn lease_released() {
     counter!(names::LEASES_RELEASED).increment(1);
 }
 
 /// A store's call latencies, errors and breaker state.
-pub struct StoreMetrics {
+pub(crate) struct StoreMetrics {
     calls: [Histogram; 4],
-    timeouts: Counter,
-    unavailable: Counter,
-    protocol: Counter,
-    circuit_open: Counter,
+    /// By kind: unavailable, timeout, protocol, circuit_open.
+    errors: [(&'static str, Counter); 4],
     breaker: Gauge,
 }
 
 /// The four store operations, as labelled.
 #[derive(Debug, Clone, Copy)]
-pub enum StoreOp {
+pub(crate) enum StoreOp {
     Apply = 0,
     Peek = 1,
     Release = 2,
@@ -147,43 +168,36 @@ pub enum StoreOp {
 
 impl StoreMetrics {
     /// Registers the metrics of a store of `kind`.
-    pub fn new(kind: &'static str) -> Self {
+    pub(crate) fn new(kind: &'static str) -> Self {
         let call = |op: &'static str| histogram!(names::STORE_CALL_SECONDS, "store" => kind, "op" => op);
-        let error = |k: &'static str| counter!(names::STORE_ERRORS, "store" => kind, "kind" => k);
+        let error = |k: &'static str| (k, counter!(names::STORE_ERRORS, "store" => kind, "kind" => k));
         Self {
             calls: [call("apply"), call("peek"), call("release"), call("refund")],
-            timeouts: error("timeout"),
-            unavailable: error("unavailable"),
-            protocol: error("protocol"),
-            circuit_open: error("circuit_open"),
+            errors: [error("unavailable"), error("timeout"), error("protocol"), error("circuit_open")],
             breaker: gauge!(names::BREAKER_STATE, "store" => kind),
         }
     }
 
     /// Records a call's duration in seconds.
-    pub fn call(&self, op: StoreOp, seconds: f64) {
+    pub(crate) fn call(&self, op: StoreOp, seconds: f64) {
         self.calls[op as usize].record(seconds);
     }
 
-    /// Counts a failed call by kind.
-    pub fn error(&self, e: &crate::store::StoreError) {
-        use crate::store::StoreError as E;
-        match e {
-            E::Timeout(_) => self.timeouts.increment(1),
-            E::Unavailable(_) => self.unavailable.increment(1),
-            E::Protocol(_) => self.protocol.increment(1),
-            E::CircuitOpen => self.circuit_open.increment(1),
+    /// Counts a failed call by its kind (`StoreError::kind`).
+    pub(crate) fn error(&self, kind: &str) {
+        if let Some((_, c)) = self.errors.iter().find(|(k, _)| *k == kind) {
+            c.increment(1);
         }
     }
 
     /// Sets the breaker gauge: 0 closed, 1 open, 2 half-open (probing).
-    pub fn breaker(&self, state: u8) {
+    pub(crate) fn breaker(&self, state: u8) {
         self.breaker.set(f64::from(state));
     }
 }
 
 /// Publishes the memory store's size and eviction counts.
-pub fn memory_store(keys: usize, collected: u64, evicted_live: u64) {
+pub(crate) fn memory_store(keys: usize, collected: u64, evicted_live: u64) {
     gauge!(names::MEMORY_KEYS).set(keys as f64);
     counter!(names::MEMORY_EVICTIONS, "kind" => "expired").absolute(collected);
     counter!(names::MEMORY_EVICTIONS, "kind" => "live").absolute(evicted_live);

@@ -1,6 +1,6 @@
 //! Time, as the limiter sees it.
 //!
-//! Every algorithm takes `now` as an argument and never reads a clock (DESIGN invariant 1).
+//! Every algorithm takes `now` as an argument and never reads a clock (invariant 1, docs/architecture.md).
 //! GitHub's wobbling `X-RateLimit-Reset` came from mixing two clocks in one answer; a
 //! single caller-supplied `now` makes that impossible and lets tests travel in time.
 

@@ -1,11 +1,10 @@
 //! The engine end to end over the memory store, under a manual clock: window boundaries
 //! and refills are crossed by moving the clock, never by sleeping.
 
-use sluice::config::Config;
-use sluice::engine::{Code, Descriptor, Entry, Mode, Request, RequestError};
-use sluice::rules::Rules;
+use sluice::config::RulesConfig;
 use sluice::store::MemoryStore;
 use sluice::time::ManualClock;
+use sluice::{CheckError, Code, Descriptor, Entry, Outcome, Request, RequestError};
 use sluice::{Limiter, headers};
 use std::sync::Arc;
 
@@ -15,9 +14,9 @@ const T0: u64 = 1_767_225_600_000;
 fn limiter(domains: &str) -> (Limiter, ManualClock) {
     // the config model is YAML-shaped; the library has no YAML parser, so build it by
     // way of JSON, which serde reads through the same derive
-    let config: Config = serde_json::from_str(domains).expect("test config");
+    let config: RulesConfig = serde_json::from_str(domains).expect("test config");
     let clock = ManualClock::new(T0);
-    let rules = Arc::new(Rules::compile(&config).expect("rules compile"));
+    let rules = Arc::new(config.compile().expect("rules compile"));
     (Limiter::new(rules, Arc::new(MemoryStore::new(10_000)), Arc::new(clock.clone())), clock)
 }
 
@@ -51,17 +50,17 @@ async fn fixed_window_resets_at_the_stored_time_not_before() {
     let reset = header(&first, "x-ratelimit-reset");
     assert_eq!(reset, ((T0 + 123 + 60_000).div_ceil(1000)).to_string());
     clock.advance(30_000);
-    assert!(l.check(&r).await.unwrap().allowed);
+    assert!(l.check(&r).await.unwrap().allowed());
     let denied = l.check(&r).await.unwrap();
-    assert!(!denied.allowed);
-    assert_eq!(denied.status, 429);
+    assert!(!denied.allowed());
+    assert_eq!(denied.outcome, Outcome::OverLimit);
     assert_eq!(header(&denied, "x-ratelimit-reset"), reset);
     assert_eq!(header(&denied, "retry-after"), "30");
     clock.advance(29_999);
-    assert!(!l.check(&r).await.unwrap().allowed, "one millisecond before the stored reset");
+    assert!(!l.check(&r).await.unwrap().allowed(), "one millisecond before the stored reset");
     clock.advance(1);
     let fresh = l.check(&r).await.unwrap();
-    assert!(fresh.allowed, "at the stored reset a new window starts");
+    assert!(fresh.allowed(), "at the stored reset a new window starts");
     assert_eq!(header(&fresh, "x-ratelimit-remaining"), "1");
 }
 
@@ -71,15 +70,15 @@ async fn token_bucket_refills_as_the_clock_moves() {
         r#"{"domains":[{"domain":"d","descriptors":[{"key":"k","policies":[{"name":"b","token_bucket":{"rate":2,"per":"1s","burst":2}}]}]}]}"#,
     );
     let r = req("d", &[&[("k", "v")]]);
-    assert!(l.check(&r).await.unwrap().allowed);
-    assert!(l.check(&r).await.unwrap().allowed);
+    assert!(l.check(&r).await.unwrap().allowed());
+    assert!(l.check(&r).await.unwrap().allowed());
     let denied = l.check(&r).await.unwrap();
-    assert!(!denied.allowed);
+    assert!(!denied.allowed());
     assert_eq!(denied.binding().unwrap().decision.retry_after, Some(500));
     clock.advance(499);
-    assert!(!l.check(&r).await.unwrap().allowed);
+    assert!(!l.check(&r).await.unwrap().allowed());
     clock.advance(1);
-    assert!(l.check(&r).await.unwrap().allowed, "one token every 500 ms");
+    assert!(l.check(&r).await.unwrap().allowed(), "one token every 500 ms");
     clock.advance(60_000);
     let v = l.check(&r).await.unwrap();
     assert_eq!(v.binding().unwrap().decision.remaining, 1, "refill stops at the burst");
@@ -94,10 +93,10 @@ async fn several_policies_are_all_or_nothing() {
     );
     let r = req("d", &[&[("token", "t")]]);
     for _ in 0..3 {
-        assert!(l.check(&r).await.unwrap().allowed);
+        assert!(l.check(&r).await.unwrap().allowed());
     }
     let denied = l.check(&r).await.unwrap();
-    assert!(!denied.allowed);
+    assert!(!denied.allowed());
     assert_eq!(header(&denied, "x-ratelimit-resource"), "burst");
     let core = &denied.descriptors[0].policies[0];
     assert_eq!((&*core.name, core.decision.used), ("core", 3), "core must not be charged for the refused request");
@@ -113,12 +112,12 @@ async fn descriptors_of_other_clients_are_given_back_when_one_refuses() {
             {"key":"ip","rate_limit":{"unit":"hour","requests_per_unit":1}}]}]}"#,
     );
     let both = req("d", &[&[("user", "u")], &[("ip", "1.2.3.4")]]);
-    assert!(l.check(&both).await.unwrap().allowed);
+    assert!(l.check(&both).await.unwrap().allowed());
     let denied = l.check(&both).await.unwrap();
-    assert!(!denied.allowed);
+    assert!(!denied.allowed());
     assert_eq!(denied.descriptors[0].code, Code::Ok);
     assert_eq!(denied.descriptors[1].code, Code::OverLimit);
-    let status = l.run(&req("d", &[&[("user", "u")]]), Mode::Peek).await.unwrap();
+    let status = l.status(&req("d", &[&[("user", "u")]])).await.unwrap();
     assert_eq!(status.descriptors[0].policies[0].decision.used, 1, "the user's charge was given back");
 }
 
@@ -140,7 +139,7 @@ async fn envoy_matching_value_wildcard_nesting_unlimited_replaces() {
         async move {
             let mut ok = 0;
             for _ in 0..n {
-                ok += l.check(&req("d", &[entries])).await.unwrap().allowed as usize;
+                ok += l.check(&req("d", &[entries])).await.unwrap().allowed() as usize;
             }
             ok
         }
@@ -157,7 +156,7 @@ async fn envoy_matching_value_wildcard_nesting_unlimited_replaces() {
     let both = req("d", &[&[("plan", "free")], &[("plan", "promo")]]);
     for _ in 0..3 {
         let v = l.check(&both).await.unwrap();
-        assert!(v.allowed, "the promo limit replaces the free one");
+        assert!(v.allowed(), "the promo limit replaces the free one");
         assert!(v.descriptors[0].policies.is_empty());
     }
 }
@@ -171,7 +170,7 @@ async fn shadow_mode_reports_but_allows() {
     let mut would_deny = 0;
     for _ in 0..3 {
         let v = l.check(&r).await.unwrap();
-        assert!(v.allowed);
+        assert!(v.allowed());
         would_deny += v.shadow_denials().count();
     }
     assert_eq!(would_deny, 2);
@@ -197,16 +196,13 @@ async fn client_key_chooses_the_tag_and_errors_are_clear() {
         r#"{"domains":[{"domain":"d","client_key":"user","descriptors":[{"key":"path","descriptors":[{"key":"user","rate_limit":{"unit":"minute","requests_per_unit":2}}]}]}]}"#,
     );
     let r = req("d", &[&[("path", "/a"), ("user", "x")]]);
-    assert!(l.check(&r).await.unwrap().allowed);
+    assert!(l.check(&r).await.unwrap().allowed());
     let err = l.check(&req("nope", &[&[("a", "b")]])).await.unwrap_err().to_string();
     assert!(err.contains("unknown domain 'nope'") && err.contains("configured domains: d"), "{err}");
     let mut costly = r.clone();
     costly.hits_addend = Some(3);
     let e = l.check(&costly).await.unwrap_err();
-    assert!(
-        matches!(e, sluice::engine::CheckError::Request(RequestError::CostAboveCapacity { capacity: 2, .. })),
-        "{e}"
-    );
+    assert!(matches!(e, CheckError::Request(RequestError::CostAboveCapacity { capacity: 2, .. })), "{e}");
 }
 
 #[tokio::test]
@@ -218,8 +214,28 @@ async fn global_shadow_mode_allows_everything_and_reports() {
     let mut reported = 0;
     for _ in 0..3 {
         let v = l.check(&r).await.unwrap();
-        assert!(v.allowed && v.status == 200);
+        assert!(v.allowed() && v.outcome == Outcome::Allowed);
         reported += v.shadow_denials().count();
     }
     assert_eq!(reported, 2);
+}
+
+/// A request naming one client twice with another between (three store calls: the same
+/// state twice gets its own call): a refund gives each charge back exactly once.
+#[tokio::test]
+async fn a_refund_gives_each_charge_back_once() {
+    let (l, _clock) = limiter(
+        r#"{"domains":[{"domain":"d","descriptors":[{"key":"user","rate_limit":{"unit":"minute","requests_per_unit":10}}]}]}"#,
+    );
+    let a = req("d", &[&[("user", "a")]]);
+    for _ in 0..3 {
+        assert!(l.check(&a).await.unwrap().allowed());
+    }
+    let v = l.check(&req("d", &[&[("user", "a")], &[("user", "b")], &[("user", "a")]])).await.unwrap();
+    assert!(v.allowed());
+    let used = |v: &sluice::Verdict| v.descriptors[0].policies[0].decision.used;
+    assert_eq!(used(&l.status(&a).await.unwrap()), 5);
+    l.refund(&v).await.unwrap();
+    assert_eq!(used(&l.status(&a).await.unwrap()), 3, "a's two charges given back once each");
+    assert_eq!(used(&l.status(&req("d", &[&[("user", "b")]])).await.unwrap()), 0);
 }

@@ -5,28 +5,29 @@
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::{BodyExt, Full};
-use sluice::Limiter;
 use sluice::algo::shedder::ShedderParams;
-use sluice::config::Config;
-use sluice::engine::{Descriptor, Entry, Mode};
-use sluice::layer::{Extract, SluiceLayer, Utilization};
-use sluice::rules::Rules;
+use sluice::layer::{Extract, SluiceLayer, SluiceLayerBuilder, Utilization};
 use sluice::store::MemoryStore;
 use sluice::time::ManualClock;
+use sluice::{DomainBuilder, Limiter, RulesBuilder};
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 use tower::{Layer, Service, ServiceExt};
 
-const RULES: &str = r#"{"domains":[{"domain":"api","descriptors":[
-    {"key":"user","policies":[
-        {"name":"core","fixed_window":{"limit":3,"window":"1h"}},
-        {"name":"inflight","concurrency":{"limit":1,"lease_ttl":"60s"}}]},
-    {"key":"fleet","policies":[{"name":"fleet","concurrency":{"limit":1,"lease_ttl":"60s"}}]}
-]}]}"#;
-
 fn limiter(clock: &ManualClock) -> Arc<Limiter> {
-    let config: Config = serde_json::from_str(RULES).unwrap();
-    let rules = Arc::new(Rules::compile(&config).unwrap());
+    let minute = Duration::from_secs(60);
+    let rules = RulesBuilder::new()
+        .domain(
+            DomainBuilder::new("api")
+                .rule([("user", None)], |r| {
+                    r.fixed_window("core", 3, Duration::from_secs(3600)).concurrency("inflight", 1, minute)
+                })
+                .rule([("fleet", None)], |r| r.concurrency("fleet", 1, minute)),
+        )
+        .build()
+        .unwrap();
+    let rules = Arc::new(rules);
     Arc::new(Limiter::new(rules, Arc::new(MemoryStore::new(1000)), Arc::new(clock.clone())))
 }
 
@@ -44,23 +45,15 @@ fn get(user: &str) -> Request<()> {
     Request::builder().uri("/repos/a/b").header("x-user", user).body(()).unwrap()
 }
 
-fn layer(l: &Arc<Limiter>, clock: &ManualClock) -> SluiceLayer {
-    SluiceLayer::new(l.clone(), "api")
+fn layer(l: &Arc<Limiter>, clock: &ManualClock) -> SluiceLayerBuilder {
+    SluiceLayer::builder(l.clone(), "api")
         .descriptor(vec![("user", Extract::Header("x-user".parse().unwrap()))])
         .clock(Arc::new(clock.clone()))
 }
 
 /// What a client's policies hold, read without charging.
 async fn used(l: &Limiter, user: &str) -> (u64, u64) {
-    let req = sluice::Request {
-        domain: "api".into(),
-        descriptors: vec![Descriptor {
-            entries: vec![Entry { key: "user".into(), value: user.into() }],
-            ..Default::default()
-        }],
-        hits_addend: None,
-    };
-    let v = l.run(&req, Mode::Peek).await.unwrap();
+    let v = l.status(&sluice::Request::new("api").descriptor([("user", user)])).await.unwrap();
     let p = &v.descriptors[0].policies;
     (p[0].decision.used, p[1].decision.used)
 }
@@ -69,7 +62,7 @@ async fn used(l: &Limiter, user: &str) -> (u64, u64) {
 async fn over_the_limit_answers_429_problem_json_with_headers() {
     let clock = ManualClock::new(1_767_225_600_000);
     let l = limiter(&clock);
-    let mut svc = layer(&l, &clock).layer(app());
+    let mut svc = layer(&l, &clock).build().layer(app());
     for left in ["2", "1", "0"] {
         let r = svc.ready().await.unwrap().call(get("ann")).await.unwrap();
         assert_eq!(r.status(), 200);
@@ -94,7 +87,7 @@ async fn over_the_limit_answers_429_problem_json_with_headers() {
 async fn a_dropped_response_gives_its_lease_back() {
     let clock = ManualClock::new(1_767_225_600_000);
     let l = limiter(&clock);
-    let mut svc = layer(&l, &clock).layer(app());
+    let mut svc = layer(&l, &clock).build().layer(app());
     let held = svc.ready().await.unwrap().call(get("bo")).await.unwrap();
     assert_eq!(used(&l, "bo").await, (1, 1), "a lease is held while the response is");
     let r = svc.ready().await.unwrap().call(get("bo")).await.unwrap();
@@ -116,7 +109,7 @@ async fn a_dropped_response_gives_its_lease_back() {
 async fn a_304_costs_nothing() {
     let clock = ManualClock::new(1_767_225_600_000);
     let l = limiter(&clock);
-    let mut svc = layer(&l, &clock).layer(app());
+    let mut svc = layer(&l, &clock).build().layer(app());
     for _ in 0..5 {
         let mut req = get("cy");
         req.headers_mut().insert("x-answer", "304".parse().unwrap());
@@ -144,6 +137,7 @@ async fn the_limiters_apply_in_order_and_shedding_spares_critical_traffic() {
         .worker_shedder(ShedderParams::default(), gauge)
         .fleet_shedder(l.clone(), "api")
         .seed(7)
+        .build()
         .layer(app());
 
     // the fleet shedder: one non-critical request at a time fleet-wide; a second is

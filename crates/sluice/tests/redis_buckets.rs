@@ -1,4 +1,4 @@
-//! The Redis bucket layout (see `sluice::store::redis::Location`): many clients' states as
+//! The Redis bucket layout (docs/architecture.md, "Redis"): many clients' states as
 //! fields of one hash, pruned once they stop mattering, the bucket kept alive exactly as
 //! long as its latest state matters. Forced into one bucket so every client shares it.
 

@@ -16,11 +16,11 @@
 //! charged states only if every enforced limit allowed; otherwise it writes the
 //! normalized ones.
 
-pub mod concurrency;
-pub mod fixed_window;
+pub(crate) mod concurrency;
+pub(crate) mod fixed_window;
 pub mod shedder;
-pub mod sliding_window;
-pub mod token_bucket;
+pub(crate) mod sliding_window;
+pub(crate) mod token_bucket;
 
 use crate::time::Millis;
 
@@ -90,11 +90,9 @@ pub struct Decision {
     pub retry_after: Option<Millis>,
 }
 
-/// A limit that can never admit a cost, or a limit that is not well formed.
+/// A limit that is not well formed, or that no store could count exactly.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LimitError {
-    #[error("cost {cost} exceeds the capacity {capacity} of this limit, so it could never be admitted")]
-    CostAboveCapacity { cost: u64, capacity: u64 },
     #[error("{0}")]
     Invalid(String),
 }

@@ -40,15 +40,24 @@ impl ShedderParams {
     }
 
     /// Checks the parameters.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ShedderError> {
         if !(0.0 < self.good && self.good <= self.bad && self.bad < 1.0) {
-            return Err(format!("shedding needs 0 < good ({}) <= bad ({}) < 1", self.good, self.bad));
+            return Err(ShedderError::Thresholds { good: self.good, bad: self.bad });
         }
         if self.to_shed_all == 0 {
-            return Err("shedding.to_shed_all must be longer than 0".into());
+            return Err(ShedderError::NoTimeToShed);
         }
         Ok(())
     }
+}
+
+/// Parameters the controller cannot run with.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ShedderError {
+    #[error("shedding needs 0 < good ({good}) <= bad ({bad}) < 1")]
+    Thresholds { good: f64, bad: f64 },
+    #[error("the time to shed all traffic must be longer than 0")]
+    NoTimeToShed,
 }
 
 /// The controller's state.

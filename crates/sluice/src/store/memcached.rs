@@ -57,7 +57,7 @@ enum Reply {
 }
 
 fn protocol(what: impl std::fmt::Display) -> StoreError {
-    StoreError::Protocol(format!("memcached: {what}"))
+    StoreError::protocol(format!("memcached: {what}"))
 }
 
 impl MemcachedStore {
@@ -65,9 +65,7 @@ impl MemcachedStore {
     /// Connects lazily.
     pub fn new(servers: &[String], timeout: Duration) -> Result<Self, StoreError> {
         if servers.is_empty() {
-            return Err(StoreError::Unavailable(
-                "store.servers is empty: list at least one memcached host:port".into(),
-            ));
+            return Err(StoreError::unavailable("store.servers is empty: list at least one memcached host:port"));
         }
         let servers = servers
             .iter()
@@ -88,16 +86,16 @@ impl MemcachedStore {
             None => {
                 let s = tokio::time::timeout(self.timeout, TcpStream::connect(&server.addr))
                     .await
-                    .map_err(|_| StoreError::Unavailable(format!("memcached {}: connect timed out", server.addr)))?
-                    .map_err(|e| StoreError::Unavailable(format!("memcached {}: {e}", server.addr)))?;
+                    .map_err(|_| StoreError::unavailable(format!("memcached {}: connect timed out", server.addr)))?
+                    .map_err(|e| StoreError::unavailable(format!("memcached {}: {e}", server.addr)).because(e))?;
                 s.set_nodelay(true).ok();
                 BufStream::new(s)
             }
         };
         let reply = tokio::time::timeout(self.timeout, exchange(&mut conn, line, data))
             .await
-            .map_err(|_| StoreError::Unavailable(format!("memcached {}: timed out", server.addr)))?
-            .map_err(|e| StoreError::Unavailable(format!("memcached {}: {e}", server.addr)))?;
+            .map_err(|_| StoreError::unavailable(format!("memcached {}: timed out", server.addr)))?
+            .map_err(|e| StoreError::unavailable(format!("memcached {}: {e}", server.addr)).because(e))?;
         // a connection that answered is good for the next call
         server.idle.lock().unwrap_or_else(|p| p.into_inner()).push(conn);
         reply
@@ -163,7 +161,7 @@ impl MemcachedStore {
             }
             // another server changed it between our read and write: read again
         }
-        Err(StoreError::Unavailable("memcached: the window key kept changing".into()))
+        Err(StoreError::unavailable("memcached: the window key kept changing"))
     }
 
     async fn used(&self, s: &Server, ckey: &str) -> Result<u64, StoreError> {
@@ -180,7 +178,7 @@ impl MemcachedStore {
                 return Ok(cost);
             }
         }
-        Err(StoreError::Unavailable("memcached: the counter kept disappearing".into()))
+        Err(StoreError::unavailable("memcached: the counter kept disappearing"))
     }
 }
 
@@ -226,7 +224,7 @@ async fn exchange(conn: &mut Conn, line: &str, data: Option<&str>) -> std::io::R
 fn fixed_only(limit: &Limit) -> Result<u64, StoreError> {
     match *limit {
         Limit::FixedWindow { limit, .. } => Ok(limit),
-        other => Err(StoreError::Protocol(format!(
+        other => Err(StoreError::protocol(format!(
             "the memcached store supports fixed windows only, not {}; use redis",
             other.algorithm()
         ))),
@@ -302,7 +300,7 @@ impl Store for MemcachedStore {
     }
 
     async fn release(&self, _tag: Tag, _keys: &[u64], _lease: Lease, _now: Millis) -> Result<bool, StoreError> {
-        Err(StoreError::Protocol("the memcached store has no concurrency limits; use redis".into()))
+        Err(StoreError::protocol("the memcached store has no concurrency limits; use redis"))
     }
 
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
@@ -334,12 +332,12 @@ impl Store for MemcachedStore {
 /// The key of one state in Memcached: `s:{TAG}KEY`, TAG 96 bits of the client tag and
 /// KEY 48 bits of the state key, in base64url, 28 bytes. 96 bits keep tag collisions
 /// negligible (about 6e-12 among 10^9 clients); 48 bits separate the few states of one
-/// client. (Redis keeps states in shared buckets instead: `redis::Location`.)
+/// client. (Redis keeps states in shared buckets instead: see `store/redis`.)
 fn state_key(tag: Tag, key: u64) -> String {
     // Tags and keys are opaque to a store: multiply by an odd constant (a bijection, so
     // every input bit matters) before keeping the high bits.
-    let tag = tag.0.wrapping_mul(0x2545_f491_4f6c_dd1d_9e37_79b9_7f4a_7c15) >> 32;
-    let key = key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 16;
+    let tag = crate::hash::spread_tag(tag.0) >> 32;
+    let key = crate::hash::spread(key) >> 16;
     let mut out = String::with_capacity(28);
     out.push_str("s:{");
     b64(&mut out, tag, 16);

@@ -25,7 +25,7 @@ impl Hasher for FoldHasher {
     fn finish(&self) -> u64 {
         // a multiply only carries low bits upward; fold the high half back down, since
         // the table picks buckets by the low bits
-        let h = self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let h = crate::hash::spread(self.0);
         h ^ (h >> 32)
     }
     fn write(&mut self, bytes: &[u8]) {
@@ -50,7 +50,7 @@ type Map = HashMap<Slot, Entry, BuildHasherDefault<FoldHasher>>;
 struct Slot(u64, u64);
 
 fn slot(tag: Tag, key: u64) -> Slot {
-    Slot(tag.0 as u64 ^ key.wrapping_mul(0x9e37_79b9_7f4a_7c15), (tag.0 >> 64) as u64)
+    Slot(tag.0 as u64 ^ crate::hash::spread(key), (tag.0 >> 64) as u64)
 }
 
 struct Entry {
@@ -111,6 +111,31 @@ impl MemoryStore {
         for s in self.shards.iter() {
             self.collect_shard(&mut lock(s), now);
         }
+    }
+
+    /// Collects expired state every `every` in the background (on the current tokio
+    /// runtime), and publishes the store's size and evictions as metrics, until the
+    /// store is dropped.
+    pub fn collect_in_background(
+        self: &std::sync::Arc<Self>,
+        clock: std::sync::Arc<dyn crate::time::Clock>,
+        every: std::time::Duration,
+    ) {
+        let store = std::sync::Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                let Some(store) = store.upgrade() else { return };
+                store.collect(clock.now());
+                let stats = store.stats();
+                crate::telemetry::memory_store(
+                    store.len(),
+                    stats.collected.load(Ordering::Relaxed),
+                    stats.evicted_live.load(Ordering::Relaxed),
+                );
+            }
+        });
     }
 
     fn collect_shard(&self, shard: &mut Shard, now: Millis) {

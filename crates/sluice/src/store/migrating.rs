@@ -43,10 +43,7 @@ impl MigratingStore {
     /// Whether a client is on `to` at `percent`: its bucket (0 to 99, a stable mix of its
     /// tag) is below the percentage.
     pub fn on_new_store(tag: Tag, percent: u8) -> bool {
-        let mut z = (tag.0 as u64) ^ ((tag.0 >> 64) as u64) ^ 0x6d69_6772_6174_6521;
-        z = (z ^ (z >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
-        z ^= z >> 33;
-        z % 100 < u64::from(percent)
+        crate::hash::percentile(tag.0) < u64::from(percent)
     }
 }
 

@@ -2,15 +2,17 @@
 //!
 //! Every call names one client tag, and every op of a call is evaluated all or nothing
 //! in one atomic step (one lock, one Lua script, one round trip). Every store passes the
-//! same [`conformance`] suite, whose reference is [`crate::algo`].
+//! same conformance suite (`store::conformance`, feature `conformance`), whose
+//! reference is [`crate::algo`].
 
+#[cfg(feature = "conformance")]
 pub mod conformance;
-pub mod memcached;
-pub mod memory;
-pub mod migrating;
+mod memcached;
+mod memory;
+mod migrating;
 #[cfg(feature = "redis")]
 pub mod redis;
-pub mod resilient;
+mod resilient;
 
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::tag::Tag;
@@ -18,9 +20,9 @@ use crate::time::Millis;
 use async_trait::async_trait;
 
 pub use memcached::MemcachedStore;
-pub use memory::MemoryStore;
+pub use memory::{MemoryStats, MemoryStore};
 pub use migrating::MigratingStore;
-pub use resilient::{Resilience, Resilient};
+pub use resilient::{BreakerState, Resilience, ResilienceStats, Resilient, Tuning};
 
 /// Appends the low `6 * chars` bits of `v` in base64url, most significant first.
 pub(crate) fn b64(out: &mut String, v: u128, chars: u32) {
@@ -40,17 +42,79 @@ pub struct Refund {
     pub window: Millis,
 }
 
+/// The underlying error of a [`StoreError`] (an IO error, a Redis reply), kept for
+/// callers that look at [`std::error::Error::source`].
+pub type Cause = std::sync::Arc<dyn std::error::Error + Send + Sync>;
+
 /// Why a store call failed. The engine's failure policy decides what the client sees.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
-    #[error("store unavailable: {0}")]
-    Unavailable(String),
+    /// The store could not be reached or did not answer (connection refused, reset,
+    /// its own timeout): the failure policy decides, and the circuit breaker counts it.
+    #[error("store unavailable: {what}")]
+    Unavailable {
+        what: String,
+        #[source]
+        cause: Option<Cause>,
+    },
+    /// The engine's deadline passed before the store answered.
     #[error("store call timed out after {0}ms")]
     Timeout(Millis),
-    #[error("store answered something unexpected: {0}")]
-    Protocol(String),
+    /// The store answered, but not what Sluice expects (a script error, a reply of the
+    /// wrong shape): a bug or a misconfigured server, not a dead one.
+    #[error("store answered something unexpected: {what}")]
+    Protocol {
+        what: String,
+        #[source]
+        cause: Option<Cause>,
+    },
+    /// Not sent: the circuit breaker is open after repeated failures.
     #[error("store skipped: its circuit breaker is open after repeated failures")]
     CircuitOpen,
+}
+
+impl StoreError {
+    /// An unreachable store, described by `what`.
+    pub fn unavailable(what: impl Into<String>) -> Self {
+        StoreError::Unavailable { what: what.into(), cause: None }
+    }
+
+    /// An unexpected answer, described by `what`.
+    pub fn protocol(what: impl Into<String>) -> Self {
+        StoreError::Protocol { what: what.into(), cause: None }
+    }
+
+    /// The same error, keeping `cause` as its source.
+    pub fn because(mut self, e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        if let StoreError::Unavailable { cause, .. } | StoreError::Protocol { cause, .. } = &mut self {
+            *cause = Some(std::sync::Arc::new(e));
+        }
+        self
+    }
+
+    /// A short stable name of the kind of failure, for metrics and logs: `unavailable`,
+    /// `timeout`, `protocol` or `circuit_open`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Unavailable { .. } => "unavailable",
+            StoreError::Timeout(_) => "timeout",
+            StoreError::Protocol { .. } => "protocol",
+            StoreError::CircuitOpen => "circuit_open",
+        }
+    }
+
+    /// Whether the store is likely down (as opposed to answering wrongly): what the
+    /// circuit breaker counts.
+    pub fn is_outage(&self) -> bool {
+        matches!(self, StoreError::Unavailable { .. } | StoreError::Timeout(_))
+    }
+}
+
+/// Two errors are equal when they say the same thing; causes are not compared.
+impl PartialEq for StoreError {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind() == other.kind() && self.to_string() == other.to_string()
+    }
 }
 
 /// A place where limiter state lives.

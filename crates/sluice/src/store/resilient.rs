@@ -13,8 +13,8 @@ use crate::telemetry::{StoreMetrics, StoreOp};
 use crate::time::Millis;
 use async_trait::async_trait;
 use std::future::Future;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Deadline and breaker settings.
@@ -31,6 +31,41 @@ pub struct Resilience {
 impl Default for Resilience {
     fn default() -> Self {
         Self { deadline: Duration::from_millis(100), failures: 5, cooldown: Duration::from_secs(1) }
+    }
+}
+
+/// Deadline and breaker settings that can change while the store runs: what a config
+/// reload retunes without reconnecting. Several wrapped stores (a migration's two sides)
+/// may share one.
+#[derive(Debug)]
+pub struct Tuning {
+    deadline_ms: AtomicU64,
+    failures: AtomicU32,
+    cooldown_ms: AtomicU64,
+}
+
+impl Tuning {
+    /// Settings starting as `r`.
+    pub fn new(r: Resilience) -> Self {
+        let t = Self { deadline_ms: AtomicU64::new(0), failures: AtomicU32::new(0), cooldown_ms: AtomicU64::new(0) };
+        t.set(r);
+        t
+    }
+
+    /// Changes the settings; calls already running keep the deadline they started with.
+    pub fn set(&self, r: Resilience) {
+        self.deadline_ms.store(r.deadline.as_millis() as u64, Ordering::Relaxed);
+        self.failures.store(r.failures.max(1), Ordering::Relaxed);
+        self.cooldown_ms.store(r.cooldown.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// The settings now.
+    pub fn get(&self) -> Resilience {
+        Resilience {
+            deadline: Duration::from_millis(self.deadline_ms.load(Ordering::Relaxed)),
+            failures: self.failures.load(Ordering::Relaxed),
+            cooldown: Duration::from_millis(self.cooldown_ms.load(Ordering::Relaxed)),
+        }
     }
 }
 
@@ -66,7 +101,7 @@ pub struct ResilienceStats {
 /// A store behind a deadline and a circuit breaker.
 pub struct Resilient<S> {
     inner: S,
-    settings: Resilience,
+    settings: Arc<Tuning>,
     breaker: Mutex<Breaker>,
     stats: ResilienceStats,
     metrics: StoreMetrics,
@@ -75,6 +110,11 @@ pub struct Resilient<S> {
 impl<S: Store> Resilient<S> {
     /// Wraps `inner`.
     pub fn new(inner: S, settings: Resilience) -> Self {
+        Self::tuned(inner, Arc::new(Tuning::new(settings)))
+    }
+
+    /// Wraps `inner` with settings that can change while it runs.
+    pub fn tuned(inner: S, settings: Arc<Tuning>) -> Self {
         let metrics = StoreMetrics::new(inner.kind());
         metrics.breaker(0);
         Self {
@@ -128,17 +168,17 @@ impl<S: Store> Resilient<S> {
         let was_closed = matches!(*b, Breaker::Closed { .. });
         *b = match (&*b, ok) {
             (_, true) => Breaker::Closed { failures: 0 },
-            (Breaker::Closed { failures }, false) if failures + 1 < self.settings.failures => {
+            (Breaker::Closed { failures }, false) if failures + 1 < self.settings.get().failures => {
                 Breaker::Closed { failures: failures + 1 }
             }
             (_, false) => {
                 if !matches!(*b, Breaker::Open { .. }) {
                     tracing::warn!(
-                        cooldown_ms = self.settings.cooldown.as_millis() as u64,
+                        cooldown_ms = self.settings.get().cooldown.as_millis() as u64,
                         "store circuit breaker opened"
                     );
                 }
-                Breaker::Open { until: Instant::now() + self.settings.cooldown }
+                Breaker::Open { until: Instant::now() + self.settings.get().cooldown }
             }
         };
         match (&*b, was_closed) {
@@ -151,17 +191,18 @@ impl<S: Store> Resilient<S> {
     async fn call<T>(&self, op: StoreOp, f: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
         if !self.admit() {
             self.stats.short_circuited.fetch_add(1, Ordering::Relaxed);
-            self.metrics.error(&StoreError::CircuitOpen);
+            self.metrics.error(StoreError::CircuitOpen.kind());
             return Err(StoreError::CircuitOpen);
         }
         let started = Instant::now();
-        let result = match tokio::time::timeout(self.settings.deadline, f).await {
+        let deadline = self.settings.get().deadline;
+        let result = match tokio::time::timeout(deadline, f).await {
             Ok(r) => r,
-            Err(_) => Err(StoreError::Timeout(self.settings.deadline.as_millis() as Millis)),
+            Err(_) => Err(StoreError::Timeout(deadline.as_millis() as Millis)),
         };
         self.metrics.call(op, started.elapsed().as_secs_f64());
         if let Err(e) = &result {
-            self.metrics.error(e);
+            self.metrics.error(e.kind());
         }
         match &result {
             Ok(_) => {}
@@ -173,7 +214,7 @@ impl<S: Store> Resilient<S> {
             }
         }
         // an answer that is wrong (a protocol error) is not a dead store
-        self.record(!matches!(result, Err(StoreError::Unavailable(_) | StoreError::Timeout(_))));
+        self.record(!result.as_ref().is_err_and(StoreError::is_outage));
         result
     }
 }
@@ -193,7 +234,7 @@ impl<S: Store> Store for Resilient<S> {
         self.call(StoreOp::Refund, self.inner.refund(tag, refunds, now)).await
     }
     async fn ready(&self) -> bool {
-        tokio::time::timeout(self.settings.deadline.max(Duration::from_millis(500)), self.inner.ready())
+        tokio::time::timeout(self.settings.get().deadline.max(Duration::from_millis(500)), self.inner.ready())
             .await
             .unwrap_or(false)
     }
@@ -225,7 +266,7 @@ mod tests {
                 tokio::time::sleep(Duration::from_secs(5)).await;
             }
             if self.down.load(Ordering::Relaxed) {
-                return Err(StoreError::Unavailable("down".into()));
+                return Err(StoreError::unavailable("down"));
             }
             self.inner.apply(tag, ops, now).await
         }
@@ -266,7 +307,7 @@ mod tests {
             Resilience { deadline: Duration::from_millis(50), failures: 3, cooldown: Duration::from_millis(200) },
         );
         for _ in 0..3 {
-            assert_eq!(r.apply(Tag(1), &[op()], 0).await, Err(StoreError::Unavailable("down".into())));
+            assert_eq!(r.apply(Tag(1), &[op()], 0).await, Err(StoreError::unavailable("down")));
         }
         assert_eq!(r.breaker(), BreakerState::Open);
         for _ in 0..10 {

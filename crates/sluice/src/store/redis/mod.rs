@@ -1,6 +1,6 @@
 //! Redis stores: one node (with optional replicas for reads), and client-side shards.
 //!
-//! Every call is one Lua script on one primary (DESIGN invariant 4): `apply` runs every
+//! Every call is one Lua script on one primary (invariant 4, docs/architecture.md): `apply` runs every
 //! op of a client tag all or nothing, and its reply carries every decision, so a response
 //! is built from that one call. Scripts live in `lua/` and share `lib.lua`, the Lua twin of
 //! [`crate::algo`]; the conformance suite and a property test hold them to it.
@@ -11,6 +11,8 @@
 //! node owning the client's slot). `now` always comes from
 //! the caller, and TTLs only collect garbage a grace period after a state stops mattering.
 
+#[cfg(test)]
+mod cluster_distribution;
 mod sharded;
 
 pub use sharded::ShardedRedisStore;
@@ -41,7 +43,7 @@ impl Script {
     }
 }
 
-/// The four scripts, each `lib.lua` followed by its body.
+/// The four scripts, each the prelude and `lib.lua` followed by its body.
 struct Scripts {
     apply: Script,
     peek: Script,
@@ -53,13 +55,41 @@ const LIB: &str = include_str!("lua/lib.lua");
 
 impl Scripts {
     fn new() -> Self {
+        let lib = format!("{}{LIB}", Kind::prelude());
         Self {
-            apply: Script::new(format!("{LIB}{}", include_str!("lua/apply.lua"))),
-            // the no-writes flag lets replicas run it (EVALSHA_RO)
-            peek: Script::new(format!("#!lua flags=no-writes\n{LIB}{}", include_str!("lua/peek.lua"))),
-            refund: Script::new(format!("{LIB}{}", include_str!("lua/refund.lua"))),
+            apply: Script::new(format!("{lib}{}", include_str!("lua/apply.lua"))),
+            // the no-writes flag lets replicas run it (EVALSHA_RO); it must come first
+            peek: Script::new(format!("#!lua flags=no-writes\n{lib}{}", include_str!("lua/peek.lua"))),
+            refund: Script::new(format!("{lib}{}", include_str!("lua/refund.lua"))),
             release: Script::new(include_str!("lua/release.lua").to_string()),
         }
+    }
+}
+
+/// The algorithms as the scripts number them. The one place these numbers are written:
+/// every script starts with a prelude naming them (`local FIXED_WINDOW, ... = 1, ...`),
+/// and `lib.lua` uses only the names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    FixedWindow = 1,
+    TokenBucket = 2,
+    SlidingWindow = 3,
+    Concurrency = 4,
+}
+
+impl Kind {
+    const ALL: [(Kind, &'static str); 4] = [
+        (Kind::FixedWindow, "FIXED_WINDOW"),
+        (Kind::TokenBucket, "TOKEN_BUCKET"),
+        (Kind::SlidingWindow, "SLIDING_WINDOW"),
+        (Kind::Concurrency, "CONCURRENCY"),
+    ];
+
+    /// The Lua line that names every algorithm's number.
+    fn prelude() -> String {
+        let names: Vec<&str> = Self::ALL.iter().map(|(_, n)| *n).collect();
+        let numbers: Vec<String> = Self::ALL.iter().map(|(k, _)| (*k as u8).to_string()).collect();
+        format!("local {} = {}\n", names.join(", "), numbers.join(", "))
     }
 }
 
@@ -77,7 +107,7 @@ const GRACE_MS: Millis = 1_000;
 /// client is in one slot. A concurrency limit is a sorted set, its own key in the same
 /// slot: `s:{<bucket>}<field>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Location {
+pub(crate) struct Location {
     pub key: String,
     pub field: String,
 }
@@ -99,13 +129,13 @@ impl Location {
     }
 
     fn field(tag: Tag, key: u64, buckets: u32) -> Self {
-        // tags and keys are opaque to a store: multiply by an odd constant (a bijection,
-        // so every input bit matters) before taking bits apart
-        let t = tag.0.wrapping_mul(0x2545_f491_4f6c_dd1d_9e37_79b9_7f4a_7c15);
+        // tags and keys are opaque to a store: spread them (see crate::hash) before
+        // taking bits apart
+        let t = crate::hash::spread_tag(tag.0);
         let bucket = ((t >> 64) as u64) % u64::from(buckets.max(1));
         let mut field = String::with_capacity(19);
         b64(&mut field, u128::from(t as u64), 11);
-        b64(&mut field, u128::from(key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 16), 8);
+        b64(&mut field, u128::from(crate::hash::spread(key) >> 16), 8);
         let chars = (64 - u64::from(buckets.max(2) - 1).leading_zeros()).div_ceil(6);
         let mut key = String::with_capacity(5 + chars as usize + field.len());
         key.push_str("s:{");
@@ -125,14 +155,15 @@ fn keys(at: &[Location]) -> Vec<&str> {
     at.iter().map(|l| l.key.as_str()).collect()
 }
 
-/// An algorithm and its three parameters, as the scripts number them.
+/// An algorithm and its three parameters, as the scripts take them.
 fn params(limit: &Limit) -> [u64; 4] {
-    match *limit {
-        Limit::FixedWindow { limit, window, aligned } => [1, limit, window, aligned as u64],
-        Limit::TokenBucket { rate, per, burst } => [2, rate, per, burst],
-        Limit::SlidingWindow { limit, window } => [3, limit, window, 0],
-        Limit::Concurrency { limit, lease_ttl } => [4, limit, lease_ttl, 0],
-    }
+    let (kind, p) = match *limit {
+        Limit::FixedWindow { limit, window, aligned } => (Kind::FixedWindow, [limit, window, aligned as u64]),
+        Limit::TokenBucket { rate, per, burst } => (Kind::TokenBucket, [rate, per, burst]),
+        Limit::SlidingWindow { limit, window } => (Kind::SlidingWindow, [limit, window, 0]),
+        Limit::Concurrency { limit, lease_ttl } => (Kind::Concurrency, [limit, lease_ttl, 0]),
+    };
+    [kind as u64, p[0], p[1], p[2]]
 }
 
 fn lease_hex(lease: Lease) -> String {
@@ -141,19 +172,20 @@ fn lease_hex(lease: Lease) -> String {
 
 fn store_error(e: RedisError) -> StoreError {
     if e.is_timeout() {
-        StoreError::Unavailable(format!("redis timed out: {e}"))
+        StoreError::unavailable(format!("redis timed out: {e}")).because(e)
     } else if e.is_io_error() || e.is_connection_dropped() || e.is_unrecoverable_error() {
-        StoreError::Unavailable(format!("redis connection: {e}"))
+        StoreError::unavailable(format!("redis connection: {e}")).because(e)
     } else {
-        StoreError::Protocol(format!("redis: {e}"))
+        StoreError::protocol(format!("redis: {e}")).because(e)
     }
 }
 
 /// Decodes a reply of 6 integers per op.
 fn decisions(v: Value, n: usize) -> Result<Vec<Decision>, StoreError> {
-    let ints: Vec<i64> = redis::from_redis_value(v).map_err(|e| StoreError::Protocol(format!("script reply: {e}")))?;
+    let ints: Vec<i64> =
+        redis::from_redis_value(v).map_err(|e| StoreError::protocol(format!("script reply: {e}")).because(e))?;
     if ints.len() != n * 6 {
-        return Err(StoreError::Protocol(format!("script answered {} numbers for {n} ops", ints.len())));
+        return Err(StoreError::protocol(format!("script answered {} numbers for {n} ops", ints.len())));
     }
     Ok(ints
         .chunks_exact(6)
@@ -214,7 +246,7 @@ impl Conn {
             Some(tls) => redis::Client::build_with_tls(url, tls.certificates()),
             None => redis::Client::open(url),
         }
-        .map_err(|e| StoreError::Unavailable(format!("invalid redis url {}: {e}", redacted(url))))?;
+        .map_err(|e| StoreError::unavailable(format!("invalid redis url {}: {e}", redacted(url))).because(e))?;
         let timeout = options.timeout;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))
@@ -243,7 +275,7 @@ impl Conn {
         }
         let client = b.build().map_err(|e| {
             let nodes: Vec<String> = nodes.iter().map(|n| redacted(n)).collect();
-            StoreError::Unavailable(format!("invalid redis cluster nodes {nodes:?}: {e}"))
+            StoreError::unavailable(format!("invalid redis cluster nodes {nodes:?}: {e}")).because(e)
         })?;
         let link = ClusterLink { client, conn: Default::default(), connecting: Default::default() };
         Ok(Conn::Cluster(Arc::new(link)))
@@ -280,14 +312,18 @@ impl Conn {
         }
     }
 
+    /// Whether the server answers PING now. One PING: a dead server costs one timeout.
     async fn ping(&self) -> bool {
-        matches!(self.query(&redis::cmd("PING")).await, Ok(Value::SimpleString(ref s)) if s == "PONG")
-            || matches!(self.query(&redis::cmd("PING")).await, Ok(Value::BulkString(ref b)) if b == b"PONG")
+        match self.query(&redis::cmd("PING")).await {
+            Ok(Value::SimpleString(s)) => s == "PONG",
+            Ok(Value::BulkString(b)) => b == b"PONG",
+            _ => false,
+        }
     }
 }
 
 /// A URL with its password replaced by `***`, for errors and logs.
-pub fn redacted(url: &str) -> String {
+pub(crate) fn redacted(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => match url[s + 3..at].find(':') {
             Some(c) => format!("{}:***{}", &url[..s + 3 + c], &url[at..]),
@@ -349,8 +385,9 @@ pub struct RedisOptions {
     pub cluster_retries: u32,
     /// Certificates for `rediss://` URLs (None: the system's roots, no client certificate).
     pub tls: Option<Tls>,
-    /// How many bucket hashes the states are spread over (see [`Location`]). Changing it
-    /// moves every client to a new bucket, where it starts afresh.
+    /// How many bucket hashes the states are spread over (a few dozen states a bucket is
+    /// right; see docs/operations.md). Changing it moves every client to a new bucket,
+    /// where it starts afresh.
     pub buckets: u32,
 }
 
@@ -404,7 +441,7 @@ impl RedisStore {
     /// the replicas of the owning primary.
     pub fn cluster(nodes: &[String], read_from_replicas: bool, options: RedisOptions) -> Result<Self, StoreError> {
         if nodes.is_empty() {
-            return Err(StoreError::Unavailable("store.nodes is empty: list at least one cluster node".into()));
+            return Err(StoreError::unavailable("store.nodes is empty: list at least one cluster node"));
         }
         let primary = Conn::open_cluster(nodes, &options, read_from_replicas)?;
         let options = RedisOptions { replica_acks: 0, ..options };
@@ -455,7 +492,7 @@ impl RedisStore {
             let mut wait = redis::cmd("WAIT");
             wait.arg(self.options.replica_acks).arg(self.options.timeout.as_millis() as u64);
             let acked: i64 = redis::from_redis_value(self.primary.query(&wait).await.map_err(store_error)?)
-                .map_err(|e| StoreError::Protocol(format!("WAIT reply: {e}")))?;
+                .map_err(|e| StoreError::protocol(format!("WAIT reply: {e}")).because(e))?;
             if acked < i64::from(self.options.replica_acks) {
                 tracing::warn!(
                     acked,
@@ -522,8 +559,8 @@ impl Store for RedisStore {
                 cmd.arg(lease_hex(lease));
             })
             .await;
-        let held: i64 =
-            redis::from_redis_value(reply?).map_err(|e| StoreError::Protocol(format!("script reply: {e}")))?;
+        let held: i64 = redis::from_redis_value(reply?)
+            .map_err(|e| StoreError::protocol(format!("script reply: {e}")).because(e))?;
         Ok(held == 1)
     }
 

@@ -24,17 +24,8 @@ impl ShardedRedisStore {
 
     /// The shard index of a tag.
     pub fn shard_of(tag: Tag, shards: usize) -> usize {
-        (0..shards).max_by_key(|&i| score(tag, i as u64)).unwrap_or(0)
+        (0..shards).max_by_key(|&i| crate::hash::rendezvous(tag.0, i as u64)).unwrap_or(0)
     }
-}
-
-/// A rendezvous score: the tag is already a keyed hash, so a strong mix of it with the
-/// shard index is enough (splitmix64's finalizer).
-fn score(tag: Tag, shard: u64) -> u64 {
-    let mut z = (tag.0 as u64 ^ (tag.0 >> 64) as u64).wrapping_add(shard.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 impl Router for ShardedRedisStore {

@@ -1,9 +1,9 @@
--- apply: every op of one client, all or nothing (algo::apply_into).
+-- apply: every op of one client, all or nothing (twin of algo::apply_into).
 -- KEYS[i]   where op i's state lives: its bucket, or its sorted set (see lib.lua)
 -- ARGV[1]   now, ms since the epoch: the caller's clock; scripts never read TIME
 -- ARGV[2]   grace, ms: a key outlives the moment its state stops mattering by this much
--- ARGV[3..] 8 values per op: kind, p1, p2, p3, cost, shadow (0/1), lease (hex; '' = none),
---           field (the state's field in its bucket)
+-- ARGV[3..] 8 values per op: algorithm, p1, p2, p3, cost, shadow (0/1), lease (hex;
+--           '' = none), field (the state's field in its bucket)
 -- Reply     6 integers per op: allowed (0/1), limit, used, remaining, reset_at,
 --           retry_after (-1 = none)
 local now, grace = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -16,11 +16,7 @@ for i = 1, #KEYS do
     field = ARGV[b + 8]}
   op.loaded = load(op.kind, KEYS[i], op.field, op.p1, op.p2, now)
   op.st = normalize(op.kind, op.loaded, op.p1, op.p2, op.p3, now)
-  op.held = false
-  if op.kind == 4 and op.lease ~= '' then
-    local at = redis.call('ZSCORE', KEYS[i], op.lease)
-    op.held = at ~= false and tonumber(at) > now - op.p2
-  end
+  op.held = op.kind == CONCURRENCY and concurrency_held(KEYS[i], op.lease, op.p2, now)
   local d = charge(op.kind, op.st, op.p1, op.p2, op.p3, op.cost, op.lease, op.held, now)
   if d[1] == 0 and not op.shadow then refused = true end
   ops[i] = op

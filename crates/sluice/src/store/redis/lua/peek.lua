@@ -3,7 +3,7 @@
 -- on a replica that still holds it: expiry is decided here, not by Redis's TTL.
 -- KEYS[i]   where op i's state lives (as apply's)
 -- ARGV[1]   now, ms since the epoch
--- ARGV[2..] 5 values per op: kind, p1, p2, p3, field
+-- ARGV[2..] 5 values per op: algorithm, p1, p2, p3, field
 -- Reply     6 integers per op, as apply's
 local now = tonumber(ARGV[1])
 local reply = {}

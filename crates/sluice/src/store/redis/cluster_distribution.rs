@@ -1,10 +1,10 @@
-//! Client tags spread evenly over a real Redis Cluster's slots and primaries, and crafted
+//! (A unit test: it reads the store's private key layout.) Client tags spread evenly over a real Redis Cluster's slots and primaries, and crafted
 //! identities cannot pile onto one slot: the tag is a keyed hash, so a client cannot
-//! choose its hash tag (DESIGN invariant 6).
+//! choose its hash tag (invariant 6, docs/architecture.md).
 
-use sluice::algo::Limit;
-use sluice::store::redis::{DEFAULT_BUCKETS, Location};
-use sluice::tag::{Tag, Tagger};
+use super::{DEFAULT_BUCKETS, Location};
+use crate::algo::Limit;
+use crate::tag::{Tag, Tagger};
 use sluice_testkit::RedisCluster;
 use std::collections::HashMap;
 

@@ -1,0 +1,186 @@
+//! From config to engine: the clock, the store (remote stores behind the deadline and
+//! circuit breaker), the near-cache and the rules. `serve`, `reload` and `bench` all
+//! build here.
+
+use crate::config::{Config, RedisConnectionConfig, StoreConfig, TlsConfig};
+use crate::state::Engine;
+use sluice::Limiter;
+use sluice::config::{ClockKind, LimiterConfig};
+use sluice::rules::Rules;
+use sluice::store::redis::{RedisOptions, RedisStore, ShardedRedisStore, Tls};
+use sluice::store::{MemcachedStore, MemoryStore, MigratingStore, Resilience, Resilient, Store, StoreError, Tuning};
+use sluice::time::{Clock, CoarseClock, SystemClock};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Why an engine cannot be built from a config.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("store memcached runs fixed windows only, but the rules use {0}: use a redis store")]
+    Unsupported(String),
+    #[error("store.percent is {0}; write 0 to 100")]
+    Percent(u8),
+    #[error("store.shards is empty: list at least one {{primary, replicas}}")]
+    NoShards,
+    #[error("cannot read store tls.{what} {path}: {source}")]
+    TlsFile {
+        what: &'static str,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("store tls: give both cert_file and key_file, or neither")]
+    TlsPair,
+}
+
+/// An engine and the handles the server keeps to it.
+pub struct Built {
+    pub engine: Engine,
+    /// The migrating store, when the store is one.
+    pub migration: Option<Arc<MigratingStore>>,
+    /// The deadline and breaker every remote store of this engine obeys.
+    pub tuning: Arc<Tuning>,
+}
+
+/// The engine a config describes, with a new store.
+pub fn build(config: &Config, rules: Rules) -> Result<Built, BuildError> {
+    supports(&config.store, &rules)?;
+    let tuning = Arc::new(Tuning::new(resilience(&config.limiter)));
+    let mut migration = None;
+    let clock = clock(&config.limiter);
+    let store = store(&config.store, &tuning, clock.clone(), &mut migration)?;
+    let engine = engine(config, rules, store, clock);
+    Ok(Built { engine, migration, tuning })
+}
+
+/// An engine over an existing store, with the clock, near-cache and headers `config`
+/// asks for.
+pub fn engine(config: &Config, rules: Rules, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Engine {
+    let remote = !matches!(config.store, StoreConfig::Memory { .. });
+    let limiter = Limiter::new(Arc::new(rules), store, clock);
+    let limiter = match config.limiter.near_cache {
+        n if remote && n > 0 => limiter.with_near_cache(n),
+        _ => limiter,
+    };
+    Engine { limiter, headers: config.headers }
+}
+
+/// The clock `limiter.clock` names.
+pub fn clock(limiter: &LimiterConfig) -> Arc<dyn Clock> {
+    match limiter.clock {
+        ClockKind::System => Arc::new(SystemClock),
+        ClockKind::Coarse => Arc::new(CoarseClock),
+    }
+}
+
+/// The deadline and breaker of `limiter`.
+pub fn resilience(limiter: &LimiterConfig) -> Resilience {
+    Resilience {
+        deadline: Duration::from_millis(limiter.deadline.0),
+        failures: limiter.breaker_failures.max(1),
+        cooldown: Duration::from_millis(limiter.breaker_cooldown.0),
+    }
+}
+
+/// Refuses rules the store cannot run (Memcached has fixed windows only) when the
+/// config is loaded, not when the first request fails.
+pub fn supports(store: &StoreConfig, rules: &Rules) -> Result<(), BuildError> {
+    match store {
+        StoreConfig::Memcached { .. } => {
+            let other: Vec<&str> = rules.algorithms().into_iter().filter(|a| *a != "fixed_window").collect();
+            match other.is_empty() {
+                true => Ok(()),
+                false => Err(BuildError::Unsupported(other.join(", "))),
+            }
+        }
+        StoreConfig::Migrating { from, to, .. } => {
+            supports(from, rules)?;
+            supports(to, rules)
+        }
+        _ => Ok(()),
+    }
+}
+
+fn store(
+    config: &StoreConfig,
+    tuning: &Arc<Tuning>,
+    clock: Arc<dyn Clock>,
+    migration: &mut Option<Arc<MigratingStore>>,
+) -> Result<Arc<dyn Store>, BuildError> {
+    Ok(match config {
+        &StoreConfig::Memory { max_keys } => {
+            let store = Arc::new(MemoryStore::new(max_keys));
+            // collect expired state in the background so memory follows active clients
+            store.collect_in_background(clock, Duration::from_secs(5));
+            store
+        }
+        StoreConfig::Redis { url, replicas, connection } => {
+            resilient(RedisStore::new(url, replicas, options(connection)?)?, tuning)
+        }
+        StoreConfig::RedisCluster { nodes, read_from_replicas, timeout, retries, tls: files, buckets } => {
+            let options = RedisOptions {
+                timeout: Duration::from_millis(timeout.0),
+                cluster_retries: *retries,
+                tls: tls(files.as_ref())?,
+                buckets: buckets.0,
+                ..RedisOptions::default()
+            };
+            resilient(RedisStore::cluster(nodes, *read_from_replicas, options)?, tuning)
+        }
+        StoreConfig::Memcached { servers, timeout } => {
+            resilient(MemcachedStore::new(servers, Duration::from_millis(timeout.0))?, tuning)
+        }
+        StoreConfig::Migrating { from, to, percent } => {
+            if *percent > 100 {
+                return Err(BuildError::Percent(*percent));
+            }
+            let from = store(from, tuning, clock.clone(), &mut None)?;
+            let to = store(to, tuning, clock, &mut None)?;
+            let store = Arc::new(MigratingStore::new(from, to, *percent));
+            *migration = Some(store.clone());
+            store
+        }
+        StoreConfig::RedisSharded { shards, connection } => {
+            if shards.is_empty() {
+                return Err(BuildError::NoShards);
+            }
+            let shards = shards
+                .iter()
+                .map(|s| Ok(RedisStore::new(&s.primary, &s.replicas, options(connection)?)?))
+                .collect::<Result<Vec<_>, BuildError>>()?;
+            resilient(ShardedRedisStore::new(shards), tuning)
+        }
+    })
+}
+
+/// A remote store behind the deadline and breaker of `tuning`.
+fn resilient<S: Store>(store: S, tuning: &Arc<Tuning>) -> Arc<dyn Store> {
+    Arc::new(Resilient::tuned(store, tuning.clone()))
+}
+
+fn options(c: &RedisConnectionConfig) -> Result<RedisOptions, BuildError> {
+    Ok(RedisOptions {
+        timeout: Duration::from_millis(c.timeout.0),
+        replica_acks: c.replica_acks,
+        tls: tls(c.tls.as_ref())?,
+        buckets: c.buckets.0,
+        ..RedisOptions::default()
+    })
+}
+
+/// Reads the TLS files a store names.
+fn tls(files: Option<&TlsConfig>) -> Result<Option<Tls>, BuildError> {
+    let Some(f) = files else { return Ok(None) };
+    let read = |what: &'static str, p: &std::path::Path| {
+        std::fs::read(p).map_err(|source| BuildError::TlsFile { what, path: p.display().to_string(), source })
+    };
+    let ca = f.ca_file.as_deref().map(|p| read("ca_file", p)).transpose()?;
+    let client = match (&f.cert_file, &f.key_file) {
+        (Some(c), Some(k)) => Some((read("cert_file", c)?, read("key_file", k)?)),
+        (None, None) => None,
+        _ => return Err(BuildError::TlsPair),
+    };
+    Ok(Some(Tls { ca, client }))
+}

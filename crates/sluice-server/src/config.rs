@@ -1,0 +1,216 @@
+//! The config file: the library's rule model (`limiter`, `headers`, `domains`) and the
+//! deployment settings only the server has: where it listens, which store it connects
+//! to, and the files that secure those connections.
+
+use serde::{Deserialize, Deserializer, de};
+use sluice::config::{DomainConfig, Duration, LimiterConfig};
+use sluice::headers::HeadersConfig;
+use std::net::SocketAddr;
+
+/// A whole config file.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub server: ServerConfig,
+    #[serde(default)]
+    pub store: StoreConfig,
+    #[serde(default)]
+    pub limiter: LimiterConfig,
+    #[serde(default)]
+    pub headers: HeadersConfig,
+    #[serde(default)]
+    pub domains: Vec<DomainConfig>,
+    /// A directory of envoyproxy/ratelimit config files (`*.yaml`, `*.yml`), one domain
+    /// each, loaded beside `domains`. Relative to the config file.
+    #[serde(default)]
+    pub domains_from: Option<std::path::PathBuf>,
+}
+
+impl Config {
+    /// Compiles the rules this config describes.
+    pub fn rules(&self) -> Result<sluice::rules::Rules, sluice::rules::RuleError> {
+        sluice::rules::Rules::compile(&self.limiter, &self.domains)
+    }
+}
+
+/// `server`: where the APIs listen.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// HTTP API address. Loopback unless you mean otherwise.
+    pub http: SocketAddr,
+    /// gRPC (Envoy RLS) address.
+    pub grpc: SocketAddr,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+    /// Enables the admin endpoints; callers must send `Authorization: Bearer <token>`.
+    pub admin_token: Option<String>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            http: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            grpc: SocketAddr::from(([127, 0, 0, 1], 8081)),
+            max_body_bytes: 64 * 1024,
+            admin_token: None,
+        }
+    }
+}
+
+/// `store`: where limiter state lives.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum StoreConfig {
+    /// In process memory; state is lost on restart and not shared between processes.
+    Memory {
+        /// Most states held (one per policy per client) before old ones are evicted.
+        #[serde(default = "default_max_keys")]
+        max_keys: usize,
+    },
+    /// One Redis primary (`url`), with optional read replicas for status reads.
+    Redis {
+        /// `redis://[user:password@]host:port[/db]` (or `rediss://` for TLS).
+        url: String,
+        #[serde(default)]
+        replicas: Vec<String>,
+        #[serde(flatten)]
+        connection: RedisConnectionConfig,
+    },
+    /// Redis Cluster (Stripe's setup): slots, MOVED and ASK followed by the client.
+    RedisCluster {
+        /// Any nodes of the cluster (`redis://host:port`); the rest are discovered.
+        nodes: Vec<String>,
+        /// Send status reads to the replicas of the primary owning the client's slot.
+        #[serde(default)]
+        read_from_replicas: bool,
+        /// Bounds connecting and each reply.
+        #[serde(default = "default_timeout")]
+        timeout: Duration,
+        /// Retries after MOVED, ASK, TRYAGAIN, CLUSTERDOWN or a dead node (waits of 2,
+        /// 4, 8 ... ms, at most 50); the engine's deadline bounds them all.
+        #[serde(default = "default_cluster_retries")]
+        retries: u32,
+        /// As for `redis`: how many bucket hashes client states share.
+        #[serde(default)]
+        buckets: Buckets,
+        /// Certificates for `rediss://` node URLs.
+        #[serde(default)]
+        tls: Option<TlsConfig>,
+    },
+    /// GitHub's old backend: fixed windows only, and a cache that evicts (see
+    /// docs/operations.md). For migrating away from, with `migrating`.
+    Memcached {
+        /// `host:port` of each server; each client lives on one.
+        servers: Vec<String>,
+        #[serde(default = "default_timeout")]
+        timeout: Duration,
+    },
+    /// GitHub's migration: each client on `to` or `from` by a stable hash of its tag
+    /// against `percent`, which can change live (config reload, admin API).
+    Migrating {
+        from: Box<StoreConfig>,
+        to: Box<StoreConfig>,
+        /// Share of clients on `to`, 0 to 100.
+        percent: u8,
+    },
+    /// GitHub's client-side sharding: each client on one of several replicated groups.
+    RedisSharded {
+        shards: Vec<RedisShardConfig>,
+        #[serde(flatten)]
+        connection: RedisConnectionConfig,
+    },
+}
+
+/// One shard of `redis_sharded`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisShardConfig {
+    pub primary: String,
+    #[serde(default)]
+    pub replicas: Vec<String>,
+}
+
+/// TLS files for `rediss://` URLs.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// PEM file of the CA that signed the server's certificate; without it, the system's
+    /// trusted roots.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// PEM certificate and key of this client, for servers that verify clients
+    /// (`tls-auth-clients yes`).
+    pub cert_file: Option<std::path::PathBuf>,
+    pub key_file: Option<std::path::PathBuf>,
+}
+
+/// Connection settings shared by the Redis stores.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default)]
+pub struct RedisConnectionConfig {
+    /// Bounds connecting and each reply (the engine's `limiter.deadline` is usually
+    /// shorter and decides first).
+    pub timeout: Duration,
+    /// Replicas that must acknowledge each write (`WAIT`) before it counts; 0 does not
+    /// wait. See docs/operations.md.
+    pub replica_acks: u32,
+    /// Certificates for `rediss://` URLs.
+    pub tls: Option<TlsConfig>,
+    /// How many bucket hashes client states share (1 to 16,777,216); about the number of
+    /// active states divided by 64. Changing it moves every client, which starts afresh.
+    /// See docs/operations.md.
+    pub buckets: Buckets,
+}
+
+impl Default for RedisConnectionConfig {
+    fn default() -> Self {
+        Self { timeout: Duration(1_000), replica_acks: 0, tls: None, buckets: Buckets::default() }
+    }
+}
+
+/// `store.buckets`: how many bucket hashes the Redis stores spread client states over
+/// (see the Redis store's bucket hashes), 1 to 16,777,216.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buckets(pub u32);
+
+impl Buckets {
+    pub const MAX: u32 = 1 << 24;
+}
+
+impl Default for Buckets {
+    fn default() -> Self {
+        Buckets(sluice::store::redis::DEFAULT_BUCKETS)
+    }
+}
+
+impl<'de> Deserialize<'de> for Buckets {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        match u32::try_from(n) {
+            Ok(n @ 1..=Buckets::MAX) => Ok(Buckets(n)),
+            _ => Err(de::Error::custom(format!(
+                "`buckets` is {n}; write 1 to {} (about the number of active states / 64)",
+                Buckets::MAX
+            ))),
+        }
+    }
+}
+
+fn default_max_keys() -> usize {
+    1_000_000
+}
+
+fn default_timeout() -> Duration {
+    Duration(1_000)
+}
+
+fn default_cluster_retries() -> u32 {
+    6
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig::Memory { max_keys: default_max_keys() }
+    }
+}

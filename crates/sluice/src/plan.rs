@@ -1,0 +1,285 @@
+//! Planning: a request becomes the store operations that decide it. Pure: no IO, no
+//! clock, no store.
+//!
+//! For each descriptor the domain's rules give the policies that apply; each policy
+//! becomes an [`Op`] on the state keyed by descriptor and policy, under the client's tag.
+//! Ops are grouped by tag: each group is one store call, all or nothing, one round trip
+//! (invariant 5). The plan also holds the skeleton of the verdict, one slot per policy,
+//! that the engine fills with the store's decisions.
+
+use crate::algo::{Decision, Lease, Limit, Op};
+use crate::config::Failure;
+use crate::request::{Descriptor, Request, RequestError, validate};
+use crate::rules::{Domain, Node, Policy, Rules};
+use crate::tag::Tag;
+use crate::verdict::{Code, DescriptorVerdict, PolicyDecision, Source};
+use std::collections::HashSet;
+
+/// What a call does with the matching policies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Charge rate policies. Concurrency policies are not touched.
+    Charge,
+    /// Report every policy without charging.
+    Peek,
+    /// Take a lease on every concurrency policy.
+    Acquire,
+    /// Give back rate policies' charges.
+    Refund,
+    /// Take leases on concurrency policies and charge rate policies, all or nothing, in
+    /// one store call per client: what the tower layer does for each request.
+    Admit,
+}
+
+impl Mode {
+    fn wants(self, limit: &Limit) -> bool {
+        let concurrency = matches!(limit, Limit::Concurrency { .. });
+        match self {
+            Mode::Peek | Mode::Admit => true,
+            Mode::Acquire => concurrency,
+            Mode::Charge | Mode::Refund => !concurrency,
+        }
+    }
+
+    /// Whether the mode charges (and so consults and feeds the near-cache).
+    pub(crate) fn charges(self) -> bool {
+        matches!(self, Mode::Charge | Mode::Admit)
+    }
+}
+
+/// One client tag's share of a request: its ops, and where each decision goes.
+#[derive(Debug)]
+pub(crate) struct Group {
+    pub tag: Tag,
+    pub ops: Vec<Op>,
+    /// Each op's failure policy.
+    pub failures: Vec<Failure>,
+    /// Each op's `(descriptor, policy)` slot in the verdict.
+    pub slots: Vec<(usize, usize)>,
+}
+
+/// A request, planned.
+#[derive(Debug)]
+pub(crate) struct Plan<'r> {
+    pub domain: &'r Domain,
+    /// The verdict's descriptors, their decisions still to fill.
+    pub descriptors: Vec<DescriptorVerdict>,
+    pub groups: Vec<Group>,
+}
+
+/// The placeholder decision of a policy that was not evaluated: allowed, nothing known.
+pub(crate) fn unevaluated(limit: &Limit) -> Decision {
+    let capacity = limit.capacity();
+    Decision { allowed: true, limit: capacity, used: 0, remaining: capacity, reset_at: 0, retry_after: None }
+}
+
+/// Validates `req` and plans it in `mode`; `lease` is the lease id to take, for the
+/// modes that take one.
+pub(crate) fn plan<'r>(
+    rules: &'r Rules,
+    req: &Request,
+    mode: Mode,
+    lease: Option<Lease>,
+) -> Result<Plan<'r>, RequestError> {
+    let domain = rules.domain(&req.domain).ok_or_else(|| RequestError::UnknownDomain {
+        domain: req.domain.chars().take(200).collect(),
+        known: rules.domain_names().join(", "),
+    })?;
+    validate(req)?;
+    let nodes: Vec<Option<&Node>> = req
+        .descriptors
+        .iter()
+        .map(|d| domain.find(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()))))
+        .collect();
+    // a rule's `replaces` drops the named limits of every other matching rule
+    let replaced: HashSet<&str> = nodes.iter().flatten().flat_map(|n| n.replaces.iter().map(|r| &**r)).collect();
+    let mut plan = Plan { domain, descriptors: Vec::with_capacity(req.descriptors.len()), groups: Vec::new() };
+    for (di, (d, node)) in req.descriptors.iter().zip(nodes).enumerate() {
+        let cost = if mode == Mode::Peek { 0 } else { d.hits_addend.or(req.hits_addend).unwrap_or(1) };
+        let from_request;
+        let policies: &[Policy] = match (&d.limit, node) {
+            (Some(_), _) => {
+                from_request = [request_policy(rules, domain, d, di)?];
+                &from_request
+            }
+            (None, Some(n)) => &n.policies,
+            (None, None) => &[],
+        };
+        let entries: Vec<(&str, &str)> = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
+        let tag = domain.tag(&rules.tagger, &entries);
+        plan.descriptors.push(DescriptorVerdict {
+            code: Code::Ok,
+            matched: node.is_some() || d.limit.is_some(),
+            unlimited: node.is_some_and(|n| n.unlimited),
+            policies: Vec::new(),
+        });
+        for p in policies.iter().filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name)) {
+            let op = op_for(rules, p, &entries, cost, lease, di)?;
+            plan.add(tag, op, p, di);
+        }
+    }
+    Ok(plan)
+}
+
+/// The policy of a limit that came with the request (Envoy's descriptor `limit`).
+fn request_policy(rules: &Rules, domain: &Domain, d: &Descriptor, di: usize) -> Result<Policy, RequestError> {
+    let o = d.limit.expect("called for descriptors with a limit");
+    let limit = Limit::FixedWindow { limit: o.requests_per_unit, window: o.unit.millis(), aligned: false };
+    limit.validate().map_err(|source| RequestError::BadLimit { descriptor: di, source })?;
+    Ok(Policy {
+        name: "override".into(),
+        limit,
+        shadow: false,
+        failure: rules.default_failure,
+        counters: domain.override_counters.clone(),
+        detailed: false,
+    })
+}
+
+/// The op that applies policy `p` to the descriptor `entries` of descriptor `di`.
+fn op_for(
+    rules: &Rules,
+    p: &Policy,
+    entries: &[(&str, &str)],
+    cost: u64,
+    lease: Option<Lease>,
+    di: usize,
+) -> Result<Op, RequestError> {
+    let is_lease = matches!(p.limit, Limit::Concurrency { .. });
+    let capacity = p.limit.capacity();
+    if cost > capacity && !is_lease {
+        return Err(RequestError::CostAboveCapacity { descriptor: di, cost, policy: p.name.to_string(), capacity });
+    }
+    Ok(Op {
+        key: rules.tagger.state_key(entries.iter().copied(), &p.name, p.limit.algorithm()),
+        limit: p.limit,
+        // a concurrency op takes one lease when the mode takes leases, else reports
+        cost: if is_lease { u64::from(lease.is_some()) } else { cost },
+        lease: if is_lease { lease } else { None },
+        shadow: p.shadow,
+    })
+}
+
+impl Plan<'_> {
+    /// Adds `op` (of policy `p`, descriptor `di`) to its tag's group, and its slot to the
+    /// verdict.
+    fn add(&mut self, tag: Tag, op: Op, p: &Policy, di: usize) {
+        let verdict = &mut self.descriptors[di];
+        let slot = (di, verdict.policies.len());
+        verdict.policies.push(PolicyDecision {
+            name: p.name.clone(),
+            limit: p.limit,
+            shadow: p.shadow,
+            decision: unevaluated(&p.limit),
+            source: Source::Store,
+            counters: Some(p.counters.clone()),
+            detailed: p.detailed,
+        });
+        match self.groups.iter_mut().find(|g| g.tag == tag) {
+            Some(g) if !g.ops.iter().any(|o| o.key == op.key) => {
+                g.ops.push(op);
+                g.failures.push(p.failure);
+                g.slots.push(slot);
+            }
+            // the same state twice in one request (two identical descriptors): a separate
+            // call keeps each op's decision its own
+            _ => self.groups.push(Group { tag, ops: vec![op], failures: vec![p.failure], slots: vec![slot] }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::builder::{DomainBuilder, RulesBuilder};
+    use crate::config::{LimiterConfig, RateLimitConfig, Replaces, Unit};
+    use std::time::Duration;
+
+    fn rules() -> Rules {
+        let minute = Duration::from_secs(60);
+        RulesBuilder::new()
+            .domain(
+                DomainBuilder::new("api")
+                    .rule([("user", None)], |r| {
+                        r.fixed_window("minute", 10, minute).concurrency("inflight", 2, Duration::from_secs(30))
+                    })
+                    .rule([("route", None)], |r| r.token_bucket("route", 5, Duration::from_secs(1), 5)),
+            )
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn groups_ops_by_client_and_keeps_slots() {
+        let rules = rules();
+        let req =
+            Request::new("api").descriptor([("user", "a")]).descriptor([("route", "/x")]).descriptor([("user", "b")]);
+        let p = plan(&rules, &req, Mode::Charge, None).unwrap();
+        // a charge skips concurrency; three descriptors, three different clients
+        assert_eq!(p.groups.len(), 3);
+        assert!(p.groups.iter().all(|g| g.ops.len() == 1 && g.ops[0].lease.is_none()));
+        assert_eq!(p.groups[1].slots, vec![(1, 0)]);
+        assert_eq!(&*p.descriptors[1].policies[0].name, "route");
+    }
+
+    #[test]
+    fn admit_puts_leases_and_rates_of_one_client_in_one_call() {
+        let rules = rules();
+        let req = Request::new("api").descriptor([("user", "a")]);
+        let p = plan(&rules, &req, Mode::Admit, Some(7)).unwrap();
+        assert_eq!(p.groups.len(), 1);
+        let ops = &p.groups[0].ops;
+        assert_eq!(ops.len(), 2);
+        assert_eq!((ops[1].lease, ops[1].cost), (Some(7), 1));
+        let peek = plan(&rules, &req, Mode::Peek, None).unwrap();
+        assert!(peek.groups[0].ops.iter().all(|o| o.cost == 0), "a peek charges nothing");
+    }
+
+    #[test]
+    fn the_same_state_twice_gets_its_own_call() {
+        let rules = rules();
+        let req = Request::new("api").descriptor([("user", "a")]).descriptor([("user", "a")]);
+        let p = plan(&rules, &req, Mode::Charge, None).unwrap();
+        assert_eq!(p.groups.len(), 2);
+        assert_eq!(p.groups[0].tag, p.groups[1].tag);
+    }
+
+    #[test]
+    fn replaces_drops_the_named_limit_of_other_matches() {
+        // envoyproxy/ratelimit's `replaces`: a `rate_limit` block of the config file
+        let limit = |name: &str, replaces: &[&str]| RateLimitConfig {
+            name: Some(crate::config::Name(name.into())),
+            unit: Some(Unit::Minute),
+            requests_per_unit: Some(10),
+            unlimited: false,
+            replaces: replaces.iter().map(|r| Replaces { name: crate::config::Name(r.to_string()) }).collect(),
+        };
+        let mut domain = DomainBuilder::new("api").into_config().unwrap();
+        let mut any = crate::config::DescriptorConfig::new("user".into(), None);
+        any.rate_limit = Some(limit("minute", &[]));
+        let mut vip = crate::config::DescriptorConfig::new("vip".into(), None);
+        vip.rate_limit = Some(limit("vip", &["minute"]));
+        domain.descriptors = vec![any, vip];
+        let rules = Rules::compile(&LimiterConfig::default(), &[domain]).unwrap();
+        let req = Request::new("api").descriptor([("user", "x")]).descriptor([("vip", "y")]);
+        let p = plan(&rules, &req, Mode::Charge, None).unwrap();
+        let names: Vec<Vec<&str>> =
+            p.descriptors.iter().map(|d| d.policies.iter().map(|p| &*p.name).collect()).collect();
+        assert_eq!(names, [vec![], vec!["vip"]]);
+    }
+
+    #[test]
+    fn bad_requests_are_refused_before_any_store() {
+        let rules = rules();
+        let e = plan(&rules, &Request::new("nope").descriptor([("user", "a")]), Mode::Charge, None).unwrap_err();
+        assert_eq!(e.code(), "unknown_domain");
+        let e = plan(&rules, &Request::new("api").descriptor([("user", "a")]).cost(11), Mode::Charge, None);
+        assert!(matches!(e, Err(RequestError::CostAboveCapacity { capacity: 10, .. })), "{e:?}");
+        let mut req = Request::new("api").descriptor([("user", "a")]);
+        req.descriptors[0].limit =
+            Some(crate::request::LimitOverride { requests_per_unit: 0, unit: crate::config::Unit::Second });
+        let e = plan(&rules, &req, Mode::Charge, None).unwrap_err();
+        assert_eq!(e.code(), "bad_limit");
+        assert!(plan(&rules, &Request::new("api"), Mode::Charge, None).is_err());
+    }
+}

@@ -1,0 +1,165 @@
+//! What a caller asks: a domain and descriptors, as Envoy's `RateLimitRequest` has them,
+//! and the bounds a request must keep to.
+//!
+//! Every interface (the HTTP API, Envoy's gRPC, the tower layer) turns what it received
+//! into a [`Request`]; the engine refuses one that breaks a bound with a
+//! [`RequestError`] naming the problem, before any store is asked.
+
+use crate::algo::MAX_EXACT;
+use crate::config::Unit;
+
+/// Longest descriptor entry key accepted, in bytes.
+pub const MAX_KEY_BYTES: usize = 256;
+/// Longest descriptor entry value accepted, in bytes.
+pub const MAX_VALUE_BYTES: usize = 1024;
+/// Most descriptors in one request.
+pub const MAX_DESCRIPTORS: usize = 64;
+/// Most entries in one descriptor.
+pub const MAX_ENTRIES: usize = 16;
+
+/// One `key=value` of a descriptor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub key: String,
+    pub value: String,
+}
+
+/// A request-supplied limit that replaces the configured one (Envoy's descriptor
+/// `limit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitOverride {
+    pub requests_per_unit: u64,
+    pub unit: Unit,
+}
+
+/// One descriptor of a request: entries walked down the domain's rule tree.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Descriptor {
+    pub entries: Vec<Entry>,
+    /// This descriptor's cost; None takes the request's.
+    pub hits_addend: Option<u64>,
+    pub limit: Option<LimitOverride>,
+}
+
+impl Descriptor {
+    /// A descriptor of `(key, value)` entries, in order.
+    pub fn new<K: Into<String>, V: Into<String>>(entries: impl IntoIterator<Item = (K, V)>) -> Self {
+        let entries = entries.into_iter().map(|(k, v)| Entry { key: k.into(), value: v.into() }).collect();
+        Self { entries, ..Self::default() }
+    }
+}
+
+/// A rate limit request, as Envoy's `RateLimitRequest` has it.
+///
+/// ```
+/// use sluice::Request;
+/// let req = Request::new("api").descriptor([("user", "alice")]).cost(2);
+/// assert_eq!(req.descriptors[0].entries[0].value, "alice");
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Request {
+    pub domain: String,
+    pub descriptors: Vec<Descriptor>,
+    /// The cost of each descriptor that names none; None means 1.
+    pub hits_addend: Option<u64>,
+}
+
+impl Request {
+    /// A request in `domain` with no descriptors yet.
+    pub fn new(domain: impl Into<String>) -> Self {
+        Self { domain: domain.into(), ..Self::default() }
+    }
+
+    /// Adds a descriptor of `(key, value)` entries.
+    pub fn descriptor<K: Into<String>, V: Into<String>>(mut self, entries: impl IntoIterator<Item = (K, V)>) -> Self {
+        self.descriptors.push(Descriptor::new(entries));
+        self
+    }
+
+    /// Sets the cost of every descriptor that names none.
+    pub fn cost(mut self, cost: u64) -> Self {
+        self.hits_addend = Some(cost);
+        self
+    }
+}
+
+/// A request the engine refuses to evaluate. Each says what is wrong and what to send.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error("unknown domain '{domain}'; configured domains: {known}")]
+    UnknownDomain { domain: String, known: String },
+    #[error("`descriptors` is empty; send at least one descriptor with at least one entry")]
+    NoDescriptors,
+    #[error("descriptors[{0}] has no entries; each descriptor needs at least one {{key, value}}")]
+    EmptyDescriptor(usize),
+    #[error("{0} descriptors sent; at most {MAX_DESCRIPTORS} are accepted")]
+    TooManyDescriptors(usize),
+    #[error("descriptors[{0}] has {1} entries; at most {MAX_ENTRIES} are accepted")]
+    TooManyEntries(usize, usize),
+    #[error("descriptors[{descriptor}].entries[{entry}].{field} is {len} bytes; at most {max} are accepted")]
+    TooLong { descriptor: usize, entry: usize, field: &'static str, len: usize, max: usize },
+    #[error("descriptors[{descriptor}].entries[{entry}].key is empty")]
+    EmptyKey { descriptor: usize, entry: usize },
+    #[error(
+        "descriptors[{descriptor}]: hits_addend {cost} exceeds the capacity {capacity} of policy '{policy}', \
+         so it could never be admitted; send a cost of at most {capacity}"
+    )]
+    CostAboveCapacity { descriptor: usize, cost: u64, policy: String, capacity: u64 },
+    #[error("descriptors[{descriptor}].limit: {source}")]
+    BadLimit {
+        descriptor: usize,
+        #[source]
+        source: crate::algo::LimitError,
+    },
+    #[error("lease id '{0}' is not one this service issued")]
+    BadLeaseId(String),
+}
+
+impl RequestError {
+    /// A stable machine-readable code for JSON errors.
+    pub fn code(&self) -> &'static str {
+        match self {
+            RequestError::UnknownDomain { .. } => "unknown_domain",
+            RequestError::NoDescriptors | RequestError::EmptyDescriptor(_) => "empty_descriptors",
+            RequestError::TooManyDescriptors(_) | RequestError::TooManyEntries(..) => "too_many_descriptors",
+            RequestError::TooLong { .. } | RequestError::EmptyKey { .. } => "bad_entry",
+            RequestError::CostAboveCapacity { .. } => "cost_above_capacity",
+            RequestError::BadLimit { .. } => "bad_limit",
+            RequestError::BadLeaseId(_) => "bad_lease_id",
+        }
+    }
+}
+
+/// Checks a request against the bounds above, before any rule is matched.
+pub(crate) fn validate(req: &Request) -> Result<(), RequestError> {
+    if req.descriptors.is_empty() {
+        return Err(RequestError::NoDescriptors);
+    }
+    if req.descriptors.len() > MAX_DESCRIPTORS {
+        return Err(RequestError::TooManyDescriptors(req.descriptors.len()));
+    }
+    for (di, d) in req.descriptors.iter().enumerate() {
+        if d.entries.is_empty() {
+            return Err(RequestError::EmptyDescriptor(di));
+        }
+        if d.entries.len() > MAX_ENTRIES {
+            return Err(RequestError::TooManyEntries(di, d.entries.len()));
+        }
+        for (ei, e) in d.entries.iter().enumerate() {
+            if e.key.is_empty() {
+                return Err(RequestError::EmptyKey { descriptor: di, entry: ei });
+            }
+            for (field, len, max) in [("key", e.key.len(), MAX_KEY_BYTES), ("value", e.value.len(), MAX_VALUE_BYTES)] {
+                if len > max {
+                    return Err(RequestError::TooLong { descriptor: di, entry: ei, field, len, max });
+                }
+            }
+        }
+        let cost = d.hits_addend.or(req.hits_addend).unwrap_or(1);
+        if cost > MAX_EXACT {
+            let policy = "any".into();
+            return Err(RequestError::CostAboveCapacity { descriptor: di, cost, policy, capacity: MAX_EXACT });
+        }
+    }
+    Ok(())
+}
