@@ -85,8 +85,27 @@ struct Tally {
     errors: u64,
 }
 
+/// Why a benchmark could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Config(#[from] crate::load::ConfigError),
+    #[error(transparent)]
+    Build(#[from] crate::build::BuildError),
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        addr: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("a bench worker failed: {0}")]
+    Worker(#[from] tokio::task::JoinError),
+    #[error("cannot write the report: {0}")]
+    Report(#[from] serde_json::Error),
+}
+
 /// Runs the benchmark and prints its report.
-pub async fn bench(args: Args) -> Result<(), String> {
+pub async fn bench(args: Args) -> Result<(), BenchError> {
     let deadline = Instant::now() + Duration::from_millis(args.duration.0);
     let done = Arc::new(AtomicU64::new(0));
     let progress = (!args.json).then(|| spawn_progress(done.clone(), args.duration.0));
@@ -94,21 +113,19 @@ pub async fn bench(args: Args) -> Result<(), String> {
     let target;
     let tallies: Vec<Tally> = if args.in_process {
         let Loaded { config, rules } = match &args.config {
-            Some(p) => load_file(p),
-            None => load_str(DEFAULT_CONFIG, "<built-in config>"),
-        }
-        .map_err(|e| e.to_string())?;
-        let limiter = Arc::new(crate::build::build(&config, rules).map_err(|e| e.to_string())?.engine.limiter);
+            Some(p) => load_file(p)?,
+            None => load_str(DEFAULT_CONFIG, "<built-in config>")?,
+        };
+        let limiter = Arc::new(crate::build::build(&config, rules)?.engine.limiter);
         target = format!("in-process {} store", limiter.store().kind());
         drive(&args, deadline, &done, |_| InProcess { limiter: limiter.clone(), args: args.clone() }).await?
     } else if args.grpc {
         let addr = args.target.trim_start_matches("http://").trim_end_matches('/').to_string();
         target = format!("grpc://{addr} ShouldRateLimit");
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| format!("bad --target {addr}: {e}"))?
-            .connect()
-            .await
-            .map_err(|e| format!("cannot connect to {addr}: {e}"))?;
+        let connect = |source| BenchError::Connect { addr: addr.clone(), source };
+        let channel =
+            tonic::transport::Endpoint::from_shared(format!("http://{addr}")).map_err(connect)?.connect().await;
+        let channel = channel.map_err(connect)?;
         drive(&args, deadline, &done, |_| Grpc {
             client: RateLimitServiceClient::new(channel.clone()),
             args: args.clone(),
@@ -126,7 +143,7 @@ pub async fn bench(args: Args) -> Result<(), String> {
     }
     let report = summarize(tallies, target, &args, seconds);
     if args.json {
-        println!("{}", serde_json::to_string(&report).map_err(|e| e.to_string())?);
+        println!("{}", serde_json::to_string(&report)?);
     } else {
         print_report(&report);
     }
@@ -191,7 +208,7 @@ async fn drive<C: Caller>(
     deadline: Instant,
     done: &Arc<AtomicU64>,
     caller: impl Fn(usize) -> C,
-) -> Result<Vec<Tally>, String> {
+) -> Result<Vec<Tally>, BenchError> {
     let workers: Vec<_> = (0..args.concurrency)
         .map(|w| {
             let (mut c, done, step) = (caller(w), done.clone(), args.concurrency as u64);
@@ -214,7 +231,7 @@ async fn drive<C: Caller>(
         .collect();
     let mut out = Vec::new();
     for w in workers {
-        out.push(w.await.map_err(|e| format!("a bench worker failed: {e}"))?);
+        out.push(w.await?);
     }
     Ok(out)
 }

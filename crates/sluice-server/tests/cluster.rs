@@ -91,7 +91,11 @@ async fn drive(base: String, clients: usize, stop: Arc<AtomicBool>) -> Seen {
 async fn exactly_the_limit_under_concurrency() {
     let _heavy = common::heavy().await;
     let cluster = RedisCluster::start();
-    let s = start_with(&cluster_config(&cluster), &rule(200));
+    // exactness, not latency, is under test: on two shared cores 300 requests at once
+    // on a cold cluster connection can take longer than the 100 ms default deadline, and
+    // the failure policy would (correctly) decide them
+    let sections = format!("{}limiter: {{deadline: 5s}}\n", cluster_config(&cluster));
+    let s = start_with(&sections, &rule(200));
     let (ok, degraded) = common::burst(std::slice::from_ref(&s.base), "d", "one", 300).await;
     assert_eq!(degraded, 0, "decisions left to the failure policy");
     assert_eq!(ok, 200);

@@ -28,7 +28,7 @@ fn step() -> impl Strategy<Value = Step> {
 }
 
 #[test]
-fn memory_and_redis_decide_alike() {
+fn redis_decides_as_the_model() {
     let redis = RedisServer::start();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let store = rt.block_on(async { RedisStore::new(&redis.url(), &[], RedisOptions::default()).unwrap() });
@@ -36,7 +36,7 @@ fn memory_and_redis_decide_alike() {
 }
 
 #[test]
-fn memory_and_redis_cluster_decide_alike() {
+fn redis_cluster_decides_as_the_model() {
     let cluster = sluice_testkit::RedisCluster::start();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let store = rt.block_on(async { RedisStore::cluster(&cluster.urls(), false, RedisOptions::default()).unwrap() });
