@@ -57,6 +57,10 @@ pub struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Print the Lua apply script Sluice runs on Redis, and nothing else (for
+    /// `redis-cli SCRIPT LOAD`: the ceiling in `scripts/bench`).
+    #[arg(long)]
+    pub print_apply_script: bool,
 }
 
 /// What one run measured.
@@ -106,6 +110,10 @@ pub enum BenchError {
 
 /// Runs the benchmark and prints its report.
 pub async fn bench(args: Args) -> Result<(), BenchError> {
+    if args.print_apply_script {
+        print!("{}", sluice::store::redis::apply_script());
+        return Ok(());
+    }
     let deadline = Instant::now() + Duration::from_millis(args.duration.0);
     let done = Arc::new(AtomicU64::new(0));
     let progress = (!args.json).then(|| spawn_progress(done.clone(), args.duration.0));

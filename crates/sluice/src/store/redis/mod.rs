@@ -66,6 +66,13 @@ impl Scripts {
     }
 }
 
+/// The Lua source of the apply script exactly as Sluice sends it to Redis (prelude,
+/// `lib.lua`, `apply.lua`): to audit it, or to load it by hand (`SCRIPT LOAD`) and
+/// measure Redis alone with `redis-benchmark`, as `scripts/bench` does.
+pub fn apply_script() -> String {
+    Scripts::new().apply.code
+}
+
 /// The algorithms as the scripts number them. The one place these numbers are written:
 /// every script starts with a prelude naming them (`local FIXED_WINDOW, ... = 1, ...`),
 /// and `lib.lua` uses only the names.
