@@ -46,6 +46,18 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Enables the admin endpoints; callers must send `Authorization: Bearer <token>`.
     pub admin_token: Option<String>,
+    /// A request head must arrive within this; a keep-alive connection that sends no
+    /// next request is closed after it too (HTTP). gRPC: the HTTP/2 keep-alive ping
+    /// must be answered within it.
+    pub header_timeout: Duration,
+    /// A request body must arrive within this (HTTP; 408 after it).
+    pub body_timeout: Duration,
+    /// Connections served as usual at once (HTTP). Past it a connection gets one
+    /// request and is closed, so a health probe still gets through.
+    pub max_connections: usize,
+    /// How long a stopping server (SIGTERM, SIGINT) waits for requests in flight before
+    /// it drops their connections and exits.
+    pub shutdown_grace: Duration,
 }
 
 impl Default for ServerConfig {
@@ -55,6 +67,10 @@ impl Default for ServerConfig {
             grpc: SocketAddr::from(([127, 0, 0, 1], 8081)),
             max_body_bytes: 64 * 1024,
             admin_token: None,
+            header_timeout: Duration(10_000),
+            body_timeout: Duration(10_000),
+            max_connections: 4_096,
+            shutdown_grace: Duration(10_000),
         }
     }
 }

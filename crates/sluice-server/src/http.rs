@@ -41,7 +41,8 @@ fn check_error(e: CheckError) -> Response {
     match e {
         CheckError::Request(e) => error(StatusCode::BAD_REQUEST, e.code(), e.to_string()),
         CheckError::Store(e) => {
-            tracing::warn!(error = %e, "store call failed");
+            // the store's failing and recovering are logged where it is wrapped, once each
+            tracing::debug!(error = %e, "store call failed");
             error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", e.to_string())
         }
     }
@@ -61,7 +62,20 @@ async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Resu
     if declared.is_some_and(|n| n > max) {
         return Err(too_large());
     }
-    let bytes = to_bytes(body, max).await.map_err(|_| too_large())?;
+    let Ok(read) = tokio::time::timeout(state.body_timeout, to_bytes(body, max)).await else {
+        let message = format!("the request body did not arrive within {:?} (server.body_timeout)", state.body_timeout);
+        return Err(error(StatusCode::REQUEST_TIMEOUT, "body_timeout", message));
+    };
+    let bytes = read.map_err(|e| {
+        // over the limit is a 413; a body that breaks off or is malformed (a bad chunk
+        // size) is the client's mistake of another kind: a 400
+        let over = std::iter::successors(Some(&e as &dyn std::error::Error), |e| e.source())
+            .any(|e| e.is::<http_body_util::LengthLimitError>());
+        match over {
+            true => too_large(),
+            false => error(StatusCode::BAD_REQUEST, "bad_body", format!("the request body could not be read: {e}")),
+        }
+    })?;
     let parsed: RequestJson = serde_json::from_slice(&bytes).map_err(|e| {
         error(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not a valid rate limit request: {e}"))
     })?;

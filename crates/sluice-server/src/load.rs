@@ -47,7 +47,7 @@ pub fn check(file: &Path) -> Result<(), ConfigError> {
 pub fn load_file(path: &Path) -> Result<Loaded, ConfigError> {
     let file = path.display().to_string();
     let text = read(path)?;
-    let mut config: Config = parse(&text, &file)?;
+    let mut config = parse_config(&text, &file)?;
     if let Some(dir) = config.domains_from.clone() {
         let dir = path.parent().unwrap_or(Path::new(".")).join(dir);
         for domain_file in domain_files(&dir)? {
@@ -64,9 +64,23 @@ pub fn load_file(path: &Path) -> Result<Loaded, ConfigError> {
             config.domains.push(domain);
         }
     }
+    compile(config, &text, &file)
+}
+
+/// Compiles a parsed config (whose text is `text`, from `file`). A config without any
+/// domain is refused: it would answer every request "unknown domain", and it is what an
+/// editor that truncates a file before writing it leaves for a moment.
+fn compile(config: Config, text: &str, file: &str) -> Result<Loaded, ConfigError> {
+    if config.domains.is_empty() {
+        let message = match config.domains_from {
+            Some(_) => "no domain: the domains_from directory holds no *.yaml or *.yml file, and `domains:` is empty",
+            None => "no domain: add a `domains:` list (or `domains_from:` a directory of domain files)",
+        };
+        return Err(ConfigError { file: file.to_string(), at: None, message: message.into() });
+    }
     let rules = config.rules().map_err(|e| ConfigError {
-        file: file.clone(),
-        at: locate(&text, &e.anchors),
+        file: file.to_string(),
+        at: locate(text, &e.anchors),
         message: e.to_string(),
     })?;
     Ok(Loaded { config, rules })
@@ -113,13 +127,14 @@ fn read(path: &Path) -> Result<String, ConfigError> {
 
 /// Parses and compiles config text; `file` names it in errors.
 pub fn load_str(text: &str, file: &str) -> Result<Loaded, ConfigError> {
-    let config: Config = parse(text, file)?;
-    let rules = config.rules().map_err(|e| ConfigError {
-        file: file.to_string(),
-        at: locate(text, &e.anchors),
-        message: e.to_string(),
-    })?;
-    Ok(Loaded { config, rules })
+    compile(parse_config(text, file)?, text, file)
+}
+
+/// A config file's text; one with nothing but blank lines and comments is an empty
+/// config (YAML itself calls it no document at all).
+fn parse_config(text: &str, file: &str) -> Result<Config, ConfigError> {
+    let blank = text.lines().all(|l| l.trim().is_empty() || l.trim_start().starts_with('#'));
+    if blank { Ok(Config::default()) } else { parse(text, file) }
 }
 
 /// YAML into `T`, with errors at file:line:col.
@@ -189,6 +204,14 @@ mod tests {
     fn the_default_config_loads() {
         let l = load_str(DEFAULT_CONFIG, "default.yaml").unwrap();
         assert!(l.rules.domain_names().contains(&"demo"));
+    }
+
+    #[test]
+    fn a_config_without_domains_is_refused() {
+        for text in ["", "# nothing yet\n", "server:\n  http: 127.0.0.1:8080\n", "domains: []\n"] {
+            let e = load_str(text, "c.yaml").err().unwrap_or_else(|| panic!("{text:?} was accepted"));
+            assert!(e.to_string().starts_with("c.yaml: no domain"), "{text:?}: {e}");
+        }
     }
 
     #[test]

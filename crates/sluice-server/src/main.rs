@@ -6,6 +6,7 @@ mod build;
 mod cli;
 mod config;
 mod http;
+mod listen;
 mod load;
 mod reload;
 mod rls;

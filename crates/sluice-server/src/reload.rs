@@ -2,10 +2,11 @@
 //! effect for the next request, or the whole file is refused.
 //!
 //! The file (and the domain files of its `domains_from` directory) is polled (every
-//! 500 ms, following symlinks) and reloaded when its bytes change. Polling sees the three
-//! ways configs change in the same way: an edit in place, a new file renamed over the old
-//! one, and a symlink swapped to another target (how Kubernetes updates a mounted
-//! ConfigMap), where file-event APIs are easy to get wrong.
+//! 500 ms, following symlinks) and reloaded when its bytes change and have stayed so for
+//! a moment (a file being written is read once it is whole), and on SIGHUP. Polling sees
+//! the three ways configs change in the same way: an edit in place, a new file renamed
+//! over the old one, and a symlink swapped to another target (how Kubernetes updates a
+//! mounted ConfigMap), where file-event APIs are easy to get wrong.
 //!
 //! What a reload does with each section:
 //! - `domains`, `domains_from`, `headers`: new rules, in force for the next request;
@@ -40,21 +41,39 @@ pub enum ReloadError {
     Build(#[from] BuildError),
 }
 
-/// Watches `path` (already loaded as `config` from `bytes`) until the process ends.
-pub fn watch(path: PathBuf, mut config: Config, mut bytes: Vec<u8>, state: Arc<AppState>) {
+/// How long a changed file must stay unchanged before it is read: an editor that
+/// truncates a file and then writes it, or a copy in progress, is read once it is whole.
+const SETTLE: Duration = Duration::from_millis(250);
+
+/// Watches `path` (already loaded as `config` from `bytes`) until the process ends, and
+/// reloads it when it changes or when the process gets SIGHUP (as nginx, Prometheus and
+/// HAProxy do). Without a path (the built-in config) SIGHUP is logged and ignored.
+pub fn watch(path: Option<PathBuf>, mut config: Config, mut bytes: Vec<u8>, state: Arc<AppState>) {
     let ok = metrics::counter!(names::CONFIG_RELOADS, "result" => "ok");
     let failed = metrics::counter!(names::CONFIG_RELOADS, "result" => "failed");
+    let mut hangups = hangups();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(POLL);
         loop {
-            tick.tick().await;
+            let hangup = tokio::select! {
+                _ = tick.tick() => false,
+                Some(()) = hangups.recv() => true,
+            };
+            let Some(path) = &path else {
+                if hangup {
+                    tracing::info!("SIGHUP: no config file to reload (serving the built-in config)");
+                }
+                continue;
+            };
             // a file between writes, or a symlink mid-swap, is just looked at again later
-            let Some(now) = fingerprint(&path) else { continue };
-            if now == bytes {
+            let Some(now) = fingerprint(path) else { continue };
+            if hangup {
+                tracing::info!(file = %path.display(), "SIGHUP: reloading the config");
+            } else if now == bytes || !settled(path, &now).await {
                 continue;
             }
             bytes = now;
-            match reload(&path, &config, &state) {
+            match reload(path, &config, &state) {
                 Ok(next) => {
                     config = next;
                     ok.increment(1);
@@ -66,6 +85,33 @@ pub fn watch(path: PathBuf, mut config: Config, mut bytes: Vec<u8>, state: Arc<A
             }
         }
     });
+}
+
+/// Whether the file still reads `seen` after [`SETTLE`].
+async fn settled(path: &Path, seen: &[u8]) -> bool {
+    tokio::time::sleep(SETTLE).await;
+    fingerprint(path).is_some_and(|again| again == seen)
+}
+
+/// SIGHUPs, as a channel. Registering the handler also stops SIGHUP from killing the
+/// process, which is its default action.
+fn hangups() -> tokio::sync::mpsc::Receiver<()> {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    #[cfg(unix)]
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(mut hup) => {
+            tokio::spawn(async move {
+                while hup.recv().await.is_some() {
+                    // one pending reload is enough: later SIGHUPs fold into it
+                    let _ = tx.try_send(());
+                }
+            });
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot listen for SIGHUP; reload by editing the file"),
+    }
+    #[cfg(not(unix))]
+    drop(tx);
+    rx
 }
 
 /// Loads `path` and puts every section in force, or none. Returns the config now in
@@ -93,6 +139,15 @@ fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Config, Rel
     }
     if config.limiter != current.limiter {
         applied.push("limiter");
+    }
+    let dropped: Vec<&str> = current
+        .domains
+        .iter()
+        .map(|d| d.domain.0.as_str())
+        .filter(|name| !config.domains.iter().any(|d| d.domain.0 == *name))
+        .collect();
+    if !dropped.is_empty() {
+        tracing::warn!(domains = %dropped.join(", "), "config reload: these domains are gone; their requests now get 400 unknown domain");
     }
     let restart = needs_restart(&config.server, &current.server);
     if !restart.is_empty() {

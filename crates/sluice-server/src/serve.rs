@@ -2,8 +2,9 @@
 //! gRPC rate limit service until SIGINT or SIGTERM.
 
 use crate::build::{BuildError, build};
-use crate::config::StoreConfig;
+use crate::config::{ServerConfig, StoreConfig};
 use crate::http::router;
+use crate::listen::Bounds;
 use crate::load::{ConfigError, DEFAULT_CONFIG, Loaded, load_file, load_str};
 use crate::rls::Rls;
 use crate::state::AppState;
@@ -13,6 +14,7 @@ use sluice::config::DEFAULT_KEY_SECRET;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -46,8 +48,6 @@ pub enum ServeError {
     },
     #[error("metrics: {0}")]
     Metrics(#[from] metrics_exporter_prometheus::BuildError),
-    #[error("HTTP server failed: {0}")]
-    Http(#[source] std::io::Error),
 }
 
 /// Runs the service.
@@ -67,13 +67,24 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     let addr = args.http.unwrap_or(config.server.http);
     let listener = listen(addr).await?;
     let grpc_addr = args.grpc.unwrap_or(config.server.grpc);
-    serve_grpc(listen(grpc_addr).await?, state.clone());
+    let (stopping, stop) = tokio::sync::watch::channel(false);
+    let grpc = serve_grpc(listen(grpc_addr).await?, state.clone(), &config.server, stop);
     tracing::info!(http = %addr, grpc = %grpc_addr, store = state.engine.load().limiter.store().kind(), "sluice is serving");
-    if let Some(path) = args.config.clone() {
-        crate::reload::watch(path, config, loaded_bytes, state.clone());
-    }
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown()).await.map_err(ServeError::Http)?;
-    tracing::info!("stopped");
+    let server = config.server.clone();
+    crate::reload::watch(args.config.clone(), config, loaded_bytes, state.clone());
+    let bounds = Bounds {
+        header_timeout: Duration::from_millis(server.header_timeout.0),
+        max_connections: server.max_connections,
+        shutdown_grace: Duration::from_millis(server.shutdown_grace.0),
+    };
+    let dropped = crate::listen::serve(listener, router(state), bounds, async {
+        shutdown().await;
+        let _ = stopping.send(true);
+    })
+    .await;
+    // gRPC stops on the same signal, within the same grace
+    let grpc_dropped = tokio::time::timeout(bounds.shutdown_grace, grpc).await.is_err();
+    tracing::info!(dropped_http_connections = dropped, grpc_cut_off = grpc_dropped, "stopped");
     Ok(())
 }
 
@@ -81,24 +92,57 @@ async fn listen(addr: SocketAddr) -> Result<tokio::net::TcpListener, ServeError>
     tokio::net::TcpListener::bind(addr).await.map_err(|source| ServeError::Listen { addr, source })
 }
 
-/// Envoy's rate limit service, on its own port, sharing the engine.
-fn serve_grpc(listener: tokio::net::TcpListener, state: Arc<AppState>) {
+/// Envoy's rate limit service, on its own port, sharing the engine, until `stop` turns
+/// true: then it answers the calls in flight and ends (the returned task).
+fn serve_grpc(
+    listener: tokio::net::TcpListener,
+    state: Arc<AppState>,
+    server: &ServerConfig,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
     let rls = RateLimitServiceServer::new(Rls { state });
+    let ping = Duration::from_millis(server.header_timeout.0);
+    let builder = tonic::transport::Server::builder()
+        // a peer that stops answering HTTP/2 pings is gone: close its connection
+        .http2_keepalive_interval(Some(ping))
+        .http2_keepalive_timeout(Some(ping))
+        .max_concurrent_streams(Some(1_024))
+        // a call that takes longer than a request head may is answered DEADLINE_EXCEEDED
+        .timeout(ping);
     tokio::spawn(async move {
         // no Nagle: a small reply held back for a delayed ACK costs every call ~40 ms
         let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-        if let Err(e) = tonic::transport::Server::builder().add_service(rls).serve_with_incoming(incoming).await {
+        let stopped = async move {
+            let _ = stop.wait_for(|s| *s).await;
+        };
+        let mut builder = builder;
+        if let Err(e) = builder.add_service(rls).serve_with_incoming_shutdown(incoming, stopped).await {
             tracing::error!(error = %e, "the gRPC server stopped");
         }
-    });
+    })
 }
 
-/// Installs the Prometheus recorder that `/metrics` renders. Store latencies are
-/// histograms with buckets from 0.5 ms to 1 s.
+/// How often histogram samples are folded into their buckets.
+const METRICS_UPKEEP: Duration = Duration::from_secs(1);
+
+/// Installs the Prometheus recorder that `/metrics` renders, and its upkeep. Store
+/// latencies are histograms with buckets from 0.5 ms to 1 s. The recorder keeps every
+/// histogram sample until it is folded into the buckets, which a scrape does, and the
+/// upkeep does every second whether anyone scrapes or not: without it an unscraped
+/// server on a remote store grows by about 16 bytes a decision, without end.
 fn install_metrics() -> Result<PrometheusHandle, ServeError> {
     let buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
     let store_calls = Matcher::Full(sluice::metric_names::STORE_CALL_SECONDS.into());
-    Ok(PrometheusBuilder::new().set_buckets_for_metric(store_calls, &buckets)?.install_recorder()?)
+    let handle = PrometheusBuilder::new().set_buckets_for_metric(store_calls, &buckets)?.install_recorder()?;
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(METRICS_UPKEEP);
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    Ok(handle)
 }
 
 /// Resolves on SIGINT or SIGTERM.
@@ -122,4 +166,36 @@ async fn shutdown() {
         () = term => {},
     }
     tracing::info!("shutting down: finishing requests in flight");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The process's resident memory, in bytes.
+    fn rss() -> u64 {
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+        statm.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 4096
+    }
+
+    /// A million store-call samples (what a million decisions on a remote store record)
+    /// over ten seconds, nobody scraping: the upkeep folds them away, so memory stays
+    /// flat. (This binary's only test that installs the global recorder.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_million_decisions_unscraped_do_not_grow_memory() {
+        let _handle = install_metrics().unwrap();
+        let h = metrics::histogram!(sluice::metric_names::STORE_CALL_SECONDS, "store" => "redis", "op" => "apply");
+        let batch = |n: usize| (0..n).for_each(|i| h.record(0.0001 * (i % 50) as f64));
+        // one batch first, so the allocator's pools and the recorder's tables exist
+        batch(50_000);
+        tokio::time::sleep(METRICS_UPKEEP * 2).await;
+        let before = rss();
+        for _ in 0..20 {
+            batch(50_000);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        tokio::time::sleep(METRICS_UPKEEP * 2).await;
+        let grown = rss().saturating_sub(before);
+        assert!(grown < 2 << 20, "a million unscraped samples grew memory by {grown} bytes");
+    }
 }

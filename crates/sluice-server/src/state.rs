@@ -25,6 +25,8 @@ pub struct AppState {
     /// `server.admin_token`: the admin endpoints exist only when it is set.
     pub admin_token: Option<String>,
     pub max_body_bytes: usize,
+    /// `server.body_timeout`.
+    pub body_timeout: std::time::Duration,
     /// Renders `/metrics`; None when no recorder is installed.
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
@@ -42,6 +44,7 @@ impl AppState {
             tuning: ArcSwap::new(built.tuning),
             admin_token: server.admin_token.clone(),
             max_body_bytes: server.max_body_bytes,
+            body_timeout: std::time::Duration::from_millis(server.body_timeout.0),
             metrics,
         }
     }

@@ -82,6 +82,11 @@ impl Process {
     pub fn exited(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(Some(_)))
     }
+    /// The exit code, once the process has exited (None while it runs, or if a signal
+    /// ended it).
+    pub fn exit_code(&mut self) -> Option<i32> {
+        self.child.try_wait().ok().flatten().and_then(|status| status.code())
+    }
     /// Kills the process (SIGKILL) and waits for it.
     pub fn kill(&mut self) {
         let _ = self.child.kill();

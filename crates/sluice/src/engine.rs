@@ -61,12 +61,13 @@ pub struct Limiter {
     clock: Arc<dyn Clock>,
     near_cache: Option<NearCache>,
     near_cache_capacity: usize,
+    failures: FailureLog,
 }
 
 impl Limiter {
     /// An engine over compiled rules, a store and a clock.
     pub fn new(rules: Arc<Rules>, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
-        Self { rules, store, clock, near_cache: None, near_cache_capacity: 0 }
+        Self { rules, store, clock, near_cache: None, near_cache_capacity: 0, failures: FailureLog::default() }
     }
 
     /// An engine for one process: the memory store (up to a million states) and the
@@ -290,7 +291,7 @@ impl Limiter {
     /// Decisions for a group whose store call failed, by each policy's failure policy:
     /// fail-open allows, fail-closed refuses. Returns them and the stricter policy met.
     fn fail(&self, g: &Group, e: &StoreError, now: Millis) -> (Vec<Decision>, Failure) {
-        tracing::warn!(error = %e, "store call failed; applying the failure policy");
+        self.failures.failed(e, now);
         let mut worst = Failure::Open;
         let decisions = g
             .ops
@@ -331,6 +332,33 @@ impl Limiter {
             self.forget(tag, &refunds);
         }
         Ok(())
+    }
+}
+
+/// How often a store outage is summed up in the log.
+const FAILURE_LOG_EVERY: Millis = 5_000;
+
+/// The log of decisions left to the failure policy: the first at once, then one line at
+/// most every [`FAILURE_LOG_EVERY`] with how many there were since: never a line per
+/// request, however many requests an outage meets. (The store's own transitions, failing
+/// and answering again, are logged by the resilient wrapper.)
+#[derive(Default)]
+struct FailureLog {
+    /// When the next line may be written, in ms.
+    next: std::sync::atomic::AtomicU64,
+    /// Failed store calls since the last line.
+    since: std::sync::atomic::AtomicU64,
+}
+
+impl FailureLog {
+    fn failed(&self, e: &StoreError, now: Millis) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let count = self.since.fetch_add(1, Relaxed) + 1;
+        let next = self.next.load(Relaxed);
+        if now >= next && self.next.compare_exchange(next, now + FAILURE_LOG_EVERY, Relaxed, Relaxed).is_ok() {
+            self.since.fetch_sub(count, Relaxed);
+            tracing::warn!(error = %e, store_calls_failed = count, "the failure policy decided (store calls failing)");
+        }
     }
 }
 

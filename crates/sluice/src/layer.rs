@@ -418,7 +418,7 @@ impl Shared {
             }
             // the store failed: fail open, as Stripe's limiters do
             Err(e) => {
-                tracing::warn!(error = %e, "fleet shedder store call failed");
+                tracing::debug!(error = %e, "fleet shedder store call failed; allowing");
                 None
             }
         }
@@ -436,7 +436,7 @@ impl Shared {
         let v = match self.limiter.admit(&req).await {
             Ok(v) => v,
             Err(e) => {
-                tracing::warn!(error = %e, "rate limit check failed; allowing");
+                tracing::debug!(error = %e, "rate limit check failed; allowing");
                 return Ok(None);
             }
         };

@@ -32,6 +32,7 @@ pub mod names {
     pub const DECISIONS_DETAILED: &str = "sluice_decisions_detailed_total";
     pub const SHED: &str = "sluice_shed_total";
     pub const SHED_AMOUNT: &str = "sluice_shed_amount";
+    pub const HTTP_OVER_LIMIT: &str = "sluice_http_connections_over_limit_total";
 }
 
 /// The counters of one policy of one domain.

@@ -128,3 +128,10 @@ pub async fn burst(bases: &[String], domain: &str, user: &str, n: usize) -> (u32
     }
     (ok, degraded)
 }
+
+/// The `domains:` section of one domain `d` allowing each `user` `limit` an hour.
+pub fn rule(limit: u64) -> String {
+    format!(
+        "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n"
+    )
+}

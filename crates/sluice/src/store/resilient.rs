@@ -163,29 +163,42 @@ impl<S: Store> Resilient<S> {
         }
     }
 
-    fn record(&self, ok: bool) {
+    /// Moves the breaker after a call: `outage` is the error of a call that found the
+    /// store down (a wrong answer is not an outage). Logs the transitions, never each
+    /// call: the store failing, the breaker opening, the store answering again.
+    fn record(&self, outage: Option<&StoreError>) {
         let mut b = self.lock();
-        let was_closed = matches!(*b, Breaker::Closed { .. });
-        *b = match (&*b, ok) {
-            (_, true) => Breaker::Closed { failures: 0 },
-            (Breaker::Closed { failures }, false) if failures + 1 < self.settings.get().failures => {
+        let next = match (&*b, outage) {
+            (_, None) => Breaker::Closed { failures: 0 },
+            (Breaker::Closed { failures }, Some(_)) if failures + 1 < self.settings.get().failures => {
                 Breaker::Closed { failures: failures + 1 }
             }
-            (_, false) => {
-                if !matches!(*b, Breaker::Open { .. }) {
-                    tracing::warn!(
-                        cooldown_ms = self.settings.get().cooldown.as_millis() as u64,
-                        "store circuit breaker opened"
-                    );
-                }
-                Breaker::Open { until: Instant::now() + self.settings.get().cooldown }
-            }
+            (_, Some(_)) => Breaker::Open { until: Instant::now() + self.settings.get().cooldown },
         };
-        match (&*b, was_closed) {
-            (Breaker::Closed { .. }, false) => self.metrics.breaker(0),
-            (Breaker::Open { .. }, _) => self.metrics.breaker(1),
+        let store = self.inner.kind();
+        match (&*b, &next, outage) {
+            (Breaker::Closed { failures: 0 }, _, Some(e)) => {
+                tracing::warn!(store, error = %e, "store failing; the failure policy decides until it answers again");
+            }
+            (Breaker::Closed { .. }, Breaker::Open { .. }, _) => {
+                let cooldown_ms = self.settings.get().cooldown.as_millis() as u64;
+                tracing::warn!(store, cooldown_ms, "store circuit breaker opened");
+            }
+            (Breaker::Closed { failures }, Breaker::Closed { .. }, None) if *failures > 0 => {
+                tracing::info!(store, failed_calls = failures, "store answering again");
+            }
+            (Breaker::Open { .. } | Breaker::HalfOpen, Breaker::Closed { .. }, None) => {
+                tracing::info!(store, "store answering again; circuit breaker closed");
+            }
             _ => {}
         }
+        match (&*b, &next) {
+            (Breaker::Closed { .. }, Breaker::Closed { .. }) => {}
+            (_, Breaker::Closed { .. }) => self.metrics.breaker(0),
+            (_, Breaker::Open { .. }) => self.metrics.breaker(1),
+            (_, Breaker::HalfOpen) => {}
+        }
+        *b = next;
     }
 
     async fn call<T>(&self, op: StoreOp, f: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
@@ -214,7 +227,7 @@ impl<S: Store> Resilient<S> {
             }
         }
         // an answer that is wrong (a protocol error) is not a dead store
-        self.record(!result.as_ref().is_err_and(StoreError::is_outage));
+        self.record(result.as_ref().err().filter(|e| e.is_outage()));
         result
     }
 }

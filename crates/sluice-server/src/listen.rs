@@ -1,0 +1,172 @@
+//! The HTTP listener: hyper connections with the bounds a server on an open network
+//! needs, and a stop that answers what it has received and then ends, whatever clients
+//! do.
+//!
+//! - A request head must arrive within `server.header_timeout`; the same timeout closes
+//!   a keep-alive connection that sends no next request (hyper starts it again after
+//!   each response). A client sending a byte a second is closed when it runs out.
+//! - A body must arrive within `server.body_timeout` (`http.rs`).
+//! - At most `server.max_connections` connections are served as usual. Past that, a new
+//!   connection is still answered (a load balancer's `/healthz` probe must get through)
+//!   but gets one request with a short head timeout and is closed: hogs cannot starve
+//!   the file descriptors. Reaching the limit is logged (at most every 10 s) and
+//!   counted.
+//! - On SIGTERM the listener closes and the connections drain: for a moment
+//!   ([`DRAIN`]) every response says `Connection: close`, so a keep-alive client that has
+//!   already written its next request gets it answered and then opens no more; then
+//!   every connection finishes the request it is serving and is closed, and after
+//!   `server.shutdown_grace` whatever is left is dropped, counted in the log.
+
+use axum::Router;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+/// The bounds of the HTTP listener (`server` section).
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    pub header_timeout: Duration,
+    pub max_connections: usize,
+    pub shutdown_grace: Duration,
+}
+
+/// How long a connection over the limit may take to send its one request head.
+const OVER_LIMIT_HEAD: Duration = Duration::from_secs(1);
+
+/// How long connections keep being served, each response closing its connection, after
+/// the stop: closing an idle keep-alive connection at once would reset a request the
+/// client had just written on it.
+const DRAIN: Duration = Duration::from_millis(500);
+
+/// Serves `router` on `listener` until `stop` resolves, then stops as the module says.
+/// Returns how many connections the grace period cut off.
+pub async fn serve(listener: TcpListener, router: Router, bounds: Bounds, stop: impl Future<Output = ()>) -> usize {
+    let (stopping, stop_rx) = watch::channel(false);
+    let router = router.layer(axum::middleware::map_response_with_state(stop_rx.clone(), close_when_stopping));
+    let open = Arc::new(AtomicUsize::new(0));
+    let over = OverLimit::default();
+    let mut connections = JoinSet::new();
+    tokio::pin!(stop);
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // out of file descriptors, most likely: wait a moment, never spin
+                    tracing::warn!(error = %e, "cannot accept a connection");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut stop => break,
+        };
+        // reap finished connections so the set does not grow
+        while connections.try_join_next().is_some() {}
+        let full = open.load(Ordering::Relaxed) >= bounds.max_connections;
+        if full {
+            over.reached(bounds.max_connections);
+        }
+        let _ = stream.set_nodelay(true);
+        let (router, open, stop_rx) = (router.clone(), open.clone(), stop_rx.clone());
+        open.fetch_add(1, Ordering::Relaxed);
+        connections.spawn(async move {
+            connection(stream, router, bounds, full, stop_rx).await;
+            open.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+    drop(listener);
+    let _ = stopping.send(true);
+    finish(connections, bounds.shutdown_grace).await
+}
+
+/// Serves one connection until it ends or the server stops.
+async fn connection(
+    stream: tokio::net::TcpStream,
+    router: Router,
+    bounds: Bounds,
+    over_limit: bool,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut builder = http1::Builder::new();
+    builder.timer(TokioTimer::new());
+    if over_limit {
+        builder.header_read_timeout(OVER_LIMIT_HEAD).keep_alive(false);
+    } else {
+        builder.header_read_timeout(bounds.header_timeout);
+    }
+    let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(router));
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => return,
+        _ = stop.wait_for(|stopping| *stopping) => {}
+    }
+    // drain: serve on; every response now closes its connection
+    if tokio::time::timeout(DRAIN, conn.as_mut()).await.is_ok() {
+        return;
+    }
+    // answer the request in progress, if any, then close
+    conn.as_mut().graceful_shutdown();
+    let _ = conn.await;
+}
+
+/// Adds `Connection: close` to every response once the server is stopping.
+async fn close_when_stopping(
+    axum::extract::State(stopping): axum::extract::State<watch::Receiver<bool>>,
+    mut response: axum::response::Response,
+) -> axum::response::Response {
+    if *stopping.borrow() {
+        response.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+    }
+    response
+}
+
+/// Waits for the connections to finish, at most `grace`; drops the rest.
+async fn finish(mut connections: JoinSet<()>, grace: Duration) -> usize {
+    let started = Instant::now();
+    let deadline = tokio::time::sleep(grace);
+    tokio::pin!(deadline);
+    loop {
+        tokio::select! {
+            next = connections.join_next() => if next.is_none() { break },
+            () = &mut deadline => {
+                let dropped = connections.len();
+                connections.abort_all();
+                tracing::warn!(dropped, grace_ms = grace.as_millis() as u64, "shutdown grace period over; connections dropped");
+                return dropped;
+            }
+        }
+    }
+    tracing::info!(took_ms = started.elapsed().as_millis() as u64, "every connection finished");
+    0
+}
+
+/// Logs reaching the connection limit at most every 10 s, and counts each connection
+/// over it.
+#[derive(Default)]
+struct OverLimit {
+    next_log_ms: AtomicU64,
+}
+
+impl OverLimit {
+    fn reached(&self, max: usize) {
+        metrics::counter!(sluice::metric_names::HTTP_OVER_LIMIT).increment(1);
+        let now =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let next = self.next_log_ms.load(Ordering::Relaxed);
+        if now >= next
+            && self.next_log_ms.compare_exchange(next, now + 10_000, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+        {
+            tracing::warn!(
+                max_connections = max,
+                "HTTP connection limit reached; connections over it get one request each"
+            );
+        }
+    }
+}

@@ -1,0 +1,394 @@
+//! What an operator does to a running server, and what it must survive: a config
+//! emptied or half-written by an editor, SIGHUP to reload, a store outage that must not
+//! flood the log.
+
+mod common;
+
+use common::{bin, hit, num};
+use sluice_testkit::{Process, RedisServer, TempDir, free_port, wait_for_port};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+fn config(port: u16, limit: u64) -> String {
+    format!(
+        "server:\n  http: 127.0.0.1:{port}\n  grpc: 127.0.0.1:0\ndomains:\n  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n"
+    )
+}
+
+/// `sluice serve --config FILE`, logging to the temp dir; the server's base URL.
+fn serve(dir: &TempDir, file: &Path, port: u16) -> (Process, String) {
+    let mut cmd = std::process::Command::new(bin());
+    cmd.arg("serve").arg("--config").arg(file);
+    let p = Process::spawn_logging(&mut cmd, &dir.path().join("sluice.log")).unwrap();
+    assert!(wait_for_port(port, Duration::from_secs(10)), "sluice did not start");
+    (p, format!("http://127.0.0.1:{port}"))
+}
+
+fn log(dir: &TempDir) -> String {
+    std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default()
+}
+
+/// Waits until the config's limit is `limit`.
+async fn until_limit(client: &reqwest::Client, base: &str, limit: u64, dir: &TempDir) {
+    let started = Instant::now();
+    loop {
+        let r = client.get(format!("{base}/v1/ratelimit?domain=d&user=probe")).send().await.unwrap();
+        if r.status() == 200 && num(&r, "x-ratelimit-limit") == limit {
+            return;
+        }
+        assert!(started.elapsed() < Duration::from_secs(4), "limit {limit} not in force:\n{}", log(dir));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// An empty file, a comment-only file and a file with only `server:` are refused by
+/// `config check` and at start, naming the problem.
+#[test]
+fn a_config_without_domains_is_refused() {
+    let dir = TempDir::new("sluice-empty");
+    for (name, text) in [("empty", ""), ("comments", "# to do\n"), ("server", "server:\n  http: 127.0.0.1:0\n")] {
+        let file = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&file, text).unwrap();
+        for args in [&["config", "check"][..], &["serve", "--config"][..]] {
+            let out = std::process::Command::new(bin()).args(args).arg(&file).output().unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{name}: `sluice {}` accepted it", args.join(" "));
+            assert!(stderr.contains("no domain"), "{name}: {stderr}");
+        }
+    }
+}
+
+/// A reload of an emptied file is refused (the domains keep serving), and a file an
+/// editor truncates and then writes is read whole: none of ten such edits is refused.
+#[tokio::test]
+async fn an_emptied_or_half_written_file_never_replaces_the_rules() {
+    let dir = TempDir::new("sluice-truncate");
+    let port = free_port();
+    let file = dir.path().join("sluice.yaml");
+    std::fs::write(&file, config(port, 100)).unwrap();
+    let (_server, base) = serve(&dir, &file, port);
+    let client = reqwest::Client::new();
+    std::fs::write(&file, "").unwrap();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let metrics = common::metrics(&client, &base).await;
+    assert!(metrics.contains("sluice_config_reloads_total{result=\"failed\"} 1"), "{metrics}");
+    until_limit(&client, &base, 100, &dir).await;
+    // an editor's save: truncate, then write a moment later
+    for limit in 101..111 {
+        std::fs::write(&file, "").unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        std::fs::write(&file, config(port, limit)).unwrap();
+        until_limit(&client, &base, limit, &dir).await;
+    }
+    let metrics = common::metrics(&client, &base).await;
+    assert!(metrics.contains("sluice_config_reloads_total{result=\"failed\"} 1"), "{metrics}");
+}
+
+/// A reload that drops a domain says which.
+#[tokio::test]
+async fn a_reload_that_drops_a_domain_names_it() {
+    let dir = TempDir::new("sluice-drop");
+    let port = free_port();
+    let file = dir.path().join("sluice.yaml");
+    let two =
+        config(port, 5).replace("  - domain: d\n", "  - domain: gone\n    descriptors: [{key: k}]\n  - domain: d\n");
+    std::fs::write(&file, &two).unwrap();
+    let (_server, base) = serve(&dir, &file, port);
+    std::fs::write(&file, config(port, 6)).unwrap();
+    until_limit(&reqwest::Client::new(), &base, 6, &dir).await;
+    let log = log(&dir);
+    assert!(log.contains("domains are gone") && log.contains("gone"), "{log}");
+}
+
+/// SIGHUP reloads the config, as a file change does, and the server keeps serving.
+/// (It used to end the process with exit 129.)
+#[tokio::test]
+async fn sighup_reloads_and_never_kills() {
+    let dir = TempDir::new("sluice-hup");
+    let port = free_port();
+    let file = dir.path().join("sluice.yaml");
+    std::fs::write(&file, config(port, 7)).unwrap();
+    let (mut server, base) = serve(&dir, &file, port);
+    let client = reqwest::Client::new();
+    until_limit(&client, &base, 7, &dir).await;
+    for _ in 0..3 {
+        let sent = std::process::Command::new("kill").arg("-HUP").arg(server.pid().to_string()).status().unwrap();
+        assert!(sent.success());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(!server.exited(), "SIGHUP ended the server:\n{}", log(&dir));
+    let started = Instant::now();
+    while !common::metrics(&client, &base).await.contains("sluice_config_reloads_total{result=\"ok\"}") {
+        assert!(started.elapsed() < Duration::from_secs(3), "SIGHUP did not reload:\n{}", log(&dir));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(log(&dir).contains("SIGHUP: reloading"), "{}", log(&dir));
+    assert_eq!(hit(&client, &base, "d", &[("user", "u")]).await.status(), 200);
+}
+
+/// A 5 s Redis outage under load: the log says the store is failing, sums up what the
+/// failure policy decided, and says when the store is back; fewer than 50 lines in all,
+/// never one per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_is_logged_in_a_few_lines() {
+    let _heavy = common::heavy().await;
+    let mut redis = RedisServer::start();
+    let store = format!("store:\n  kind: redis\n  url: {}\n", redis.url());
+    let s = common::start_with(&store, &common::rule(1_000_000));
+    let client = reqwest::Client::new();
+    let before = s.log().lines().count();
+    let load = {
+        let (client, base) = (client.clone(), s.base.clone());
+        tokio::spawn(async move {
+            let mut answered = 0u64;
+            let started = Instant::now();
+            while started.elapsed() < Duration::from_secs(7) {
+                let r = hit(&client, &base, "d", &[("user", &format!("u{}", answered % 100))]).await;
+                assert!(r.status() == 200, "{}", r.status());
+                answered += 1;
+            }
+            answered
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    redis.kill();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    redis.restart();
+    let answered = load.await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let log = s.log();
+    let lines: Vec<&str> = log.lines().skip(before).collect();
+    assert!(answered > 500, "the load was too light to mean anything: {answered}");
+    assert!(lines.len() < 50, "{} log lines for a 5 s outage:\n{}", lines.len(), lines.join("\n"));
+    assert!(log.contains("store failing") && log.contains("store answering again"), "{log}");
+}
+
+/// A chunked body with a malformed chunk size is the client's mistake: 400, not the 413
+/// a body over the size limit gets.
+#[test]
+fn a_malformed_chunk_is_a_bad_request() {
+    use std::io::{Read, Write};
+    let s = common::start(&common::rule(10));
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let mut c = std::net::TcpStream::connect(&addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let head = format!("POST /v1/ratelimit HTTP/1.1\r\nHost: {addr}\r\nTransfer-Encoding: chunked\r\n\r\n");
+    c.write_all(head.as_bytes()).unwrap();
+    c.write_all(b"zz\r\n{}\r\n0\r\n\r\n").unwrap();
+    let mut answer = vec![0u8; 512];
+    let n = c.read(&mut answer).unwrap();
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("bad_body"), "{answer}");
+}
+
+/// A server with short timeouts and a small connection limit, for the edges below.
+fn bounded(extra_server: &str) -> common::Sluice {
+    common::start_with(
+        &format!("  header_timeout: 1s\n  body_timeout: 1s\n  shutdown_grace: 2s\n{extra_server}"),
+        &common::rule(1_000),
+    )
+}
+
+/// Reads until the peer closes; how long that took, and what was read.
+fn read_to_close(c: &mut std::net::TcpStream, limit: Duration) -> (Duration, String) {
+    use std::io::Read;
+    let started = Instant::now();
+    c.set_read_timeout(Some(limit)).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    loop {
+        match c.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => {
+                panic!("the connection was still open after {limit:?} ({e}); read {:?}", String::from_utf8_lossy(&got))
+            }
+        }
+    }
+    (started.elapsed(), String::from_utf8_lossy(&got).into_owned())
+}
+
+fn connect(s: &common::Sluice) -> std::net::TcpStream {
+    std::net::TcpStream::connect(s.base.trim_start_matches("http://")).unwrap()
+}
+
+/// A request head sent a byte at a time is cut off at `header_timeout`; one that
+/// arrives in time is answered.
+#[test]
+fn a_slow_request_head_is_closed_at_the_header_timeout() {
+    use std::io::Write;
+    let s = bounded("");
+    let mut c = connect(&s);
+    let started = Instant::now();
+    for b in b"POST /v1/ratelimit HTTP/1.1\r\nHost: x\r\n".iter().take(6) {
+        if c.write_all(&[*b]).is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let (_, got) = read_to_close(&mut c, Duration::from_secs(3));
+    let took = started.elapsed();
+    assert!(took < Duration::from_millis(2_500), "closed after {took:?}");
+    assert!(!got.contains("200 OK"), "{got}");
+    // at the edge: a head that arrives within the timeout is served
+    let mut c = connect(&s);
+    c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n").unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    c.write_all(b"Connection: close\r\n\r\n").unwrap();
+    let (_, got) = read_to_close(&mut c, Duration::from_secs(3));
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+}
+
+/// A keep-alive connection that sends no next request is closed at `header_timeout`.
+#[test]
+fn an_idle_keep_alive_connection_is_closed() {
+    use std::io::Write;
+    let s = bounded("");
+    let mut c = connect(&s);
+    c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let (took, got) = read_to_close(&mut c, Duration::from_secs(4));
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_millis(2_500), "closed after {took:?}");
+}
+
+/// A body that stops arriving is answered 408 at `body_timeout`.
+#[test]
+fn a_slow_body_is_answered_408() {
+    use std::io::Write;
+    let s = bounded("");
+    let mut c = connect(&s);
+    c.write_all(b"POST /v1/ratelimit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"domain\"")
+        .unwrap();
+    let (took, got) = read_to_close(&mut c, Duration::from_secs(4));
+    assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    assert!(got.contains("body_timeout"), "{got}");
+    assert!(took < Duration::from_millis(2_500), "answered after {took:?}");
+}
+
+/// Past `max_connections`, connections still get an answer (a health probe gets
+/// through) and reaching the limit is logged and counted.
+#[tokio::test]
+async fn health_is_answered_past_the_connection_limit() {
+    let s = bounded("  max_connections: 4\n");
+    let idle: Vec<_> = (0..8).map(|_| connect(&s)).collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let client = reqwest::Client::new();
+    let started = Instant::now();
+    let r = client.get(format!("{}/healthz", s.base)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(started.elapsed() < Duration::from_millis(500), "health took {:?}", started.elapsed());
+    let metrics = common::metrics(&client, &s.base).await;
+    assert!(metrics.contains("sluice_http_connections_over_limit_total"), "{metrics}");
+    assert!(s.log().contains("connection limit reached"), "{}", s.log());
+    drop(idle);
+}
+
+/// SIGTERM with one client stalled halfway through a request head and one idle
+/// keep-alive connection: the server exits 0 within the grace period, and says how many
+/// connections it dropped. (It used to wait forever.)
+#[test]
+fn sigterm_with_a_stalled_client_exits_within_the_grace() {
+    use std::io::Write;
+    let mut s = common::start_with("  header_timeout: 30s\n  shutdown_grace: 2s\n", &common::rule(10));
+    let mut stalled = connect(&s);
+    stalled.write_all(b"POST /v1/ratelimit HTTP/1.1\r\nHost: x\r\nContent-Len").unwrap();
+    let mut idle = connect(&s);
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    let sent = std::process::Command::new("kill").arg("-TERM").arg(s.process.pid().to_string()).status().unwrap();
+    assert!(sent.success());
+    let code = loop {
+        if let Some(code) = s.process.exit_code() {
+            break code;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "still running 5 s after SIGTERM:\n{}", s.log());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(code, 0, "{}", s.log());
+    assert!(started.elapsed() < Duration::from_millis(3_500), "took {:?}", started.elapsed());
+    assert!(s.log().contains("stopped"), "{}", s.log());
+}
+
+/// One keep-alive client: requests one after another until the server says it closes
+/// the connection or refuses it. Returns (answered, unanswered): a request written whose
+/// answer never came is unanswered.
+fn keep_alive_client(addr: String, stop_after: Duration) -> (u64, u64) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let Ok(stream) = std::net::TcpStream::connect(&addr) else { return (0, 0) };
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    let body = r#"{"domain":"d","descriptors":[{"entries":[{"key":"user","value":"k"}]}]}"#;
+    let request = format!(
+        "POST /v1/ratelimit HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let (started, mut answered) = (Instant::now(), 0);
+    while started.elapsed() < stop_after {
+        if writer.write_all(request.as_bytes()).is_err() {
+            return (answered, 0); // closed before this request went out: nothing lost
+        }
+        let (mut length, mut closes, mut line) = (0usize, false, String::new());
+        loop {
+            line.clear();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => return (answered, 1),
+                Ok(_) if line == "\r\n" => break,
+                Ok(_) => {
+                    let lower = line.to_ascii_lowercase();
+                    if let Some(v) = lower.strip_prefix("content-length:") {
+                        length = v.trim().parse().unwrap();
+                    }
+                    closes |= lower.starts_with("connection: close");
+                }
+            }
+        }
+        let mut body = vec![0u8; length];
+        if reader.read_exact(&mut body).is_err() {
+            return (answered, 1);
+        }
+        answered += 1;
+        if closes {
+            return (answered, 0);
+        }
+    }
+    (answered, 0)
+}
+
+/// SIGTERM under keep-alive load: every request a client has written is answered (the
+/// last ones with `Connection: close`), none is reset, and the server exits 0. (Before,
+/// idle keep-alive connections were closed at once, resetting requests already sent.)
+#[test]
+fn sigterm_under_keep_alive_load_answers_every_request_written() {
+    let mut s = common::start_with("  shutdown_grace: 3s\n", &common::rule(1_000_000_000));
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let clients: Vec<_> = (0..16)
+        .map(|_| {
+            let addr = addr.clone();
+            std::thread::spawn(move || keep_alive_client(addr, Duration::from_secs(8)))
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(700));
+    let sent = std::process::Command::new("kill").arg("-TERM").arg(s.process.pid().to_string()).status().unwrap();
+    assert!(sent.success());
+    let (mut answered, mut unanswered) = (0, 0);
+    for c in clients {
+        let (a, u) = c.join().unwrap();
+        answered += a;
+        unanswered += u;
+    }
+    let started = Instant::now();
+    let code = loop {
+        if let Some(code) = s.process.exit_code() {
+            break code;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "still running:\n{}", s.log());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(code, 0, "{}", s.log());
+    assert!(answered > 100, "the load was too light to mean anything: {answered}");
+    assert_eq!(unanswered, 0, "requests written and never answered ({answered} answered)");
+}
