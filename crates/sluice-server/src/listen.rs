@@ -10,7 +10,11 @@
 //!   connection is still answered (a load balancer's `/healthz` probe must get through)
 //!   but gets one request with a short head timeout and is closed: hogs cannot starve
 //!   the file descriptors. Reaching the limit is logged (at most every 10 s) and
-//!   counted.
+//!   counted. At start the process raises its open-file limit as far as it may, and
+//!   warns when the connection limit does not fit under it.
+//! - Memory a burst of connections took is given back to the system once they close
+//!   (glibc keeps freed memory in its arenas otherwise: 20,000 closed connections left a
+//!   server at 296 MB).
 //! - On SIGTERM the listener closes and the connections drain: for a moment
 //!   ([`DRAIN`]) every response says `Connection: close`, so a keep-alive client that has
 //!   already written its next request gets it answered and then opens no more; then
@@ -51,7 +55,9 @@ pub async fn serve(listener: TcpListener, router: Router, bounds: Bounds, stop: 
     let (stopping, stop_rx) = watch::channel(false);
     let router = router.layer(axum::middleware::map_response_with_state(stop_rx.clone(), close_when_stopping));
     let open = Arc::new(AtomicUsize::new(0));
-    let over = OverLimit::default();
+    let closed = Arc::new(AtomicUsize::new(0));
+    let trimmer = tokio::spawn(give_back_memory(closed.clone()));
+    let (over, refused) = (Sometimes::default(), Sometimes::default());
     let mut connections = JoinSet::new();
     tokio::pin!(stop);
     loop {
@@ -60,7 +66,9 @@ pub async fn serve(listener: TcpListener, router: Router, bounds: Bounds, stop: 
                 Ok(a) => a,
                 Err(e) => {
                     // out of file descriptors, most likely: wait a moment, never spin
-                    tracing::warn!(error = %e, "cannot accept a connection");
+                    if refused.due() {
+                        tracing::warn!(error = %e, open = open.load(Ordering::Relaxed), "cannot accept connections (logged at most every 10 s)");
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
@@ -71,17 +79,26 @@ pub async fn serve(listener: TcpListener, router: Router, bounds: Bounds, stop: 
         while connections.try_join_next().is_some() {}
         let full = open.load(Ordering::Relaxed) >= bounds.max_connections;
         if full {
-            over.reached(bounds.max_connections);
+            metrics::counter!(sluice::metric_names::HTTP_OVER_LIMIT).increment(1);
+            if over.due() {
+                let max_connections = bounds.max_connections;
+                tracing::warn!(
+                    max_connections,
+                    "HTTP connection limit reached; connections over it get one request each"
+                );
+            }
         }
         let _ = stream.set_nodelay(true);
-        let (router, open, stop_rx) = (router.clone(), open.clone(), stop_rx.clone());
+        let (router, open, closed, stop_rx) = (router.clone(), open.clone(), closed.clone(), stop_rx.clone());
         open.fetch_add(1, Ordering::Relaxed);
         connections.spawn(async move {
             connection(stream, router, bounds, full, stop_rx).await;
             open.fetch_sub(1, Ordering::Relaxed);
+            closed.fetch_add(1, Ordering::Relaxed);
         });
     }
     drop(listener);
+    trimmer.abort();
     let _ = stopping.send(true);
     finish(connections, bounds.shutdown_grace).await
 }
@@ -147,26 +164,37 @@ async fn finish(mut connections: JoinSet<()>, grace: Duration) -> usize {
     0
 }
 
-/// Logs reaching the connection limit at most every 10 s, and counts each connection
-/// over it.
-#[derive(Default)]
-struct OverLimit {
-    next_log_ms: AtomicU64,
+/// How often memory freed by closed connections is given back.
+const TRIM_EVERY: Duration = Duration::from_secs(5);
+
+/// Every [`TRIM_EVERY`], if connections closed since the last look, asks the allocator to
+/// return its free pages to the system (glibc's `malloc_trim`; elsewhere nothing).
+async fn give_back_memory(closed: Arc<AtomicUsize>) {
+    let mut tick = tokio::time::interval(TRIM_EVERY);
+    loop {
+        tick.tick().await;
+        if closed.swap(0, Ordering::Relaxed) > 0 {
+            #[cfg(all(target_os = "linux", target_env = "gnu"))]
+            // SAFETY: malloc_trim has no preconditions; it only releases free memory
+            unsafe {
+                libc::malloc_trim(0);
+            }
+        }
+    }
 }
 
-impl OverLimit {
-    fn reached(&self, max: usize) {
-        metrics::counter!(sluice::metric_names::HTTP_OVER_LIMIT).increment(1);
+/// A log line that may be written at most every 10 s.
+#[derive(Default)]
+struct Sometimes {
+    next_ms: AtomicU64,
+}
+
+impl Sometimes {
+    /// Whether the line may be written now (and if so, not again for 10 s).
+    fn due(&self) -> bool {
         let now =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        let next = self.next_log_ms.load(Ordering::Relaxed);
-        if now >= next
-            && self.next_log_ms.compare_exchange(next, now + 10_000, Ordering::Relaxed, Ordering::Relaxed).is_ok()
-        {
-            tracing::warn!(
-                max_connections = max,
-                "HTTP connection limit reached; connections over it get one request each"
-            );
-        }
+        let next = self.next_ms.load(Ordering::Relaxed);
+        now >= next && self.next_ms.compare_exchange(next, now + 10_000, Ordering::Relaxed, Ordering::Relaxed).is_ok()
     }
 }

@@ -141,3 +141,95 @@ impl RateLimitService for Rls {
         }
     }
 }
+
+/// The largest request accepted, as tonic's own default for a decoded message.
+const MAX_REQUEST: usize = 4 << 20;
+
+/// Envoy's calls are unary: exactly one message each. tonic's unary handling decodes the
+/// first message and ignores any other, and answers a message that does not decode with
+/// INTERNAL, which tells Envoy the server is broken rather than the request. This layer
+/// reads the whole request (bounded) and refuses anything but one whole message with
+/// INVALID_ARGUMENT, and turns tonic's decode failures into INVALID_ARGUMENT.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UnaryGuard;
+
+impl<S> tower::Layer<S> for UnaryGuard {
+    type Service = Guarded<S>;
+    fn layer(&self, inner: S) -> Guarded<S> {
+        Guarded { inner }
+    }
+}
+
+/// A service behind [`UnaryGuard`].
+#[derive(Debug, Clone)]
+pub struct Guarded<S> {
+    inner: S,
+}
+
+type GrpcRequest = axum::http::Request<tonic::body::Body>;
+type GrpcResponse = axum::http::Response<tonic::body::Body>;
+
+impl<S> tower::Service<GrpcRequest> for Guarded<S>
+where
+    S: tower::Service<GrpcRequest, Response = GrpcResponse> + Clone + Send + 'static,
+    S::Future: Send,
+{
+    type Response = GrpcResponse;
+    type Error = S::Error;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<GrpcResponse, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: GrpcRequest) -> Self::Future {
+        // the clone is ready only after poll_ready; keep the ready one (tower's rule)
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        Box::pin(async move {
+            use http_body_util::BodyExt;
+            let (parts, body) = req.into_parts();
+            let bytes = match http_body_util::Limited::new(body, MAX_REQUEST).collect().await {
+                Ok(collected) => collected.to_bytes(),
+                Err(e) => return Ok(refuse(format!("the request could not be read: {e}"))),
+            };
+            if let Err(why) = one_message(&bytes) {
+                return Ok(refuse(why));
+            }
+            let body = tonic::body::Body::new(http_body_util::Full::new(bytes));
+            let response = inner.call(axum::http::Request::from_parts(parts, body)).await?;
+            Ok(decode_failure_is_invalid(response))
+        })
+    }
+}
+
+/// Checks that a request body is exactly one whole gRPC message (1 byte flag, 4 bytes
+/// length, the message).
+fn one_message(body: &[u8]) -> Result<(), String> {
+    let Some(header) = body.get(..5) else {
+        return Err("a unary call carries exactly one message; this one carries none".into());
+    };
+    let length = u32::from_be_bytes([header[1], header[2], header[3], header[4]]) as usize;
+    match (body.len() - 5).cmp(&length) {
+        std::cmp::Ordering::Equal => Ok(()),
+        std::cmp::Ordering::Less => Err(format!("the message is cut short: {} of {length} bytes", body.len() - 5)),
+        std::cmp::Ordering::Greater => {
+            Err("a unary call carries exactly one message; this one carries more than one".into())
+        }
+    }
+}
+
+fn refuse(message: String) -> GrpcResponse {
+    Status::invalid_argument(message).into_http()
+}
+
+/// tonic answers a message that does not decode with INTERNAL; it is the request's
+/// fault, so INVALID_ARGUMENT.
+fn decode_failure_is_invalid(response: GrpcResponse) -> GrpcResponse {
+    match Status::from_header_map(response.headers()) {
+        Some(s) if s.code() == tonic::Code::Internal && s.message().contains("decode") => {
+            Status::invalid_argument(s.message().to_string()).into_http()
+        }
+        _ => response,
+    }
+}

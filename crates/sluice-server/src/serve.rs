@@ -72,6 +72,7 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     tracing::info!(http = %addr, grpc = %grpc_addr, store = state.engine.load().limiter.store().kind(), "sluice is serving");
     let server = config.server.clone();
     crate::reload::watch(args.config.clone(), config, loaded_bytes, state.clone());
+    room_for_connections(server.max_connections);
     let bounds = Bounds {
         header_timeout: Duration::from_millis(server.header_timeout.0),
         max_connections: server.max_connections,
@@ -115,11 +116,37 @@ fn serve_grpc(
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
-        let mut builder = builder;
+        let mut builder = builder.layer(crate::rls::UnaryGuard);
         if let Err(e) = builder.add_service(rls).serve_with_incoming_shutdown(incoming, stopped).await {
             tracing::error!(error = %e, "the gRPC server stopped");
         }
     })
+}
+
+/// Raises the process's soft open-file limit to its hard limit (each connection is a
+/// file descriptor; Debian's default soft limit is 1,024), and warns when
+/// `max_connections` and a reserve for the store's connections do not fit under it.
+fn room_for_connections(max_connections: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: getrlimit and setrlimit only read and write the struct passed
+        let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0;
+        if got && limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit { rlim_cur: limit.rlim_max, rlim_max: limit.rlim_max };
+            if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+                limit = raised;
+            }
+        }
+        let needed = max_connections as u64 + 256;
+        if got && limit.rlim_cur < needed {
+            tracing::warn!(
+                open_files = limit.rlim_cur,
+                max_connections,
+                "server.max_connections (plus 256 for the store and the rest) does not fit under the open-file limit; raise `ulimit -n` or lower it"
+            );
+        }
+    }
 }
 
 /// How often histogram samples are folded into their buckets.

@@ -392,3 +392,46 @@ fn sigterm_under_keep_alive_load_answers_every_request_written() {
     assert!(answered > 100, "the load was too light to mean anything: {answered}");
     assert_eq!(unanswered, 0, "requests written and never answered ({answered} answered)");
 }
+
+/// The server's resident memory, in bytes.
+fn rss_of(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap();
+    kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+}
+
+/// 3,000 connections, each with a request answered and held open, then all closed: the
+/// memory they took goes back to the system within seconds (glibc used to keep it).
+#[test]
+fn memory_goes_back_after_a_burst_of_connections() {
+    use std::io::{Read, Write};
+    let s = common::start_with("  max_connections: 10000\n", &common::rule(1_000_000_000));
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let pid = s.process.pid();
+    let body = r#"{"domain":"d","descriptors":[{"entries":[{"key":"user","value":"m"}]}]}"#;
+    let request = format!(
+        "POST /v1/ratelimit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let before = rss_of(pid);
+    let mut held = Vec::new();
+    for _ in 0..3_000 {
+        let mut c = std::net::TcpStream::connect(&addr).unwrap();
+        c.write_all(request.as_bytes()).unwrap();
+        let mut buf = [0u8; 2048];
+        assert!(c.read(&mut buf).unwrap() > 0);
+        held.push(c);
+    }
+    let peak = rss_of(pid);
+    drop(held);
+    std::thread::sleep(Duration::from_secs(7));
+    let after = rss_of(pid);
+    let grown = peak.saturating_sub(before);
+    eprintln!("rss: {before} before, {peak} with 3,000 connections, {after} 7 s after they closed");
+    assert!(grown > 4 << 20, "the connections took too little memory to tell: {before} -> {peak}");
+    assert!(
+        after < before + grown / 4,
+        "memory stayed after the connections closed: {before} before, {peak} with them, {after} after"
+    );
+}
