@@ -28,6 +28,11 @@ pub struct Args {
     /// `server.grpc`.
     #[arg(long, value_name = "ADDR")]
     pub grpc: Option<SocketAddr>,
+    /// Once both listeners are bound, write their addresses to this file
+    /// (`http=ADDR` and `grpc=ADDR` lines, written whole): with port 0 in the config, how
+    /// a supervisor or a test learns the ports the system chose.
+    #[arg(long, value_name = "FILE")]
+    pub ready_file: Option<PathBuf>,
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info", value_name = "LEVEL")]
     pub log_level: tracing::Level,
@@ -48,6 +53,8 @@ pub enum ServeError {
     },
     #[error("metrics: {0}")]
     Metrics(#[from] metrics_exporter_prometheus::BuildError),
+    #[error("{0}")]
+    Io(#[source] std::io::Error),
 }
 
 /// Runs the service.
@@ -66,9 +73,14 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     let state = Arc::new(AppState::new(build(&config, rules)?, &config.server, Some(metrics)));
     let addr = args.http.unwrap_or(config.server.http);
     let listener = listen(addr).await?;
-    let grpc_addr = args.grpc.unwrap_or(config.server.grpc);
+    let grpc_listener = listen(args.grpc.unwrap_or(config.server.grpc)).await?;
+    // the addresses bound (a port 0 in the config is the system's choice)
+    let (addr, grpc_addr) = (bound(&listener)?, bound(&grpc_listener)?);
+    if let Some(file) = &args.ready_file {
+        ready_file(file, addr, grpc_addr)?;
+    }
     let (stopping, stop) = tokio::sync::watch::channel(false);
-    let grpc = serve_grpc(listen(grpc_addr).await?, state.clone(), &config.server, stop);
+    let grpc = serve_grpc(grpc_listener, state.clone(), &config.server, stop);
     tracing::info!(http = %addr, grpc = %grpc_addr, store = state.engine.load().limiter.store().kind(), "sluice is serving");
     let server = config.server.clone();
     crate::reload::watch(args.config.clone(), config, loaded_bytes, state.clone());
@@ -91,6 +103,17 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
 
 async fn listen(addr: SocketAddr) -> Result<tokio::net::TcpListener, ServeError> {
     tokio::net::TcpListener::bind(addr).await.map_err(|source| ServeError::Listen { addr, source })
+}
+
+fn bound(listener: &tokio::net::TcpListener) -> Result<SocketAddr, ServeError> {
+    listener.local_addr().map_err(ServeError::Io)
+}
+
+/// Writes the bound addresses to `file`, whole: a reader never sees half of it.
+fn ready_file(file: &std::path::Path, http: SocketAddr, grpc: SocketAddr) -> Result<(), ServeError> {
+    let tmp = file.with_extension("tmp");
+    std::fs::write(&tmp, format!("http={http}\ngrpc={grpc}\n")).map_err(ServeError::Io)?;
+    std::fs::rename(&tmp, file).map_err(ServeError::Io)
 }
 
 /// Envoy's rate limit service, on its own port, sharing the engine, until `stop` turns

@@ -5,23 +5,21 @@
 mod common;
 
 use common::{bin, hit, num};
-use sluice_testkit::{Process, RedisServer, TempDir, free_port, wait_for_port};
+use sluice_testkit::{Process, RedisServer, TempDir};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-fn config(port: u16, limit: u64) -> String {
+fn config(limit: u64) -> String {
     format!(
-        "server:\n  http: 127.0.0.1:{port}\n  grpc: 127.0.0.1:0\ndomains:\n  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n"
+        "{}domains:\n  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n",
+        common::SERVER
     )
 }
 
 /// `sluice serve --config FILE`, logging to the temp dir; the server's base URL.
-fn serve(dir: &TempDir, file: &Path, port: u16) -> (Process, String) {
-    let mut cmd = std::process::Command::new(bin());
-    cmd.arg("serve").arg("--config").arg(file);
-    let p = Process::spawn_logging(&mut cmd, &dir.path().join("sluice.log")).unwrap();
-    assert!(wait_for_port(port, Duration::from_secs(10)), "sluice did not start");
-    (p, format!("http://127.0.0.1:{port}"))
+fn serve(dir: &TempDir, file: &Path) -> (Process, String) {
+    let (p, http, _) = common::spawn(file, dir.path());
+    (p, format!("http://{http}"))
 }
 
 fn log(dir: &TempDir) -> String {
@@ -63,10 +61,9 @@ fn a_config_without_domains_is_refused() {
 #[tokio::test]
 async fn an_emptied_or_half_written_file_never_replaces_the_rules() {
     let dir = TempDir::new("sluice-truncate");
-    let port = free_port();
     let file = dir.path().join("sluice.yaml");
-    std::fs::write(&file, config(port, 100)).unwrap();
-    let (_server, base) = serve(&dir, &file, port);
+    std::fs::write(&file, config(100)).unwrap();
+    let (_server, base) = serve(&dir, &file);
     let client = reqwest::Client::new();
     std::fs::write(&file, "").unwrap();
     tokio::time::sleep(Duration::from_millis(1_500)).await;
@@ -77,7 +74,7 @@ async fn an_emptied_or_half_written_file_never_replaces_the_rules() {
     for limit in 101..111 {
         std::fs::write(&file, "").unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
-        std::fs::write(&file, config(port, limit)).unwrap();
+        std::fs::write(&file, config(limit)).unwrap();
         until_limit(&client, &base, limit, &dir).await;
     }
     let metrics = common::metrics(&client, &base).await;
@@ -88,13 +85,11 @@ async fn an_emptied_or_half_written_file_never_replaces_the_rules() {
 #[tokio::test]
 async fn a_reload_that_drops_a_domain_names_it() {
     let dir = TempDir::new("sluice-drop");
-    let port = free_port();
     let file = dir.path().join("sluice.yaml");
-    let two =
-        config(port, 5).replace("  - domain: d\n", "  - domain: gone\n    descriptors: [{key: k}]\n  - domain: d\n");
+    let two = config(5).replace("  - domain: d\n", "  - domain: gone\n    descriptors: [{key: k}]\n  - domain: d\n");
     std::fs::write(&file, &two).unwrap();
-    let (_server, base) = serve(&dir, &file, port);
-    std::fs::write(&file, config(port, 6)).unwrap();
+    let (_server, base) = serve(&dir, &file);
+    std::fs::write(&file, config(6)).unwrap();
     until_limit(&reqwest::Client::new(), &base, 6, &dir).await;
     let log = log(&dir);
     assert!(log.contains("domains are gone") && log.contains("gone"), "{log}");
@@ -105,10 +100,9 @@ async fn a_reload_that_drops_a_domain_names_it() {
 #[tokio::test]
 async fn sighup_reloads_and_never_kills() {
     let dir = TempDir::new("sluice-hup");
-    let port = free_port();
     let file = dir.path().join("sluice.yaml");
-    std::fs::write(&file, config(port, 7)).unwrap();
-    let (mut server, base) = serve(&dir, &file, port);
+    std::fs::write(&file, config(7)).unwrap();
+    let (mut server, base) = serve(&dir, &file);
     let client = reqwest::Client::new();
     until_limit(&client, &base, 7, &dir).await;
     for _ in 0..3 {

@@ -5,16 +5,17 @@
 
 mod common;
 
-use common::{bin, num};
-use sluice_testkit::{Process, TempDir, free_port, wait_for_port};
+use common::num;
+use sluice_testkit::TempDir;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-fn config(port: u16, limit: u64) -> String {
+fn config(limit: u64) -> String {
     format!(
-        "server:\n  http: 127.0.0.1:{port}\n  grpc: 127.0.0.1:0\ndomains:\n  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n"
+        "{}domains:\n  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n",
+        common::SERVER
     )
 }
 
@@ -40,13 +41,11 @@ fn write_atomically(path: &Path, text: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn edits_renames_and_symlink_swaps_take_effect_without_dropping_requests() {
     let dir = TempDir::new("sluice-reload");
-    let port = free_port();
     let (v1, v2, link) = (dir.path().join("v1.yaml"), dir.path().join("v2.yaml"), dir.path().join("sluice.yaml"));
-    std::fs::write(&v1, config(port, 3)).unwrap();
+    std::fs::write(&v1, config(3)).unwrap();
     std::os::unix::fs::symlink(&v1, &link).unwrap();
-    let _server = Process::spawn(std::process::Command::new(bin()).arg("serve").arg("--config").arg(&link)).unwrap();
-    assert!(wait_for_port(port, Duration::from_secs(10)));
-    let base = format!("http://127.0.0.1:{port}");
+    let (_server, http, _) = common::spawn(&link, dir.path());
+    let base = format!("http://{http}");
     let client = reqwest::Client::new();
 
     // load running through every reload: every request must get an answer, 200 or 429
@@ -74,22 +73,22 @@ async fn edits_renames_and_symlink_swaps_take_effect_without_dropping_requests()
 
     assert!(until_limit(&client, &base, 3).await < Duration::from_millis(100));
     // 1. edited in place
-    std::fs::write(&v1, config(port, 5)).unwrap();
+    std::fs::write(&v1, config(5)).unwrap();
     let took = until_limit(&client, &base, 5).await;
     assert!(took <= Duration::from_secs(2), "in-place edit took {took:?}");
     // 2. replaced by an atomic rename
-    write_atomically(&v1, &config(port, 7));
+    write_atomically(&v1, &config(7));
     let took = until_limit(&client, &base, 7).await;
     assert!(took <= Duration::from_secs(2), "rename took {took:?}");
     // 3. a symlink swapped to another file, atomically
-    std::fs::write(&v2, config(port, 9)).unwrap();
+    std::fs::write(&v2, config(9)).unwrap();
     let next = dir.path().join("next-link");
     std::os::unix::fs::symlink(&v2, &next).unwrap();
     std::fs::rename(&next, &link).unwrap();
     let took = until_limit(&client, &base, 9).await;
     assert!(took <= Duration::from_secs(2), "symlink swap took {took:?}");
     // 4. a broken config is refused; the last good one keeps serving
-    std::fs::write(&v2, config(port, 9).replace("unit: hour", "unit: fortnight")).unwrap();
+    std::fs::write(&v2, config(9).replace("unit: hour", "unit: fortnight")).unwrap();
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     let r = client.get(format!("{base}/v1/ratelimit?domain=d&user=probe")).send().await.unwrap();
     assert_eq!(num(&r, "x-ratelimit-limit"), 9);
@@ -108,18 +107,16 @@ async fn edits_renames_and_symlink_swaps_take_effect_without_dropping_requests()
 async fn a_changed_store_is_connected() {
     let redis = sluice_testkit::RedisServer::start();
     let dir = TempDir::new("sluice-reload-store");
-    let port = free_port();
     let file = dir.path().join("sluice.yaml");
-    std::fs::write(&file, config(port, 100)).unwrap();
-    let _server = Process::spawn(std::process::Command::new(bin()).arg("serve").arg("--config").arg(&file)).unwrap();
-    assert!(wait_for_port(port, Duration::from_secs(10)));
-    let base = format!("http://127.0.0.1:{port}");
+    std::fs::write(&file, config(100)).unwrap();
+    let (_server, http, _) = common::spawn(&file, dir.path());
+    let base = format!("http://{http}");
     let client = reqwest::Client::new();
     let r = common::hit(&client, &base, "d", &[("user", "mover")]).await;
     assert_eq!(r.status(), 200);
     assert_eq!(redis.script_calls(), 0);
     let with_redis =
-        config(port, 100).replace("domains:", &format!("store:\n  kind: redis\n  url: {}\ndomains:", redis.url()));
+        config(100).replace("domains:", &format!("store:\n  kind: redis\n  url: {}\ndomains:", redis.url()));
     write_atomically(&file, &with_redis);
     let started = Instant::now();
     loop {
@@ -140,18 +137,16 @@ async fn a_changed_store_is_connected() {
 #[tokio::test]
 async fn a_reload_moves_the_migration_percentage() {
     let dir = TempDir::new("sluice-reload-migration");
-    let port = free_port();
     let file = dir.path().join("sluice.yaml");
     let at = |percent: u8| {
-        config(port, 100).replace(
+        config(100).replace(
             "domains:",
             &format!("  admin_token: t\nstore:\n  kind: migrating\n  percent: {percent}\n  from: {{kind: memory}}\n  to: {{kind: memory}}\ndomains:"),
         )
     };
     std::fs::write(&file, at(10)).unwrap();
-    let _server = Process::spawn(std::process::Command::new(bin()).arg("serve").arg("--config").arg(&file)).unwrap();
-    assert!(wait_for_port(port, Duration::from_secs(10)));
-    let base = format!("http://127.0.0.1:{port}");
+    let (_server, http, _) = common::spawn(&file, dir.path());
+    let base = format!("http://{http}");
     let client = reqwest::Client::new();
     let percent = || async {
         let r = client.get(format!("{base}/v1/admin/migration")).bearer_auth("t").send().await.unwrap();
@@ -208,10 +203,9 @@ async fn decision_time(client: &reqwest::Client, base: &str) -> Duration {
 async fn a_changed_deadline_takes_effect_without_a_new_store() {
     let hang = silent_server();
     let dir = TempDir::new("sluice-reload-deadline");
-    let port = free_port();
     let file = dir.path().join("sluice.yaml");
     let at = |deadline: &str| {
-        config(port, 100).replace(
+        config(100).replace(
             "domains:",
             &format!(
                 "store: {{kind: redis, url: \"redis://{hang}\", timeout: 10s}}\nlimiter: {{deadline: {deadline}, breaker_failures: 1000, near_cache: 0}}\ndomains:"
@@ -219,13 +213,8 @@ async fn a_changed_deadline_takes_effect_without_a_new_store() {
         )
     };
     std::fs::write(&file, at("100ms")).unwrap();
-    let server = Process::spawn_logging(
-        std::process::Command::new(bin()).arg("serve").arg("--config").arg(&file),
-        &dir.path().join("sluice.log"),
-    )
-    .unwrap();
-    assert!(wait_for_port(port, Duration::from_secs(10)));
-    let base = format!("http://127.0.0.1:{port}");
+    let (server, http, _) = common::spawn(&file, dir.path());
+    let base = format!("http://{http}");
     let client = reqwest::Client::new();
     let before = decision_time(&client, &base).await;
     assert!(before < Duration::from_millis(800), "the 100ms deadline took {before:?}");
@@ -251,14 +240,12 @@ async fn a_changed_deadline_takes_effect_without_a_new_store() {
 async fn a_reload_the_store_cannot_run_is_refused() {
     let memcached = sluice_testkit::MemcachedServer::start();
     let dir = TempDir::new("sluice-reload-capability");
-    let port = free_port();
     let file = dir.path().join("sluice.yaml");
-    let text = config(port, 100)
+    let text = config(100)
         .replace("domains:", &format!("store: {{kind: memcached, servers: [\"{}\"]}}\ndomains:", memcached.addr()));
     std::fs::write(&file, &text).unwrap();
-    let _server = Process::spawn(std::process::Command::new(bin()).arg("serve").arg("--config").arg(&file)).unwrap();
-    assert!(wait_for_port(port, Duration::from_secs(10)));
-    let base = format!("http://127.0.0.1:{port}");
+    let (_server, http, _) = common::spawn(&file, dir.path());
+    let base = format!("http://{http}");
     let client = reqwest::Client::new();
     assert_eq!(num(&common::hit(&client, &base, "d", &[("user", "m")]).await, "x-ratelimit-limit"), 100);
     let bucket = text.replace(

@@ -2,9 +2,10 @@
 
 #![allow(dead_code)]
 
-use sluice_testkit::{Process, TempDir, free_port, wait_for_port};
+use sluice_testkit::{Process, TempDir};
+use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Tests that start whole clusters or drive load take this lock, so they do not run at
 /// once: on a 2-core machine their CPU contention would push decisions past the store
@@ -61,16 +62,38 @@ fn status_of(base: &str, path: &str) -> Option<u16> {
 /// As [`start_with`], without waiting for the store.
 pub fn start_unready(sections: &str, domains_yaml: &str) -> Sluice {
     let dir = TempDir::new("sluice-test");
-    let (port, grpc) = (free_port(), free_port());
     let config = dir.path().join("sluice.yaml");
-    let server = format!("server:\n  http: 127.0.0.1:{port}\n  grpc: 127.0.0.1:{grpc}\n");
     // further `server:` keys given in `sections` (indented) continue this block
-    std::fs::write(&config, format!("{server}{sections}domains:\n{domains_yaml}")).unwrap();
+    std::fs::write(&config, format!("{SERVER}{sections}domains:\n{domains_yaml}")).unwrap();
+    let (process, http, grpc) = spawn(&config, dir.path());
+    Sluice { process, base: format!("http://{http}"), grpc, dir }
+}
+
+/// The `server:` section of every test config: ports chosen by the system, so no test
+/// can take another's (`spawn` reads them back).
+pub const SERVER: &str = "server:\n  http: 127.0.0.1:0\n  grpc: 127.0.0.1:0\n";
+
+/// Starts `sluice serve --config FILE` logging to `dir/sluice.log`, and waits until it
+/// has bound its listeners; returns the process and its HTTP and gRPC addresses, read
+/// from its `--ready-file`. A server that exits or does not start in 15 s fails the test
+/// with its log.
+pub fn spawn(config: &Path, dir: &Path) -> (Process, String, String) {
+    let (ready, log) = (dir.join("ready"), dir.join("sluice.log"));
     let mut cmd = Command::new(bin());
-    cmd.arg("serve").arg("--config").arg(&config);
-    let process = Process::spawn_logging(&mut cmd, &dir.path().join("sluice.log")).expect("start sluice");
-    assert!(wait_for_port(port, Duration::from_secs(10)), "sluice did not start listening on {port}");
-    Sluice { process, base: format!("http://127.0.0.1:{port}"), grpc: format!("127.0.0.1:{grpc}"), dir }
+    cmd.arg("serve").arg("--config").arg(config).arg("--ready-file").arg(&ready);
+    let mut process = Process::spawn_logging(&mut cmd, &log).expect("start sluice");
+    let started = Instant::now();
+    let text = loop {
+        if let Ok(text) = std::fs::read_to_string(&ready) {
+            break text;
+        }
+        let log = || std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(!process.exited(), "sluice exited at start:\n{}", log());
+        assert!(started.elapsed() < Duration::from_secs(15), "sluice did not start in 15 s:\n{}", log());
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let addr = |name: &str| text.lines().find_map(|l| l.strip_prefix(name)).expect("a ready file line").to_string();
+    (process, addr("http="), addr("grpc="))
 }
 
 impl Sluice {
