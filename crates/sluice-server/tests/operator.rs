@@ -279,6 +279,18 @@ async fn health_is_answered_past_the_connection_limit() {
     drop(idle);
 }
 
+/// The server's exit code, waiting at most 5 s for it to exit.
+fn exit_code(s: &mut common::Sluice) -> i32 {
+    let started = Instant::now();
+    loop {
+        if let Some(code) = s.process.exit_code() {
+            return code;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "still running 5 s after SIGTERM:\n{}", s.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// SIGTERM with one client stalled halfway through a request head and one idle
 /// keep-alive connection: the server exits 0 within the grace period, and says how many
 /// connections it dropped. (It used to wait forever.)
@@ -294,14 +306,7 @@ fn sigterm_with_a_stalled_client_exits_within_the_grace() {
     let started = Instant::now();
     let sent = std::process::Command::new("kill").arg("-TERM").arg(s.process.pid().to_string()).status().unwrap();
     assert!(sent.success());
-    let code = loop {
-        if let Some(code) = s.process.exit_code() {
-            break code;
-        }
-        assert!(started.elapsed() < Duration::from_secs(5), "still running 5 s after SIGTERM:\n{}", s.log());
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert_eq!(code, 0, "{}", s.log());
+    assert_eq!(exit_code(&mut s), 0, "{}", s.log());
     assert!(started.elapsed() < Duration::from_millis(3_500), "took {:?}", started.elapsed());
     assert!(s.log().contains("stopped"), "{}", s.log());
 }
@@ -374,15 +379,7 @@ fn sigterm_under_keep_alive_load_answers_every_request_written() {
         answered += a;
         unanswered += u;
     }
-    let started = Instant::now();
-    let code = loop {
-        if let Some(code) = s.process.exit_code() {
-            break code;
-        }
-        assert!(started.elapsed() < Duration::from_secs(5), "still running:\n{}", s.log());
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert_eq!(code, 0, "{}", s.log());
+    assert_eq!(exit_code(&mut s), 0, "{}", s.log());
     assert!(answered > 100, "the load was too light to mean anything: {answered}");
     assert_eq!(unanswered, 0, "requests written and never answered ({answered} answered)");
 }
