@@ -94,7 +94,8 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
         shutdown().await;
         let _ = stopping.send(true);
     })
-    .await;
+    .await
+    .map_err(ServeError::Io)?;
     // gRPC stops on the same signal, within the same grace
     let grpc_dropped = tokio::time::timeout(bounds.shutdown_grace, grpc).await.is_err();
     tracing::info!(dropped_http_connections = dropped, grpc_cut_off = grpc_dropped, "stopped");
