@@ -46,6 +46,11 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Enables the admin endpoints; callers must send `Authorization: Bearer <token>`.
     pub admin_token: Option<String>,
+    /// Credentials of the data plane: when any are set, every decision, lease, refund and
+    /// status call (HTTP `Authorization: Bearer <token>`, gRPC metadata `authorization`)
+    /// must carry one of them. Several, so they can be rotated. Off by default for the
+    /// loopback default; required when a listener is not on loopback.
+    pub api_tokens: Vec<String>,
     /// A request head must arrive within this; a keep-alive connection that sends no
     /// next request is closed after it too (HTTP). gRPC: the HTTP/2 keep-alive ping
     /// must be answered within it.
@@ -67,6 +72,7 @@ impl Default for ServerConfig {
             grpc: SocketAddr::from(([127, 0, 0, 1], 8081)),
             max_body_bytes: 64 * 1024,
             admin_token: None,
+            api_tokens: Vec::new(),
             header_timeout: Duration(10_000),
             body_timeout: Duration(10_000),
             max_connections: 4_096,

@@ -20,11 +20,15 @@ pub fn router(state: Arc<AppState>) -> Router {
         Some(_) => Router::new().route("/v1/admin/migration", get(migration).put(set_migration)),
         None => Router::new(),
     };
-    admin
+    // the data plane: behind `server.api_tokens` when there are any
+    let data = Router::new()
         .route("/v1/ratelimit", post(ratelimit).get(status))
         .route("/v1/leases", post(acquire))
         .route("/v1/leases/{lease_id}", delete(release))
         .route("/v1/refund", post(refund))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), data_plane_token));
+    admin
+        .merge(data)
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
@@ -185,16 +189,29 @@ async fn refund(State(state): Shared, headers: HeaderMap, body: Body) -> Respons
 /// Whether the request carries `Authorization: Bearer <server.admin_token>`. Compared
 /// in constant time.
 fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
-    let (Some(token), Some(given)) = (&state.admin_token, headers.get(header::AUTHORIZATION)) else { return false };
-    let given = given.as_bytes().strip_prefix(b"Bearer ").unwrap_or(b"");
-    given.len() == token.len() && given.iter().zip(token.as_bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    let given = headers.get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
+    state.admin_token.as_deref().is_some_and(|token| crate::state::bearer_is(given, token))
 }
 
 fn unauthorized() -> Response {
-    let mut r =
-        error(StatusCode::UNAUTHORIZED, "unauthorized", "send Authorization: Bearer <server.admin_token>".into());
+    unauthorized_for("server.admin_token")
+}
+
+fn unauthorized_for(setting: &str) -> Response {
+    let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", format!("send Authorization: Bearer <{setting}>"));
     r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     r
+}
+
+/// The data plane's credential: with `server.api_tokens` set, a request must carry one
+/// of them as a bearer token (compared in constant time), or it is answered 401.
+async fn data_plane_token(
+    State(state): Shared,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let given = request.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
+    if state.api_token_matches(given) { next.run(request).await } else { unauthorized_for("one of server.api_tokens") }
 }
 
 /// `GET /v1/admin/migration`: the migrating store's percentage.

@@ -129,6 +129,10 @@ impl RateLimitService for Rls {
         &self,
         request_: tonic::Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
+        let given = request_.metadata().get("authorization").map(|v| v.as_bytes());
+        if !self.state.api_token_matches(given) {
+            return Err(Status::unauthenticated("send metadata authorization: Bearer <one of server.api_tokens>"));
+        }
         let req = request(request_.into_inner())?;
         let engine = self.state.engine.load_full();
         match engine.limiter.check(&req).await {

@@ -76,6 +76,11 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     let grpc_listener = listen(args.grpc.unwrap_or(config.server.grpc)).await?;
     // the addresses bound (a port 0 in the config is the system's choice)
     let (addr, grpc_addr) = (bound(&listener)?, bound(&grpc_listener)?);
+    if !(addr.ip().is_loopback() && grpc_addr.ip().is_loopback()) && config.server.api_tokens.is_empty() {
+        tracing::warn!(
+            "a listener is not on loopback and server.api_tokens is empty: anyone who reaches it can spend or refund any client's quota"
+        );
+    }
     if let Some(file) = &args.ready_file {
         ready_file(file, addr, grpc_addr)?;
     }

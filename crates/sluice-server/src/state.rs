@@ -24,6 +24,8 @@ pub struct AppState {
     pub tuning: ArcSwap<Tuning>,
     /// `server.admin_token`: the admin endpoints exist only when it is set.
     pub admin_token: Option<String>,
+    /// `server.api_tokens`: when any, the data plane (HTTP and gRPC) needs one of them.
+    pub api_tokens: Vec<String>,
     pub max_body_bytes: usize,
     /// `server.body_timeout`.
     pub body_timeout: std::time::Duration,
@@ -43,6 +45,7 @@ impl AppState {
             migration: ArcSwapOption::new(built.migration),
             tuning: ArcSwap::new(built.tuning),
             admin_token: server.admin_token.clone(),
+            api_tokens: server.api_tokens.clone(),
             max_body_bytes: server.max_body_bytes,
             body_timeout: std::time::Duration::from_millis(server.body_timeout.0),
             metrics,
@@ -55,4 +58,19 @@ impl AppState {
         self.migration.store(built.migration);
         self.tuning.store(built.tuning);
     }
+}
+
+impl AppState {
+    /// Whether `authorization` (a header value) carries one of `server.api_tokens`, or
+    /// none is configured.
+    pub fn api_token_matches(&self, authorization: Option<&[u8]>) -> bool {
+        self.api_tokens.is_empty() || self.api_tokens.iter().any(|t| bearer_is(authorization, t))
+    }
+}
+
+/// Whether `authorization` is `Bearer <token>`, compared in constant time (for a given
+/// length), so response times do not reveal how much of a guess was right.
+pub fn bearer_is(authorization: Option<&[u8]>, token: &str) -> bool {
+    let given = authorization.and_then(|a| a.strip_prefix(b"Bearer ")).unwrap_or(b"");
+    given.len() == token.len() && given.iter().zip(token.as_bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }

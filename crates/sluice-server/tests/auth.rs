@@ -1,0 +1,66 @@
+//! The data plane's credentials (`server.api_tokens`): with tokens set, decisions,
+//! status reads, leases and refunds over HTTP, and Envoy's gRPC calls, need one of them;
+//! health stays open, and the admin API keeps its own token.
+
+mod common;
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+
+#[tokio::test]
+async fn the_data_plane_needs_one_of_the_tokens() {
+    let s = common::start_with("  api_tokens: [old-token, new-token]\n", &common::rule(10));
+    let client = reqwest::Client::new();
+    let body = common::body("d", &[("user", "a")]);
+    let post = |path: &str, token: Option<&str>| {
+        let r = client.post(format!("{}{path}", s.base)).json(&body);
+        match token {
+            Some(t) => r.bearer_auth(t),
+            None => r,
+        }
+    };
+    for (path, token) in [("/v1/ratelimit", None), ("/v1/ratelimit", Some("wrong")), ("/v1/refund", None)] {
+        let r = post(path, token).send().await.unwrap();
+        assert_eq!(r.status(), 401, "{path} with {token:?}");
+        assert_eq!(common::header(&r, "www-authenticate"), "Bearer");
+    }
+    let r = client.get(format!("{}/v1/ratelimit?domain=d&user=a", s.base)).send().await.unwrap();
+    assert_eq!(r.status(), 401, "a status read needs a token too");
+    let r = client.delete(format!("{}/v1/leases/{}", s.base, "0".repeat(80))).send().await.unwrap();
+    assert_eq!(r.status(), 401, "so does a release");
+    // either token, so one can be rotated out while the other serves
+    for token in ["old-token", "new-token"] {
+        let r = post("/v1/ratelimit", Some(token)).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{token}");
+    }
+    assert_eq!(client.get(format!("{}/healthz", s.base)).send().await.unwrap().status(), 200);
+    assert_eq!(client.get(format!("{}/readyz", s.base)).send().await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn envoys_calls_need_one_of_the_tokens_in_metadata() {
+    let s = common::start_with("  api_tokens: [envoy-token]\n", &common::rule(10));
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", s.grpc)).await.unwrap();
+    let request = || RateLimitRequest {
+        domain: "d".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry { key: "user".into(), value: "e".into() }],
+            ..Default::default()
+        }],
+        hits_addend: 0,
+    };
+    let e = rls.should_rate_limit(request()).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+    let mut with = tonic::Request::new(request());
+    with.metadata_mut().insert("authorization", "Bearer envoy-token".parse().unwrap());
+    assert!(rls.should_rate_limit(with).await.is_ok());
+}
+
+#[tokio::test]
+async fn without_tokens_the_loopback_default_is_open() {
+    let s = common::start(&common::rule(10));
+    let r = common::hit(&reqwest::Client::new(), &s.base, "d", &[("user", "open")]).await;
+    assert_eq!(r.status(), 200);
+}
