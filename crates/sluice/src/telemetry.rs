@@ -119,14 +119,16 @@ impl DomainCounters {
 
 /// Counts a decision of a `detailed_metric` rule by its descriptor (`key_value` pairs
 /// joined by `.`, as envoyproxy/ratelimit names them). Registered per call: only rules
-/// that ask pay for it.
+/// that ask pay for it. Control characters (CR, LF, NUL ...) in keys and values become
+/// `_`: a client's bytes must not break a line of `/metrics` open.
 pub(crate) fn detailed<'a>(
     domain: &str,
     policy: &str,
     entries: impl Iterator<Item = (&'a str, &'a str)>,
     allowed: bool,
 ) {
-    let descriptor: Vec<String> = entries.map(|(k, v)| format!("{k}_{v}")).collect();
+    let printable = |s: &str| s.chars().map(|c| if c.is_control() { '_' } else { c }).collect::<String>();
+    let descriptor: Vec<String> = entries.map(|(k, v)| format!("{}_{}", printable(k), printable(v))).collect();
     let outcome = if allowed { "allowed" } else { "over_limit" };
     counter!(names::DECISIONS_DETAILED, "domain" => domain.to_string(), "policy" => policy.to_string(),
         "descriptor" => descriptor.join("."), "outcome" => outcome)
