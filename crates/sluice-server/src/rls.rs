@@ -2,7 +2,7 @@
 //! what an Envoy's `envoy.filters.http.ratelimit` filter calls, on `server.grpc`
 //! (127.0.0.1:8081 by default), the port envoyproxy/ratelimit uses.
 //!
-//! It shares the HTTP API's engine path: the same `Limiter::run`, so the same decisions,
+//! It shares the HTTP API's engine path: the same `Limiter::check`, so the same decisions,
 //! headers and errors. A request that cannot be evaluated answers `INVALID_ARGUMENT`; a
 //! refusal by a fail-closed policy whose store failed answers `UNAVAILABLE`, so Envoy's
 //! `failure_mode_deny` decides; fail-open answers OK (counted, as everywhere).
