@@ -44,3 +44,30 @@ async fn a_detailed_metric_escapes_what_it_labels() {
     assert_eq!(detailed, HOSTILE.len(), "one series per value:\n{metrics}");
     assert!(metrics.contains(r#"quote\"and\\slash"#), "quotes and backslashes escaped:\n{metrics}");
 }
+
+/// A body over `max_body_bytes` is answered 413, and the client reads that answer: the
+/// server never closes on a client still sending, which would reset the connection and
+/// lose the response. A hundred times in a row.
+#[test]
+fn an_oversized_body_is_answered_not_reset() {
+    use std::io::{Read, Write};
+    let s = common::start(&common::rule(10));
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let body = vec![b'x'; 1 << 20];
+    for i in 0..100 {
+        let mut c = std::net::TcpStream::connect(&addr).unwrap();
+        c.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+        let head = format!(
+            "POST /v1/ratelimit HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        c.write_all(head.as_bytes()).unwrap();
+        // the server may answer before the body is all sent; a write error is fine, a
+        // lost answer is not
+        let _ = c.write_all(&body);
+        let mut answer = [0u8; 64];
+        let n = c.read(&mut answer).unwrap_or_else(|e| panic!("try {i}: the answer was lost: {e}"));
+        let answer = String::from_utf8_lossy(&answer[..n]);
+        assert!(answer.starts_with("HTTP/1.1 413"), "try {i}: {answer:?}");
+    }
+}
