@@ -157,7 +157,8 @@ fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Config, Rel
     Ok(config)
 }
 
-/// The `server` keys that differ: listeners and tokens are set up once, at start.
+/// The `server` keys that differ: listeners, their bounds and the tokens are set up
+/// once, at start.
 fn needs_restart(new: &ServerConfig, old: &ServerConfig) -> Vec<&'static str> {
     let mut keys = Vec::new();
     for (key, changed) in [
@@ -165,6 +166,11 @@ fn needs_restart(new: &ServerConfig, old: &ServerConfig) -> Vec<&'static str> {
         ("server.grpc", new.grpc != old.grpc),
         ("server.max_body_bytes", new.max_body_bytes != old.max_body_bytes),
         ("server.admin_token", new.admin_token != old.admin_token),
+        ("server.api_tokens", new.api_tokens != old.api_tokens),
+        ("server.header_timeout", new.header_timeout != old.header_timeout),
+        ("server.body_timeout", new.body_timeout != old.body_timeout),
+        ("server.max_connections", new.max_connections != old.max_connections),
+        ("server.shutdown_grace", new.shutdown_grace != old.shutdown_grace),
     ] {
         if changed {
             keys.push(key);

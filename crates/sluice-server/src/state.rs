@@ -52,19 +52,17 @@ impl AppState {
         }
     }
 
+    /// Whether `authorization` (a header value) carries one of `server.api_tokens`, or
+    /// none is configured.
+    pub fn api_token_matches(&self, authorization: Option<&[u8]>) -> bool {
+        self.api_tokens.is_empty() || self.api_tokens.iter().any(|t| bearer_is(authorization, t))
+    }
+
     /// Puts a freshly built engine in force.
     pub fn install(&self, built: crate::build::Built) {
         self.engine.store(Arc::new(built.engine));
         self.migration.store(built.migration);
         self.tuning.store(built.tuning);
-    }
-}
-
-impl AppState {
-    /// Whether `authorization` (a header value) carries one of `server.api_tokens`, or
-    /// none is configured.
-    pub fn api_token_matches(&self, authorization: Option<&[u8]>) -> bool {
-        self.api_tokens.is_empty() || self.api_tokens.iter().any(|t| bearer_is(authorization, t))
     }
 }
 

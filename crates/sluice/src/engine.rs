@@ -60,14 +60,13 @@ pub struct Limiter {
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
     near_cache: Option<NearCache>,
-    near_cache_capacity: usize,
     failures: FailureLog,
 }
 
 impl Limiter {
     /// An engine over compiled rules, a store and a clock.
     pub fn new(rules: Arc<Rules>, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
-        Self { rules, store, clock, near_cache: None, near_cache_capacity: 0, failures: FailureLog::default() }
+        Self { rules, store, clock, near_cache: None, failures: FailureLog::default() }
     }
 
     /// An engine for one process: the memory store (up to a million states) and the
@@ -84,19 +83,7 @@ impl Limiter {
     /// fast as the cache.
     pub fn with_near_cache(mut self, capacity: usize) -> Self {
         self.near_cache = Some(NearCache::new(capacity));
-        self.near_cache_capacity = capacity;
         self
-    }
-
-    /// The same engine (store, clock, near-cache size) with other rules: what a config
-    /// reload makes. The near-cache starts empty: refusals remembered under the old rules
-    /// are not the new rules' refusals.
-    pub fn with_rules(&self, rules: Arc<Rules>) -> Self {
-        let next = Self::new(rules, self.store.clone(), self.clock.clone());
-        match self.near_cache {
-            Some(_) => next.with_near_cache(self.near_cache_capacity),
-            None => next,
-        }
     }
 
     /// Refusals answered from the near-cache so far.

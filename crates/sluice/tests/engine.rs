@@ -20,6 +20,13 @@ fn limiter(domains: &str) -> (Limiter, ManualClock) {
     (Limiter::new(rules, Arc::new(MemoryStore::new(10_000)), Arc::new(clock.clone())), clock)
 }
 
+/// Domain `d`: each `user` may make `limit` requests a minute.
+fn user_per_minute(limit: u64) -> String {
+    format!(
+        r#"{{"domains":[{{"domain":"d","descriptors":[{{"key":"user","rate_limit":{{"unit":"minute","requests_per_unit":{limit}}}}}]}}]}}"#
+    )
+}
+
 fn req(domain: &str, descriptors: &[&[(&str, &str)]]) -> Request {
     Request {
         domain: domain.into(),
@@ -178,9 +185,7 @@ async fn shadow_mode_reports_but_allows() {
 
 #[tokio::test]
 async fn refund_gives_back_a_verdicts_charge() {
-    let (l, _clock) = limiter(
-        r#"{"domains":[{"domain":"d","descriptors":[{"key":"user","rate_limit":{"unit":"minute","requests_per_unit":5}}]}]}"#,
-    );
+    let (l, _clock) = limiter(&user_per_minute(5));
     let r = req("d", &[&[("user", "n")]]);
     for _ in 0..3 {
         let v = l.check(&r).await.unwrap();
@@ -224,9 +229,7 @@ async fn global_shadow_mode_allows_everything_and_reports() {
 /// state twice gets its own call): a refund gives each charge back exactly once.
 #[tokio::test]
 async fn a_refund_gives_each_charge_back_once() {
-    let (l, _clock) = limiter(
-        r#"{"domains":[{"domain":"d","descriptors":[{"key":"user","rate_limit":{"unit":"minute","requests_per_unit":10}}]}]}"#,
-    );
+    let (l, _clock) = limiter(&user_per_minute(10));
     let a = req("d", &[&[("user", "a")]]);
     for _ in 0..3 {
         assert!(l.check(&a).await.unwrap().allowed());
