@@ -72,7 +72,7 @@ fn decisions(c: &mut Criterion) {
                                 OUT.with_borrow_mut(|out| {
                                     out.clear();
                                     let op = Op { key: 1, limit, cost: 1, lease: None, shadow: false };
-                                    store.apply_into(tags[i as usize % keys], &[op], clock.now(), out);
+                                    store.apply_into(tags[i as usize % keys], &[op], clock.now(), out).expect("room");
                                     black_box(&out[0]);
                                 })
                             })

@@ -28,6 +28,7 @@ pub mod names {
     pub const BREAKER_STATE: &str = "sluice_circuit_breaker_state";
     pub const MEMORY_KEYS: &str = "sluice_memory_store_keys";
     pub const MEMORY_EVICTIONS: &str = "sluice_memory_store_evictions_total";
+    pub const MEMORY_FULL: &str = "sluice_memory_store_full_total";
     pub const CONFIG_RELOADS: &str = "sluice_config_reloads_total";
     pub const DECISIONS_DETAILED: &str = "sluice_decisions_detailed_total";
     pub const SHED: &str = "sluice_shed_total";
@@ -129,10 +130,39 @@ pub(crate) fn detailed<'a>(
 ) {
     let printable = |s: &str| s.chars().map(|c| if c.is_control() { '_' } else { c }).collect::<String>();
     let descriptor: Vec<String> = entries.map(|(k, v)| format!("{}_{}", printable(k), printable(v))).collect();
+    let mut descriptor = descriptor.join(".");
+    if !DETAILED_SERIES.admit(domain, policy, &descriptor) {
+        descriptor = DETAILED_OVERFLOW.to_string();
+    }
     let outcome = if allowed { "allowed" } else { "over_limit" };
     counter!(names::DECISIONS_DETAILED, "domain" => domain.to_string(), "policy" => policy.to_string(),
-        "descriptor" => descriptor.join("."), "outcome" => outcome)
+        "descriptor" => descriptor, "outcome" => outcome)
     .increment(1);
+}
+
+/// Most distinct `descriptor` labels of [`names::DECISIONS_DETAILED`] in one process:
+/// every label set is a series the exporter keeps forever, so a client sending unique
+/// values to a `detailed_metric` rule would otherwise grow memory without end.
+pub(crate) const DETAILED_MAX_SERIES: usize = 10_000;
+
+/// The label the values past [`DETAILED_MAX_SERIES`] are counted under.
+pub(crate) const DETAILED_OVERFLOW: &str = "_other";
+
+static DETAILED_SERIES: Series = Series(std::sync::Mutex::new(None));
+
+/// The set of label sets seen, by hash, up to [`DETAILED_MAX_SERIES`].
+struct Series(std::sync::Mutex<Option<std::collections::HashSet<u64>>>);
+
+impl Series {
+    fn admit(&self, domain: &str, policy: &str, descriptor: &str) -> bool {
+        use std::hash::{BuildHasher, Hash, Hasher};
+        let mut h =
+            std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().build_hasher();
+        (domain, policy, descriptor).hash(&mut h);
+        let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let seen = seen.get_or_insert_with(Default::default);
+        seen.contains(&h.finish()) || (seen.len() < DETAILED_MAX_SERIES && seen.insert(h.finish()))
+    }
 }
 
 /// A request dropped by a load shedder (`worker` or `fleet`), by priority class.
@@ -200,8 +230,33 @@ impl StoreMetrics {
 }
 
 /// Publishes the memory store's size and eviction counts.
-pub(crate) fn memory_store(keys: usize, collected: u64, evicted_live: u64) {
+pub(crate) fn memory_store(keys: usize, collected: u64, full: u64) {
     gauge!(names::MEMORY_KEYS).set(keys as f64);
     counter!(names::MEMORY_EVICTIONS, "kind" => "expired").absolute(collected);
-    counter!(names::MEMORY_EVICTIONS, "kind" => "live").absolute(evicted_live);
+    counter!(names::MEMORY_FULL).absolute(full);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Unique values sent to a `detailed_metric` rule stop making series at the bound;
+    /// the rest are counted under one label.
+    #[test]
+    fn detailed_series_are_bounded() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            for i in 0..DETAILED_MAX_SERIES + 500 {
+                detailed("d", "p", [("user", format!("u{i}").as_str())].into_iter(), true);
+            }
+        });
+        let text = handle.render();
+        let series = text.lines().filter(|l| l.starts_with(names::DECISIONS_DETAILED)).count();
+        assert!(series <= DETAILED_MAX_SERIES + 1, "{series} series");
+        let other = format!("descriptor=\"{DETAILED_OVERFLOW}\"");
+        let overflow = text.lines().find(|l| l.contains(&other)).expect("an overflow series");
+        let counted: u64 = overflow.rsplit(' ').next().and_then(|v| v.parse().ok()).expect("a count");
+        assert!(counted >= 500, "{overflow}");
+    }
 }

@@ -242,3 +242,44 @@ async fn a_refund_gives_each_charge_back_once() {
     assert_eq!(used(&l.status(&a).await.unwrap()), 3, "a's two charges given back once each");
     assert_eq!(used(&l.status(&req("d", &[&[("user", "b")]])).await.unwrap()), 0);
 }
+
+/// A flood of new clients into a full memory store never buys anyone quota: the known
+/// heavy client keeps its exact count while 200,000 others arrive; the newcomers are
+/// decided by the failure policy (here fail-closed: refused, marked degraded) until
+/// windows end and room returns.
+#[tokio::test]
+async fn a_full_memory_store_keeps_every_live_count_and_decides_newcomers_by_policy() {
+    let config = r#"{"limiter":{"failure":"closed"},"domains":[{"domain":"d","descriptors":[{"key":"user","rate_limit":{"unit":"minute","requests_per_unit":3}}]}]}"#;
+    let config: RulesConfig = serde_json::from_str(config).expect("test config");
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(MemoryStore::new(6_400));
+    let l = Limiter::new(Arc::new(config.compile().unwrap()), store.clone(), Arc::new(clock.clone()));
+    let heavy = req("d", &[&[("user", "heavy")]]);
+    for _ in 0..3 {
+        assert!(l.check(&heavy).await.unwrap().allowed());
+    }
+    assert!(!l.check(&heavy).await.unwrap().allowed(), "the heavy client has used its limit");
+    let (mut admitted, mut degraded) = (0, 0);
+    for i in 0..200_000 {
+        clock.advance(i % 2); // 100 s pass in all: the flood spans the heavy client's window
+        let v = l.check(&req("d", &[&[("user", &format!("flood-{i}"))]])).await.unwrap();
+        admitted += usize::from(v.allowed());
+        degraded += usize::from(v.degraded.is_some());
+        if i % 1_000 == 0 && clock_ms(&clock) < T0 + 60_000 {
+            let h = l.check(&heavy).await.unwrap();
+            assert!(!h.allowed() && h.degraded.is_none(), "request {i}: the heavy client got quota back");
+        }
+    }
+    assert!(store.len() <= 6_400, "the store holds {} states, over its bound", store.len());
+    let full = store.stats().full.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(full > 100_000 && degraded as u64 == full, "full {full}, degraded {degraded}");
+    assert_eq!(admitted + degraded, 200_000, "every newcomer either counted or refused by policy");
+    // once the flood's windows end too, their room comes back
+    clock.advance(61_000);
+    assert!(l.check(&heavy).await.unwrap().allowed(), "a new window after the reset");
+    assert!(l.check(&req("d", &[&[("user", "late")]])).await.unwrap().allowed());
+}
+
+fn clock_ms(clock: &ManualClock) -> u64 {
+    sluice::time::Clock::now(clock)
+}

@@ -1,10 +1,16 @@
 //! The embedded store: the pure algorithms under a lock.
 //!
 //! State is split over shards by client tag; one shard's mutex covers every op of one
-//! call, which makes a call atomic. The store is bounded: when a shard is full it first
-//! collects state whose time has passed (a window after its reset, a full bucket), and
-//! only when that frees nothing does it evict live state, counted in
-//! [`MemoryStats::evicted_live`] because an evicted client gets a fresh limit.
+//! call, which makes a call atomic.
+//!
+//! The store is bounded, and a flood of new clients cannot buy anyone quota: when a
+//! shard is full it collects state whose time has passed (a window after its reset, a
+//! full bucket), and when that frees nothing, it **never evicts live state** (a forgotten
+//! window is a fresh limit: a client sending unique keys would wipe real clients' counts
+//! mid-window). The call that needs room answers [`StoreError::Full`] instead, so the
+//! policy's failure mode decides for that new client (fail-open admits it uncounted,
+//! fail-closed refuses it) while every client already held keeps its exact count. Room
+//! comes back as windows end; [`MemoryStats::full`] counts the calls that found none.
 
 use super::{Refund, Store, StoreError};
 use crate::algo::{self, Decision, Lease, Limit, Op, State};
@@ -70,8 +76,9 @@ struct Shard {
 pub struct MemoryStats {
     /// States dropped because their time had passed.
     pub collected: AtomicU64,
-    /// Live states evicted because the store was full: those clients got a fresh limit.
-    pub evicted_live: AtomicU64,
+    /// Calls refused room for a new client's state because the store was full (the
+    /// policy's failure mode decided them).
+    pub full: AtomicU64,
 }
 
 /// The in-memory store.
@@ -132,7 +139,7 @@ impl MemoryStore {
                 crate::telemetry::memory_store(
                     store.len(),
                     stats.collected.load(Ordering::Relaxed),
-                    stats.evicted_live.load(Ordering::Relaxed),
+                    stats.full.load(Ordering::Relaxed),
                 );
             }
         });
@@ -151,8 +158,8 @@ impl MemoryStore {
     }
 
     /// [`Store::apply`] without the future: the in-process fast path, writing decisions
-    /// into `out`.
-    pub fn apply_into(&self, tag: Tag, ops: &[Op], now: Millis, out: &mut Vec<Decision>) {
+    /// into `out`. [`StoreError::Full`] when a new state finds no room (nothing written).
+    pub fn apply_into(&self, tag: Tag, ops: &[Op], now: Millis, out: &mut Vec<Decision>) -> Result<(), StoreError> {
         let mut shard = self.shard(tag);
         // the common case, one limit: one lookup, no allocation
         if let [op] = ops {
@@ -161,37 +168,44 @@ impl MemoryStore {
                 let (d, expires_at) = algo::apply_one(op, &mut e.state, now);
                 e.expires_at = expires_at;
                 out.push(d);
-                return;
+                return Ok(());
             }
         }
+        let new = ops.iter().filter(|op| !shard.map.contains_key(&slot(tag, op.key))).count();
+        self.make_room(&mut shard, new, now)?;
         let mut states: Vec<Option<State>> =
             ops.iter().map(|op| shard.map.get_mut(&slot(tag, op.key)).map(|e| std::mem::take(&mut e.state))).collect();
         algo::apply_into(ops, &mut states, now, out);
         for (op, state) in ops.iter().zip(states) {
             if let Some(state) = state {
-                self.put(&mut shard, slot(tag, op.key), op.limit, state, now);
+                let expires_at = op.limit.expires_at(&state);
+                shard.map.insert(slot(tag, op.key), Entry { state, expires_at });
             }
         }
+        Ok(())
     }
 
-    fn put(&self, shard: &mut Shard, key: Slot, limit: Limit, state: State, now: Millis) {
-        let expires_at = limit.expires_at(&state);
+    /// Ensures room for `new` more states: collects expired state when the shard is
+    /// full (at most once a second), and never evicts live state (see the module doc).
+    fn make_room(&self, shard: &mut Shard, new: usize, now: Millis) -> Result<(), StoreError> {
+        if new == 0 || shard.map.len() + new <= self.per_shard {
+            return Ok(());
+        }
+        if now >= shard.next_collect {
+            self.collect_shard(shard, now);
+        }
+        if shard.map.len() + new <= self.per_shard {
+            return Ok(());
+        }
+        self.stats.full.fetch_add(1, Ordering::Relaxed);
+        Err(StoreError::Full)
+    }
+
+    /// Replaces a state already held (a refund never creates one).
+    fn replace(shard: &mut Shard, key: Slot, limit: Limit, state: State) {
         if let Some(e) = shard.map.get_mut(&key) {
-            *e = Entry { state, expires_at };
-            return;
+            *e = Entry { expires_at: limit.expires_at(&state), state };
         }
-        if shard.map.len() >= self.per_shard {
-            if now >= shard.next_collect {
-                self.collect_shard(shard, now);
-            }
-            if shard.map.len() >= self.per_shard {
-                if let Some(victim) = shard.map.keys().next().copied() {
-                    shard.map.remove(&victim);
-                    self.stats.evicted_live.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
-        shard.map.insert(key, Entry { state, expires_at });
     }
 
     fn get(shard: &Shard, tag: Tag, key: u64) -> Option<State> {
@@ -209,7 +223,7 @@ fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
 impl Store for MemoryStore {
     async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
         let mut out = Vec::with_capacity(ops.len());
-        self.apply_into(tag, ops, now, &mut out);
+        self.apply_into(tag, ops, now, &mut out)?;
         Ok(out)
     }
 
@@ -237,7 +251,7 @@ impl Store for MemoryStore {
                 continue;
             };
             if let Some(state) = r.limit.refund(state, r.cost, r.window, now) {
-                self.put(&mut shard, slot(tag, r.key), r.limit, state, now);
+                Self::replace(&mut shard, slot(tag, r.key), r.limit, state);
             }
         }
         Ok(())

@@ -71,6 +71,11 @@ pub enum StoreError {
     /// Not sent: the circuit breaker is open after repeated failures.
     #[error("store skipped: its circuit breaker is open after repeated failures")]
     CircuitOpen,
+    /// A bounded store had no room for a new client's state and evicts no live state
+    /// (that would hand the evicted client a fresh limit): the failure policy decides
+    /// for this client until room frees up. Not an outage.
+    #[error("store full: no room for a new client's state (live state is never evicted)")]
+    Full,
 }
 
 impl StoreError {
@@ -93,13 +98,14 @@ impl StoreError {
     }
 
     /// A short stable name of the kind of failure, for metrics and logs: `unavailable`,
-    /// `timeout`, `protocol` or `circuit_open`.
+    /// `timeout`, `protocol`, `circuit_open` or `full`.
     pub fn kind(&self) -> &'static str {
         match self {
             StoreError::Unavailable { .. } => "unavailable",
             StoreError::Timeout(_) => "timeout",
             StoreError::Protocol { .. } => "protocol",
             StoreError::CircuitOpen => "circuit_open",
+            StoreError::Full => "full",
         }
     }
 
