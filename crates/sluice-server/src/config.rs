@@ -63,6 +63,21 @@ pub struct ServerConfig {
     /// How long a stopping server (SIGTERM, SIGINT) waits for requests in flight before
     /// it drops their connections and exits.
     pub shutdown_grace: Duration,
+    /// TLS on both listeners (see `tls.rs`); plain TCP without it.
+    pub tls: Option<ListenerTls>,
+}
+
+/// `server.tls`: the listeners' certificate, and the CA whose client certificates are
+/// required (mTLS) when `client_ca_file` is set. PEM files, read again at every reload.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerTls {
+    /// The certificate chain, leaf first.
+    pub cert_file: std::path::PathBuf,
+    /// The certificate's private key (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: std::path::PathBuf,
+    /// When set, a client must present a certificate this CA signed.
+    pub client_ca_file: Option<std::path::PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -77,6 +92,7 @@ impl Default for ServerConfig {
             body_timeout: Duration(10_000),
             max_connections: 4_096,
             shutdown_grace: Duration(10_000),
+            tls: None,
         }
     }
 }

@@ -4,6 +4,7 @@ use crate::api::{RequestJson, response_json};
 use crate::state::{AppState, Engine};
 use axum::Router;
 use axum::body::{Body, to_bytes};
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -137,7 +138,17 @@ fn answer(engine: &Engine, decided: Result<Verdict, CheckError>) -> Response {
 
 /// `GET /v1/ratelimit?domain=D&KEY=VALUE...`: the status of one descriptor (its entries
 /// in query order), never charging.
-async fn status(State(state): Shared, Query(pairs): Query<Vec<(String, String)>>) -> Response {
+async fn status(State(state): Shared, query: Result<Query<Vec<(String, String)>>, QueryRejection>) -> Response {
+    let Query(pairs) = match query {
+        Ok(q) => q,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "bad_query",
+                format!("the query string is not KEY=VALUE pairs: {e}"),
+            );
+        }
+    };
     let mut domain = None;
     let mut entries = Vec::new();
     for (key, value) in pairs {
@@ -163,7 +174,11 @@ async fn status(State(state): Shared, Query(pairs): Query<Vec<(String, String)>>
 }
 
 /// `DELETE /v1/leases/{lease_id}`: give a lease back (idempotent).
-async fn release(State(state): Shared, Path(lease_id): Path<String>) -> Response {
+async fn release(State(state): Shared, path: Result<Path<String>, PathRejection>) -> Response {
+    let lease_id = match path {
+        Ok(Path(id)) => id,
+        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_lease_id", format!("the lease id is not readable: {e}")),
+    };
     let lease: LeaseId = match lease_id.parse() {
         Ok(l) => l,
         Err(e) => return error(StatusCode::BAD_REQUEST, RequestError::code(&e), e.to_string()),

@@ -9,7 +9,9 @@
 //! - Health probes have a front door: a thread of its own accepts every connection, and
 //!   one whose first bytes are `GET /healthz` is answered there, so a probe never waits
 //!   behind decisions, however many are queued; every other connection goes on to the
-//!   main runtime. (At 2,000 connections of load, probes waited 128 ms at the median
+//!   main runtime. With `server.tls`, a plain `GET /healthz` is still answered there
+//!   (a kubelet cannot present a client certificate under mTLS, and "ok" tells nothing);
+//!   every other connection must complete its TLS handshake within the header timeout. (At 2,000 connections of load, probes waited 128 ms at the median
 //!   behind decisions before; see docs/benchmarks.md.)
 //! - At most `server.max_connections` connections are served as usual. Past that, a new
 //!   connection is still answered (a load balancer's `/healthz` probe must get through)
@@ -60,6 +62,7 @@ pub async fn serve(
     listener: TcpListener,
     router: Router,
     bounds: Bounds,
+    tls: Option<Arc<crate::tls::Tls>>,
     stop: impl Future<Output = ()>,
 ) -> std::io::Result<usize> {
     let (stopping, stop_rx) = watch::channel(false);
@@ -89,18 +92,17 @@ pub async fn serve(
         while connections.try_join_next().is_some() {}
         let full = open.load(Ordering::Relaxed) >= bounds.max_connections;
         if full {
-            metrics::counter!(sluice::metric_names::HTTP_OVER_LIMIT).increment(1);
-            if over.due() {
-                let max_connections = bounds.max_connections;
-                tracing::warn!(
-                    max_connections,
-                    "HTTP connection limit reached; connections over it get one request each"
-                );
-            }
+            over_limit(&over, bounds.max_connections);
         }
-        let (router, open, closed, stop_rx) = (router.clone(), open.clone(), closed.clone(), stop_rx.clone());
+        let (router, open, closed, stop_rx, tls) =
+            (router.clone(), open.clone(), closed.clone(), stop_rx.clone(), tls.clone());
         connections.spawn(async move {
-            connection(stream, router, bounds, full, stop_rx).await;
+            match tls {
+                None => connection(stream, router, bounds, full, stop_rx).await,
+                // boxed: a TLS connection's future is several times a plain one's, and
+                // every plain connection's task would be allocated at its size
+                Some(tls) => Box::pin(secure_connection(stream, &tls, router, bounds, full, stop_rx)).await,
+            }
             open.fetch_sub(1, Ordering::Relaxed);
             closed.fetch_add(1, Ordering::Relaxed);
         });
@@ -111,6 +113,14 @@ pub async fn serve(
     let dropped = finish(connections, bounds.shutdown_grace).await;
     let _ = tokio::task::spawn_blocking(move || front.join()).await;
     Ok(dropped)
+}
+
+/// Counts a connection over `server.max_connections`, and says so at most every 10 s.
+fn over_limit(log: &Sometimes, max_connections: usize) {
+    metrics::counter!(sluice::metric_names::HTTP_OVER_LIMIT).increment(1);
+    if log.due() {
+        tracing::warn!(max_connections, "HTTP connection limit reached; connections over it get one request each");
+    }
 }
 
 /// What the front door needs.
@@ -201,9 +211,9 @@ async fn health(stream: tokio::net::TcpStream, router: Router) {
     let _ = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(router)).await;
 }
 
-/// Serves one connection until it ends or the server stops.
-async fn connection(
-    stream: tokio::net::TcpStream,
+/// Serves one connection (TCP, or TLS over it) until it ends or the server stops.
+async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static>(
+    stream: S,
     router: Router,
     bounds: Bounds,
     over_limit: bool,
@@ -229,6 +239,22 @@ async fn connection(
     // answer the request in progress, if any, then close
     conn.as_mut().graceful_shutdown();
     let _ = conn.await;
+}
+
+/// [`connection`] once a TLS handshake is done, within the time a request head has.
+async fn secure_connection(
+    stream: tokio::net::TcpStream,
+    tls: &crate::tls::Tls,
+    router: Router,
+    bounds: Bounds,
+    over_limit: bool,
+    stop: watch::Receiver<bool>,
+) {
+    match tokio::time::timeout(bounds.header_timeout, tls.http().accept(stream)).await {
+        Ok(Ok(stream)) => connection(stream, router, bounds, over_limit, stop).await,
+        Ok(Err(e)) => tracing::debug!(error = %e, "HTTP TLS handshake refused"),
+        Err(_) => tracing::debug!("HTTP TLS handshake timed out"),
+    }
 }
 
 /// Adds `Connection: close` to every response once the server is stopping.

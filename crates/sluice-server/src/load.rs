@@ -50,21 +50,23 @@ pub fn load_file(path: &Path) -> Result<Loaded, ConfigError> {
     let mut config = parse_config(&text, &file)?;
     if let Some(dir) = config.domains_from.clone() {
         let dir = path.parent().unwrap_or(Path::new(".")).join(dir);
-        for domain_file in domain_files(&dir)? {
-            let name = domain_file.display().to_string();
-            let text = read(&domain_file)?;
-            let domain: DomainConfig = parse(&text, &name)?;
-            // compiled alone first, so a mistake is reported in its own file
-            let alone = std::slice::from_ref(&domain);
-            Rules::compile(&LimiterConfig::default(), alone).map_err(|e| ConfigError {
-                file: name.clone(),
-                at: locate(&text, &e.anchors),
-                message: e.to_string(),
-            })?;
-            config.domains.push(domain);
+        for path in domain_files(&dir)? {
+            config.domains.push(domain_file(&read(&path)?, &path.display().to_string())?);
         }
     }
     compile(config, &text, &file)
+}
+
+/// One envoyproxy/ratelimit domain file's text (from `file`), parsed and compiled alone,
+/// so a mistake is reported in its own file.
+pub fn domain_file(text: &str, file: &str) -> Result<DomainConfig, ConfigError> {
+    let domain: DomainConfig = parse(text, file)?;
+    Rules::compile(&LimiterConfig::default(), std::slice::from_ref(&domain)).map_err(|e| ConfigError {
+        file: file.to_string(),
+        at: locate(text, &e.anchors),
+        message: e.to_string(),
+    })?;
+    Ok(domain)
 }
 
 /// Compiles a parsed config (whose text is `text`, from `file`). A config without any
@@ -141,21 +143,45 @@ fn parse_config(text: &str, file: &str) -> Result<Config, ConfigError> {
 fn parse<T: serde::de::DeserializeOwned>(text: &str, file: &str) -> Result<T, ConfigError> {
     let err = |at, message| ConfigError { file: file.to_string(), at, message };
     serde_norway::from_str(text).map_err(|e| {
-        // the library appends "at line L column C"; the position goes in front instead
-        let msg = e.to_string();
-        let msg = match msg.rfind(" at line ") {
-            Some(i) if e.location().is_some() => msg[..i].to_string(),
-            _ => msg,
-        };
+        // the library writes "at line L column C" into its message; the position goes in
+        // front instead
+        let msg = without_position(e.to_string());
         // A value that fails its own check (a unit, a duration, a name) is reported at
         // the start of the mapping holding it; our messages quote the value in
         // backticks, so look for it from there.
         let at = e.location().map(|l| {
             let quoted = msg.split('`').nth(1).filter(|q| !q.is_empty());
-            quoted.and_then(|q| find_word(text, l.index(), q)).map_or((l.line(), l.column()), |i| position(text, i))
+            quoted
+                .and_then(|q| find_word(text, l.index(), q))
+                .map_or(within(text, l.line(), l.column()), |i| position(text, i))
         });
         err(at, msg)
     })
+}
+
+/// `msg` without the " at line L column C" the YAML library puts in it (at its end, or
+/// before a ", while ..." clause).
+fn without_position(mut msg: String) -> String {
+    if let Some(i) = msg.find(" at line ") {
+        let rest = &msg[i + " at line ".len()..];
+        let digits = |s: &str| s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        let after_line = digits(rest);
+        if let Some(col) = rest[after_line..].strip_prefix(" column ") {
+            let end = i + " at line ".len() + after_line + " column ".len() + digits(col);
+            msg.replace_range(i..end, "");
+        }
+    }
+    msg
+}
+
+/// A line and column the YAML library gave, kept inside the text: at the end of a text
+/// without a final newline it names the line after the last one.
+fn within(text: &str, line: usize, column: usize) -> (usize, usize) {
+    let lines = text.replace("\r\n", "\n").split(['\n', '\r']).count();
+    match line > lines {
+        true => position(text, text.len()),
+        false => (line, column),
+    }
 }
 
 /// Finds each anchor in turn, each after the one before, and returns the position of
@@ -229,5 +255,14 @@ mod tests {
         let e = load_str(text, "c.yaml").err().unwrap();
         assert_eq!(e.at.map(|a| a.0), Some(7), "{e}");
         assert!(e.message.contains("unknown unit `fortnight`"), "{e}");
+    }
+
+    /// A file cut short mid-key (found by the fuzzer): the position is inside the file
+    /// (the YAML library names line 4 of 3), and not repeated in the message.
+    #[test]
+    fn a_truncated_file_is_placed_on_its_last_line() {
+        let e = load_str("server:\n  http: 127.0.0.1:0\nd", "c.yaml").err().unwrap();
+        assert_eq!(e.at, Some((3, 2)), "{e}");
+        assert!(!e.message.contains("line 4"), "{e}");
     }
 }

@@ -5,6 +5,8 @@ mod bench;
 mod build;
 mod cli;
 mod config;
+#[cfg(test)]
+mod fuzz;
 mod http;
 mod listen;
 mod load;
@@ -13,6 +15,7 @@ mod rls;
 mod serve;
 mod shed;
 mod state;
+mod tls;
 
 use clap::Parser;
 use cli::{Cli, Command, ConfigCommand, ShedCommand};

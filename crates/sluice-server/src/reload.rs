@@ -39,6 +39,8 @@ pub enum ReloadError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Build(#[from] BuildError),
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 /// How long a changed file must stay unchanged before it is read: an editor that
@@ -46,9 +48,11 @@ pub enum ReloadError {
 const SETTLE: Duration = Duration::from_millis(250);
 
 /// Watches `path` (already loaded as `config` from `bytes`) until the process ends, and
-/// reloads it when it changes or when the process gets SIGHUP (as nginx, Prometheus and
-/// HAProxy do). Without a path (the built-in config) SIGHUP is logged and ignored.
+/// reloads it when it changes, when one of its `server.tls` files changes (a rotated
+/// certificate), or when the process gets SIGHUP (as nginx, Prometheus and HAProxy do).
+/// Without a path (the built-in config) SIGHUP is logged and ignored.
 pub fn watch(path: Option<PathBuf>, mut config: Config, mut bytes: Vec<u8>, state: Arc<AppState>) {
+    bytes.extend(tls_files(&config));
     let ok = metrics::counter!(names::CONFIG_RELOADS, "result" => "ok");
     let failed = metrics::counter!(names::CONFIG_RELOADS, "result" => "failed");
     let mut hangups = hangups();
@@ -66,10 +70,16 @@ pub fn watch(path: Option<PathBuf>, mut config: Config, mut bytes: Vec<u8>, stat
                 continue;
             };
             // a file between writes, or a symlink mid-swap, is just looked at again later
-            let Some(now) = fingerprint(path) else { continue };
+            let look = |config: &Config| {
+                fingerprint(path).map(|mut b| {
+                    b.extend(tls_files(config));
+                    b
+                })
+            };
+            let Some(now) = look(&config) else { continue };
             if hangup {
                 tracing::info!(file = %path.display(), "SIGHUP: reloading the config");
-            } else if now == bytes || !settled(path, &now).await {
+            } else if now == bytes || !settled(|| look(&config), &now).await {
                 continue;
             }
             bytes = now;
@@ -87,10 +97,18 @@ pub fn watch(path: Option<PathBuf>, mut config: Config, mut bytes: Vec<u8>, stat
     });
 }
 
-/// Whether the file still reads `seen` after [`SETTLE`].
-async fn settled(path: &Path, seen: &[u8]) -> bool {
+/// Whether the files still read `seen` after [`SETTLE`].
+async fn settled(look: impl Fn() -> Option<Vec<u8>>, seen: &[u8]) -> bool {
     tokio::time::sleep(SETTLE).await;
-    fingerprint(path).is_some_and(|again| again == seen)
+    look().is_some_and(|again| again == seen)
+}
+
+/// The bytes of the `server.tls` files (those that can be read), so that a certificate
+/// rotated on disk counts as a change.
+fn tls_files(config: &Config) -> Vec<u8> {
+    let Some(tls) = &config.server.tls else { return Vec::new() };
+    let files = [Some(&tls.cert_file), Some(&tls.key_file), tls.client_ca_file.as_ref()];
+    files.into_iter().flatten().filter_map(|f| std::fs::read(f).ok()).flatten().collect()
 }
 
 /// SIGHUPs, as a channel. Registering the handler also stops SIGHUP from killing the
@@ -119,6 +137,11 @@ fn hangups() -> tokio::sync::mpsc::Receiver<()> {
 fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Config, ReloadError> {
     let Loaded { config, rules } = load_file(path)?;
     let mut applied = vec!["rules (domains, headers)"];
+    // read now, put in force last: a reload is applied whole or not at all
+    let tls = match (&state.tls, &config.server.tls) {
+        (Some(tls), Some(files)) => Some((tls, crate::tls::Tls::read(files)?)),
+        _ => None,
+    };
     if same_store(&config.store, &current.store) {
         build::supports(&config.store, &rules)?;
         if let (StoreConfig::Migrating { percent, .. }, Some(m)) = (&config.store, &*state.migration.load()) {
@@ -149,6 +172,10 @@ fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Config, Rel
     if !dropped.is_empty() {
         tracing::warn!(domains = %dropped.join(", "), "config reload: these domains are gone; their requests now get 400 unknown domain");
     }
+    if let Some((tls, read)) = tls {
+        tls.install(read);
+        applied.push("server.tls (files read again)");
+    }
     let restart = needs_restart(&config.server, &current.server);
     if !restart.is_empty() {
         tracing::warn!(keys = %restart.join(", "), "config reload: these settings need a restart to take effect");
@@ -171,6 +198,7 @@ fn needs_restart(new: &ServerConfig, old: &ServerConfig) -> Vec<&'static str> {
         ("server.body_timeout", new.body_timeout != old.body_timeout),
         ("server.max_connections", new.max_connections != old.max_connections),
         ("server.shutdown_grace", new.shutdown_grace != old.shutdown_grace),
+        ("server.tls (on or off)", new.tls.is_some() != old.tls.is_some()),
     ] {
         if changed {
             keys.push(key);

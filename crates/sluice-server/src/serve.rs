@@ -53,6 +53,8 @@ pub enum ServeError {
     },
     #[error("metrics: {0}")]
     Metrics(#[from] metrics_exporter_prometheus::BuildError),
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     #[error("{0}")]
     Io(#[source] std::io::Error),
 }
@@ -70,7 +72,8 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     if config.limiter.key_secret == DEFAULT_KEY_SECRET && !matches!(config.store, StoreConfig::Memory { .. }) {
         tracing::warn!("limiter.key_secret is the default: set your own so clients cannot predict their tags");
     }
-    let state = Arc::new(AppState::new(build(&config, rules)?, &config.server, Some(metrics)));
+    let tls = config.server.tls.as_ref().map(crate::tls::Tls::load).transpose()?.map(Arc::new);
+    let state = Arc::new(AppState::new(build(&config, rules)?, &config.server, Some(metrics), tls.clone()));
     let addr = args.http.unwrap_or(config.server.http);
     let listener = listen(addr)?;
     let grpc_listener = listen(args.grpc.unwrap_or(config.server.grpc))?;
@@ -95,7 +98,7 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
         max_connections: server.max_connections,
         shutdown_grace: Duration::from_millis(server.shutdown_grace.0),
     };
-    let dropped = crate::listen::serve(listener, router(state), bounds, async {
+    let dropped = crate::listen::serve(listener, router(state), bounds, tls, async {
         shutdown().await;
         let _ = stopping.send(true);
     })
@@ -145,6 +148,7 @@ fn serve_grpc(
     server: &ServerConfig,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
+    let state_tls = state.tls.clone();
     let rls = RateLimitServiceServer::new(Rls { state });
     let ping = Duration::from_millis(server.header_timeout.0);
     let builder = tonic::transport::Server::builder()
@@ -154,14 +158,22 @@ fn serve_grpc(
         .max_concurrent_streams(Some(1_024))
         // a call that takes longer than a request head may is answered DEADLINE_EXCEEDED
         .timeout(ping);
+    let tls = state_tls;
     tokio::spawn(async move {
-        // no Nagle: a small reply held back for a delayed ACK costs every call ~40 ms
-        let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
         let mut builder = builder.layer(crate::rls::UnaryGuard);
-        if let Err(e) = builder.add_service(rls).serve_with_incoming_shutdown(incoming, stopped).await {
+        let router = builder.add_service(rls);
+        let served = match tls {
+            Some(tls) => router.serve_with_incoming_shutdown(crate::tls::incoming(listener, tls, ping), stopped).await,
+            None => {
+                // no Nagle: a small reply held back for a delayed ACK costs every call ~40 ms
+                let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+                router.serve_with_incoming_shutdown(incoming, stopped).await
+            }
+        };
+        if let Err(e) = served {
             tracing::error!(error = %e, "the gRPC server stopped");
         }
     })

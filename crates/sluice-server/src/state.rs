@@ -29,6 +29,8 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// `server.body_timeout`.
     pub body_timeout: std::time::Duration,
+    /// `server.tls`, when the listeners speak TLS: read again at every reload.
+    pub tls: Option<Arc<crate::tls::Tls>>,
     /// Renders `/metrics`; None when no recorder is installed.
     pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
@@ -39,8 +41,10 @@ impl AppState {
         built: crate::build::Built,
         server: &crate::config::ServerConfig,
         metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+        tls: Option<Arc<crate::tls::Tls>>,
     ) -> Self {
         Self {
+            tls,
             engine: ArcSwap::from_pointee(built.engine),
             migration: ArcSwapOption::new(built.migration),
             tuning: ArcSwap::new(built.tuning),

@@ -45,7 +45,9 @@ async fn upstream(port: u16) {
     }
 }
 
-fn bootstrap(listen: u16, admin: u16, up: u16, grpc: u16) -> String {
+/// Envoy's config; `sluice_tls` is the `transport_socket` of the cluster that reaches
+/// Sluice (empty: plain TCP).
+fn bootstrap(listen: u16, admin: u16, up: u16, grpc: u16, sluice_tls: &str) -> String {
     format!(
         r#"admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}}}
 static_resources:
@@ -98,9 +100,72 @@ static_resources:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config: {{http2_protocol_options: {{}}}}
+{sluice_tls}
     load_assignment: {{cluster_name: sluice, endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {grpc}}}}}}}}}]}}]}}
 "#
     )
+}
+
+/// Starts Envoy in front of an upstream, calling Sluice's gRPC service at `grpc`;
+/// returns it (and its directory) and the port it listens on.
+fn start_envoy(envoy: &str, grpc: &str, sluice_tls: &str) -> ((Process, TempDir), u16) {
+    let grpc: u16 = grpc.rsplit(':').next().unwrap().parse().unwrap();
+    let (listen, admin, up) = (free_port(), free_port(), free_port());
+    tokio::spawn(upstream(up));
+    let dir = TempDir::new("sluice-envoy");
+    let config = dir.path().join("envoy.yaml");
+    std::fs::write(&config, bootstrap(listen, admin, up, grpc, sluice_tls)).unwrap();
+    let mut cmd = std::process::Command::new(envoy);
+    cmd.arg("-c").arg(&config).args(["--log-level", "warn", "--base-id", &listen.to_string()]);
+    let process = Process::spawn_logging(&mut cmd, &dir.path().join("envoy.log")).expect("start envoy");
+    assert!(
+        wait_for_port(listen, Duration::from_secs(30)),
+        "envoy did not listen: {}",
+        std::fs::read_to_string(dir.path().join("envoy.log")).unwrap_or_default()
+    );
+    ((process, dir), listen)
+}
+
+/// Envoy calls Sluice over TLS, presenting a client certificate Sluice requires (mTLS),
+/// and verifying Sluice's certificate against the test CA.
+#[tokio::test]
+async fn through_a_real_envoy_over_mutual_tls() {
+    let envoy = envoy();
+    let certs = TempDir::new("sluice-envoy-certs");
+    sluice_testkit::make_certs(certs.path(), "ca", &["server", "envoy"]);
+    let f = |name: &str| certs.path().join(name).display().to_string();
+    let server = format!(
+        "  tls: {{cert_file: {}, key_file: {}, client_ca_file: {}}}\n",
+        f("server.crt"),
+        f("server.key"),
+        f("ca.crt")
+    );
+    let sluice = common::start_unready(
+        &server,
+        "  - domain: api\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 3}\n",
+    );
+    let tls = format!(
+        r#"    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        common_tls_context:
+          alpn_protocols: [h2]
+          tls_certificates: [{{certificate_chain: {{filename: {}}}, private_key: {{filename: {}}}}}]
+          validation_context: {{trusted_ca: {{filename: {}}}}}"#,
+        f("envoy.crt"),
+        f("envoy.key"),
+        f("ca.crt")
+    );
+    let (envoy_process, listen) = start_envoy(&envoy, &sluice.grpc, &tls);
+    let client = reqwest::Client::new();
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        let r = client.get(format!("http://127.0.0.1:{listen}/x")).header("x-user", "carol").send().await.unwrap();
+        statuses.push(r.status().as_u16());
+    }
+    let log = std::fs::read_to_string(envoy_process.1.path().join("envoy.log")).unwrap_or_default();
+    assert_eq!(statuses, [200, 200, 200, 429, 429], "envoy:\n{log}\nsluice:\n{}", sluice.log());
 }
 
 #[tokio::test]
@@ -108,20 +173,7 @@ async fn through_a_real_envoy() {
     let envoy = envoy();
     let domains = "  - domain: api\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 5}\n      - key: user\n        value: vip\n        rate_limit: {unit: minute, requests_per_unit: 8}\n      - key: tenant\n        descriptors:\n          - key: path\n            rate_limit: {unit: minute, requests_per_unit: 2}\n";
     let sluice = start_with("", domains);
-    let grpc: u16 = sluice.grpc.rsplit(':').next().unwrap().parse().unwrap();
-    let (listen, admin, up) = (free_port(), free_port(), free_port());
-    tokio::spawn(upstream(up));
-    let dir = TempDir::new("sluice-envoy");
-    let config = dir.path().join("envoy.yaml");
-    std::fs::write(&config, bootstrap(listen, admin, up, grpc)).unwrap();
-    let mut cmd = std::process::Command::new(&envoy);
-    cmd.arg("-c").arg(&config).args(["--log-level", "warn", "--base-id", &listen.to_string()]);
-    let _envoy = Process::spawn_logging(&mut cmd, &dir.path().join("envoy.log")).expect("start envoy");
-    assert!(
-        wait_for_port(listen, Duration::from_secs(30)),
-        "envoy did not listen: {}",
-        std::fs::read_to_string(dir.path().join("envoy.log")).unwrap_or_default()
-    );
+    let (_envoy, listen) = start_envoy(&envoy, &sluice.grpc, "");
     let client = reqwest::Client::new();
     let get = |path: &'static str, headers: Vec<(&'static str, &'static str)>| {
         let mut r = client.get(format!("http://127.0.0.1:{listen}{path}"));

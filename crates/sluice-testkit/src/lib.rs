@@ -195,6 +195,31 @@ impl RedisServer {
     }
 }
 
+/// Makes, with `openssl` in `dir`, a CA (`{ca}.crt`, `{ca}.key`) and for each of
+/// `leaves` a certificate it signs (`{leaf}.crt`, `{leaf}.key`), valid for 127.0.0.1
+/// and localhost (as a server, or as a client).
+pub fn make_certs(dir: &Path, ca: &str, leaves: &[&str]) {
+    require("openssl", "openssl");
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl").args(args).current_dir(dir).output().expect("run openssl");
+        assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let (ca_key, ca_crt, subject) = (format!("{ca}.key"), format!("{ca}.crt"), format!("/CN={ca}"));
+    run(&["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", &ca_key, "-out", &ca_crt, "-days", "2"]
+        .into_iter()
+        .chain(["-subj", &subject])
+        .collect::<Vec<_>>());
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
+    for leaf in leaves {
+        let (key, csr, crt) = (format!("{leaf}.key"), format!("{leaf}.csr"), format!("{leaf}.crt"));
+        run(&["req", "-newkey", "rsa:2048", "-nodes", "-keyout", &key, "-out", &csr, "-subj", "/CN=127.0.0.1"]);
+        run(&["x509", "-req", "-in", &csr, "-CA", &ca_crt, "-CAkey", &ca_key, "-CAcreateserial", "-out", &crt]
+            .into_iter()
+            .chain(["-days", "2", "-extfile", "san.ext"])
+            .collect::<Vec<_>>());
+    }
+}
+
 /// A redis-server that speaks only TLS, with a CA and a server certificate made for it
 /// by `openssl`. Killed on drop.
 pub struct TlsRedisServer {
@@ -207,60 +232,11 @@ impl TlsRedisServer {
     /// Makes the certificates and starts the server; waits until it answers PING over
     /// TLS (`redis-cli --tls`).
     pub fn start() -> Self {
-        require("openssl", "openssl");
         require("redis-cli", "redis-tools");
         let bin = require("redis-server", "redis-server");
         let dir = TempDir::new("sluice-redis-tls");
         let d = dir.path().to_path_buf();
-        let run = |args: &[&str]| {
-            let out = Command::new("openssl").args(args).current_dir(&d).output().expect("run openssl");
-            assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        };
-        run(&[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=sluice-test-ca",
-        ]);
-        run(&[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=127.0.0.1",
-        ]);
-        std::fs::write(d.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
-        run(&[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.crt",
-            "-days",
-            "2",
-            "-extfile",
-            "san.ext",
-        ]);
+        make_certs(&d, "ca", &["server"]);
         for _ in 0..5 {
             let port = free_port();
             let mut cmd = Command::new(&bin);

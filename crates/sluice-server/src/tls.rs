@@ -1,0 +1,176 @@
+//! TLS on Sluice's own listeners (`server.tls`): the HTTP API and Envoy's gRPC service,
+//! with client certificates required when `client_ca_file` is set (mTLS).
+//!
+//! The files are read at start and again at every reload (a change to the config file,
+//! to one of these files, or SIGHUP), so a rotated certificate is served to the next
+//! connection without a restart; a reload whose files do not make a valid
+//! configuration is refused and the certificate in force stays. Connections already
+//! open keep the certificate they were made with.
+
+use crate::config::ListenerTls;
+use arc_swap::ArcSwap;
+use rustls::ServerConfig;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use std::path::Path;
+use std::sync::Arc;
+
+/// Why the TLS files cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("server.tls.{what} {path}: {message}")]
+    File { what: &'static str, path: String, message: String },
+    #[error("server.tls: {0}")]
+    Config(#[from] rustls::Error),
+    #[error("server.tls.client_ca_file: {0}")]
+    ClientCa(#[from] rustls::server::VerifierBuilderError),
+}
+
+/// The TLS settings in force for each listener (ALPN differs: HTTP/1.1 and HTTP/2).
+pub struct Tls {
+    http: ArcSwap<ServerConfig>,
+    grpc: ArcSwap<ServerConfig>,
+}
+
+impl Tls {
+    /// Reads the files of `files`.
+    pub fn load(files: &ListenerTls) -> Result<Self, TlsError> {
+        let Read(http, grpc) = Self::read(files)?;
+        Ok(Self { http: ArcSwap::from_pointee(http), grpc: ArcSwap::from_pointee(grpc) })
+    }
+
+    /// Reads the files again, for [`Tls::install`] once the rest of a reload holds too.
+    pub fn read(files: &ListenerTls) -> Result<Read, TlsError> {
+        let (http, grpc) = configs(files)?;
+        Ok(Read(http, grpc))
+    }
+
+    /// Puts files read by [`Tls::read`] in force for new connections.
+    pub fn install(&self, Read(http, grpc): Read) {
+        self.http.store(Arc::new(http));
+        self.grpc.store(Arc::new(grpc));
+    }
+
+    /// An acceptor for the next HTTP connection.
+    pub fn http(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.http.load_full())
+    }
+
+    /// An acceptor for the next gRPC connection.
+    pub fn grpc(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.grpc.load_full())
+    }
+}
+
+/// TLS files read, not yet in force.
+pub struct Read(ServerConfig, ServerConfig);
+
+/// The two listeners' configurations from the files.
+fn configs(files: &ListenerTls) -> Result<(ServerConfig, ServerConfig), TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert_file)
+        .and_then(|certs| certs.collect())
+        .map_err(|e| file_error("cert_file", &files.cert_file, e))?;
+    if certs.is_empty() {
+        return Err(file_error("cert_file", &files.cert_file, "no PEM certificate in it"));
+    }
+    let key = PrivateKeyDer::from_pem_file(&files.key_file).map_err(|e| file_error("key_file", &files.key_file, e))?;
+    let builder = ServerConfig::builder_with_provider(provider.clone()).with_safe_default_protocol_versions()?;
+    let builder = match &files.client_ca_file {
+        Some(path) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for ca in CertificateDer::pem_file_iter(path).map_err(|e| file_error("client_ca_file", path, e))? {
+                roots.add(ca.map_err(|e| file_error("client_ca_file", path, e))?)?;
+            }
+            let verifier =
+                rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build()?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut http = builder.with_single_cert(certs, key)?;
+    let mut grpc = http.clone();
+    http.alpn_protocols = vec![b"http/1.1".to_vec()];
+    grpc.alpn_protocols = vec![b"h2".to_vec()];
+    Ok((http, grpc))
+}
+
+fn file_error(what: &'static str, path: &Path, e: impl std::fmt::Display) -> TlsError {
+    TlsError::File { what, path: path.display().to_string(), message: e.to_string() }
+}
+
+/// A TLS connection to the gRPC service, as tonic's server takes it.
+pub struct GrpcIo(pub tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
+
+impl tonic::transport::server::Connected for GrpcIo {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.0.get_ref().0.connect_info()
+    }
+}
+
+impl tokio::io::AsyncRead for GrpcIo {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for GrpcIo {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+/// The gRPC listener's connections, each once its TLS handshake is done (within
+/// `handshake`); a failed handshake (no client certificate under mTLS, a scanner) is
+/// closed and never reaches the service.
+pub fn incoming(
+    listener: tokio::net::TcpListener,
+    tls: Arc<Tls>,
+    handshake: std::time::Duration,
+) -> impl futures_util::Stream<Item = Result<GrpcIo, std::io::Error>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let accepted = tokio::select! {
+                accepted = listener.accept() => accepted,
+                () = tx.closed() => return,
+            };
+            let Ok((stream, _)) = accepted else {
+                // out of file descriptors, most likely: wait a moment, never spin
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            };
+            let _ = stream.set_nodelay(true);
+            let (acceptor, tx) = (tls.grpc(), tx.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(handshake, acceptor.accept(stream)).await {
+                    Ok(Ok(stream)) => drop(tx.send(Ok(GrpcIo(stream))).await),
+                    Ok(Err(e)) => tracing::debug!(error = %e, "gRPC TLS handshake refused"),
+                    Err(_) => tracing::debug!("gRPC TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) })
+}

@@ -1,0 +1,161 @@
+//! `server.tls` on Sluice's own listeners, with certificates made by openssl for each
+//! test: HTTPS answers decisions, mTLS refuses a client without a certificate (HTTP and
+//! gRPC) or with one another CA signed, and a certificate rotated on disk is served to
+//! the next connection without a restart. (A real Envoy over mTLS: `tests/envoy.rs`.)
+
+mod common;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use sluice_testkit::{TempDir, make_certs};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const RULES: &str =
+    "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 2}\n";
+
+/// A client that trusts `ca` and presents `identity` (a `name.crt` and `name.key` in
+/// `dir`) when given; speaking `alpn`.
+fn client(dir: &Path, ca: &str, identity: Option<&str>, alpn: &[u8]) -> Arc<rustls::ClientConfig> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(dir.join(format!("{ca}.crt"))).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let mut config = match identity {
+        Some(name) => {
+            let chain = CertificateDer::pem_file_iter(dir.join(format!("{name}.crt"))).unwrap().map(Result::unwrap);
+            let key = PrivateKeyDer::from_pem_file(dir.join(format!("{name}.key"))).unwrap();
+            builder.with_client_auth_cert(chain.collect(), key).unwrap()
+        }
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![alpn.to_vec()];
+    Arc::new(config)
+}
+
+/// One HTTP/1.1 request over TLS to `addr`; the whole response, or the error that
+/// ended the exchange (a refused handshake shows as one).
+async fn https(addr: &str, config: Arc<rustls::ClientConfig>, request: &str) -> std::io::Result<String> {
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = ServerName::IpAddress(std::net::Ipv4Addr::LOCALHOST.into());
+    let mut tls = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
+    tls.write_all(request.as_bytes()).await?;
+    let mut text = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut text)).await??;
+    if text.is_empty() {
+        return Err(std::io::Error::other("closed without an answer"));
+    }
+    Ok(String::from_utf8_lossy(&text).into_owned())
+}
+
+fn decision(user: &str) -> String {
+    let body = format!(r#"{{"domain":"d","descriptors":[{{"entries":[{{"key":"user","value":"{user}"}}]}}]}}"#);
+    format!(
+        "POST /v1/ratelimit HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// `server.tls` naming `server.crt`, `server.key` (and `ca.crt` for mTLS) in `dir`.
+fn tls_section(dir: &Path, mutual: bool) -> String {
+    let f = |name: &str| dir.join(name).display().to_string();
+    let ca = if mutual { format!(", client_ca_file: {}", f("ca.crt")) } else { String::new() };
+    format!("  tls: {{cert_file: {}, key_file: {}{ca}}}\n", f("server.crt"), f("server.key"))
+}
+
+fn addr(base: &str) -> &str {
+    base.trim_start_matches("http://")
+}
+
+#[tokio::test]
+async fn https_decides_and_plain_http_gets_nothing() {
+    let certs = TempDir::new("sluice-tls");
+    make_certs(certs.path(), "ca", &["server"]);
+    let s = common::start_unready(&tls_section(certs.path(), false), RULES);
+    let config = client(certs.path(), "ca", None, b"http/1.1");
+    let statuses: Vec<String> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            let answer = https(addr(&s.base), config.clone(), &decision("ann"))
+                .await
+                .unwrap_or_else(|e| panic!("{e}\n{}", s.log()));
+            v.push(answer.split(' ').nth(1).unwrap_or_default().to_string());
+        }
+        v
+    };
+    assert_eq!(statuses, ["200", "200", "429"], "{}", s.log());
+    // a plain decision on the TLS port is not answered; a plain health probe is (a
+    // kubelet cannot present a client certificate under mTLS)
+    let plain = reqwest::Client::new();
+    let decided = plain.post(format!("{}/v1/ratelimit", s.base)).body(decision("ann")).send().await;
+    assert!(decided.is_err(), "a plain HTTP decision was answered: {decided:?}");
+    let health = plain.get(format!("{}/healthz", s.base)).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+}
+
+#[tokio::test]
+async fn mutual_tls_refuses_clients_without_a_certificate_from_the_ca() {
+    let certs = TempDir::new("sluice-mtls");
+    make_certs(certs.path(), "ca", &["server", "client"]);
+    make_certs(certs.path(), "other", &["stranger"]);
+    let s = common::start_unready(&tls_section(certs.path(), true), RULES);
+    let with = client(certs.path(), "ca", Some("client"), b"http/1.1");
+    let answer = https(addr(&s.base), with, &decision("bo")).await.unwrap_or_else(|e| panic!("{e}\n{}", s.log()));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    for identity in [None, Some("stranger")] {
+        let refused = https(addr(&s.base), client(certs.path(), "ca", identity, b"http/1.1"), &decision("bo")).await;
+        assert!(refused.is_err(), "{identity:?} was answered: {refused:?}");
+        // gRPC, the same
+        let refused =
+            https(&s.grpc, client(certs.path(), "ca", identity, b"h2"), "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await;
+        assert!(refused.is_err(), "{identity:?} was answered over gRPC: {refused:?}");
+    }
+}
+
+/// The certificate files replaced on disk (a new CA's): the next connection gets the
+/// new certificate, without a restart and without touching the config file.
+#[tokio::test]
+async fn a_rotated_certificate_is_served_without_a_restart() {
+    let certs = TempDir::new("sluice-tls-rotate");
+    make_certs(certs.path(), "ca", &["server"]);
+    let s = common::start_unready(&tls_section(certs.path(), false), RULES);
+    assert!(https(addr(&s.base), client(certs.path(), "ca", None, b"http/1.1"), &decision("cy")).await.is_ok());
+    let next = TempDir::new("sluice-tls-next");
+    make_certs(next.path(), "next", &["server"]);
+    for f in ["server.key", "server.crt"] {
+        std::fs::copy(next.path().join(f), certs.path().join(f)).unwrap();
+    }
+    let trusts_new = client(next.path(), "next", None, b"http/1.1");
+    let started = Instant::now();
+    while https(addr(&s.base), trusts_new.clone(), &decision("cy")).await.is_err() {
+        assert!(started.elapsed() < Duration::from_secs(10), "the new certificate was never served:\n{}", s.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let old = https(addr(&s.base), client(certs.path(), "ca", None, b"http/1.1"), &decision("cy")).await;
+    assert!(old.is_err(), "the old certificate is still served");
+    assert!(s.log().contains("server.tls (files read again)"), "{}", s.log());
+}
+
+/// A broken certificate file refuses the reload; the certificate in force stays.
+#[tokio::test]
+async fn a_broken_certificate_file_keeps_the_one_in_force() {
+    let certs = TempDir::new("sluice-tls-broken");
+    make_certs(certs.path(), "ca", &["server"]);
+    let s = common::start_unready(&tls_section(certs.path(), false), RULES);
+    std::fs::write(certs.path().join("server.crt"), "not a certificate\n").unwrap();
+    let started = Instant::now();
+    while !s.log().contains("config reload refused") {
+        assert!(started.elapsed() < Duration::from_secs(10), "no refusal logged:\n{}", s.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(s.log().contains("server.tls.cert_file"), "{}", s.log());
+    let answer = https(addr(&s.base), client(certs.path(), "ca", None, b"http/1.1"), &decision("di")).await;
+    assert!(answer.is_ok_and(|a| a.starts_with("HTTP/1.1 200")), "{}", s.log());
+}
