@@ -70,17 +70,23 @@ pub async fn serve(
     let (tx, mut accepted) = tokio::sync::mpsc::channel(1_024);
     // connections open, counted from their accept: those still at the front door too
     let open = Arc::new(AtomicUsize::new(0));
-    let door = Door { router: router.clone(), header_timeout: bounds.header_timeout, main: tx, open: open.clone() };
-    let front = front_door(listener.into_std()?, door, stop_rx.clone())?;
     let closed = Arc::new(AtomicUsize::new(0));
+    let door = Door {
+        router: router.clone(),
+        bounds,
+        main: tx,
+        open: open.clone(),
+        closed: closed.clone(),
+        over: Arc::default(),
+    };
+    let front = front_door(listener.into_std()?, door, stop_rx.clone())?;
     let trimmer = tokio::spawn(give_back_memory(closed.clone()));
-    let over = Sometimes::default();
     let mut connections = JoinSet::new();
     tokio::pin!(stop);
     loop {
         let stream = tokio::select! {
-            Some(stream) = accepted.recv() => match tokio::net::TcpStream::from_std(stream) {
-                Ok(s) => s,
+            Some((stream, full)) = accepted.recv() => match tokio::net::TcpStream::from_std(stream) {
+                Ok(s) => (s, full),
                 Err(e) => {
                     tracing::warn!(error = %e, "a connection could not be handed over");
                     continue;
@@ -90,10 +96,7 @@ pub async fn serve(
         };
         // reap finished connections so the set does not grow
         while connections.try_join_next().is_some() {}
-        let full = open.load(Ordering::Relaxed) >= bounds.max_connections;
-        if full {
-            over_limit(&over, bounds.max_connections);
-        }
+        let (stream, full) = stream;
         let (router, open, closed, stop_rx, tls) =
             (router.clone(), open.clone(), closed.clone(), stop_rx.clone(), tls.clone());
         connections.spawn(async move {
@@ -127,18 +130,23 @@ fn over_limit(log: &Sometimes, max_connections: usize) {
 #[derive(Clone)]
 struct Door {
     router: Router,
-    header_timeout: Duration,
-    /// Where every connection that is not a health probe goes.
-    main: tokio::sync::mpsc::Sender<std::net::TcpStream>,
+    bounds: Bounds,
+    /// Where every connection that is not a health probe goes, and whether it came over
+    /// the connection limit.
+    main: tokio::sync::mpsc::Sender<(std::net::TcpStream, bool)>,
     /// Connections open; the door counts each at its accept, and uncounts those it
     /// closes itself.
     open: Arc<AtomicUsize>,
+    /// Connections closed (the memory they took is given back).
+    closed: Arc<AtomicUsize>,
+    /// The connection limit's log line.
+    over: Arc<Sometimes>,
 }
 
 /// The front door (see the module's doc): a thread with a runtime of its own accepts
 /// connections until the server stops, answers health probes, and sends every other
-/// connection on. A connection that sends nothing within the header timeout is closed
-/// here.
+/// connection on. A connection that sends nothing within the header timeout (one second
+/// when it came over the connection limit) is closed here.
 fn front_door(
     listener: std::net::TcpListener,
     door: Door,
@@ -167,8 +175,11 @@ fn front_door(
                     },
                     _ = stop.wait_for(|stopping| *stopping) => return,
                 };
-                door.open.fetch_add(1, Ordering::Relaxed);
-                tokio::spawn(door.clone().sort(stream));
+                let full = door.open.fetch_add(1, Ordering::Relaxed) >= door.bounds.max_connections;
+                if full {
+                    over_limit(&door.over, door.bounds.max_connections);
+                }
+                tokio::spawn(door.clone().sort(stream, full));
             }
         })
     })
@@ -177,13 +188,14 @@ fn front_door(
 impl Door {
     /// Answers a health probe here; hands any other connection on (which then
     /// uncounts it when it ends).
-    async fn sort(self, stream: tokio::net::TcpStream) {
+    async fn sort(self, stream: tokio::net::TcpStream, full: bool) {
         let _ = stream.set_nodelay(true);
-        match tokio::time::timeout(self.header_timeout, is_health_probe(&stream)).await {
+        let first_bytes = if full { OVER_LIMIT_HEAD } else { self.bounds.header_timeout };
+        match tokio::time::timeout(first_bytes, is_health_probe(&stream)).await {
             Ok(true) => health(stream, self.router).await,
             Ok(false) => {
                 if let Ok(stream) = stream.into_std()
-                    && self.main.send(stream).await.is_ok()
+                    && self.main.send((stream, full)).await.is_ok()
                 {
                     return;
                 }
@@ -191,6 +203,7 @@ impl Door {
             Err(_) => {} // nothing arrived in time: closed
         }
         self.open.fetch_sub(1, Ordering::Relaxed);
+        self.closed.fetch_add(1, Ordering::Relaxed);
     }
 }
 

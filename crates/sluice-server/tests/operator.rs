@@ -500,3 +500,22 @@ async fn under_overload_health_answers_memory_holds_and_speed_recovers() {
         waits[10]
     );
 }
+
+/// Idle connections past `max_connections` that never send a byte are closed after a
+/// second, not the whole header timeout: 20,000 of them once filled the file
+/// descriptors and stopped `/healthz`.
+#[test]
+fn idle_connections_past_the_limit_are_closed_within_a_second() {
+    let s = common::start_with("  header_timeout: 30s\n  max_connections: 20\n", &common::rule(1_000));
+    let mut idle: Vec<_> = (0..120).map(|_| connect(&s)).collect();
+    std::thread::sleep(Duration::from_millis(2_500));
+    let still_open = |c: &mut std::net::TcpStream| {
+        c.set_nonblocking(true).unwrap();
+        // an open, silent connection would block; a closed one reads 0 or errs
+        matches!(std::io::Read::read(c, &mut [0u8; 1]), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+    };
+    let open = idle.iter_mut().map(still_open).filter(|&open| open).count();
+    assert!(open <= 20, "{open} idle connections still open past a limit of 20:\n{}", s.log());
+    assert!(open >= 15, "connections under the limit were closed too ({open} open)");
+    assert!(s.log().contains("connection limit reached"), "{}", s.log());
+}
