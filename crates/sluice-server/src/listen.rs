@@ -6,13 +6,15 @@
 //!   a keep-alive connection that sends no next request (hyper starts it again after
 //!   each response). A client sending a byte a second is closed when it runs out.
 //! - A body must arrive within `server.body_timeout` (`http.rs`).
-//! - Health probes have a front door: a thread of its own accepts every connection, and
-//!   one whose first bytes are `GET /healthz` is answered there, so a probe never waits
-//!   behind decisions, however many are queued; every other connection goes on to the
-//!   main runtime. With `server.tls`, a plain `GET /healthz` is still answered there
-//!   (a kubelet cannot present a client certificate under mTLS, and "ok" tells nothing);
-//!   every other connection must complete its TLS handshake within the header timeout. (At 2,000 connections of load, probes waited 128 ms at the median
-//!   behind decisions before; see docs/benchmarks.md.)
+//! - Health probes and metrics scrapes have a front door: a thread of its own accepts
+//!   every connection, and one whose first bytes are `GET /healthz` or `GET /metrics`
+//!   is answered there, so neither waits behind decisions, however many are queued;
+//!   every other connection goes on to the main runtime. (At 2,000 connections of load,
+//!   probes waited 128 ms at the median behind decisions before; see
+//!   docs/benchmarks.md.) With `server.tls`, only a plain `GET /healthz` is answered
+//!   there (a kubelet cannot present a client certificate under mTLS, and "ok" tells
+//!   nothing); every other connection must complete its TLS handshake within the header
+//!   timeout.
 //! - At most `server.max_connections` connections are served as usual. Past that, a new
 //!   connection is still answered (a load balancer's `/healthz` probe must get through)
 //!   but gets one request with a short head timeout and is closed: hogs cannot starve
@@ -78,6 +80,7 @@ pub async fn serve(
         open: open.clone(),
         closed: closed.clone(),
         over: Arc::default(),
+        tls: tls.is_some(),
     };
     let front = front_door(listener.into_std()?, door, stop_rx.clone())?;
     let trimmer = tokio::spawn(give_back_memory(closed.clone()));
@@ -141,6 +144,8 @@ struct Door {
     closed: Arc<AtomicUsize>,
     /// The connection limit's log line.
     over: Arc<Sometimes>,
+    /// Whether the listener speaks TLS (then only `/healthz` is answered in the clear).
+    tls: bool,
 }
 
 /// The front door (see the module's doc): a thread with a runtime of its own accepts
@@ -191,7 +196,7 @@ impl Door {
     async fn sort(self, stream: tokio::net::TcpStream, full: bool) {
         let _ = stream.set_nodelay(true);
         let first_bytes = if full { OVER_LIMIT_HEAD } else { self.bounds.header_timeout };
-        match tokio::time::timeout(first_bytes, is_health_probe(&stream)).await {
+        match tokio::time::timeout(first_bytes, is_health_probe(&stream, !self.tls)).await {
             Ok(true) => health(stream, self.router).await,
             Ok(false) => {
                 if let Ok(stream) = stream.into_std()
@@ -207,12 +212,17 @@ impl Door {
     }
 }
 
-/// Whether the connection's first bytes are a health probe's request line. Waits for
-/// the first bytes; a request line that arrives in pieces goes the usual way.
-async fn is_health_probe(stream: &tokio::net::TcpStream) -> bool {
+/// Whether the connection's first bytes are the request line of a health probe, or of
+/// a metrics scrape when `metrics` (an operator's view must not go dark when the server
+/// is busiest; over TLS, metrics are only served inside it). Waits for the first bytes;
+/// a request line that arrives in pieces goes the usual way.
+async fn is_health_probe(stream: &tokio::net::TcpStream, metrics: bool) -> bool {
     let mut first = [0u8; 13];
     match stream.peek(&mut first).await {
-        Ok(13) => first.starts_with(b"GET /healthz") && matches!(first[12], b' ' | b'?'),
+        Ok(13) => {
+            let path = first.starts_with(b"GET /healthz") || (metrics && first.starts_with(b"GET /metrics"));
+            path && matches!(first[12], b' ' | b'?')
+        }
         _ => false,
     }
 }

@@ -71,3 +71,72 @@ fn an_oversized_body_is_answered_not_reset() {
         assert!(answer.starts_with("HTTP/1.1 413"), "try {i}: {answer:?}");
     }
 }
+
+/// A request of `descriptors` descriptors of `entries` entries each, keys of `key`
+/// bytes and values of `value` bytes (the first entry's key is `user`, so a rule matches).
+fn shaped(descriptors: usize, entries: usize, key: usize, value: usize) -> serde_json::Value {
+    let entry = |i: usize| {
+        let k = if i == 0 { "user".to_string() } else { format!("k{i}").repeat(key).chars().take(key).collect() };
+        serde_json::json!({"key": k, "value": "v".repeat(value)})
+    };
+    let descriptor = serde_json::json!({"entries": (0..entries).map(entry).collect::<Vec<_>>()});
+    serde_json::json!({"domain": "d", "descriptors": vec![descriptor; descriptors]})
+}
+
+/// Each bound on what a request may carry, at its edge (answered) and one past it (400,
+/// naming the setting), with the defaults and with `limiter.request_bounds` set.
+#[tokio::test]
+async fn request_bounds_hold_at_and_past_their_edges() {
+    let defaults = common::start(&common::rule(1_000_000));
+    let set = common::start_with(
+        "limiter:\n  request_bounds: {descriptors: 3, entries: 2, key_bytes: 8, value_bytes: 16}\n",
+        &common::rule(1_000_000),
+    );
+    let client = reqwest::Client::new();
+    let send = |base: &str, body: serde_json::Value| client.post(format!("{base}/v1/ratelimit")).json(&body).send();
+    let cases = [
+        (&defaults, (64, 1, 4, 1), (65, 1, 4, 1), "limiter.request_bounds.descriptors"),
+        (&defaults, (1, 16, 8, 1), (1, 17, 8, 1), "limiter.request_bounds.entries"),
+        (&defaults, (1, 2, 256, 1), (1, 2, 257, 1), "256"),
+        (&defaults, (1, 1, 4, 1024), (1, 1, 4, 1025), "1024"),
+        (&set, (3, 1, 4, 1), (4, 1, 4, 1), "at most 3"),
+        (&set, (1, 2, 4, 1), (1, 3, 4, 1), "at most 2"),
+        (&set, (1, 2, 8, 1), (1, 2, 9, 1), "at most 8"),
+        (&set, (1, 1, 4, 16), (1, 1, 4, 17), "at most 16"),
+    ];
+    for (s, (d, e, k, v), (d2, e2, k2, v2), says) in cases {
+        let at = send(&s.base, shaped(d, e, k, v)).await.unwrap();
+        assert_eq!(at.status(), 200, "at the edge {:?}: {}", (d, e, k, v), at.text().await.unwrap());
+        let past = send(&s.base, shaped(d2, e2, k2, v2)).await.unwrap();
+        assert_eq!(past.status(), 400, "past the edge {:?}", (d2, e2, k2, v2));
+        let error = past.json::<serde_json::Value>().await.unwrap()["error"].clone();
+        let message = error["message"].as_str().unwrap_or_default().to_string();
+        assert!(message.contains(says), "{:?}: {error}", (d2, e2, k2, v2));
+    }
+}
+
+/// `server.max_body_bytes` at its edge: a body of exactly that many bytes is read, one
+/// byte more is 413 (Content-Length declared, and chunked with no length).
+#[tokio::test]
+async fn the_body_limit_holds_at_and_past_its_edge() {
+    let s = common::start_with("  max_body_bytes: 1000\n", &common::rule(1_000_000));
+    let client = reqwest::Client::new();
+    let json = serde_json::to_string(&common::body("d", &[("user", "edge")])).unwrap();
+    let padded = |len: usize| format!("{json}{}", " ".repeat(len - json.len()));
+    let post = |body: String| client.post(format!("{}/v1/ratelimit", s.base)).body(body).send();
+    assert_eq!(post(padded(1000)).await.unwrap().status(), 200);
+    assert_eq!(post(padded(1001)).await.unwrap().status(), 413);
+    // chunked: no length declared, so the limit is found while reading
+    let chunked = |len: usize| {
+        use std::io::{Read, Write};
+        let body = padded(len);
+        let mut c = std::net::TcpStream::connect(s.base.trim_start_matches("http://")).unwrap();
+        let head = "POST /v1/ratelimit HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+        write!(c, "{head}{:x}\r\n{body}\r\n0\r\n\r\n", body.len()).unwrap();
+        let mut answer = String::new();
+        c.read_to_string(&mut answer).unwrap();
+        answer.split(' ').nth(1).unwrap_or_default().to_string()
+    };
+    assert_eq!(chunked(1000), "200");
+    assert_eq!(chunked(1001), "413");
+}

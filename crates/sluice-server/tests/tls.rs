@@ -98,6 +98,8 @@ async fn https_decides_and_plain_http_gets_nothing() {
     assert!(decided.is_err(), "a plain HTTP decision was answered: {decided:?}");
     let health = plain.get(format!("{}/healthz", s.base)).send().await.unwrap();
     assert_eq!(health.status(), 200);
+    let metrics = plain.get(format!("{}/metrics", s.base)).send().await;
+    assert!(metrics.is_err(), "metrics were served in the clear: {metrics:?}");
 }
 
 #[tokio::test]

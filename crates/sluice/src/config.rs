@@ -63,6 +63,35 @@ pub struct LimiterConfig {
     /// Every rule of every domain in shadow mode: decisions are counted, logged and
     /// reported as if enforced, and every request is allowed. For trying a config out.
     pub shadow_mode: bool,
+    /// The most one request may carry (descriptors, entries, key and value bytes).
+    pub request_bounds: RequestBounds,
+}
+
+/// `limiter.request_bounds`: the most a request may carry. Every descriptor costs a store
+/// op and every byte of a value goes into a hash, so these bound what one request can
+/// make the server and the store do; raise them only for callers that need it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RequestBounds {
+    /// Most descriptors in one request.
+    pub descriptors: usize,
+    /// Most entries in one descriptor.
+    pub entries: usize,
+    /// Longest entry key, in bytes.
+    pub key_bytes: usize,
+    /// Longest entry value, in bytes.
+    pub value_bytes: usize,
+}
+
+impl RequestBounds {
+    /// 64 descriptors of 16 entries, keys of 256 bytes, values of 1 KiB.
+    pub const DEFAULT: Self = Self { descriptors: 64, entries: 16, key_bytes: 256, value_bytes: 1024 };
+}
+
+impl Default for RequestBounds {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
 }
 
 /// `failure`: what a request gets when the store cannot answer.
@@ -110,6 +139,7 @@ impl Default for LimiterConfig {
             near_cache: 100_000,
             near_limit_ratio: 0.8,
             shadow_mode: false,
+            request_bounds: Default::default(),
         }
     }
 }

@@ -85,7 +85,7 @@ pub(crate) fn plan<'r>(
         domain: req.domain.chars().take(200).collect(),
         known: rules.domain_names().join(", "),
     })?;
-    validate(req)?;
+    validate(req, &rules.request_bounds)?;
     let nodes: Vec<Option<&Node>> = req
         .descriptors
         .iter()

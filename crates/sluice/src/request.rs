@@ -6,16 +6,16 @@
 //! [`RequestError`] naming the problem, before any store is asked.
 
 use crate::algo::MAX_EXACT;
-use crate::config::Unit;
+use crate::config::{RequestBounds, Unit};
 
-/// Longest descriptor entry key accepted, in bytes.
-pub const MAX_KEY_BYTES: usize = 256;
-/// Longest descriptor entry value accepted, in bytes.
-pub const MAX_VALUE_BYTES: usize = 1024;
-/// Most descriptors in one request.
-pub const MAX_DESCRIPTORS: usize = 64;
-/// Most entries in one descriptor.
-pub const MAX_ENTRIES: usize = 16;
+/// Longest descriptor entry key accepted by default, in bytes.
+pub const MAX_KEY_BYTES: usize = RequestBounds::DEFAULT.key_bytes;
+/// Longest descriptor entry value accepted by default, in bytes.
+pub const MAX_VALUE_BYTES: usize = RequestBounds::DEFAULT.value_bytes;
+/// Most descriptors in one request, by default.
+pub const MAX_DESCRIPTORS: usize = RequestBounds::DEFAULT.descriptors;
+/// Most entries in one descriptor, by default.
+pub const MAX_ENTRIES: usize = RequestBounds::DEFAULT.entries;
 
 /// One `key=value` of a descriptor.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,10 +92,12 @@ pub enum RequestError {
     NoDescriptors,
     #[error("descriptors[{0}] has no entries; each descriptor needs at least one {{key, value}}")]
     EmptyDescriptor(usize),
-    #[error("{0} descriptors sent; at most {MAX_DESCRIPTORS} are accepted")]
-    TooManyDescriptors(usize),
-    #[error("descriptors[{0}] has {1} entries; at most {MAX_ENTRIES} are accepted")]
-    TooManyEntries(usize, usize),
+    #[error("{sent} descriptors sent; at most {max} are accepted (limiter.request_bounds.descriptors)")]
+    TooManyDescriptors { sent: usize, max: usize },
+    #[error(
+        "descriptors[{descriptor}] has {sent} entries; at most {max} are accepted (limiter.request_bounds.entries)"
+    )]
+    TooManyEntries { descriptor: usize, sent: usize, max: usize },
     #[error("descriptors[{descriptor}].entries[{entry}].{field} is {len} bytes; at most {max} are accepted")]
     TooLong { descriptor: usize, entry: usize, field: &'static str, len: usize, max: usize },
     #[error("descriptors[{descriptor}].entries[{entry}].key is empty")]
@@ -121,7 +123,7 @@ impl RequestError {
         match self {
             RequestError::UnknownDomain { .. } => "unknown_domain",
             RequestError::NoDescriptors | RequestError::EmptyDescriptor(_) => "empty_descriptors",
-            RequestError::TooManyDescriptors(_) | RequestError::TooManyEntries(..) => "too_many_descriptors",
+            RequestError::TooManyDescriptors { .. } | RequestError::TooManyEntries { .. } => "too_many_descriptors",
             RequestError::TooLong { .. } | RequestError::EmptyKey { .. } => "bad_entry",
             RequestError::CostAboveCapacity { .. } => "cost_above_capacity",
             RequestError::BadLimit { .. } => "bad_limit",
@@ -130,26 +132,27 @@ impl RequestError {
     }
 }
 
-/// Checks a request against the bounds above, before any rule is matched.
-pub(crate) fn validate(req: &Request) -> Result<(), RequestError> {
+/// Checks a request against `bounds`, before any rule is matched.
+pub(crate) fn validate(req: &Request, bounds: &RequestBounds) -> Result<(), RequestError> {
     if req.descriptors.is_empty() {
         return Err(RequestError::NoDescriptors);
     }
-    if req.descriptors.len() > MAX_DESCRIPTORS {
-        return Err(RequestError::TooManyDescriptors(req.descriptors.len()));
+    if req.descriptors.len() > bounds.descriptors {
+        return Err(RequestError::TooManyDescriptors { sent: req.descriptors.len(), max: bounds.descriptors });
     }
     for (di, d) in req.descriptors.iter().enumerate() {
         if d.entries.is_empty() {
             return Err(RequestError::EmptyDescriptor(di));
         }
-        if d.entries.len() > MAX_ENTRIES {
-            return Err(RequestError::TooManyEntries(di, d.entries.len()));
+        if d.entries.len() > bounds.entries {
+            return Err(RequestError::TooManyEntries { descriptor: di, sent: d.entries.len(), max: bounds.entries });
         }
         for (ei, e) in d.entries.iter().enumerate() {
             if e.key.is_empty() {
                 return Err(RequestError::EmptyKey { descriptor: di, entry: ei });
             }
-            for (field, len, max) in [("key", e.key.len(), MAX_KEY_BYTES), ("value", e.value.len(), MAX_VALUE_BYTES)] {
+            let fields = [("key", e.key.len(), bounds.key_bytes), ("value", e.value.len(), bounds.value_bytes)];
+            for (field, len, max) in fields {
                 if len > max {
                     return Err(RequestError::TooLong { descriptor: di, entry: ei, field, len, max });
                 }

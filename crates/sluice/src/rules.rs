@@ -105,6 +105,8 @@ pub struct Rules {
     pub(crate) default_failure: Failure,
     /// Decisions that use at least this share of their quota count as near the limit.
     pub(crate) near_limit_ratio: f64,
+    /// The most a request may carry.
+    pub(crate) request_bounds: crate::config::RequestBounds,
 }
 
 /// A config that cannot be compiled: where (a path like
@@ -138,6 +140,7 @@ impl Rules {
             tagger: Tagger::new(&limiter.key_secret),
             default_failure: limiter.failure,
             near_limit_ratio: limiter.near_limit_ratio,
+            request_bounds: limiter.request_bounds,
         })
     }
 
