@@ -128,6 +128,8 @@ async fn main() -> Result<(), String> {
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
-    eprintln!("github_api listening on http://{}", args.listen);
+    // the address bound (port 0: the system's choice, read back by scripts/test)
+    let bound = listener.local_addr().map_err(|e| e.to_string())?;
+    eprintln!("github_api listening on http://{bound}");
     axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await.map_err(|e| e.to_string())
 }
