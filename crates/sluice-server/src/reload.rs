@@ -47,12 +47,11 @@ pub enum ReloadError {
 /// truncates a file and then writes it, or a copy in progress, is read once it is whole.
 const SETTLE: Duration = Duration::from_millis(250);
 
-/// Watches `path` (already loaded as `config` from `bytes`) until the process ends, and
+/// Watches `path` (already loaded as `config` from `bytes`, as [`watched`] saw them) until the process ends, and
 /// reloads it when it changes, when one of its `server.tls` files changes (a rotated
 /// certificate), or when the process gets SIGHUP (as nginx, Prometheus and HAProxy do).
 /// Without a path (the built-in config) SIGHUP is logged and ignored.
 pub fn watch(path: Option<PathBuf>, mut config: Config, mut bytes: Vec<u8>, state: Arc<AppState>) {
-    bytes.extend(tls_files(&config));
     let ok = metrics::counter!(names::CONFIG_RELOADS, "result" => "ok");
     let failed = metrics::counter!(names::CONFIG_RELOADS, "result" => "failed");
     let mut hangups = hangups();
@@ -70,16 +69,10 @@ pub fn watch(path: Option<PathBuf>, mut config: Config, mut bytes: Vec<u8>, stat
                 continue;
             };
             // a file between writes, or a symlink mid-swap, is just looked at again later
-            let look = |config: &Config| {
-                fingerprint(path).map(|mut b| {
-                    b.extend(tls_files(config));
-                    b
-                })
-            };
-            let Some(now) = look(&config) else { continue };
+            let Some(now) = watched(path, &config) else { continue };
             if hangup {
                 tracing::info!(file = %path.display(), "SIGHUP: reloading the config");
-            } else if now == bytes || !settled(|| look(&config), &now).await {
+            } else if now == bytes || !settled(|| watched(path, &config), &now).await {
                 continue;
             }
             bytes = now;
@@ -103,12 +96,16 @@ async fn settled(look: impl Fn() -> Option<Vec<u8>>, seen: &[u8]) -> bool {
     look().is_some_and(|again| again == seen)
 }
 
-/// The bytes of the `server.tls` files (those that can be read), so that a certificate
-/// rotated on disk counts as a change.
-fn tls_files(config: &Config) -> Vec<u8> {
-    let Some(tls) = &config.server.tls else { return Vec::new() };
-    let files = [Some(&tls.cert_file), Some(&tls.key_file), tls.client_ca_file.as_ref()];
-    files.into_iter().flatten().filter_map(|f| std::fs::read(f).ok()).flatten().collect()
+/// What the watcher compares: the config file's bytes, then those of its `server.tls`
+/// files (those that can be read), so that a certificate rotated on disk counts as a
+/// change. None while the config file cannot be read.
+pub fn watched(path: &Path, config: &Config) -> Option<Vec<u8>> {
+    let mut bytes = fingerprint(path)?;
+    if let Some(tls) = &config.server.tls {
+        let files = [Some(&tls.cert_file), Some(&tls.key_file), tls.client_ca_file.as_ref()];
+        bytes.extend(files.into_iter().flatten().filter_map(|f| std::fs::read(f).ok()).flatten());
+    }
+    Some(bytes)
 }
 
 /// SIGHUPs, as a channel. Registering the handler also stops SIGHUP from killing the

@@ -68,7 +68,9 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
         None => load_str(DEFAULT_CONFIG, "<built-in config>")?,
     };
     // what the reload watcher compares against: the bytes that gave this config
-    let loaded_bytes = args.config.as_deref().and_then(crate::load::fingerprint).unwrap_or_default();
+    // (taken before the TLS files are read, so a change from here on is seen)
+    let loaded_bytes =
+        args.config.as_deref().and_then(|path| crate::reload::watched(path, &config)).unwrap_or_default();
     if config.limiter.key_secret == DEFAULT_KEY_SECRET && !matches!(config.store, StoreConfig::Memory { .. }) {
         tracing::warn!("limiter.key_secret is the default: set your own so clients cannot predict their tags");
     }

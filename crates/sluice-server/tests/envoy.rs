@@ -5,7 +5,7 @@
 mod common;
 
 use common::start_with;
-use sluice_testkit::{Process, TempDir, free_port, wait_for_port};
+use sluice_testkit::{Process, TempDir};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -21,8 +21,7 @@ fn envoy() -> String {
 }
 
 /// An upstream that answers 200 to every request, keep-alive.
-async fn upstream(port: u16) {
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
+async fn upstream(listener: tokio::net::TcpListener) {
     loop {
         let Ok((mut s, _)) = listener.accept().await else { return };
         tokio::spawn(async move {
@@ -107,23 +106,41 @@ static_resources:
 }
 
 /// Starts Envoy in front of an upstream, calling Sluice's gRPC service at `grpc`;
-/// returns it (and its directory) and the port it listens on.
-fn start_envoy(envoy: &str, grpc: &str, sluice_tls: &str) -> ((Process, TempDir), u16) {
+/// returns it (and its directory) and the port it listens on. Every port is the
+/// system's choice, read back (Envoy's admin address from `--admin-address-path`, its
+/// listener's from the admin API): no test can race another for one.
+async fn start_envoy(envoy: &str, grpc: &str, sluice_tls: &str) -> ((Process, TempDir), u16) {
     let grpc: u16 = grpc.rsplit(':').next().unwrap().parse().unwrap();
-    let (listen, admin, up) = (free_port(), free_port(), free_port());
+    let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up_port = up.local_addr().unwrap().port();
     tokio::spawn(upstream(up));
     let dir = TempDir::new("sluice-envoy");
-    let config = dir.path().join("envoy.yaml");
-    std::fs::write(&config, bootstrap(listen, admin, up, grpc, sluice_tls)).unwrap();
+    let (config, admin_file) = (dir.path().join("envoy.yaml"), dir.path().join("admin.addr"));
+    std::fs::write(&config, bootstrap(0, 0, up_port, grpc, sluice_tls)).unwrap();
     let mut cmd = std::process::Command::new(envoy);
-    cmd.arg("-c").arg(&config).args(["--log-level", "warn", "--base-id", &listen.to_string()]);
-    let process = Process::spawn_logging(&mut cmd, &dir.path().join("envoy.log")).expect("start envoy");
-    assert!(
-        wait_for_port(listen, Duration::from_secs(30)),
-        "envoy did not listen: {}",
-        std::fs::read_to_string(dir.path().join("envoy.log")).unwrap_or_default()
-    );
-    ((process, dir), listen)
+    cmd.arg("-c").arg(&config).args(["--log-level", "warn", "--use-dynamic-base-id", "--admin-address-path"]);
+    let mut process = Process::spawn_logging(cmd.arg(&admin_file), &dir.path().join("envoy.log")).expect("start envoy");
+    let log = |dir: &TempDir| std::fs::read_to_string(dir.path().join("envoy.log")).unwrap_or_default();
+    let started = std::time::Instant::now();
+    let client = reqwest::Client::new();
+    loop {
+        assert!(!process.exited(), "envoy exited:\n{}", log(&dir));
+        assert!(started.elapsed() < Duration::from_secs(30), "envoy did not listen:\n{}", log(&dir));
+        if let Some(port) = listener_port(&client, &admin_file).await {
+            return ((process, dir), port);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The port of Envoy's listener, once its admin API (at the address Envoy wrote to
+/// `admin_file`) reports it bound.
+async fn listener_port(client: &reqwest::Client, admin_file: &std::path::Path) -> Option<u16> {
+    let admin = std::fs::read_to_string(admin_file).ok()?;
+    let url = format!("http://{}/listeners?format=json", admin.trim());
+    let listeners: serde_json::Value = client.get(url).send().await.ok()?.json().await.ok()?;
+    let port = listeners["listener_statuses"][0]["local_address"]["socket_address"]["port_value"].as_u64()?;
+    (port != 0).then_some(port as u16)
 }
 
 /// Envoy calls Sluice over TLS, presenting a client certificate Sluice requires (mTLS),
@@ -157,7 +174,7 @@ async fn through_a_real_envoy_over_mutual_tls() {
         f("envoy.key"),
         f("ca.crt")
     );
-    let (envoy_process, listen) = start_envoy(&envoy, &sluice.grpc, &tls);
+    let (envoy_process, listen) = start_envoy(&envoy, &sluice.grpc, &tls).await;
     let client = reqwest::Client::new();
     let mut statuses = Vec::new();
     for _ in 0..5 {
@@ -173,7 +190,7 @@ async fn through_a_real_envoy() {
     let envoy = envoy();
     let domains = "  - domain: api\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 5}\n      - key: user\n        value: vip\n        rate_limit: {unit: minute, requests_per_unit: 8}\n      - key: tenant\n        descriptors:\n          - key: path\n            rate_limit: {unit: minute, requests_per_unit: 2}\n";
     let sluice = start_with("", domains);
-    let (_envoy, listen) = start_envoy(&envoy, &sluice.grpc, "");
+    let (_envoy, listen) = start_envoy(&envoy, &sluice.grpc, "").await;
     let client = reqwest::Client::new();
     let get = |path: &'static str, headers: Vec<(&'static str, &'static str)>| {
         let mut r = client.get(format!("http://127.0.0.1:{listen}{path}"));
