@@ -68,7 +68,7 @@ pub async fn serve(
     stop: impl Future<Output = ()>,
 ) -> std::io::Result<usize> {
     let (stopping, stop_rx) = watch::channel(false);
-    let router = router.layer(axum::middleware::map_response_with_state(stop_rx.clone(), close_when_stopping));
+    let router = closing(router, stop_rx.clone());
     let (tx, mut accepted) = tokio::sync::mpsc::channel(1_024);
     // connections open, counted from their accept: those still at the front door too
     let open = Arc::new(AtomicUsize::new(0));
@@ -277,6 +277,62 @@ async fn secure_connection(
         Ok(Ok(stream)) => connection(stream, router, bounds, over_limit, stop).await,
         Ok(Err(e)) => tracing::debug!(error = %e, "HTTP TLS handshake refused"),
         Err(_) => tracing::debug!("HTTP TLS handshake timed out"),
+    }
+}
+
+/// `router`, telling a client when its connection closes: once the server is stopping,
+/// and after a response given before its request's body was read.
+fn closing(router: Router, stopping: watch::Receiver<bool>) -> Router {
+    router
+        .layer(axum::middleware::map_response_with_state(stopping, close_when_stopping))
+        .layer(axum::middleware::from_fn(close_unless_read))
+}
+
+/// Adds `Connection: close` to a response given before its request's body was read to
+/// its end (a 413, a 401, a 408, a 404 to a POST): hyper closes such a connection after
+/// the response, and a keep-alive client not told so sends its next request into the
+/// closing connection and loses it.
+async fn close_unless_read(request: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+    use http_body::Body as _;
+    if request.body().is_end_stream() {
+        return next.run(request).await;
+    }
+    let read = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let request = request.map(|body| axum::body::Body::new(Tracked { body, read: read.clone() }));
+    let mut response = next.run(request).await;
+    if !read.load(Ordering::Relaxed) {
+        response.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
+    }
+    response
+}
+
+/// A request body that notes when it has been read to its end.
+struct Tracked {
+    body: axum::body::Body,
+    read: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl http_body::Body for Tracked {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let frame = std::pin::Pin::new(&mut self.body).poll_frame(cx);
+        if matches!(frame, std::task::Poll::Ready(None)) {
+            self.read.store(true, Ordering::Relaxed);
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }
 

@@ -140,3 +140,23 @@ async fn the_body_limit_holds_at_and_past_its_edge() {
     assert_eq!(chunked(1000), "200");
     assert_eq!(chunked(1001), "413");
 }
+
+/// A response given before its request's body was read (a 413, a 401) says `Connection:
+/// close`, so a keep-alive client never sends its next request into a connection the
+/// server is closing (reqwest lost one so in a CI run: IncompleteMessage after a 413); a
+/// request read whole keeps its connection.
+#[tokio::test]
+async fn a_response_before_the_body_is_read_closes_the_connection() {
+    let s = common::start_with("  api_tokens: [t0k3n]\n", &common::rule(1_000_000));
+    let client = reqwest::Client::new();
+    let url = format!("{}/v1/ratelimit", s.base);
+    let (huge, small) = ("x".repeat(1 << 20), common::body("d", &[("user", "k")]));
+    for i in 0..30 {
+        let r = client.post(&url).bearer_auth("t0k3n").body(huge.clone()).send().await.unwrap();
+        assert_eq!((r.status().as_u16(), common::header(&r, "connection")), (413, "close".into()), "try {i}");
+        let r = client.post(&url).json(&small).send().await.unwrap();
+        assert_eq!((r.status().as_u16(), common::header(&r, "connection")), (401, "close".into()), "try {i}");
+        let r = client.post(&url).bearer_auth("t0k3n").json(&small).send().await.unwrap();
+        assert_eq!((r.status().as_u16(), common::header(&r, "connection")), (200, String::new()), "try {i}");
+    }
+}
