@@ -36,7 +36,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -388,16 +388,11 @@ async fn give_back_memory(closed: Arc<AtomicUsize>) {
 
 /// A log line that may be written at most every 10 s.
 #[derive(Default)]
-struct Sometimes {
-    next_ms: AtomicU64,
-}
+struct Sometimes(sluice::time::Throttle);
 
 impl Sometimes {
     /// Whether the line may be written now (and if so, not again for 10 s).
     fn due(&self) -> bool {
-        let now =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-        let next = self.next_ms.load(Ordering::Relaxed);
-        now >= next && self.next_ms.compare_exchange(next, now + 10_000, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+        self.0.due(sluice::time::Clock::now(&sluice::time::SystemClock), 10_000)
     }
 }

@@ -331,8 +331,7 @@ const FAILURE_LOG_EVERY: Millis = 5_000;
 /// and answering again, are logged by the resilient wrapper.)
 #[derive(Default)]
 struct FailureLog {
-    /// When the next line may be written, in ms.
-    next: std::sync::atomic::AtomicU64,
+    line: crate::time::Throttle,
     /// Failed store calls since the last line.
     since: std::sync::atomic::AtomicU64,
 }
@@ -341,8 +340,7 @@ impl FailureLog {
     fn failed(&self, e: &StoreError, now: Millis) {
         use std::sync::atomic::Ordering::Relaxed;
         let count = self.since.fetch_add(1, Relaxed) + 1;
-        let next = self.next.load(Relaxed);
-        if now >= next && self.next.compare_exchange(next, now + FAILURE_LOG_EVERY, Relaxed, Relaxed).is_ok() {
+        if self.line.due(now, FAILURE_LOG_EVERY) {
             self.since.fetch_sub(count, Relaxed);
             tracing::warn!(error = %e, store_calls_failed = count, "the failure policy decided (store calls failing)");
         }

@@ -122,6 +122,24 @@ pub fn ceil_secs(ms: Millis) -> u64 {
     ms.div_ceil(1000)
 }
 
+/// At most once every so often, across threads: what keeps a log line (or any other
+/// report) from being written once per request when something goes wrong for each.
+#[derive(Debug, Default)]
+pub struct Throttle {
+    /// When it is next due, in ms.
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl Throttle {
+    /// Whether it is due at `now`; if so (for one caller only), not again until `every`
+    /// has passed.
+    pub fn due(&self, now: Millis, every: Millis) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let next = self.next.load(Relaxed);
+        now >= next && self.next.compare_exchange(next, now + every, Relaxed, Relaxed).is_ok()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
