@@ -171,8 +171,11 @@ impl MemoryStore {
                 return Ok(());
             }
         }
-        let new = ops.iter().filter(|op| !shard.map.contains_key(&slot(tag, op.key))).count();
-        self.make_room(&mut shard, new, now)?;
+        // counting the new states costs a lookup each: only when the shard may be full
+        if shard.map.len() + ops.len() > self.per_shard {
+            let new = ops.iter().filter(|op| !shard.map.contains_key(&slot(tag, op.key))).count();
+            self.make_room(&mut shard, new, now)?;
+        }
         let mut states: Vec<Option<State>> =
             ops.iter().map(|op| shard.map.get_mut(&slot(tag, op.key)).map(|e| std::mem::take(&mut e.state))).collect();
         algo::apply_into(ops, &mut states, now, out);
