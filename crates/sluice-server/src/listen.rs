@@ -87,7 +87,7 @@ pub async fn serve(
     let mut connections = JoinSet::new();
     tokio::pin!(stop);
     loop {
-        let stream = tokio::select! {
+        let (stream, full) = tokio::select! {
             Some((stream, full)) = accepted.recv() => match tokio::net::TcpStream::from_std(stream) {
                 Ok(s) => (s, full),
                 Err(e) => {
@@ -99,7 +99,6 @@ pub async fn serve(
         };
         // reap finished connections so the set does not grow
         while connections.try_join_next().is_some() {}
-        let (stream, full) = stream;
         let (router, open, closed, stop_rx, tls) =
             (router.clone(), open.clone(), closed.clone(), stop_rx.clone(), tls.clone());
         connections.spawn(async move {

@@ -150,7 +150,7 @@ fn serve_grpc(
     server: &ServerConfig,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
-    let state_tls = state.tls.clone();
+    let tls = state.tls.clone();
     let rls = RateLimitServiceServer::new(Rls { state });
     let ping = Duration::from_millis(server.header_timeout.0);
     let builder = tonic::transport::Server::builder()
@@ -160,7 +160,6 @@ fn serve_grpc(
         .max_concurrent_streams(Some(1_024))
         // a call that takes longer than a request head may is answered DEADLINE_EXCEEDED
         .timeout(ping);
-    let tls = state_tls;
     tokio::spawn(async move {
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;

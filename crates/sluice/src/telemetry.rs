@@ -131,7 +131,7 @@ pub(crate) fn detailed<'a>(
     let printable = |s: &str| s.chars().map(|c| if c.is_control() { '_' } else { c }).collect::<String>();
     let descriptor: Vec<String> = entries.map(|(k, v)| format!("{}_{}", printable(k), printable(v))).collect();
     let mut descriptor = descriptor.join(".");
-    if !DETAILED_SERIES.admit(domain, policy, &descriptor) {
+    if !admit_detailed(domain, policy, &descriptor) {
         descriptor = DETAILED_OVERFLOW.to_string();
     }
     let outcome = if allowed { "allowed" } else { "over_limit" };
@@ -148,21 +148,15 @@ pub(crate) const DETAILED_MAX_SERIES: usize = 10_000;
 /// The label the values past [`DETAILED_MAX_SERIES`] are counted under.
 pub(crate) const DETAILED_OVERFLOW: &str = "_other";
 
-static DETAILED_SERIES: Series = Series(std::sync::Mutex::new(None));
-
-/// The set of label sets seen, by hash, up to [`DETAILED_MAX_SERIES`].
-struct Series(std::sync::Mutex<Option<std::collections::HashSet<u64>>>);
-
-impl Series {
-    fn admit(&self, domain: &str, policy: &str, descriptor: &str) -> bool {
-        use std::hash::{BuildHasher, Hash, Hasher};
-        let mut h =
-            std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default().build_hasher();
-        (domain, policy, descriptor).hash(&mut h);
-        let mut seen = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let seen = seen.get_or_insert_with(Default::default);
-        seen.contains(&h.finish()) || (seen.len() < DETAILED_MAX_SERIES && seen.insert(h.finish()))
-    }
+/// Whether a label set may be counted as itself: it was seen before, or fewer than
+/// [`DETAILED_MAX_SERIES`] were (the set holds their hashes).
+fn admit_detailed(domain: &str, policy: &str, descriptor: &str) -> bool {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    static SEEN: std::sync::Mutex<Option<std::collections::HashSet<u64>>> = std::sync::Mutex::new(None);
+    let key = BuildHasherDefault::<DefaultHasher>::default().hash_one((domain, policy, descriptor));
+    let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    let seen = seen.get_or_insert_with(Default::default);
+    seen.contains(&key) || (seen.len() < DETAILED_MAX_SERIES && seen.insert(key))
 }
 
 /// A request dropped by a load shedder (`worker` or `fleet`), by priority class.
