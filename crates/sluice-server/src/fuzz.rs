@@ -83,7 +83,16 @@ fn input(seeds: &'static [&'static str]) -> impl Strategy<Value = Vec<u8>> {
 }
 
 /// A runtime, and a router on [`CONFIG`] built in it.
-fn server() -> (tokio::runtime::Runtime, axum::Router, Arc<AppState>) {
+type Server = (tokio::runtime::Runtime, axum::Router, Arc<AppState>);
+
+/// Runs `f` on this thread's server, built on first use: a case costs a request, not a
+/// server.
+fn with_server<T>(f: impl FnOnce(&Server) -> T) -> T {
+    thread_local!(static SERVER: Server = server());
+    SERVER.with(f)
+}
+
+fn server() -> Server {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let state = rt.block_on(async {
         let crate::load::Loaded { config, rules } = crate::load::load_str(CONFIG, "fuzz.yaml").unwrap();
@@ -136,20 +145,18 @@ proptest! {
 
     #[test]
     fn fuzz_http_bodies(route in 0usize..4, body in input(BODIES)) {
-        thread_local!(static S: (tokio::runtime::Runtime, axum::Router, Arc<AppState>) = server());
         let (method, uri) = [
             (Method::POST, "/v1/ratelimit"),
             (Method::POST, "/v1/leases"),
             (Method::POST, "/v1/refund"),
             (Method::PUT, "/v1/admin/migration"),
         ][route].clone();
-        S.with(|(rt, router, _)| exchange(rt, router, method, uri, body));
+        with_server(|(rt, router, _)| exchange(rt, router, method, uri, body));
     }
 
     #[test]
     fn fuzz_status_queries_and_lease_ids(query in input(&["domain=d&user=a", "domain=d&plan=gold&path=%2F"]), lease in input(&["AAAA"])) {
-        thread_local!(static S: (tokio::runtime::Runtime, axum::Router, Arc<AppState>) = server());
-        S.with(|(rt, router, _)| {
+        with_server(|(rt, router, _)| {
             exchange(rt, router, Method::GET, &format!("/v1/ratelimit?{}", uri_text(&query)), Vec::new());
             exchange(rt, router, Method::DELETE, &format!("/v1/leases/{}", uri_text(&lease)), Vec::new());
         });
@@ -157,8 +164,7 @@ proptest! {
 
     #[test]
     fn fuzz_rls_requests(bytes in rls_input()) {
-        thread_local!(static S: (tokio::runtime::Runtime, axum::Router, Arc<AppState>) = server());
-        S.with(|(rt, _, state)| rls_exchange(rt, state, &bytes));
+        with_server(|(rt, _, state)| rls_exchange(rt, state, &bytes));
     }
 
     #[test]
