@@ -247,8 +247,7 @@ async fn serve_without_arguments_uses_the_defaults() {
     let r =
         client.post("http://127.0.0.1:8080/v1/ratelimit").json(&body("demo", &[("user", "x")])).send().await.unwrap();
     assert_eq!(num(&r, "x-ratelimit-limit"), 50, "the built-in config has demo/user at 50 per minute");
-    let status = std::process::Command::new("kill").args(["-TERM", &p.pid().to_string()]).status().unwrap();
-    assert!(status.success());
+    p.signal("-TERM");
     let deadline = Instant::now() + Duration::from_secs(5);
     while !p.exited() {
         assert!(Instant::now() < deadline, "sluice did not stop on SIGTERM");

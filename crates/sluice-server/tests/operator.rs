@@ -106,8 +106,7 @@ async fn sighup_reloads_and_never_kills() {
     let client = reqwest::Client::new();
     until_limit(&client, &base, 7, &dir).await;
     for _ in 0..3 {
-        let sent = std::process::Command::new("kill").arg("-HUP").arg(server.pid().to_string()).status().unwrap();
-        assert!(sent.success());
+        server.signal("-HUP");
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     assert!(!server.exited(), "SIGHUP ended the server:\n{}", log(&dir));
@@ -287,18 +286,6 @@ async fn health_is_answered_past_the_connection_limit() {
     drop(held);
 }
 
-/// The server's exit code, waiting at most 5 s for it to exit.
-fn exit_code(s: &mut common::Sluice) -> i32 {
-    let started = Instant::now();
-    loop {
-        if let Some(code) = s.process.exit_code() {
-            return code;
-        }
-        assert!(started.elapsed() < Duration::from_secs(5), "still running 5 s after SIGTERM:\n{}", s.log());
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// SIGTERM with one client stalled halfway through a request head and one idle
 /// keep-alive connection: the server exits 0 within the grace period, and says how many
 /// connections it dropped. (It used to wait forever.)
@@ -312,9 +299,8 @@ fn sigterm_with_a_stalled_client_exits_within_the_grace() {
     idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let started = Instant::now();
-    let sent = std::process::Command::new("kill").arg("-TERM").arg(s.process.pid().to_string()).status().unwrap();
-    assert!(sent.success());
-    assert_eq!(exit_code(&mut s), 0, "{}", s.log());
+    s.process.signal("-TERM");
+    assert_eq!(s.exit_code_within(Duration::from_secs(5)), 0, "{}", s.log());
     assert!(started.elapsed() < Duration::from_millis(3_500), "took {:?}", started.elapsed());
     assert!(s.log().contains("stopped"), "{}", s.log());
 }
@@ -379,15 +365,14 @@ fn sigterm_under_keep_alive_load_answers_every_request_written() {
         })
         .collect();
     std::thread::sleep(Duration::from_millis(700));
-    let sent = std::process::Command::new("kill").arg("-TERM").arg(s.process.pid().to_string()).status().unwrap();
-    assert!(sent.success());
+    s.process.signal("-TERM");
     let (mut answered, mut unanswered) = (0, 0);
     for c in clients {
         let (a, u) = c.join().unwrap();
         answered += a;
         unanswered += u;
     }
-    assert_eq!(exit_code(&mut s), 0, "{}", s.log());
+    assert_eq!(s.exit_code_within(Duration::from_secs(5)), 0, "{}", s.log());
     assert!(answered > 100, "the load was too light to mean anything: {answered}");
     assert_eq!(unanswered, 0, "requests written and never answered ({answered} answered)");
 }

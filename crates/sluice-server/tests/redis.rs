@@ -300,18 +300,10 @@ async fn sigterm_releases_nothing_a_live_lease_holds() {
     );
     let term = async {
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let sent = std::process::Command::new("kill").arg("-TERM").arg(a.process.pid().to_string()).status();
-        assert!(sent.unwrap().success());
+        a.process.signal("-TERM");
     };
     tokio::join!(load, term);
-    let started = Instant::now();
-    let code = loop {
-        if let Some(code) = a.process.exit_code() {
-            break code;
-        }
-        assert!(started.elapsed() < Duration::from_secs(10), "still running after SIGTERM:\n{}", a.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let code = a.exit_code_within(Duration::from_secs(10));
     assert_eq!(code, 0, "{}", a.log());
     let b = start_with(&redis_store(&redis, &[]), rules);
     assert_eq!(take(b.base.clone()).await.unwrap().status(), 429, "a lease held on the stopped server was given back");

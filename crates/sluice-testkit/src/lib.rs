@@ -87,6 +87,11 @@ impl Process {
     pub fn exit_code(&mut self) -> Option<i32> {
         self.child.try_wait().ok().flatten().and_then(|status| status.code())
     }
+    /// Sends it `signal` (`-TERM`, `-HUP`) with kill(1).
+    pub fn signal(&self, signal: &str) {
+        let sent = Command::new("kill").arg(signal).arg(self.pid().to_string()).status().expect("run kill");
+        assert!(sent.success(), "kill {signal} {} failed", self.pid());
+    }
     /// Kills the process (SIGKILL) and waits for it.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
@@ -182,6 +187,11 @@ impl RedisServer {
     /// The server's PID.
     pub fn pid(&self) -> u32 {
         self.process.pid()
+    }
+
+    /// Sends the server `signal` (`-STOP`, `-CONT`).
+    pub fn signal(&self, signal: &str) {
+        self.process.signal(signal)
     }
 
     /// Sends a command (inline protocol) and returns the raw reply.

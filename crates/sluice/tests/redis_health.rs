@@ -6,11 +6,6 @@ use sluice::store::redis::{RedisOptions, RedisStore};
 use sluice_testkit::RedisServer;
 use std::time::{Duration, Instant};
 
-fn signal(pid: u32, sig: &str) {
-    let ok = std::process::Command::new("kill").arg(format!("-{sig}")).arg(pid.to_string()).status().unwrap();
-    assert!(ok.success(), "kill -{sig} {pid}");
-}
-
 #[tokio::test]
 async fn a_stopped_server_costs_one_timeout() {
     let redis = RedisServer::start();
@@ -21,11 +16,11 @@ async fn a_stopped_server_costs_one_timeout() {
         assert!(started.elapsed() < Duration::from_secs(5), "redis never answered PING");
     }
     // SIGSTOP: the server holds its connections and answers nothing, as a hung one does
-    signal(redis.pid(), "STOP");
+    redis.signal("-STOP");
     let started = Instant::now();
     let ready = store.ready().await;
     let took = started.elapsed();
-    signal(redis.pid(), "CONT");
+    redis.signal("-CONT");
     assert!(!ready, "a stopped server is not ready");
     assert!(took >= timeout, "answered before the timeout: {took:?}");
     assert!(took < timeout * 3 / 2, "a dead server cost more than one timeout: {took:?}");

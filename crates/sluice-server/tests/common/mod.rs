@@ -97,6 +97,18 @@ pub fn spawn(config: &Path, dir: &Path) -> (Process, String, String) {
 }
 
 impl Sluice {
+    /// The server's exit code, waiting at most `limit` for it to exit (after a signal).
+    pub fn exit_code_within(&mut self, limit: Duration) -> i32 {
+        let started = Instant::now();
+        loop {
+            if let Some(code) = self.process.exit_code() {
+                return code;
+            }
+            assert!(started.elapsed() < limit, "still running {limit:?} after SIGTERM:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// What the server has logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("sluice.log")).unwrap_or_default()
