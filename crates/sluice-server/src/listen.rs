@@ -279,27 +279,29 @@ async fn secure_connection(
     }
 }
 
-/// `router`, telling a client when its connection closes: once the server is stopping,
-/// and after a response given before its request's body was read.
+/// `router`, telling a client when its connection closes (one layer for both reasons).
 fn closing(router: Router, stopping: watch::Receiver<bool>) -> Router {
-    router
-        .layer(axum::middleware::map_response_with_state(stopping, close_when_stopping))
-        .layer(axum::middleware::from_fn(close_unless_read))
+    router.layer(axum::middleware::from_fn_with_state(stopping, close_when_due))
 }
 
-/// Adds `Connection: close` to a response given before its request's body was read to
-/// its end (a 413, a 401, a 408, a 404 to a POST): hyper closes such a connection after
-/// the response, and a keep-alive client not told so sends its next request into the
-/// closing connection and loses it.
-async fn close_unless_read(request: axum::extract::Request, next: axum::middleware::Next) -> axum::response::Response {
+/// Adds `Connection: close` to a response when the connection closes after it: once the
+/// server is stopping, and after a response given before its request's body was read to
+/// its end (a 413, a 401, a 408, a 404 to a POST): hyper closes such a connection, and a
+/// keep-alive client not told so sends its next request into it and loses it.
+async fn close_when_due(
+    axum::extract::State(stopping): axum::extract::State<watch::Receiver<bool>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
     use http_body::Body as _;
-    if request.body().is_end_stream() {
-        return next.run(request).await;
-    }
-    let read = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let request = request.map(|body| axum::body::Body::new(Tracked { body, read: read.clone() }));
+    let read = (!request.body().is_end_stream()).then(|| Arc::new(std::sync::atomic::AtomicBool::new(false)));
+    let request = match &read {
+        Some(read) => request.map(|body| axum::body::Body::new(Tracked { body, read: read.clone() })),
+        None => request,
+    };
     let mut response = next.run(request).await;
-    if !read.load(Ordering::Relaxed) {
+    let unread = read.is_some_and(|read| !read.load(Ordering::Relaxed));
+    if unread || *stopping.borrow() {
         response.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
     }
     response
@@ -333,17 +335,6 @@ impl http_body::Body for Tracked {
     fn size_hint(&self) -> http_body::SizeHint {
         self.body.size_hint()
     }
-}
-
-/// Adds `Connection: close` to every response once the server is stopping.
-async fn close_when_stopping(
-    axum::extract::State(stopping): axum::extract::State<watch::Receiver<bool>>,
-    mut response: axum::response::Response,
-) -> axum::response::Response {
-    if *stopping.borrow() {
-        response.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
-    }
-    response
 }
 
 /// Waits for the connections to finish, at most `grace`; drops the rest.
