@@ -54,9 +54,6 @@ mod verdict;
 
 pub use builder::{DomainBuilder, RuleBuilder, RulesBuilder};
 pub use engine::{CheckError, Limiter};
-pub use request::{
-    Descriptor, Entry, LimitOverride, MAX_DESCRIPTORS, MAX_ENTRIES, MAX_KEY_BYTES, MAX_VALUE_BYTES, Request,
-    RequestError,
-};
+pub use request::{Descriptor, Entry, LimitOverride, Request, RequestError};
 pub use telemetry::names as metric_names;
 pub use verdict::{Code, DescriptorVerdict, LeaseId, Outcome, PolicyDecision, Source, Verdict};

@@ -1,5 +1,5 @@
 //! What a caller asks: a domain and descriptors, as Envoy's `RateLimitRequest` has them,
-//! and the bounds a request must keep to.
+//! and the check of the bounds it must keep to (`limiter.request_bounds`, [`crate::config::RequestBounds`]).
 //!
 //! Every interface (the HTTP API, Envoy's gRPC, the tower layer) turns what it received
 //! into a [`Request`]; the engine refuses one that breaks a bound with a
@@ -7,15 +7,6 @@
 
 use crate::algo::MAX_EXACT;
 use crate::config::{RequestBounds, Unit};
-
-/// Longest descriptor entry key accepted by default, in bytes.
-pub const MAX_KEY_BYTES: usize = RequestBounds::DEFAULT.key_bytes;
-/// Longest descriptor entry value accepted by default, in bytes.
-pub const MAX_VALUE_BYTES: usize = RequestBounds::DEFAULT.value_bytes;
-/// Most descriptors in one request, by default.
-pub const MAX_DESCRIPTORS: usize = RequestBounds::DEFAULT.descriptors;
-/// Most entries in one descriptor, by default.
-pub const MAX_ENTRIES: usize = RequestBounds::DEFAULT.entries;
 
 /// One `key=value` of a descriptor.
 #[derive(Debug, Clone, PartialEq, Eq)]
