@@ -114,7 +114,7 @@ pub async fn bench(args: Args) -> Result<(), BenchError> {
         print!("{}", sluice::store::redis::apply_script());
         return Ok(());
     }
-    let deadline = Instant::now() + Duration::from_millis(args.duration.0);
+    let deadline = Instant::now() + args.duration.to_std();
     let done = Arc::new(AtomicU64::new(0));
     let progress = (!args.json).then(|| spawn_progress(done.clone(), args.duration.0));
     let started = Instant::now();

@@ -78,9 +78,9 @@ pub fn clock(limiter: &LimiterConfig) -> Arc<dyn Clock> {
 /// The deadline and breaker of `limiter`.
 pub fn resilience(limiter: &LimiterConfig) -> Resilience {
     Resilience {
-        deadline: Duration::from_millis(limiter.deadline.0),
+        deadline: limiter.deadline.to_std(),
         failures: limiter.breaker_failures.max(1),
-        cooldown: Duration::from_millis(limiter.breaker_cooldown.0),
+        cooldown: limiter.breaker_cooldown.to_std(),
     }
 }
 
@@ -121,7 +121,7 @@ fn store(
         }
         StoreConfig::RedisCluster { nodes, read_from_replicas, timeout, retries, tls: files, buckets } => {
             let options = RedisOptions {
-                timeout: Duration::from_millis(timeout.0),
+                timeout: timeout.to_std(),
                 cluster_retries: *retries,
                 tls: tls(files.as_ref())?,
                 buckets: buckets.0,
@@ -130,7 +130,7 @@ fn store(
             resilient(RedisStore::cluster(nodes, *read_from_replicas, options)?, tuning)
         }
         StoreConfig::Memcached { servers, timeout } => {
-            resilient(MemcachedStore::new(servers, Duration::from_millis(timeout.0))?, tuning)
+            resilient(MemcachedStore::new(servers, timeout.to_std())?, tuning)
         }
         StoreConfig::Migrating { from, to, percent } => {
             if *percent > 100 {
@@ -162,7 +162,7 @@ fn resilient<S: Store>(store: S, tuning: &Arc<Tuning>) -> Arc<dyn Store> {
 
 fn options(c: &RedisConnectionConfig) -> Result<RedisOptions, BuildError> {
     Ok(RedisOptions {
-        timeout: Duration::from_millis(c.timeout.0),
+        timeout: c.timeout.to_std(),
         replica_acks: c.replica_acks,
         tls: tls(c.tls.as_ref())?,
         buckets: c.buckets.0,

@@ -96,9 +96,9 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     crate::reload::watch(args.config.clone(), config, loaded_bytes, state.clone());
     room_for_connections(server.max_connections);
     let bounds = Bounds {
-        header_timeout: Duration::from_millis(server.header_timeout.0),
+        header_timeout: server.header_timeout.to_std(),
         max_connections: server.max_connections,
-        shutdown_grace: Duration::from_millis(server.shutdown_grace.0),
+        shutdown_grace: server.shutdown_grace.to_std(),
     };
     let dropped = crate::listen::serve(listener, router(state), bounds, tls, async {
         shutdown().await;
@@ -152,7 +152,7 @@ fn serve_grpc(
 ) -> tokio::task::JoinHandle<()> {
     let tls = state.tls.clone();
     let rls = RateLimitServiceServer::new(Rls { state });
-    let ping = Duration::from_millis(server.header_timeout.0);
+    let ping = server.header_timeout.to_std();
     let builder = tonic::transport::Server::builder()
         // a peer that stops answering HTTP/2 pings is gone: close its connection
         .http2_keepalive_interval(Some(ping))

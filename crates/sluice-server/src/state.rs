@@ -51,7 +51,7 @@ impl AppState {
             admin_token: server.admin_token.clone(),
             api_tokens: server.api_tokens.clone(),
             max_body_bytes: server.max_body_bytes,
-            body_timeout: std::time::Duration::from_millis(server.body_timeout.0),
+            body_timeout: server.body_timeout.to_std(),
             metrics,
         }
     }

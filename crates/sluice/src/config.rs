@@ -336,6 +336,11 @@ impl PolicyConfig {
 pub struct Duration(pub Millis);
 
 impl Duration {
+    /// The same span as a [`std::time::Duration`].
+    pub fn to_std(self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.0)
+    }
+
     /// Parses `250ms`, `1s`, `5m`, `1h`, `1d`, `1w`.
     pub fn parse(s: &str) -> Result<Self, String> {
         let s = s.trim();
