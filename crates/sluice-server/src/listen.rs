@@ -22,8 +22,8 @@
 //!   counted. At start the process raises its open-file limit as far as it may, and
 //!   warns when the connection limit does not fit under it.
 //! - Memory a burst of connections took is given back to the system once they close
-//!   (glibc keeps freed memory in its arenas otherwise: 20,000 closed connections left a
-//!   server at 296 MB).
+//!   (an idle allocator keeps it otherwise: 3,000 closed connections left 55 MB; see
+//!   `alloc.rs`).
 //! - On SIGTERM the listener closes and the connections drain: for a moment
 //!   ([`DRAIN`]) every response says `Connection: close`, so a keep-alive client that has
 //!   already written its next request gets it answered and then opens no more; then
@@ -156,7 +156,8 @@ fn front_door(
     door: Door,
     mut stop: watch::Receiver<bool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().on_thread_park(crate::alloc::on_park).build()?;
     std::thread::Builder::new().name("sluice-front-door".into()).spawn(move || {
         runtime.block_on(async move {
             let listener = match TcpListener::from_std(listener) {
@@ -360,18 +361,14 @@ async fn finish(mut connections: JoinSet<()>, grace: Duration) -> usize {
 /// How often memory freed by closed connections is given back.
 const TRIM_EVERY: Duration = Duration::from_secs(5);
 
-/// Every [`TRIM_EVERY`], if connections closed since the last look, asks the allocator to
-/// return its free pages to the system (glibc's `malloc_trim`; elsewhere nothing).
+/// Every [`TRIM_EVERY`], if connections closed since the last look, has every runtime
+/// thread return its free memory to the system ([`crate::alloc`]).
 async fn give_back_memory(closed: Arc<AtomicUsize>) {
     let mut tick = tokio::time::interval(TRIM_EVERY);
     loop {
         tick.tick().await;
         if closed.swap(0, Ordering::Relaxed) > 0 {
-            #[cfg(all(target_os = "linux", target_env = "gnu"))]
-            // SAFETY: malloc_trim has no preconditions; it only releases free memory
-            unsafe {
-                libc::malloc_trim(0);
-            }
+            crate::alloc::give_back();
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The `sluice` binary: parses the command line and hands over. Nothing else lives here.
 
+mod alloc;
 mod api;
 mod bench;
 mod build;
@@ -22,6 +23,7 @@ use cli::{Cli, Command, ConfigCommand, ShedCommand};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    alloc::init();
     let result: Result<(), Box<dyn std::error::Error>> = match Cli::parse().command {
         Command::Serve(args) => {
             let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -51,5 +53,9 @@ fn main() -> ExitCode {
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, Box<dyn std::error::Error>> {
-    tokio::runtime::Runtime::new().map_err(|e| format!("cannot start the async runtime: {e}").into())
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .on_thread_park(alloc::on_park)
+        .build()
+        .map_err(|e| format!("cannot start the async runtime: {e}").into())
 }

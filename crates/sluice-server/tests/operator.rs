@@ -385,7 +385,7 @@ fn rss_of(pid: u32) -> u64 {
 }
 
 /// 3,000 connections, each with a request answered and held open, then all closed: the
-/// memory they took goes back to the system within seconds (glibc used to keep it).
+/// memory they took goes back to the system within seconds (idle allocator threads would keep it).
 #[test]
 fn memory_goes_back_after_a_burst_of_connections() {
     use std::io::{Read, Write};
