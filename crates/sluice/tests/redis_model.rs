@@ -5,6 +5,7 @@
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use sluice::algo::Op;
+use sluice::store::Store;
 use sluice::store::conformance::{self, LEASES, LIMITS, Step, op_on};
 use sluice::store::redis::{RedisOptions, RedisStore};
 use sluice_testkit::RedisServer;
@@ -55,4 +56,74 @@ fn decide_alike(rt: &tokio::runtime::Runtime, store: &RedisStore) {
             Ok(())
         })
         .unwrap();
+}
+
+/// Decisions in flight at once share a script call (`store/redis/batch.rs`). A batch
+/// must decide and store exactly what the same calls sent one by one, in that order,
+/// would: random rounds of concurrent calls (several clients, all algorithms, shadow
+/// ops, leases) go through a batching store on one Redis and one by one through
+/// another, under one clock; every decision and every stored byte (fields, sorted sets,
+/// expiry times) must match.
+#[test]
+fn a_batch_decides_and_stores_as_calls_one_by_one() {
+    let (a, b) = (RedisServer::start(), RedisServer::start());
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (batched, alone) = rt.block_on(async {
+        let options = RedisOptions { buckets: 4, ..RedisOptions::default() };
+        let batched = RedisStore::new(&a.url(), &[], options.clone()).unwrap();
+        (batched, RedisStore::new(&b.url(), &[], options).unwrap().one_by_one())
+    });
+    let ops = prop::collection::btree_map(0..LIMITS.len() as u64, (0u64..4, prop::bool::weighted(0.2), 0u128..4), 1..4)
+        .prop_map(|m| m.into_iter().map(|(k, (c, s, l))| op_on(k, c, s, l)).collect::<Vec<Op>>());
+    let round = (prop_oneof![Just(0u64), 0u64..50, 0u64..2_500], prop::collection::vec((0u128..5, ops), 1..12));
+    let mut runner = TestRunner::new(Config { cases: 64, ..Config::default() });
+    runner
+        .run(&prop::collection::vec(round, 1..20), |rounds| {
+            for r in [&a, &b] {
+                r.command("FLUSHALL").unwrap();
+            }
+            let (calls_a, calls_b) = (a.script_calls(), b.script_calls());
+            let mut now = conformance::t0();
+            let (mut sent, mut batches) = (0, 0);
+            for (gap, calls) in &rounds {
+                now += gap;
+                let tag = |client: u128| sluice::tag::Tag(client * 0x9e37_79b9_7f4a_7c15 + 1);
+                let together = rt.block_on(futures_util::future::join_all(
+                    calls.iter().map(|(client, ops)| batched.apply(tag(*client), ops, now)),
+                ));
+                let mut apart = Vec::new();
+                for (client, ops) in calls {
+                    apart.push(rt.block_on(alone.apply(tag(*client), ops, now)));
+                }
+                prop_assert_eq!(&together, &apart, "decisions of the round {:?}", calls);
+                sent += calls.len() as u64;
+                batches += 1;
+            }
+            prop_assert_eq!(dump(&a), dump(&b), "what the two Redis servers store");
+            // the batching store really batched: one script call per round
+            prop_assert_eq!(a.script_calls() - calls_a, batches);
+            prop_assert_eq!(b.script_calls() - calls_b, sent);
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// Every key of a Redis server with its value and absolute expiry, sorted.
+fn dump(redis: &RedisServer) -> Vec<String> {
+    let mut c = redis::Client::open(redis.url()).unwrap().get_connection().unwrap();
+    let mut keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut c).unwrap();
+    keys.sort();
+    keys.iter()
+        .map(|k| {
+            let kind: String = redis::cmd("TYPE").arg(k).query(&mut c).unwrap();
+            let mut value: Vec<String> = match kind.as_str() {
+                "hash" => redis::cmd("HGETALL").arg(k).query(&mut c).unwrap(),
+                "zset" => redis::cmd("ZRANGE").arg(k).arg(0).arg(-1).arg("WITHSCORES").query(&mut c).unwrap(),
+                other => vec![format!("unexpected type {other}")],
+            };
+            value.sort();
+            let expires: i64 = redis::cmd("PEXPIRETIME").arg(k).query(&mut c).unwrap();
+            format!("{k} {value:?} expires {expires}")
+        })
+        .collect()
 }

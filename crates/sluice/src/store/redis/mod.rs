@@ -11,6 +11,7 @@
 //! node owning the client's slot). `now` always comes from
 //! the caller, and TTLs only collect garbage a grace period after a state stops mattering.
 
+mod batch;
 #[cfg(test)]
 mod cluster_distribution;
 mod sharded;
@@ -205,6 +206,46 @@ fn decisions(v: Value, n: usize) -> Result<Vec<Decision>, StoreError> {
             retry_after: (d[5] >= 0).then_some(d[5] as u64),
         })
         .collect())
+}
+
+/// One client's apply call: its ops, where their states live, and `now`.
+pub(crate) struct Call {
+    at: Vec<Location>,
+    ops: Vec<Op>,
+    now: Millis,
+}
+
+/// The apply script's arguments for `calls`, one after another (see `lua/apply.lua`).
+fn apply_args(cmd: &mut Cmd, calls: &[&Call]) {
+    cmd.arg(GRACE_MS);
+    for c in calls {
+        cmd.arg(c.now).arg(c.ops.len());
+        for (op, at) in c.ops.iter().zip(&c.at) {
+            cmd.arg(&params(&op.limit)[..]).arg(op.cost).arg(op.shadow as u8);
+            cmd.arg(op.lease.map(lease_hex).unwrap_or_default()).arg(&at.field);
+        }
+    }
+}
+
+/// The apply script's reply: per call, its decisions or the error that stopped it.
+fn answers(reply: Result<Value, StoreError>, calls: &[&Call]) -> Vec<Result<Vec<Decision>, StoreError>> {
+    let replies = reply.and_then(|v| match v {
+        Value::Array(replies) if replies.len() == calls.len() => Ok(replies),
+        other => Err(StoreError::protocol(format!("apply answered {other:?} for {} calls", calls.len()))),
+    });
+    match replies {
+        Ok(replies) => replies
+            .into_iter()
+            .zip(calls)
+            .map(|(reply, call)| match reply {
+                Value::BulkString(why) => {
+                    Err(StoreError::protocol(format!("redis script: {}", String::from_utf8_lossy(&why))))
+                }
+                reply => decisions(reply, call.ops.len()),
+            })
+            .collect(),
+        Err(e) => calls.iter().map(|_| Err(e.clone())).collect(),
+    }
 }
 
 /// A connection that reconnects by itself, opened lazily: a Redis that is down when
@@ -410,16 +451,56 @@ impl Default for RedisOptions {
     }
 }
 
+/// What writes: the primary (or the cluster), the scripts and the options.
+pub(crate) struct Writer {
+    conn: Conn,
+    scripts: Scripts,
+    options: RedisOptions,
+}
+
+impl Writer {
+    /// Runs a writing script on the primary, then waits for `replica_acks` replicas.
+    async fn write(&self, script: &Script, keys: &[&str], fill: impl Fn(&mut Cmd)) -> Result<Value, StoreError> {
+        let reply = self.conn.run(script, false, keys, fill).await.map_err(store_error)?;
+        if self.options.replica_acks > 0 {
+            let mut wait = redis::cmd("WAIT");
+            wait.arg(self.options.replica_acks).arg(self.options.timeout.as_millis() as u64);
+            let acked: i64 = redis::from_redis_value(self.conn.query(&wait).await.map_err(store_error)?)
+                .map_err(|e| StoreError::protocol(format!("WAIT reply: {e}")).because(e))?;
+            if acked < i64::from(self.options.replica_acks) {
+                tracing::warn!(
+                    acked,
+                    wanted = self.options.replica_acks,
+                    "fewer redis replicas acknowledged a write than asked"
+                );
+            }
+        }
+        Ok(reply)
+    }
+
+    /// Applies `calls` in one script call, one after another.
+    async fn apply(&self, calls: &[&Call]) -> Vec<Result<Vec<Decision>, StoreError>> {
+        if calls.is_empty() {
+            return Vec::new();
+        }
+        let keys: Vec<&str> = calls.iter().flat_map(|c| c.at.iter().map(|l| l.key.as_str())).collect();
+        let reply = self.write(&self.scripts.apply, &keys, |cmd| apply_args(cmd, calls)).await;
+        answers(reply, calls)
+    }
+}
+
 /// `store.kind: redis`: one primary for everything that writes, and replicas (round
 /// robin, health-checked, falling back to the primary) for peeks. Also
 /// `store.kind: redis_cluster` ([`RedisStore::cluster`]): the cluster client routes each
 /// script to the node that owns the client's slot, and peeks to its replicas when asked.
+///
+/// On one node, decisions in flight at once share a script call (`batch.rs`); on a
+/// cluster each goes alone (one script runs on one slot's keys).
 pub struct RedisStore {
-    primary: Conn,
+    writer: Arc<Writer>,
+    batcher: Option<batch::Batcher>,
     replicas: Vec<Arc<Replica>>,
     next: AtomicUsize,
-    scripts: Arc<Scripts>,
-    options: RedisOptions,
 }
 
 impl RedisStore {
@@ -436,8 +517,9 @@ impl RedisStore {
                 }))
             })
             .collect::<Result<Vec<_>, StoreError>>()?;
-        let primary = Conn::open(url, &options)?;
-        let store = Self { primary, replicas, next: AtomicUsize::new(0), scripts: Arc::new(Scripts::new()), options };
+        let writer = Arc::new(Writer { conn: Conn::open(url, &options)?, scripts: Scripts::new(), options });
+        let batcher = batch::Batcher::start(writer.clone());
+        let store = Self { writer, batcher, replicas, next: AtomicUsize::new(0) };
         store.watch_replicas();
         store.warm_up();
         Ok(store)
@@ -450,12 +532,19 @@ impl RedisStore {
         if nodes.is_empty() {
             return Err(StoreError::unavailable("store.nodes is empty: list at least one cluster node"));
         }
-        let primary = Conn::open_cluster(nodes, &options, read_from_replicas)?;
+        let conn = Conn::open_cluster(nodes, &options, read_from_replicas)?;
         let options = RedisOptions { replica_acks: 0, ..options };
-        let scripts = Arc::new(Scripts::new());
-        let store = Self { primary, replicas: Vec::new(), next: AtomicUsize::new(0), scripts, options };
+        let writer = Arc::new(Writer { conn, scripts: Scripts::new(), options });
+        let store = Self { writer, batcher: None, replicas: Vec::new(), next: AtomicUsize::new(0) };
         store.warm_up();
         Ok(store)
+    }
+
+    /// The same store with every apply in a script call of its own, as if no two were
+    /// ever in flight at once: what batched decisions are compared with.
+    pub fn one_by_one(mut self) -> Self {
+        self.batcher = None;
+        self
     }
 
     /// Starts connecting now, in the background, so the first decisions do not pay for
@@ -464,7 +553,7 @@ impl RedisStore {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
-        let primary = self.primary.clone();
+        let primary = self.writer.conn.clone();
         tokio::spawn(async move {
             primary.ping().await;
         });
@@ -492,27 +581,8 @@ impl RedisStore {
         });
     }
 
-    /// Runs a writing script on the primary, then waits for `replica_acks` replicas.
-    async fn write(&self, script: &Script, keys: &[&str], fill: impl Fn(&mut Cmd)) -> Result<Value, StoreError> {
-        let reply = self.primary.run(script, false, keys, fill).await.map_err(store_error)?;
-        if self.options.replica_acks > 0 {
-            let mut wait = redis::cmd("WAIT");
-            wait.arg(self.options.replica_acks).arg(self.options.timeout.as_millis() as u64);
-            let acked: i64 = redis::from_redis_value(self.primary.query(&wait).await.map_err(store_error)?)
-                .map_err(|e| StoreError::protocol(format!("WAIT reply: {e}")).because(e))?;
-            if acked < i64::from(self.options.replica_acks) {
-                tracing::warn!(
-                    acked,
-                    wanted = self.options.replica_acks,
-                    "fewer redis replicas acknowledged a write than asked"
-                );
-            }
-        }
-        Ok(reply)
-    }
-
     fn locate<'a>(&self, tag: Tag, states: impl Iterator<Item = (u64, &'a Limit)>) -> Vec<Location> {
-        states.map(|(key, limit)| Location::of(tag, key, limit, self.options.buckets)).collect()
+        states.map(|(key, limit)| Location::of(tag, key, limit, self.writer.options.buckets)).collect()
     }
 
     fn replica(&self) -> Option<&Arc<Replica>> {
@@ -525,15 +595,11 @@ impl RedisStore {
 #[async_trait]
 impl Store for RedisStore {
     async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        let at = self.locate(tag, ops.iter().map(|o| (o.key, &o.limit)));
-        let fill = |cmd: &mut Cmd| {
-            cmd.arg(now).arg(GRACE_MS);
-            for (op, at) in ops.iter().zip(&at) {
-                cmd.arg(&params(&op.limit)[..]).arg(op.cost).arg(op.shadow as u8);
-                cmd.arg(op.lease.map(lease_hex).unwrap_or_default()).arg(&at.field);
-            }
-        };
-        decisions(self.write(&self.scripts.apply, &keys(&at), fill).await?, ops.len())
+        let call = Call { at: self.locate(tag, ops.iter().map(|o| (o.key, &o.limit))), ops: ops.to_vec(), now };
+        match &self.batcher {
+            Some(batcher) => batcher.apply(call).await,
+            None => self.writer.apply(&[&call]).await.pop().unwrap_or_else(|| Err(StoreError::protocol("no reply"))),
+        }
     }
 
     async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
@@ -546,7 +612,7 @@ impl Store for RedisStore {
             }
         };
         if let Some(r) = self.replica() {
-            match r.conn.run(&self.scripts.peek, true, &keys, fill).await {
+            match r.conn.run(&self.writer.scripts.peek, true, &keys, fill).await {
                 Ok(reply) => return decisions(reply, ops.len()),
                 Err(e) => {
                     // a replica that fails gets no reads until its health check passes
@@ -555,14 +621,15 @@ impl Store for RedisStore {
                 }
             }
         }
-        let reply = self.primary.run(&self.scripts.peek, true, &keys, fill).await.map_err(store_error)?;
+        let reply = self.writer.conn.run(&self.writer.scripts.peek, true, &keys, fill).await.map_err(store_error)?;
         decisions(reply, ops.len())
     }
 
     async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, _now: Millis) -> Result<bool, StoreError> {
-        let at: Vec<Location> = keys.iter().map(|&k| Location::leases(tag, k, self.options.buckets)).collect();
+        let at: Vec<Location> = keys.iter().map(|&k| Location::leases(tag, k, self.writer.options.buckets)).collect();
         let reply = self
-            .write(&self.scripts.release, &self::keys(&at), |cmd| {
+            .writer
+            .write(&self.writer.scripts.release, &self::keys(&at), |cmd| {
                 cmd.arg(lease_hex(lease));
             })
             .await;
@@ -579,15 +646,15 @@ impl Store for RedisStore {
                 cmd.arg(&params(&r.limit)[..]).arg(r.cost).arg(r.window).arg(&at.field);
             }
         };
-        self.write(&self.scripts.refund, &keys(&at), fill).await.map(|_| ())
+        self.writer.write(&self.writer.scripts.refund, &keys(&at), fill).await.map(|_| ())
     }
 
     async fn ready(&self) -> bool {
-        self.primary.ping().await
+        self.writer.conn.ping().await
     }
 
     fn kind(&self) -> &'static str {
-        match self.primary {
+        match self.writer.conn {
             Conn::Node(_) => "redis",
             Conn::Cluster(_) => "redis_cluster",
         }
