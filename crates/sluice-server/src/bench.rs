@@ -57,6 +57,15 @@ pub struct Args {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Where the server's `/metrics` is (`host:port`), to read its
+    /// `process_cpu_seconds_total` before and after and report CPU per decision.
+    /// Default: the target, over HTTP; give the HTTP address with `--grpc`.
+    #[arg(long)]
+    pub metrics: Option<String>,
+    /// A Redis (`host:port`) whose CPU time (`INFO cpu`) to read before and after, to
+    /// report Redis CPU per decision.
+    #[arg(long)]
+    pub redis_cpu: Option<String>,
     /// Print the Lua apply script Sluice runs on Redis, and nothing else (for
     /// `redis-cli SCRIPT LOAD`: the ceiling in `scripts/bench`).
     #[arg(long)]
@@ -79,6 +88,11 @@ pub struct Report {
     pub max_us: u64,
     /// Responses by HTTP status (in process: 200, 429, 503 as the HTTP API would answer).
     pub statuses: BTreeMap<u16, u64>,
+    /// The server's CPU time (user + system) over the run, per decision answered, in
+    /// microseconds: from its `/metrics`, when it could be read.
+    pub server_cpu_us: Option<f64>,
+    /// Redis's CPU time over the run per decision, in microseconds (`--redis-cpu`).
+    pub redis_cpu_us: Option<f64>,
 }
 
 /// One worker's tally.
@@ -117,6 +131,8 @@ pub async fn bench(args: Args) -> Result<(), BenchError> {
     let deadline = Instant::now() + args.duration.to_std();
     let done = Arc::new(AtomicU64::new(0));
     let progress = (!args.json).then(|| spawn_progress(done.clone(), args.duration.0));
+    let probes = Probes::of(&args);
+    let cpu_before = probes.read().await;
     let started = Instant::now();
     let target;
     let tallies: Vec<Tally> = if args.in_process {
@@ -149,7 +165,11 @@ pub async fn bench(args: Args) -> Result<(), BenchError> {
         p.abort();
         eprintln!();
     }
-    let report = summarize(tallies, target, &args, seconds);
+    let mut report = summarize(tallies, target, &args, seconds);
+    let per_decision = |a: Option<f64>, b: Option<f64>| Some((b? - a?) * 1e6 / report.requests.max(1) as f64);
+    let cpu_after = probes.read().await;
+    report.server_cpu_us = per_decision(cpu_before.0, cpu_after.0);
+    report.redis_cpu_us = per_decision(cpu_before.1, cpu_after.1);
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
@@ -273,7 +293,7 @@ fn rls_request(args: &Args, i: u64) -> RateLimitRequest {
 
 fn http_request(args: &Args, addr: &str, i: u64) -> Vec<u8> {
     match args.endpoint {
-        Endpoint::Healthz => format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\n\r\n").into_bytes(),
+        Endpoint::Readyz => format!("GET /readyz HTTP/1.1\r\nHost: {addr}\r\n\r\n").into_bytes(),
         Endpoint::Ratelimit => {
             let body = format!(
                 r#"{{"domain":"{}","descriptors":[{{"entries":[{{"key":"{}","value":"client-{}"}}]}}]}}"#,
@@ -377,7 +397,65 @@ fn summarize(tallies: Vec<Tally>, target: String, args: &Args, seconds: f64) -> 
         p999_us: pct(0.999),
         max_us: lat.last().copied().unwrap_or(0) as u64,
         statuses,
+        server_cpu_us: None,
+        redis_cpu_us: None,
     }
+}
+
+/// Where the CPU time of the server and of Redis is read.
+struct Probes {
+    metrics: Option<String>,
+    redis: Option<String>,
+}
+
+impl Probes {
+    fn of(args: &Args) -> Self {
+        let http = (!args.grpc && !args.in_process).then(|| args.target.clone());
+        let addr = |a: &String| a.trim_start_matches("http://").trim_end_matches('/').to_string();
+        Self { metrics: args.metrics.as_ref().or(http.as_ref()).map(addr), redis: args.redis_cpu.clone() }
+    }
+
+    /// CPU seconds used so far by the server and by Redis, where they could be read.
+    async fn read(&self) -> (Option<f64>, Option<f64>) {
+        let server = match &self.metrics {
+            Some(a) => ask(a, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await,
+            None => None,
+        };
+        let redis = match &self.redis {
+            Some(a) => ask(a, "INFO cpu\r\nQUIT\r\n").await,
+            None => None,
+        };
+        (server.and_then(|m| sum_of(&m, &["process_cpu_seconds_total"])), redis.and_then(|i| redis_cpu(&i)))
+    }
+}
+
+/// Sends `what` to `addr` and reads until the peer closes (at most 2 s).
+async fn ask(addr: &str, what: &str) -> Option<String> {
+    let talk = async {
+        let mut s = TcpStream::connect(addr).await.ok()?;
+        s.write_all(what.as_bytes()).await.ok()?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.ok()?;
+        Some(String::from_utf8_lossy(&out).into_owned())
+    };
+    tokio::time::timeout(Duration::from_secs(2), talk).await.ok().flatten()
+}
+
+/// The sum of the values of lines `name value` (Prometheus text, `INFO`'s `name:value`).
+fn sum_of(text: &str, names: &[&str]) -> Option<f64> {
+    let values: Vec<f64> = text
+        .lines()
+        .filter_map(|l| {
+            let (name, value) = l.split_once([' ', ':'])?;
+            names.contains(&name).then(|| value.trim().parse().ok())?
+        })
+        .collect();
+    (values.len() == names.len()).then(|| values.iter().sum())
+}
+
+/// Redis's own CPU time from `INFO cpu`.
+fn redis_cpu(info: &str) -> Option<f64> {
+    sum_of(info, &["used_cpu_sys", "used_cpu_user"])
 }
 
 fn print_report(r: &Report) {
@@ -387,6 +465,10 @@ fn print_report(r: &Report) {
     println!("latency      p50 {} us   p99 {} us   p99.9 {} us   max {} us", r.p50_us, r.p99_us, r.p999_us, r.max_us);
     let statuses: Vec<String> = r.statuses.iter().map(|(k, v)| format!("{k}: {v}")).collect();
     println!("statuses     {}", statuses.join(", "));
+    let cpu = |what: &str, us: Option<f64>| us.map(|us| format!("{what} {us:.1} us")).unwrap_or_default();
+    if r.server_cpu_us.is_some() || r.redis_cpu_us.is_some() {
+        println!("CPU/decision {}   {}", cpu("server", r.server_cpu_us), cpu("redis", r.redis_cpu_us));
+    }
 }
 
 /// What `sluice bench` asks a server for.
@@ -394,15 +476,17 @@ fn print_report(r: &Report) {
 pub enum Endpoint {
     /// `POST /v1/ratelimit`, one descriptor.
     Ratelimit,
-    /// `GET /healthz`: the HTTP stack alone, the ceiling.
-    Healthz,
+    /// `GET /readyz` (on the memory store): the HTTP stack alone, on the runtime that
+    /// serves decisions; the ceiling. (`/healthz` is answered at the front door, one
+    /// request per connection, as probes come.)
+    Readyz,
 }
 
 impl Endpoint {
     fn path(self) -> &'static str {
         match self {
             Endpoint::Ratelimit => "/v1/ratelimit",
-            Endpoint::Healthz => "/healthz",
+            Endpoint::Readyz => "/readyz",
         }
     }
 }

@@ -8,8 +8,9 @@ use crate::listen::Bounds;
 use crate::load::{ConfigError, DEFAULT_CONFIG, Loaded, load_file, load_str};
 use crate::rls::Rls;
 use crate::state::AppState;
+use crate::state::Metrics;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use sluice::config::DEFAULT_KEY_SECRET;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -214,7 +215,7 @@ const METRICS_UPKEEP: Duration = Duration::from_secs(1);
 /// histogram sample until it is folded into the buckets, which a scrape does, and the
 /// upkeep does every second whether anyone scrapes or not: without it an unscraped
 /// server on a remote store grows by about 16 bytes a decision, without end.
-fn install_metrics() -> Result<PrometheusHandle, ServeError> {
+fn install_metrics() -> Result<Metrics, ServeError> {
     let buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0];
     let store_calls = Matcher::Full(sluice::metric_names::STORE_CALL_SECONDS.into());
     let handle = PrometheusBuilder::new().set_buckets_for_metric(store_calls, &buckets)?.install_recorder()?;
@@ -226,7 +227,9 @@ fn install_metrics() -> Result<PrometheusHandle, ServeError> {
             upkeep.run_upkeep();
         }
     });
-    Ok(handle)
+    let process = metrics_process::Collector::default();
+    process.describe();
+    Ok(Metrics { recorder: handle, process })
 }
 
 /// Resolves on SIGINT or SIGTERM.

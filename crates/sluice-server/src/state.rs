@@ -32,7 +32,23 @@ pub struct AppState {
     /// `server.tls`, when the listeners speak TLS: read again at every reload.
     pub tls: Option<Arc<crate::tls::Tls>>,
     /// Renders `/metrics`; None when no recorder is installed.
-    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    pub metrics: Option<Metrics>,
+}
+
+/// What `/metrics` renders: the recorder's metrics and the standard process metrics
+/// (`process_cpu_seconds_total`, `process_resident_memory_bytes`, `process_open_fds`,
+/// ...), read from the system at each scrape.
+pub struct Metrics {
+    pub recorder: metrics_exporter_prometheus::PrometheusHandle,
+    pub process: metrics_process::Collector,
+}
+
+impl Metrics {
+    /// The Prometheus text exposition, the process metrics read now.
+    pub fn render(&self) -> String {
+        self.process.collect();
+        self.recorder.render()
+    }
 }
 
 impl AppState {
@@ -40,7 +56,7 @@ impl AppState {
     pub fn new(
         built: crate::build::Built,
         server: &crate::config::ServerConfig,
-        metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+        metrics: Option<Metrics>,
         tls: Option<Arc<crate::tls::Tls>>,
     ) -> Self {
         Self {

@@ -73,3 +73,55 @@ async fn detailed_metric_counts_by_value_when_a_rule_asks() {
     assert_eq!((d("allowed"), d("over_limit")), (Some(1.0), Some(2.0)), "{text}");
     assert!(!text.contains("carol-private"));
 }
+
+/// The standard process metrics: CPU time that grows with work, resident memory as the
+/// system reports it, open file descriptors.
+#[tokio::test]
+async fn the_process_reports_its_cpu_memory_and_files() {
+    let s = start(&common::rule(1_000_000));
+    let client = reqwest::Client::new();
+    let first = common::metrics(&client, &s.base).await;
+    for i in 0..300 {
+        hit(&client, &s.base, "d", &[("user", &format!("u{i}"))]).await;
+    }
+    let then = common::metrics(&client, &s.base).await;
+    let cpu = |t: &str| sample(t, "process_cpu_seconds_total", &[]).expect("process_cpu_seconds_total");
+    assert!(cpu(&then) > cpu(&first), "CPU time did not grow with 300 decisions:\n{then}");
+    let status = std::fs::read_to_string(format!("/proc/{}/status", s.process.pid())).unwrap();
+    let vm_rss: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches(" kB")
+        .trim()
+        .parse::<f64>()
+        .unwrap()
+        * 1024.0;
+    let rss = sample(&then, "process_resident_memory_bytes", &[]).expect("process_resident_memory_bytes");
+    assert!(rss > vm_rss / 2.0 && rss < vm_rss * 2.0, "resident memory {rss}, the system says {vm_rss}");
+    assert!(sample(&then, "process_open_fds", &[]).is_some_and(|n| n >= 3.0), "{then}");
+}
+
+/// `sluice bench` reads the server's CPU time (from its `/metrics`) and Redis's (`INFO
+/// cpu`) before and after, and reports both per decision.
+#[test]
+fn bench_reports_server_and_redis_cpu_per_decision() {
+    let redis = sluice_testkit::RedisServer::start();
+    let store = format!("store:\n  kind: redis\n  url: {}\n", redis.url());
+    let s = common::start_with(&store, &common::rule(1_000_000));
+    let target = s.base.trim_start_matches("http://").to_string();
+    let redis_addr = redis.addr().to_string();
+    let out = std::process::Command::new(common::bin())
+        .args(["bench", "--json", "--domain", "d", "--duration", "2s", "--concurrency", "8"])
+        .args(["--target", &target, "--redis-cpu", &redis_addr])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["requests"].as_u64().unwrap() > 100, "{report}");
+    for field in ["server_cpu_us", "redis_cpu_us"] {
+        let us = report[field].as_f64().unwrap_or_else(|| panic!("no {field}: {report}"));
+        assert!(us > 0.0 && us < 10_000.0, "{field} = {us}: {report}");
+    }
+}
