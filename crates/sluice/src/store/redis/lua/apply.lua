@@ -43,12 +43,19 @@ local function apply(k, a, n, now)
   return reply
 end
 
+-- A lone call's error is the script's (a cluster client retries on some, e.g. TRYAGAIN
+-- while a slot moves); in a batch, a failed call answers its error and stops no other.
+local alone = #ARGV == 3 + 8 * tonumber(ARGV[3])
 local replies, k, a = {}, 0, 1
 while a < #ARGV do
   local now, n = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-  local ok, reply = pcall(apply, k, a + 2, n, now)
+  local ok, reply = true, nil
+  if alone then
+    reply = apply(k, a + 2, n, now)
+  else
+    ok, reply = pcall(apply, k, a + 2, n, now)
+  end
   if not ok then
-    -- a failed call answers its error and stops no other call
     if type(reply) == 'table' then reply = reply.err end
     reply = tostring(reply)
   end
