@@ -39,9 +39,35 @@ impl Tls {
         Ok(Self { http: ArcSwap::from_pointee(http), grpc: ArcSwap::from_pointee(grpc) })
     }
 
-    /// Reads the files again, for [`Tls::install`] once the rest of a reload holds too.
+    /// Reads the files (again, at a reload), for [`Tls::install`] once the rest of the
+    /// reload holds too: the two listeners' configurations.
     pub fn read(files: &ListenerTls) -> Result<Read, TlsError> {
-        let (http, grpc) = configs(files)?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert_file)
+            .and_then(|certs| certs.collect())
+            .map_err(|e| file_error("cert_file", &files.cert_file, e))?;
+        if certs.is_empty() {
+            return Err(file_error("cert_file", &files.cert_file, "no PEM certificate in it"));
+        }
+        let key =
+            PrivateKeyDer::from_pem_file(&files.key_file).map_err(|e| file_error("key_file", &files.key_file, e))?;
+        let builder = ServerConfig::builder_with_provider(provider.clone()).with_safe_default_protocol_versions()?;
+        let builder = match &files.client_ca_file {
+            Some(path) => {
+                let mut roots = rustls::RootCertStore::empty();
+                for ca in CertificateDer::pem_file_iter(path).map_err(|e| file_error("client_ca_file", path, e))? {
+                    roots.add(ca.map_err(|e| file_error("client_ca_file", path, e))?)?;
+                }
+                let verifier =
+                    rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build()?;
+                builder.with_client_cert_verifier(verifier)
+            }
+            None => builder.with_no_client_auth(),
+        };
+        let mut http = builder.with_single_cert(certs, key)?;
+        let mut grpc = http.clone();
+        http.alpn_protocols = vec![b"http/1.1".to_vec()];
+        grpc.alpn_protocols = vec![b"h2".to_vec()];
         Ok(Read(http, grpc))
     }
 
@@ -65,80 +91,8 @@ impl Tls {
 /// TLS files read, not yet in force.
 pub struct Read(ServerConfig, ServerConfig);
 
-/// The two listeners' configurations from the files.
-fn configs(files: &ListenerTls) -> Result<(ServerConfig, ServerConfig), TlsError> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert_file)
-        .and_then(|certs| certs.collect())
-        .map_err(|e| file_error("cert_file", &files.cert_file, e))?;
-    if certs.is_empty() {
-        return Err(file_error("cert_file", &files.cert_file, "no PEM certificate in it"));
-    }
-    let key = PrivateKeyDer::from_pem_file(&files.key_file).map_err(|e| file_error("key_file", &files.key_file, e))?;
-    let builder = ServerConfig::builder_with_provider(provider.clone()).with_safe_default_protocol_versions()?;
-    let builder = match &files.client_ca_file {
-        Some(path) => {
-            let mut roots = rustls::RootCertStore::empty();
-            for ca in CertificateDer::pem_file_iter(path).map_err(|e| file_error("client_ca_file", path, e))? {
-                roots.add(ca.map_err(|e| file_error("client_ca_file", path, e))?)?;
-            }
-            let verifier =
-                rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build()?;
-            builder.with_client_cert_verifier(verifier)
-        }
-        None => builder.with_no_client_auth(),
-    };
-    let mut http = builder.with_single_cert(certs, key)?;
-    let mut grpc = http.clone();
-    http.alpn_protocols = vec![b"http/1.1".to_vec()];
-    grpc.alpn_protocols = vec![b"h2".to_vec()];
-    Ok((http, grpc))
-}
-
 fn file_error(what: &'static str, path: &Path, e: impl std::fmt::Display) -> TlsError {
     TlsError::File { what, path: path.display().to_string(), message: e.to_string() }
-}
-
-/// A TLS connection to the gRPC service, as tonic's server takes it.
-pub struct GrpcIo(pub tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
-
-impl tonic::transport::server::Connected for GrpcIo {
-    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.0.get_ref().0.connect_info()
-    }
-}
-
-impl tokio::io::AsyncRead for GrpcIo {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
-    }
-}
-
-impl tokio::io::AsyncWrite for GrpcIo {
-    fn poll_write(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &[u8],
-    ) -> std::task::Poll<std::io::Result<usize>> {
-        std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
-    }
-    fn poll_flush(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.0).poll_flush(cx)
-    }
-    fn poll_shutdown(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
-    }
 }
 
 /// The gRPC listener's connections, each once its TLS handshake is done (within
@@ -148,7 +102,7 @@ pub fn incoming(
     listener: tokio::net::TcpListener,
     tls: Arc<Tls>,
     handshake: std::time::Duration,
-) -> impl futures_util::Stream<Item = Result<GrpcIo, std::io::Error>> {
+) -> impl futures_util::Stream<Item = Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>, std::io::Error>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
         loop {
@@ -165,7 +119,7 @@ pub fn incoming(
             let (acceptor, tx) = (tls.grpc(), tx.clone());
             tokio::spawn(async move {
                 match tokio::time::timeout(handshake, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => drop(tx.send(Ok(GrpcIo(stream))).await),
+                    Ok(Ok(stream)) => drop(tx.send(Ok(stream)).await),
                     Ok(Err(e)) => tracing::debug!(error = %e, "gRPC TLS handshake refused"),
                     Err(_) => tracing::debug!("gRPC TLS handshake timed out"),
                 }
