@@ -144,7 +144,7 @@ pub async fn bench(args: Args) -> Result<(), BenchError> {
         target = format!("in-process {} store", limiter.store().kind());
         drive(&args, deadline, &done, |_| InProcess { limiter: limiter.clone(), args: args.clone() }).await?
     } else if args.grpc {
-        let addr = args.target.trim_start_matches("http://").trim_end_matches('/').to_string();
+        let addr = host_port(&args.target);
         target = format!("grpc://{addr} ShouldRateLimit");
         let connect = |source| BenchError::Connect { addr: addr.clone(), source };
         let channel =
@@ -156,7 +156,7 @@ pub async fn bench(args: Args) -> Result<(), BenchError> {
         })
         .await?
     } else {
-        let addr = args.target.trim_start_matches("http://").trim_end_matches('/').to_string();
+        let addr = host_port(&args.target);
         target = format!("http://{addr}{}", args.endpoint.path());
         drive(&args, deadline, &done, |_| Http { addr: addr.clone(), conn: None, args: args.clone() }).await?
     };
@@ -402,6 +402,11 @@ fn summarize(tallies: Vec<Tally>, target: String, args: &Args, seconds: f64) -> 
     }
 }
 
+/// `host:port` from an address given as `host:port` or `http://host:port/`.
+fn host_port(addr: &str) -> String {
+    addr.trim_start_matches("http://").trim_end_matches('/').to_string()
+}
+
 /// Where the CPU time of the server and of Redis is read.
 struct Probes {
     metrics: Option<String>,
@@ -410,9 +415,8 @@ struct Probes {
 
 impl Probes {
     fn of(args: &Args) -> Self {
-        let http = (!args.grpc && !args.in_process).then(|| args.target.clone());
-        let addr = |a: &String| a.trim_start_matches("http://").trim_end_matches('/').to_string();
-        Self { metrics: args.metrics.as_ref().or(http.as_ref()).map(addr), redis: args.redis_cpu.clone() }
+        let http = (!args.grpc && !args.in_process).then_some(&args.target);
+        Self { metrics: args.metrics.as_ref().or(http).map(|a| host_port(a)), redis: args.redis_cpu.clone() }
     }
 
     /// CPU seconds used so far by the server and by Redis, where they could be read.

@@ -87,17 +87,7 @@ async fn the_process_reports_its_cpu_memory_and_files() {
     let then = common::metrics(&client, &s.base).await;
     let cpu = |t: &str| sample(t, "process_cpu_seconds_total", &[]).expect("process_cpu_seconds_total");
     assert!(cpu(&then) > cpu(&first), "CPU time did not grow with 300 decisions:\n{then}");
-    let status = std::fs::read_to_string(format!("/proc/{}/status", s.process.pid())).unwrap();
-    let vm_rss: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .unwrap()
-        .trim()
-        .trim_end_matches(" kB")
-        .trim()
-        .parse::<f64>()
-        .unwrap()
-        * 1024.0;
+    let vm_rss = common::rss_of(s.process.pid()) as f64;
     let rss = sample(&then, "process_resident_memory_bytes", &[]).expect("process_resident_memory_bytes");
     assert!(rss > vm_rss / 2.0 && rss < vm_rss * 2.0, "resident memory {rss}, the system says {vm_rss}");
     assert!(sample(&then, "process_open_fds", &[]).is_some_and(|n| n >= 3.0), "{then}");

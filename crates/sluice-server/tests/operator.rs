@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{bin, hit, num};
+use common::{bin, hit, num, rss_of};
 use sluice_testkit::{Process, RedisServer, TempDir};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -375,13 +375,6 @@ fn sigterm_under_keep_alive_load_answers_every_request_written() {
     assert_eq!(s.exit_code_within(Duration::from_secs(5)), 0, "{}", s.log());
     assert!(answered > 100, "the load was too light to mean anything: {answered}");
     assert_eq!(unanswered, 0, "requests written and never answered ({answered} answered)");
-}
-
-/// The server's resident memory, in bytes.
-fn rss_of(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap();
-    kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
 }
 
 /// 3,000 connections, each with a request answered and held open, then all closed: the

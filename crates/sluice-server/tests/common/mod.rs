@@ -170,3 +170,10 @@ pub fn rule(limit: u64) -> String {
         "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n"
     )
 }
+
+/// A process's resident memory as the system reports it (`VmRSS`), in bytes.
+pub fn rss_of(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap();
+    kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+}
