@@ -21,6 +21,9 @@
 //!   the file descriptors. Reaching the limit is logged (at most every 10 s) and
 //!   counted. At start the process raises its open-file limit as far as it may, and
 //!   warns when the connection limit does not fit under it.
+//! - A connection closed after refusing a body it did not read (a 413) lingers: it
+//!   reads and discards what the client still sends, for at most 2 s and 16 MiB, so the
+//!   client reads the 413 instead of a reset ([`Lingering`]).
 //! - Memory a burst of connections took is given back to the system once they close
 //!   (an idle allocator keeps it otherwise: 3,000 closed connections left 55 MB; see
 //!   `alloc.rs`).
@@ -249,6 +252,13 @@ async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Se
     } else {
         builder.header_read_timeout(bounds.header_timeout);
     }
+    let linger = Linger::default();
+    let wanted = linger.clone();
+    let router = tower::ServiceExt::map_request(router, move |mut request: axum::extract::Request<_>| {
+        request.extensions_mut().insert(wanted.clone());
+        request
+    });
+    let stream = Lingering { io: stream, linger, until: None, discarded: 0 };
     let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(router));
     tokio::pin!(conn);
     tokio::select! {
@@ -288,7 +298,8 @@ fn closing(router: Router, stopping: watch::Receiver<bool>) -> Router {
 /// Adds `Connection: close` to a response when the connection closes after it: once the
 /// server is stopping, and after a response given before its request's body was read to
 /// its end (a 413, a 401, a 408, a 404 to a POST): hyper closes such a connection, and a
-/// keep-alive client not told so sends its next request into it and loses it.
+/// keep-alive client not told so sends its next request into it and loses it. The
+/// latter connection also lingers as it closes ([`Lingering`]).
 async fn close_when_due(
     axum::extract::State(stopping): axum::extract::State<watch::Receiver<bool>>,
     request: axum::extract::Request,
@@ -300,8 +311,12 @@ async fn close_when_due(
         Some(read) => request.map(|body| axum::body::Body::new(Tracked { body, read: read.clone() })),
         None => request,
     };
+    let linger = request.extensions().get::<Linger>().cloned();
     let mut response = next.run(request).await;
     let unread = read.is_some_and(|read| !read.load(Ordering::Relaxed));
+    if let Some(linger) = linger.filter(|_| unread) {
+        linger.0.store(true, Ordering::Relaxed);
+    }
     if unread || *stopping.borrow() {
         response.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
     }
@@ -381,5 +396,96 @@ impl Sometimes {
     /// Whether the line may be written now (and if so, not again for 10 s).
     fn due(&self) -> bool {
         self.0.due(sluice::time::Clock::now(&sluice::time::SystemClock), 10_000)
+    }
+}
+
+/// Set on a connection whose response was given before its request's body was read
+/// (by [`close_when_due`], which finds it among the request's extensions).
+#[derive(Clone, Default)]
+struct Linger(Arc<std::sync::atomic::AtomicBool>);
+
+/// How long, and how many bytes, a closing connection reads and discards of a body it
+/// did not want.
+const LINGER: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 16 << 20;
+
+/// A connection that, when it closes after refusing a body (a 413), first reads and
+/// discards what the client is still sending, within [`LINGER`] and [`LINGER_BYTES`]: a
+/// socket closed with unread bytes in it is reset, and a client still writing its body
+/// then loses the response that told it why (it sees a broken pipe instead of the 413).
+/// The response is out and the write side shut before the first byte is discarded.
+struct Lingering<S> {
+    io: S,
+    linger: Linger,
+    until: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    discarded: usize,
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Lingering<S> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Lingering<S> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        if !this.linger.0.load(Ordering::Relaxed) {
+            return std::pin::Pin::new(&mut this.io).poll_shutdown(cx);
+        }
+        if this.until.is_none() {
+            std::task::ready!(std::pin::Pin::new(&mut this.io).poll_shutdown(cx))?;
+            this.until = Some(Box::pin(tokio::time::sleep(LINGER)));
+        }
+        let mut scratch = [0u8; 8192];
+        while this.discarded < LINGER_BYTES {
+            let mut buf = tokio::io::ReadBuf::new(&mut scratch);
+            match std::pin::Pin::new(&mut this.io).poll_read(cx, &mut buf) {
+                Poll::Ready(Ok(())) if !buf.filled().is_empty() => this.discarded += buf.filled().len(),
+                Poll::Ready(_) => return Poll::Ready(Ok(())), // the client is done, or gone
+                Poll::Pending => {
+                    return match this.until.as_mut().map(|t| t.as_mut().poll(cx)) {
+                        Some(Poll::Ready(())) => Poll::Ready(Ok(())),
+                        _ => Poll::Pending,
+                    };
+                }
+            }
+        }
+        Poll::Ready(Ok(()))
     }
 }

@@ -144,7 +144,8 @@ async fn the_body_limit_holds_at_and_past_its_edge() {
 /// A response given before its request's body was read (a 413, a 401) says `Connection:
 /// close`, so a keep-alive client never sends its next request into a connection the
 /// server is closing (reqwest lost one so in a CI run: IncompleteMessage after a 413); a
-/// request read whole keeps its connection.
+/// request read whole keeps its connection. The client still writing a refused body gets
+/// the 413, not a broken pipe: the server reads and discards the rest before it closes.
 #[tokio::test]
 async fn a_response_before_the_body_is_read_closes_the_connection() {
     let s = common::start_with("  api_tokens: [t0k3n]\n", &common::rule(1_000_000));
