@@ -9,7 +9,7 @@
 --           shadow (0/1), lease (hex; '' = none), field (the state's field in its bucket)
 -- Reply     per call: 6 integers per op (allowed (0/1), limit, used, remaining,
 --           reset_at, retry_after (-1 = none)), or the error that stopped that call
-local grace = tonumber(ARGV[1])
+local grace = int(ARGV[1])
 
 -- One call: `n` ops whose keys start after KEYS[k] and values after ARGV[a].
 local function apply(k, a, n, now)
@@ -17,8 +17,8 @@ local function apply(k, a, n, now)
   -- pass 1: normalize every op and find whether an enforced one refuses
   for i = 1, n do
     local b, key = a + (i - 1) * 8, KEYS[k + i]
-    local op = {kind = tonumber(ARGV[b + 1]), p1 = tonumber(ARGV[b + 2]), p2 = tonumber(ARGV[b + 3]),
-      p3 = tonumber(ARGV[b + 4]), cost = tonumber(ARGV[b + 5]), shadow = ARGV[b + 6] == '1', lease = ARGV[b + 7],
+    local op = {kind = int(ARGV[b + 1]), p1 = int(ARGV[b + 2]), p2 = int(ARGV[b + 3]),
+      p3 = int(ARGV[b + 4]), cost = int(ARGV[b + 5]), shadow = ARGV[b + 6] == '1', lease = ARGV[b + 7],
       field = ARGV[b + 8], key = key}
     op.loaded = load(op.kind, key, op.field, op.p1, op.p2, now)
     op.st = normalize(op.kind, op.loaded, op.p1, op.p2, op.p3, now)
@@ -45,10 +45,10 @@ end
 
 -- A lone call's error is the script's (a cluster client retries on some, e.g. TRYAGAIN
 -- while a slot moves); in a batch, a failed call answers its error and stops no other.
-local alone = #ARGV == 3 + 8 * tonumber(ARGV[3])
+local alone = #ARGV == 3 + 8 * int(ARGV[3])
 local replies, k, a = {}, 0, 1
 while a < #ARGV do
-  local now, n = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local now, n = int(ARGV[a + 1]), int(ARGV[a + 2])
   local ok, reply = true, nil
   if alone then
     reply = apply(k, a + 2, n, now)

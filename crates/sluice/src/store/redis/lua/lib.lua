@@ -29,7 +29,31 @@ local floor = math.floor
 local function cdiv(a, b) return floor((a + b - 1) / b) end
 local function min(a, b) if a < b then return a end return b end
 local function max(a, b) if a > b then return a end return b end
-local function num(x) return string.format('%.0f', x) end
+-- Numbers cross the script boundary as strings both ways, and each conversion (strtod,
+-- printf) costs Redis about as much as a table or a redis.call. A script call converts
+-- each distinct string or number once: a batch's calls share `now`, their policies'
+-- parameters and, for aligned windows, the window's end (about 10% of Redis's CPU per
+-- decision at 64 in flight, docs/benchmarks.md). The tables live for one script call:
+-- every EVALSHA runs this file afresh.
+local parsed, formatted = {}, {}
+-- The number a decimal string holds (tonumber, remembered for this script call).
+local function int(s)
+  local v = parsed[s]
+  if v == nil then
+    v = tonumber(s)
+    parsed[s] = v
+  end
+  return v
+end
+-- The decimal string of an integer (string.format('%.0f'), remembered likewise).
+local function num(x)
+  local s = formatted[x]
+  if s == nil then
+    s = string.format('%.0f', x)
+    formatted[x] = s
+  end
+  return s
+end
 
 -- Fixed window (algo::fixed_window): {u = used, r = resets_at}, stored "r:u".
 
@@ -170,7 +194,7 @@ local function concurrency_load(key, ttl, now)
   if n == 0 then return nil end
   local first = redis.call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   local last = redis.call('ZREVRANGEBYSCORE', key, '+inf', live, 'WITHSCORES', 'LIMIT', 0, 1)
-  return {n = n, min = tonumber(first[2]), max = tonumber(last[2])}
+  return {n = n, min = int(first[2]), max = int(last[2])}
 end
 
 -- Whether `lease` is already held and live (the `any(id == lease)` of Limit::admits and
@@ -178,7 +202,7 @@ end
 local function concurrency_held(key, lease, ttl, now)
   if lease == '' then return false end
   local at = redis.call('ZSCORE', key, lease)
-  return at ~= false and tonumber(at) > now - ttl
+  return at ~= false and int(at) > now - ttl
 end
 
 -- concurrency::status
@@ -247,9 +271,9 @@ local function load(kind, key, field, p1, p2, now)
   if not v then return nil end
   local e, a, b = string.match(v, '^(%d+):(%d+):?(%d*)$')
   if e == nil then return nil end
-  if kind == FIXED_WINDOW then return {u = tonumber(a), r = tonumber(e)} end
-  if kind == TOKEN_BUCKET then return {t = tonumber(a), a = tonumber(e) - tonumber(b)} end
-  return {s = tonumber(e) - 2 * p2, c = tonumber(a), p = tonumber(b)}
+  if kind == FIXED_WINDOW then return {u = int(a), r = int(e)} end
+  if kind == TOKEN_BUCKET then return {t = int(a), a = int(e) - int(b)} end
+  return {s = int(e) - 2 * p2, c = int(a), p = int(b)}
 end
 
 -- Whether two states of a bucketed algorithm are equal.

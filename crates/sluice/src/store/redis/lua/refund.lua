@@ -6,12 +6,12 @@
 -- ARGV[3..] 7 values per refund: algorithm, p1, p2, p3, cost, window (the charging
 --           decision's reset_at), field
 -- Reply     the number of states changed
-local now, grace = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now, grace = int(ARGV[1]), int(ARGV[2])
 local changed = 0
 for i = 1, #KEYS do
   local b = 2 + (i - 1) * 7
-  local kind, p1, p2, p3 = tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3]), tonumber(ARGV[b + 4])
-  local cost, window, field = tonumber(ARGV[b + 5]), tonumber(ARGV[b + 6]), ARGV[b + 7]
+  local kind, p1, p2, p3 = int(ARGV[b + 1]), int(ARGV[b + 2]), int(ARGV[b + 3]), int(ARGV[b + 4])
+  local cost, window, field = int(ARGV[b + 5]), int(ARGV[b + 6]), ARGV[b + 7]
   local loaded = load(kind, KEYS[i], field, p1, p2, now)
   if loaded ~= nil and kind ~= CONCURRENCY then
     local new = refund(kind, normalize(kind, loaded, p1, p2, p3, now), p1, p2, p3, cost, window)
