@@ -232,10 +232,8 @@ fn rls_input() -> impl Strategy<Value = Vec<u8>> {
 /// Decodes `bytes` as Envoy's request; a decoded request is answered, never INTERNAL.
 fn rls_exchange(rt: &tokio::runtime::Runtime, state: &Arc<AppState>, bytes: &[u8]) {
     use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
-    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
     let Ok(request) = <RateLimitRequest as prost::Message>::decode(bytes) else { return };
-    let rls = crate::rls::Rls { state: state.clone() };
-    if let Err(status) = rt.block_on(rls.should_rate_limit(tonic::Request::new(request))) {
+    if let Err(status) = rt.block_on(crate::rls::should_rate_limit(state, request)) {
         let code = status.code();
         assert!(!matches!(code, tonic::Code::Internal | tonic::Code::Unknown), "{status:?}");
         assert!(!status.message().is_empty(), "{status:?}");

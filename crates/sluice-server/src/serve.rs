@@ -8,7 +8,6 @@ use crate::listen::Bounds;
 use crate::load::{ConfigError, DEFAULT_CONFIG, Loaded, load_file, load_str};
 use crate::rls::Rls;
 use crate::state::{AppState, Metrics};
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use sluice::config::DEFAULT_KEY_SECRET;
 use std::net::SocketAddr;
@@ -151,9 +150,9 @@ fn serve_grpc(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     let tls = state.tls.clone();
-    let rls = RateLimitServiceServer::new(Rls { state });
+    let rls = Rls { state };
     let ping = server.header_timeout.to_std();
-    let builder = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder()
         // a peer that stops answering HTTP/2 pings is gone: close its connection
         .http2_keepalive_interval(Some(ping))
         .http2_keepalive_timeout(Some(ping))
@@ -164,7 +163,6 @@ fn serve_grpc(
         let stopped = async move {
             let _ = stop.wait_for(|s| *s).await;
         };
-        let mut builder = builder.layer(crate::rls::UnaryGuard);
         let router = builder.add_service(rls);
         let served = match tls {
             Some(tls) => router.serve_with_incoming_shutdown(crate::tls::incoming(listener, tls, ping), stopped).await,

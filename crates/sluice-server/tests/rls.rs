@@ -120,4 +120,9 @@ async fn malformed_calls_are_invalid_arguments() {
     let e = grpc.client_streaming(tonic::Request::new(two), path, Raw).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("exactly one message"), "{e:?}");
+
+    grpc.ready().await.unwrap();
+    let other = http::uri::PathAndQuery::from_static("/envoy.service.ratelimit.v3.RateLimitService/Other");
+    let e = grpc.unary(tonic::Request::new(request("d", "raw").encode_to_vec()), other, Raw).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unimplemented, "{e:?}");
 }
