@@ -15,15 +15,24 @@ pub(crate) const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 const GOLDEN_128: u128 = 0x2545_f491_4f6c_dd1d_9e37_79b9_7f4a_7c15;
 
 /// A state key spread over 64 bits (a bijection). Used by the memory store's table slot
-/// and, shifted, in Redis and Memcached field names.
+/// and in Redis and Memcached field names.
 pub(crate) fn spread(key: u64) -> u64 {
     key.wrapping_mul(GOLDEN)
 }
 
 /// A tag spread over 128 bits (a bijection), before its bits are taken apart: the high
-/// half chooses a Redis bucket, the low half names the client inside it.
+/// half chooses a Redis bucket, the low half (with a state key, [`state_name`]) names a
+/// state inside it.
 pub(crate) fn spread_tag(tag: u128) -> u128 {
     tag.wrapping_mul(GOLDEN_128)
+}
+
+/// The name of state `key` of a client inside its Redis bucket, from the half of the
+/// spread tag that did not choose the bucket: the pair packed into 128 bits and spread
+/// (a bijection); the name is its top bits.
+#[cfg(feature = "redis")]
+pub(crate) fn state_name(client: u64, key: u64) -> u128 {
+    spread_tag(u128::from(client) << 64 | u128::from(spread(key)))
 }
 
 /// A tag folded to 64 bits.

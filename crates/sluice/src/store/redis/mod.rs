@@ -141,9 +141,8 @@ impl Location {
         // taking bits apart
         let t = crate::hash::spread_tag(tag.0);
         let bucket = ((t >> 64) as u64) % u64::from(buckets.max(1));
-        let mut field = String::with_capacity(19);
-        b64(&mut field, u128::from(t as u64), 11);
-        b64(&mut field, u128::from(crate::hash::spread(key) >> 16), 8);
+        let mut field = String::with_capacity(FIELD_CHARS as usize);
+        b64(&mut field, crate::hash::state_name(t as u64, key) >> (128 - 6 * FIELD_CHARS), FIELD_CHARS);
         let chars = (64 - u64::from(buckets.max(2) - 1).leading_zeros()).div_ceil(6);
         let mut key = String::with_capacity(5 + chars as usize + field.len());
         key.push_str("s:{");
@@ -152,6 +151,13 @@ impl Location {
         Self { key, field }
     }
 }
+
+/// The length of a state's field name: 72 bits of [`crate::hash::state_name`]. Two live
+/// states of one bucket share a name with odds of about n^2 / 2^73 for n states in it
+/// (at 128 a bucket, 65,536 buckets full: one in 10^13); each character more costs
+/// every state about a byte (19 characters cost 105 bytes a state at 100k clients, 12
+/// cost 100: docs/benchmarks.md).
+const FIELD_CHARS: u32 = 12;
 
 /// Buckets when the configuration names none: fewer than one state per bucket wastes
 /// the sharing, more than 128 turns a bucket from a listpack into a hash table (about 100
@@ -680,7 +686,7 @@ mod tests {
         for t in 0..64u128 {
             for k in 0..64u64 {
                 let at = Location::of(Tag(t), k, &FW, DEFAULT_BUCKETS);
-                assert_eq!((at.key.len(), at.field.len()), (7, 19), "{at:?}");
+                assert_eq!((at.key.len(), at.field.len()), (7, 12), "{at:?}");
                 assert!(at.key.starts_with("s:{") && at.key.ends_with('}'));
                 assert!(seen.insert((at.key, at.field)), "small tags and keys must not collide");
             }
@@ -691,7 +697,7 @@ mod tests {
         let c = Location::of(Tag(7), 3, &CC, DEFAULT_BUCKETS);
         assert_eq!(a.key, b.key);
         assert_ne!(a.field, b.field);
-        assert!(c.key.starts_with(&a.key) && c.field.is_empty() && c.key.len() == a.key.len() + 19);
+        assert!(c.key.starts_with(&a.key) && c.field.is_empty() && c.key.len() == a.key.len() + 12);
         // the bucket id is as wide as the bucket count needs
         assert_eq!(Location::of(Tag(7), 1, &FW, 64).key.len(), 5);
         assert_eq!(Location::of(Tag(7), 1, &FW, 65).key.len(), 6);
