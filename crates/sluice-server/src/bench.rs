@@ -45,6 +45,13 @@ pub struct Args {
     /// How long to run, like 10s.
     #[arg(long, default_value = "10s", value_parser = crate::cli::duration)]
     pub duration: sluice::config::Duration,
+    /// Decisions a second over all workers (paced: each worker sends on a schedule of
+    /// its own), instead of as fast as answers come. A request sent late because the
+    /// previous answer was slow is timed from when it was due, so a server that falls
+    /// behind shows it (no coordinated omission). For latency at a given load, e.g.
+    /// half the peak.
+    #[arg(long)]
+    pub rate: Option<f64>,
     /// Distinct clients to spread the requests over.
     #[arg(long, default_value_t = 1000)]
     pub clients: u64,
@@ -240,11 +247,31 @@ async fn drive<C: Caller>(
     let workers: Vec<_> = (0..args.concurrency)
         .map(|w| {
             let (mut c, done, step) = (caller(w), done.clone(), args.concurrency as u64);
+            // worker w's calls are due every `concurrency / rate`, offset by w / rate
+            let pace = args.rate.map(|r| Duration::from_secs_f64(step as f64 / r));
+            let mut due = Instant::now() + pace.map_or(Duration::ZERO, |p| p.mul_f64(w as f64 / step as f64));
             tokio::spawn(async move {
                 let mut tally = Tally::default();
                 let mut i = w as u64;
                 while Instant::now() < deadline {
-                    let t = Instant::now();
+                    let t = match pace {
+                        // on time: wait for the moment, and time from when it is sent
+                        // (tokio's timer wakes up to a millisecond late)
+                        Some(p) if Instant::now() < due => {
+                            tokio::time::sleep_until(due.into()).await;
+                            due += p;
+                            Instant::now()
+                        }
+                        // behind: the wait for the server counts from when it was due
+                        Some(p) => {
+                            due += p;
+                            due - p
+                        }
+                        None => Instant::now(),
+                    };
+                    if t >= deadline {
+                        break;
+                    }
                     match c.call(i).await {
                         Ok(status) => *tally.statuses.entry(status).or_default() += 1,
                         Err(()) => tally.errors += 1,

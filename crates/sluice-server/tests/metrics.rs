@@ -93,6 +93,24 @@ async fn the_process_reports_its_cpu_memory_and_files() {
     assert!(sample(&then, "process_open_fds", &[]).is_some_and(|n| n >= 3.0), "{then}");
 }
 
+/// `sluice bench --rate` paces its calls: two seconds at 150 a second are about 300
+/// decisions, however fast the server answers.
+#[test]
+fn bench_paces_calls_at_a_rate() {
+    let s = common::start_with("", &common::rule(1_000_000));
+    let target = s.base.trim_start_matches("http://").to_string();
+    let out = std::process::Command::new(common::bin())
+        .args(["bench", "--json", "--domain", "d", "--duration", "2s", "--concurrency", "4", "--rate", "150"])
+        .args(["--target", &target])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let n = report["requests"].as_u64().unwrap();
+    assert!((270..=306).contains(&n), "{n} requests: {report}");
+    assert_eq!(report["errors"].as_u64(), Some(0), "{report}");
+}
+
 /// `sluice bench` reads the server's CPU time (from its `/metrics`) and Redis's (`INFO
 /// cpu`) before and after, and reports both per decision.
 #[test]
