@@ -373,17 +373,29 @@ async fn finish(mut connections: JoinSet<()>, grace: Duration) -> usize {
     0
 }
 
-/// How often memory freed by closed connections is given back.
-const TRIM_EVERY: Duration = Duration::from_secs(5);
+/// How often the listener looks whether connections closed.
+const TRIM_TICK: Duration = Duration::from_secs(1);
 
-/// Every [`TRIM_EVERY`], if connections closed since the last look, has every runtime
-/// thread return its free memory to the system ([`crate::alloc`]).
+/// While connections keep closing, memory is given back at least this many ticks apart.
+const TRIM_BUSY_TICKS: u32 = 5;
+
+/// Has every runtime thread return its free memory to the system ([`crate::alloc`]) once
+/// connections closed and then a tick passed without a close (a burst has ended, and the
+/// tasks of the last ones have been freed: a connection is counted closed just before
+/// its task's memory goes), or every [`TRIM_BUSY_TICKS`] while they keep closing.
 async fn give_back_memory(closed: Arc<AtomicUsize>) {
-    let mut tick = tokio::time::interval(TRIM_EVERY);
+    let mut tick = tokio::time::interval(TRIM_TICK);
+    // ticks since a close that no giving back has followed yet (0: none owed)
+    let mut owed = 0u32;
     loop {
         tick.tick().await;
-        if closed.swap(0, Ordering::Relaxed) > 0 {
+        let closing = closed.swap(0, Ordering::Relaxed) > 0;
+        if owed > 0 && (!closing || owed >= TRIM_BUSY_TICKS) {
             crate::alloc::give_back();
+            owed = 0;
+        }
+        if closing {
+            owed += 1;
         }
     }
 }
