@@ -393,6 +393,12 @@ async fn give_back_memory(closed: Arc<AtomicUsize>) {
         if owed > 0 && (!closing || owed >= TRIM_BUSY_TICKS) {
             crate::alloc::give_back();
             owed = 0;
+            // a thread collects when it next parks, and an idle one is parked already:
+            // a no-op task for each wakes them (tokio wakes a parked worker to take
+            // tasks spawned while it sleeps)
+            for _ in 0..tokio::runtime::Handle::current().metrics().num_workers() {
+                tokio::spawn(tokio::task::yield_now());
+            }
         }
         if closing {
             owed += 1;

@@ -402,10 +402,15 @@ fn memory_goes_back_after_a_burst_of_connections() {
     }
     let peak = rss_of(pid);
     drop(held);
-    std::thread::sleep(Duration::from_secs(7));
-    let after = rss_of(pid);
     let grown = peak.saturating_sub(before);
-    eprintln!("rss: {before} before, {peak} with 3,000 connections, {after} 7 s after they closed");
+    // within 10 s (given back about 2 s after the last close; slower when the cores are busy)
+    let closed = std::time::Instant::now();
+    let mut after = rss_of(pid);
+    while after >= before + grown / 4 && closed.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(250));
+        after = rss_of(pid);
+    }
+    eprintln!("rss: {before} before, {peak} with 3,000 connections, {after} {:?} after they closed", closed.elapsed());
     assert!(grown > 4 << 20, "the connections took too little memory to tell: {before} -> {peak}");
     assert!(
         after < before + grown / 4,
