@@ -21,9 +21,10 @@
 //!   the file descriptors. Reaching the limit is logged (at most every 10 s) and
 //!   counted. At start the process raises its open-file limit as far as it may, and
 //!   warns when the connection limit does not fit under it.
-//! - A connection closed after refusing a body it did not read (a 413) lingers: it
-//!   reads and discards what the client still sends, for at most 2 s and 16 MiB, so the
-//!   client reads the 413 instead of a reset ([`Lingering`]).
+//! - A connection that closes with bytes the client sent unread (the rest of a body
+//!   refused with a 413) lingers: it reads and discards what the client still sends,
+//!   for at most 2 s from its first pause and 16 MiB, so the client reads the 413 instead of a reset
+//!   ([`Lingering`]).
 //! - Memory a burst of connections took is given back to the system once they close
 //!   (an idle allocator keeps it otherwise: 3,000 closed connections left 55 MB; see
 //!   `alloc.rs`).
@@ -252,13 +253,7 @@ async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Se
     } else {
         builder.header_read_timeout(bounds.header_timeout);
     }
-    let linger = Linger::default();
-    let wanted = linger.clone();
-    let router = tower::ServiceExt::map_request(router, move |mut request: axum::extract::Request<_>| {
-        request.extensions_mut().insert(wanted.clone());
-        request
-    });
-    let stream = Lingering { io: stream, linger, until: None, discarded: 0 };
+    let stream = Lingering { io: stream, shut: false, until: None, discarded: 0 };
     let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(router));
     tokio::pin!(conn);
     tokio::select! {
@@ -298,8 +293,9 @@ fn closing(router: Router, stopping: watch::Receiver<bool>) -> Router {
 /// Adds `Connection: close` to a response when the connection closes after it: once the
 /// server is stopping, and after a response given before its request's body was read to
 /// its end (a 413, a 401, a 408, a 404 to a POST): hyper closes such a connection, and a
-/// keep-alive client not told so sends its next request into it and loses it. The
-/// latter connection also lingers as it closes ([`Lingering`]).
+/// keep-alive client not told so sends its next request into it and loses it. (What
+/// the client still sends of the unread body is read as the connection closes:
+/// [`Lingering`].)
 async fn close_when_due(
     axum::extract::State(stopping): axum::extract::State<watch::Receiver<bool>>,
     request: axum::extract::Request,
@@ -311,12 +307,8 @@ async fn close_when_due(
         Some(read) => request.map(|body| axum::body::Body::new(Tracked { body, read: read.clone() })),
         None => request,
     };
-    let linger = request.extensions().get::<Linger>().cloned();
     let mut response = next.run(request).await;
     let unread = read.is_some_and(|read| !read.load(Ordering::Relaxed));
-    if let Some(linger) = linger.filter(|_| unread) {
-        linger.0.store(true, Ordering::Relaxed);
-    }
     if unread || *stopping.borrow() {
         response.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
     }
@@ -417,24 +409,23 @@ impl Sometimes {
     }
 }
 
-/// Set on a connection whose response was given before its request's body was read
-/// (by [`close_when_due`], which finds it among the request's extensions).
-#[derive(Clone, Default)]
-struct Linger(Arc<std::sync::atomic::AtomicBool>);
-
-/// How long, and how many bytes, a closing connection reads and discards of a body it
-/// did not want.
+/// How long a closing connection waits for more of a body it did not want from the
+/// client's first pause, and how many bytes of it it reads and discards at most.
 const LINGER: Duration = Duration::from_secs(2);
 const LINGER_BYTES: usize = 16 << 20;
 
-/// A connection that, when it closes after refusing a body (a 413), first reads and
-/// discards what the client is still sending, within [`LINGER`] and [`LINGER_BYTES`]: a
-/// socket closed with unread bytes in it is reset, and a client still writing its body
-/// then loses the response that told it why (it sees a broken pipe instead of the 413).
-/// The response is out and the write side shut before the first byte is discarded.
+/// A connection that, when it closes with bytes the client sent and nobody read (the
+/// rest of a body refused with a 413), first shuts its write side (the response is out)
+/// and then reads and discards what the client is still sending, until the client is
+/// done, [`LINGER`] after it first pauses, or [`LINGER_BYTES`] went: a socket closed with unread
+/// bytes in it is reset, and a client still writing its body then loses the response
+/// that told it why (it sees a broken pipe instead of the 413). With nothing unread, it
+/// closes at once.
 struct Lingering<S> {
     io: S,
-    linger: Linger,
+    /// The write side is shut.
+    shut: bool,
+    /// When a paused client is given up on (started at its first pause).
     until: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     discarded: usize,
 }
@@ -483,12 +474,9 @@ impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWr
     ) -> std::task::Poll<std::io::Result<()>> {
         use std::task::Poll;
         let this = &mut *self;
-        if !this.linger.0.load(Ordering::Relaxed) {
-            return std::pin::Pin::new(&mut this.io).poll_shutdown(cx);
-        }
-        if this.until.is_none() {
+        if !this.shut {
             std::task::ready!(std::pin::Pin::new(&mut this.io).poll_shutdown(cx))?;
-            this.until = Some(Box::pin(tokio::time::sleep(LINGER)));
+            this.shut = true;
         }
         let mut scratch = [0u8; 8192];
         while this.discarded < LINGER_BYTES {
@@ -496,11 +484,10 @@ impl<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWr
             match std::pin::Pin::new(&mut this.io).poll_read(cx, &mut buf) {
                 Poll::Ready(Ok(())) if !buf.filled().is_empty() => this.discarded += buf.filled().len(),
                 Poll::Ready(_) => return Poll::Ready(Ok(())), // the client is done, or gone
+                Poll::Pending if this.discarded == 0 => return Poll::Ready(Ok(())), // nothing unread
                 Poll::Pending => {
-                    return match this.until.as_mut().map(|t| t.as_mut().poll(cx)) {
-                        Some(Poll::Ready(())) => Poll::Ready(Ok(())),
-                        _ => Poll::Pending,
-                    };
+                    let until = this.until.get_or_insert_with(|| Box::pin(tokio::time::sleep(LINGER)));
+                    return until.as_mut().poll(cx).map(Ok);
                 }
             }
         }
