@@ -255,17 +255,18 @@ async fn drive<C: Caller>(
                 let mut i = w as u64;
                 while Instant::now() < deadline {
                     let t = match pace {
-                        // on time: wait for the moment, and time from when it is sent
-                        // (tokio's timer wakes up to a millisecond late)
-                        Some(p) if Instant::now() < due => {
-                            tokio::time::sleep_until(due.into()).await;
-                            due += p;
-                            Instant::now()
-                        }
-                        // behind: the wait for the server counts from when it was due
                         Some(p) => {
+                            let at = due;
                             due += p;
-                            due - p
+                            if Instant::now() < at {
+                                // on time: timed from when it is sent (tokio's timer
+                                // wakes up to a millisecond late)
+                                tokio::time::sleep_until(at.into()).await;
+                                Instant::now()
+                            } else {
+                                // behind: the wait for the server counts from when it was due
+                                at
+                            }
                         }
                         None => Instant::now(),
                     };

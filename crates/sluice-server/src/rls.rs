@@ -180,9 +180,11 @@ async fn unary(state: &AppState, req: GrpcRequest) -> Result<GrpcResponse, Statu
     let request = RateLimitRequest::decode(message)
         .map_err(|e| Status::invalid_argument(format!("the message is not a RateLimitRequest: {e}")))?;
     let response = should_rate_limit(state, request).await?;
-    let mut framed = bytes::BytesMut::with_capacity(5 + response.encoded_len());
-    framed.extend_from_slice(&[0]);
-    framed.extend_from_slice(&(response.encoded_len() as u32).to_be_bytes());
+    // one message, uncompressed: flag 0, its length, the message
+    let len = response.encoded_len();
+    let mut framed = bytes::BytesMut::with_capacity(5 + len);
+    bytes::BufMut::put_u8(&mut framed, 0);
+    bytes::BufMut::put_u32(&mut framed, len as u32);
     response.encode(&mut framed).expect("the buffer was sized for the message");
     let mut trailers = axum::http::HeaderMap::with_capacity(1);
     trailers.insert("grpc-status", axum::http::HeaderValue::from_static("0"));
