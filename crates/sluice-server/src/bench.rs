@@ -73,10 +73,35 @@ pub struct Args {
     /// report Redis CPU per decision.
     #[arg(long)]
     pub redis_cpu: Option<String>,
+    /// With `--in-process`: first store this many overrides in the requests' domain and
+    /// key, for clients other than those the requests name (so decisions stay the same
+    /// and each pays the lookup), to measure what a large override set costs a decision.
+    #[arg(long, default_value_t = 0, requires = "in_process")]
+    pub overrides: u64,
     /// Print the Lua apply script Sluice runs on Redis, and nothing else (for
     /// `redis-cli SCRIPT LOAD`: the ceiling in `scripts/bench`).
     #[arg(long)]
     pub print_apply_script: bool,
+}
+
+/// Stores `args.overrides` overrides in the limiter's store, in one batch of registry
+/// writes and one read (an override set through the API is read back after each).
+async fn load_overrides(limiter: &sluice::Limiter, args: &Args) -> Result<(), BenchError> {
+    use sluice::store::RegistryOp;
+    for i in 0..args.overrides {
+        let o = serde_json::json!({
+            "domain": args.domain,
+            "entries": [{"key": args.key, "value": format!("client-{}", args.clients + i)}],
+            "limit": 1_000_000,
+            "reason": "bench",
+        });
+        let op = RegistryOp::Put { id: format!("bench-{i}"), value: o.to_string() };
+        limiter.store().registry(op).await.map_err(|e| BenchError::Overrides(e.to_string()))?;
+    }
+    if args.overrides > 0 {
+        limiter.overrides().refresh().await.map_err(|e| BenchError::Overrides(e.to_string()))?;
+    }
+    Ok(())
 }
 
 /// What one run measured.
@@ -127,6 +152,8 @@ pub enum BenchError {
     Worker(#[from] tokio::task::JoinError),
     #[error("cannot write the report: {0}")]
     Report(#[from] serde_json::Error),
+    #[error("cannot store the overrides: {0}")]
+    Overrides(String),
 }
 
 /// Runs the benchmark and prints its report.
@@ -148,7 +175,8 @@ pub async fn bench(args: Args) -> Result<(), BenchError> {
             None => load_str(DEFAULT_CONFIG, "<built-in config>")?,
         };
         let limiter = Arc::new(crate::build::build(&config, rules)?.engine.limiter);
-        target = format!("in-process {} store", limiter.store().kind());
+        load_overrides(&limiter, &args).await?;
+        target = format!("in-process {} store, {} overrides", limiter.store().kind(), limiter.overrides().len());
         drive(&args, deadline, &done, |_| InProcess { limiter: limiter.clone(), args: args.clone() }).await?
     } else if args.grpc {
         let addr = host_port(&args.target);

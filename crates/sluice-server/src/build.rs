@@ -4,12 +4,12 @@
 
 use crate::config::{Config, RedisConnectionConfig, StoreConfig, TlsConfig};
 use crate::state::Engine;
-use sluice::Limiter;
 use sluice::config::{ClockKind, LimiterConfig};
 use sluice::rules::Rules;
 use sluice::store::redis::{RedisOptions, RedisStore, ShardedRedisStore, Tls};
 use sluice::store::{MemcachedStore, MemoryStore, MigratingStore, Resilience, Resilient, Store, StoreError, Tuning};
 use sluice::time::{Clock, CoarseClock, SystemClock};
+use sluice::{Limiter, Overrides};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,15 +51,29 @@ pub fn build(config: &Config, rules: Rules) -> Result<Built, BuildError> {
     let mut migration = None;
     let clock = clock(&config.limiter);
     let store = store(&config.store, &tuning, clock.clone(), &mut migration)?;
-    let engine = engine(config, rules, store, clock);
+    let engine = engine(config, rules, store, clock, None);
     Ok(Built { engine, migration, tuning })
 }
 
 /// An engine over an existing store, with the clock, near-cache and headers `config`
-/// asks for.
-pub fn engine(config: &Config, rules: Rules, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Engine {
+/// asks for. It applies `overrides` (those of the engine it follows, on the same store),
+/// or reads the store's own and keeps them current (every [`sluice::overrides::REFRESH`]).
+pub fn engine(
+    config: &Config,
+    rules: Rules,
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    overrides: Option<Arc<Overrides>>,
+) -> Engine {
     let remote = !matches!(config.store, StoreConfig::Memory { .. });
     let limiter = Limiter::new(Arc::new(rules), store, clock);
+    let limiter = match overrides {
+        Some(o) => limiter.with_overrides(o),
+        None => {
+            limiter.overrides().watch(sluice::overrides::REFRESH);
+            limiter
+        }
+    };
     let limiter = match config.limiter.near_cache {
         n if remote && n > 0 => limiter.with_near_cache(n),
         _ => limiter,

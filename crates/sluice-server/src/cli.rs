@@ -1,5 +1,5 @@
 //! The command line: collects each command's arguments, which the command's own module
-//! defines (`serve::Args`, `bench::Args`, `shed::Args`).
+//! defines (`serve::Args`, `bench::Args`, `shed::Args`, `admin_cli::Args`).
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
@@ -22,6 +22,8 @@ pub enum Command {
     /// Generate load: against a running server over HTTP, or in process against the
     /// store a config names. Prints decisions/s and latency percentiles.
     Bench(crate::bench::Args),
+    /// Operate on a running server: stored overrides, inspect and reset a client.
+    Admin(crate::admin_cli::Args),
     /// The load shedders.
     #[command(subcommand)]
     Shed(ShedCommand),

@@ -18,7 +18,7 @@ type Shared = State<Arc<AppState>>;
 /// The API's routes.
 pub fn router(state: Arc<AppState>) -> Router {
     let admin = match state.admin_token {
-        Some(_) => Router::new().route("/v1/admin/migration", get(migration).put(set_migration)),
+        Some(_) => crate::admin::routes(state.clone()),
         None => Router::new(),
     };
     let mut data = Router::new()
@@ -41,11 +41,11 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 /// A JSON error: `{"error": {"code": ..., "message": ...}}`.
-fn error(status: StatusCode, code: &str, message: String) -> Response {
+pub(crate) fn error(status: StatusCode, code: &str, message: String) -> Response {
     (status, axum::Json(json!({"error": {"code": code, "message": message}}))).into_response()
 }
 
-fn check_error(e: CheckError) -> Response {
+pub(crate) fn check_error(e: CheckError) -> Response {
     match e {
         CheckError::Request(e) => error(StatusCode::BAD_REQUEST, e.code(), e.to_string()),
         CheckError::Store(e) => {
@@ -142,38 +142,46 @@ fn answer(engine: &Engine, decided: Result<Verdict, CheckError>) -> Response {
 /// `GET /v1/ratelimit?domain=D&KEY=VALUE...`: the status of one descriptor (its entries
 /// in query order), never charging.
 async fn status(State(state): Shared, query: Result<Query<Vec<(String, String)>>, QueryRejection>) -> Response {
-    let Query(pairs) = match query {
-        Ok(q) => q,
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "bad_query",
-                format!("the query string is not KEY=VALUE pairs: {e}"),
-            );
-        }
+    let req = match client_query(query, None) {
+        Ok((req, _)) => req,
+        Err(resp) => return *resp,
     };
-    let mut domain = None;
-    let mut entries = Vec::new();
-    for (key, value) in pairs {
-        if key == "domain" && domain.is_none() {
-            domain = Some(value);
-        } else {
-            entries.push(Entry { key, value });
-        }
-    }
-    let Some(domain) = domain else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "missing_domain",
-            "add ?domain=NAME and the descriptor's KEY=VALUE pairs".into(),
-        );
-    };
-    let req = Request { domain, descriptors: vec![Descriptor { entries, ..Default::default() }], hits_addend: None };
     let engine = state.engine.load_full();
     match engine.limiter.status(&req).await {
         Ok(v) => verdict_response(&engine, &v, StatusCode::OK),
         Err(e) => check_error(e),
     }
+}
+
+/// A client named in a query string: `domain=D`, then the descriptor's `KEY=VALUE`
+/// pairs in order; the value of the `reserved` key (like `policy`) is taken out and
+/// returned apart.
+pub(crate) fn client_query(
+    query: Result<Query<Vec<(String, String)>>, QueryRejection>,
+    reserved: Option<&str>,
+) -> Result<(Request, Option<String>), Box<Response>> {
+    let Query(pairs) = query.map_err(|e| {
+        error(StatusCode::BAD_REQUEST, "bad_query", format!("the query string is not KEY=VALUE pairs: {e}"))
+    })?;
+    let (mut domain, mut entries, mut taken) = (None, Vec::new(), None);
+    for (key, value) in pairs {
+        if key == "domain" && domain.is_none() {
+            domain = Some(value);
+        } else if reserved == Some(key.as_str()) && taken.is_none() {
+            taken = Some(value);
+        } else {
+            entries.push(Entry { key, value });
+        }
+    }
+    let domain = domain.ok_or_else(|| {
+        Box::new(error(
+            StatusCode::BAD_REQUEST,
+            "missing_domain",
+            "add ?domain=NAME and the descriptor's KEY=VALUE pairs".into(),
+        ))
+    })?;
+    let req = Request { domain, descriptors: vec![Descriptor { entries, ..Default::default() }], hits_addend: None };
+    Ok((req, taken))
 }
 
 /// `DELETE /v1/leases/{lease_id}`: give a lease back (idempotent).
@@ -204,18 +212,8 @@ async fn refund(State(state): Shared, headers: HeaderMap, body: Body) -> Respons
     }
 }
 
-/// Whether the request carries `Authorization: Bearer <server.admin_token>`. Compared
-/// in constant time.
-fn authorized(state: &AppState, headers: &HeaderMap) -> bool {
-    let given = headers.get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
-    state.admin_token.as_deref().is_some_and(|token| crate::state::bearer_is(given, token))
-}
-
-fn unauthorized() -> Response {
-    unauthorized_for("server.admin_token")
-}
-
-fn unauthorized_for(setting: &str) -> Response {
+/// A 401 naming the setting whose token to send.
+pub(crate) fn unauthorized_for(setting: &str) -> Response {
     let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", format!("send Authorization: Bearer <{setting}>"));
     r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     r
@@ -230,54 +228,6 @@ async fn data_plane_token(
 ) -> Response {
     let given = request.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
     if state.api_token_matches(given) { next.run(request).await } else { unauthorized_for("one of server.api_tokens") }
-}
-
-/// `GET /v1/admin/migration`: the migrating store's percentage.
-async fn migration(State(state): Shared, headers: HeaderMap) -> Response {
-    if !authorized(&state, &headers) {
-        return unauthorized();
-    }
-    match &*state.migration.load() {
-        Some(m) => axum::Json(json!({"percent": m.percent()})).into_response(),
-        None => error(StatusCode::CONFLICT, "not_migrating", "store.kind is not migrating".into()),
-    }
-}
-
-/// `PUT /v1/admin/migration` with `{"percent": N}`: moves the share of clients on the
-/// migrating store's `to` backend, live. The next config reload that changes `percent`
-/// sets it again.
-async fn set_migration(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
-    if !authorized(&state, &headers) {
-        return unauthorized();
-    }
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct PercentBody {
-        percent: u8,
-    }
-    let Ok(bytes) = to_bytes(body, 1024).await else {
-        return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "send {\"percent\": N}".into());
-    };
-    let percent = match serde_json::from_slice::<PercentBody>(&bytes) {
-        Ok(b) if b.percent <= 100 => b.percent,
-        Ok(b) => return error(StatusCode::BAD_REQUEST, "bad_percent", format!("percent {} is above 100", b.percent)),
-        Err(e) => {
-            return error(
-                StatusCode::BAD_REQUEST,
-                "invalid_json",
-                format!("send {{\"percent\": N}} with N from 0 to 100: {e}"),
-            );
-        }
-    };
-    match &*state.migration.load() {
-        Some(m) => {
-            let previous = m.percent();
-            m.set_percent(percent);
-            tracing::info!(from = previous, to = percent, "migration percentage changed through the admin API");
-            axum::Json(json!({"percent": percent, "previous": previous})).into_response()
-        }
-        None => error(StatusCode::CONFLICT, "not_migrating", "store.kind is not migrating".into()),
-    }
 }
 
 /// `GET /metrics`: Prometheus text (docs/operations.md lists every metric).

@@ -1,5 +1,7 @@
 //! The `sluice` binary: parses the command line and hands over. Nothing else lives here.
 
+mod admin;
+mod admin_cli;
 mod alloc;
 mod api;
 mod bench;
@@ -35,6 +37,7 @@ fn main() -> ExitCode {
                 .init();
             runtime().and_then(|rt| Ok(rt.block_on(serve::serve(args))?))
         }
+        Command::Admin(args) => runtime().and_then(|rt| Ok(rt.block_on(admin_cli::run(args))?)),
         Command::Bench(args) => runtime().and_then(|rt| Ok(rt.block_on(bench::bench(args))?)),
         Command::Shed(ShedCommand::Simulate(args)) => shed::simulate(args).map_err(Into::into),
         Command::Config(ConfigCommand::Check { file }) => load::check(&file).map_err(Into::into),

@@ -150,8 +150,11 @@ fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Config, Rel
         }
         // the same store, retuned and under new rules: no reconnect, no state lost
         state.tuning.load().set(build::resilience(&config.limiter));
-        let store = state.engine.load().limiter.store().clone();
-        let next = build::engine(&config, rules, store, build::clock(&config.limiter));
+        let (store, overrides) = {
+            let limiter = &state.engine.load().limiter;
+            (limiter.store().clone(), limiter.overrides().clone())
+        };
+        let next = build::engine(&config, rules, store, build::clock(&config.limiter), Some(overrides));
         state.engine.store(Arc::new(next));
     } else {
         state.install(build::build(&config, rules)?);

@@ -365,6 +365,23 @@ impl Duration {
     }
 }
 
+/// The largest whole unit: `90s` stays `90s`, `3600000ms` is `1h`.
+impl fmt::Display for Duration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let units = [(604_800_000, "w"), (86_400_000, "d"), (3_600_000, "h"), (60_000, "m"), (1_000, "s")];
+        match units.iter().find(|(scale, _)| self.0 > 0 && self.0 % scale == 0) {
+            Some((scale, unit)) => write!(f, "{}{unit}", self.0 / scale),
+            None => write!(f, "{}ms", self.0),
+        }
+    }
+}
+
+impl serde::Serialize for Duration {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 impl<'de> Deserialize<'de> for Duration {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;

@@ -10,6 +10,7 @@
 use crate::algo::{Decision, Lease, Op};
 use crate::config::Failure;
 use crate::near_cache::NearCache;
+use crate::overrides::{Override, OverrideError, Overrides};
 use crate::plan::{Group, Mode, Plan, plan, unevaluated};
 use crate::request::{Request, RequestError};
 use crate::rules::{Domain, Rules};
@@ -61,12 +62,27 @@ pub struct Limiter {
     clock: Arc<dyn Clock>,
     near_cache: Option<NearCache>,
     failures: FailureLog,
+    overrides: Arc<Overrides>,
 }
 
 impl Limiter {
     /// An engine over compiled rules, a store and a clock.
     pub fn new(rules: Arc<Rules>, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
-        Self { rules, store, clock, near_cache: None, failures: FailureLog::default() }
+        let overrides = Overrides::new(store.clone(), clock.clone());
+        Self { rules, store, clock, near_cache: None, failures: FailureLog::default(), overrides }
+    }
+
+    /// Uses `overrides` (kept in this engine's store): how a config reload hands the
+    /// overrides in force to the next engine.
+    pub fn with_overrides(mut self, overrides: Arc<Overrides>) -> Self {
+        self.overrides = overrides;
+        self
+    }
+
+    /// The stored overrides this engine applies. To see changes made by other instances,
+    /// [`Overrides::watch`] them.
+    pub fn overrides(&self) -> &Arc<Overrides> {
+        &self.overrides
     }
 
     /// An engine for one process: the memory store (up to a million states) and the
@@ -135,7 +151,7 @@ impl Limiter {
     /// the verdict that charged it (`POST /v1/refund`).
     pub async fn refund_request(&self, req: &Request) -> Result<(), CheckError> {
         let now = self.clock.now();
-        let Plan { groups, .. } = plan(&self.rules, req, Mode::Refund, None)?;
+        let Plan { groups, .. } = plan(&self.rules, &self.overrides.current(), req, Mode::Refund, None, now)?;
         for g in &groups {
             // a refund without its verdict knows no window: it gives back in the current
             // one, which a peek tells
@@ -157,11 +173,151 @@ impl Limiter {
         Ok(held)
     }
 
+    /// Stores an override after checking it against the rules in force: its domain must
+    /// exist, its entries must reach a rule, its `policy` (if named) must be one of that
+    /// rule's, and the limit it makes of each must be valid. `set_at_ms` is set to now.
+    /// In force on this instance at once (see [`Overrides`] for the others). Returns the
+    /// override it replaced.
+    ///
+    /// ```
+    /// use sluice::{DomainBuilder, Entry, Limiter, Override, Request, RulesBuilder};
+    /// use std::time::Duration;
+    ///
+    /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
+    /// let rules = RulesBuilder::new()
+    ///     .domain(DomainBuilder::new("api").rule([("user", None)], |r| {
+    ///         r.fixed_window("per_minute", 2, Duration::from_secs(60))
+    ///     }))
+    ///     .build()?;
+    /// let limiter = Limiter::in_memory(rules);
+    /// let vip = Override {
+    ///     id: "vip-alice".into(),
+    ///     domain: "api".into(),
+    ///     entries: vec![Entry { key: "user".into(), value: "alice".into() }],
+    ///     limit: 100,
+    ///     policy: None,
+    ///     window: None,
+    ///     rate: None,
+    ///     expires_at_ms: None,
+    ///     reason: "ticket 4711".into(),
+    ///     set_at_ms: 0,
+    ///     set_by: String::new(),
+    /// };
+    /// limiter.set_override(vip).await?;
+    /// let alice = Request::new("api").descriptor([("user", "alice")]);
+    /// let v = limiter.check(&alice).await?;
+    /// assert_eq!(v.binding().unwrap().decision.limit, 100);
+    /// limiter.reset(&alice, None).await?;
+    /// assert_eq!(limiter.status(&alice).await?.binding().unwrap().decision.used, 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
+    pub async fn set_override(&self, mut o: Override) -> Result<Option<Override>, OverrideError> {
+        let now = self.clock.now();
+        o.set_at_ms = now;
+        o.check(now).map_err(OverrideError::Invalid)?;
+        self.fits_rules(&o).map_err(OverrideError::Invalid)?;
+        self.overrides.put(&o).await
+    }
+
+    /// Removes the stored override `id`; returns it, or None when there was none.
+    pub async fn remove_override(&self, id: &str) -> Result<Option<Override>, OverrideError> {
+        self.overrides.remove(id).await
+    }
+
+    /// Whether override `o` fits the rules: the message says what does not.
+    fn fits_rules(&self, o: &Override) -> Result<(), String> {
+        let domain = self.rules.domain(&o.domain).ok_or_else(|| {
+            format!("unknown domain '{}'; the config has: {}", o.domain, self.rules.domain_names().join(", "))
+        })?;
+        let bounds = &self.rules.request_bounds;
+        if o.entries.len() > bounds.entries
+            || o.entries.iter().any(|e| e.key.len() > bounds.key_bytes || e.value.len() > bounds.value_bytes)
+        {
+            return Err(format!(
+                "entries exceed limiter.request_bounds ({} entries, keys of {} bytes, values of {})",
+                bounds.entries, bounds.key_bytes, bounds.value_bytes
+            ));
+        }
+        let node = domain
+            .find(o.entries.iter().map(|e| (e.key.as_str(), e.value.trim_end_matches('*'))))
+            .filter(|n| !n.policies.is_empty())
+            .ok_or_else(|| {
+                format!(
+                    "these entries reach no limit of domain '{}': an override replaces a configured limit",
+                    o.domain
+                )
+            })?;
+        let names = || node.policies.iter().map(|p| &*p.name).collect::<Vec<_>>().join(", ");
+        if let Some(name) = &o.policy
+            && !node.policies.iter().any(|p| *p.name == **name)
+        {
+            return Err(format!(
+                "policy '{name}' is not a limit of the rule these entries reach (its limits: {})",
+                names()
+            ));
+        }
+        let targets: Vec<_> =
+            node.policies.iter().filter(|p| o.policy.as_deref().is_none_or(|n| n == &*p.name)).collect();
+        let takes = |what: &str, algorithm: &str| match targets.iter().any(|p| p.limit.algorithm() == algorithm) {
+            true => Ok(()),
+            false => Err(format!("`{what}` applies to {algorithm} limits, and none of these is one: {}", names())),
+        };
+        if o.window.is_some() {
+            takes("window", "fixed_window")?;
+        }
+        if o.rate.is_some() {
+            takes("rate", "token_bucket")?;
+        }
+        for p in targets {
+            o.limit_for(p.limit).validate().map_err(|e| format!("policy '{}': {e}", p.name))?;
+        }
+        Ok(())
+    }
+
+    /// Forgets a client's state for every policy its descriptors match (or only the one
+    /// named `policy`), leases included: its next request sees the full limit. Drops the
+    /// client from this instance's near-cache, and moves the registry's version so every
+    /// watching instance drops its near-cache within [`crate::overrides::PROPAGATION`].
+    /// Returns the names of the policies reset.
+    pub async fn reset(&self, req: &Request, policy: Option<&str>) -> Result<Vec<Arc<str>>, CheckError> {
+        let now = self.clock.now();
+        let Plan { descriptors, groups, .. } =
+            plan(&self.rules, &self.overrides.current(), req, Mode::Peek, None, now)?;
+        let mut names = Vec::new();
+        for g in &groups {
+            let chosen: Vec<(Op, Arc<str>)> = g
+                .ops
+                .iter()
+                .zip(&g.slots)
+                .map(|(op, &(di, pi))| (*op, descriptors[di].policies[pi].name.clone()))
+                .filter(|(_, name)| policy.is_none_or(|p| p == &**name))
+                .collect();
+            if chosen.is_empty() {
+                continue;
+            }
+            let ops: Vec<Op> = chosen.iter().map(|(op, _)| *op).collect();
+            self.store.reset(g.tag, &ops, now).await?;
+            if let Some(cache) = &self.near_cache {
+                cache.forget(g.tag, ops.iter().map(|o| o.key));
+            }
+            names.extend(chosen.into_iter().map(|(_, name)| name));
+        }
+        if !names.is_empty() {
+            self.overrides.touch().await?;
+        }
+        Ok(names)
+    }
+
     /// Plans a request, evaluates every group, and makes the verdict.
     async fn decide(&self, req: &Request, mode: Mode) -> Result<Verdict, CheckError> {
         let now = self.clock.now();
         let lease = matches!(mode, Mode::Acquire | Mode::Admit).then(random_lease);
-        let Plan { domain, mut descriptors, groups } = plan(&self.rules, req, mode, lease)?;
+        let Plan { domain, mut descriptors, groups } =
+            plan(&self.rules, &self.overrides.current(), req, mode, lease, now)?;
+        if let Some(cache) = &self.near_cache {
+            cache.sync(self.overrides.generation());
+        }
         let results = futures_util::future::join_all(groups.iter().map(|g| self.evaluate(g, mode, now))).await;
         let mut tally = Tally::default();
         for (g, result) in groups.iter().zip(results) {

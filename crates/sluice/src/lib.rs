@@ -43,6 +43,7 @@ pub mod headers;
 #[cfg(feature = "tower")]
 pub mod layer;
 mod near_cache;
+pub mod overrides;
 mod plan;
 mod request;
 pub mod rules;
@@ -54,6 +55,8 @@ mod verdict;
 
 pub use builder::{DomainBuilder, RuleBuilder, RulesBuilder};
 pub use engine::{CheckError, Limiter};
+pub use overrides::{Override, OverrideError, Overrides};
 pub use request::{Descriptor, Entry, LimitOverride, Request, RequestError};
 pub use telemetry::names as metric_names;
+pub use telemetry::{Audit, audit};
 pub use verdict::{Code, DescriptorVerdict, LeaseId, Outcome, PolicyDecision, Source, Verdict};

@@ -32,6 +32,8 @@ pub struct NearCache {
     shards: Vec<Mutex<HashMap<(u128, u64), Entry>>>,
     per_shard: usize,
     hits: AtomicU64,
+    /// The generation of the overrides the entries were cached under (see [`NearCache::sync`]).
+    generation: AtomicU64,
 }
 
 impl NearCache {
@@ -41,6 +43,7 @@ impl NearCache {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             per_shard: capacity.div_ceil(SHARDS).max(1),
             hits: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
         }
     }
 
@@ -84,6 +87,19 @@ impl NearCache {
         shard.insert((tag.0, op.key), Entry { until: now + wait, min_cost: op.cost, decision: *d });
     }
 
+    /// Drops every entry when `generation` (of [`crate::overrides::Overrides`]) moved: a
+    /// client reset, or overrides changed, on some instance of the fleet. Costs one atomic
+    /// load when nothing moved.
+    pub fn sync(&self, generation: u64) {
+        if self.generation.load(Ordering::Acquire) == generation {
+            return;
+        }
+        self.generation.store(generation, Ordering::Release);
+        for s in &self.shards {
+            s.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        }
+    }
+
     /// Drops what is cached for these states (after a refund).
     pub fn forget(&self, tag: Tag, keys: impl Iterator<Item = u64>) {
         let mut shard = self.shard(tag);
@@ -117,6 +133,11 @@ mod tests {
         let lease = Op { limit: Limit::Concurrency { limit: 1, lease_ttl: 1000 }, lease: Some(1), ..op };
         c.put(Tag(1), &lease, &denied(500), 1500);
         assert!(c.get(Tag(1), &lease, 1600).is_none(), "concurrency refusals are never cached");
+        c.put(Tag(1), &op, &denied(500), 1500);
+        c.sync(0);
+        assert!(c.get(Tag(1), &op, 1700).is_some(), "the same generation keeps entries");
+        c.sync(1);
+        assert!(c.get(Tag(1), &op, 1700).is_none(), "a new generation drops them");
     }
 
     #[test]

@@ -9,11 +9,14 @@
 
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::config::Failure;
+use crate::overrides::{DomainOverrides, Override, OverrideSet};
 use crate::request::{Descriptor, Request, RequestError, validate};
 use crate::rules::{Domain, Node, Policy, Rules};
 use crate::tag::Tag;
+use crate::time::Millis;
 use crate::verdict::{Code, DescriptorVerdict, PolicyDecision, Source};
 use std::collections::HashSet;
+use std::sync::Arc;
 
 /// What a call does with the matching policies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,13 +76,15 @@ pub(crate) fn unevaluated(limit: &Limit) -> Decision {
     Decision { allowed: true, limit: capacity, used: 0, remaining: capacity, reset_at: 0, retry_after: None }
 }
 
-/// Validates `req` and plans it in `mode`; `lease` is the lease id to take, for the
-/// modes that take one.
+/// Validates `req` and plans it in `mode` under the overrides in force at `now`;
+/// `lease` is the lease id to take, for the modes that take one.
 pub(crate) fn plan<'r>(
     rules: &'r Rules,
+    overrides: &OverrideSet,
     req: &Request,
     mode: Mode,
     lease: Option<Lease>,
+    now: Millis,
 ) -> Result<Plan<'r>, RequestError> {
     let domain = rules.domain(&req.domain).ok_or_else(|| RequestError::UnknownDomain {
         domain: req.domain.chars().take(200).collect(),
@@ -93,6 +98,7 @@ pub(crate) fn plan<'r>(
         .collect();
     // a rule's `replaces` drops the named limits of every other matching rule
     let replaced: HashSet<&str> = nodes.iter().flatten().flat_map(|n| n.replaces.iter().map(|r| &**r)).collect();
+    let overrides = overrides.domain(&domain.name);
     let mut plan = Plan { domain, descriptors: Vec::with_capacity(req.descriptors.len()), groups: Vec::new() };
     for (di, (d, node)) in req.descriptors.iter().zip(nodes).enumerate() {
         let cost = if mode == Mode::Peek { 0 } else { d.hits_addend.or(req.hits_addend).unwrap_or(1) };
@@ -114,8 +120,10 @@ pub(crate) fn plan<'r>(
             policies: Vec::new(),
         });
         for p in policies.iter().filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name)) {
-            let op = op_for(rules, p, &entries, cost, lease, di)?;
-            plan.add(tag, op, p, di);
+            // a limit from the request is not the config's: stored overrides leave it
+            let o = overrides.filter(|_| d.limit.is_none()).and_then(|o| in_force(o, &entries, p, now));
+            let op = op_for(rules, p, o.map(|o| &**o), &entries, cost, lease, di)?;
+            plan.add(tag, op, p, o.cloned(), di);
         }
     }
     Ok(plan)
@@ -136,23 +144,37 @@ fn request_policy(rules: &Rules, domain: &Domain, d: &Descriptor, di: usize) -> 
     })
 }
 
-/// The op that applies policy `p` to the descriptor `entries` of descriptor `di`.
+/// The stored override in force for policy `p` of the descriptor `entries`.
+fn in_force<'o>(
+    o: &'o DomainOverrides,
+    entries: &[(&str, &str)],
+    p: &Policy,
+    now: Millis,
+) -> Option<&'o Arc<Override>> {
+    o.find(entries, &p.name, now)
+}
+
+/// The op that applies policy `p` (under override `o`, if any) to the descriptor
+/// `entries` of descriptor `di`.
 fn op_for(
     rules: &Rules,
     p: &Policy,
+    o: Option<&Override>,
     entries: &[(&str, &str)],
     cost: u64,
     lease: Option<Lease>,
     di: usize,
 ) -> Result<Op, RequestError> {
-    let is_lease = matches!(p.limit, Limit::Concurrency { .. });
-    let capacity = p.limit.capacity();
+    let limit = o.map_or(p.limit, |o| o.limit_for(p.limit));
+    let is_lease = matches!(limit, Limit::Concurrency { .. });
+    let capacity = limit.capacity();
     if cost > capacity && !is_lease {
         return Err(RequestError::CostAboveCapacity { descriptor: di, cost, policy: p.name.to_string(), capacity });
     }
     Ok(Op {
-        key: rules.tagger.state_key(entries.iter().copied(), &p.name, p.limit.algorithm()),
-        limit: p.limit,
+        // keyed without the limit: an override keeps the client's usage
+        key: rules.tagger.state_key(entries.iter().copied(), &p.name, limit.algorithm()),
+        limit,
         // a concurrency op takes one lease when the mode takes leases, else reports
         cost: if is_lease { u64::from(lease.is_some()) } else { cost },
         lease: if is_lease { lease } else { None },
@@ -161,17 +183,18 @@ fn op_for(
 }
 
 impl Plan<'_> {
-    /// Adds `op` (of policy `p`, descriptor `di`) to its tag's group, and its slot to the
-    /// verdict.
-    fn add(&mut self, tag: Tag, op: Op, p: &Policy, di: usize) {
+    /// Adds `op` (of policy `p` under override `o`, descriptor `di`) to its tag's group,
+    /// and its slot to the verdict.
+    fn add(&mut self, tag: Tag, op: Op, p: &Policy, o: Option<Arc<Override>>, di: usize) {
         let verdict = &mut self.descriptors[di];
         let slot = (di, verdict.policies.len());
         verdict.policies.push(PolicyDecision {
             name: p.name.clone(),
-            limit: p.limit,
+            limit: op.limit,
             shadow: p.shadow,
-            decision: unevaluated(&p.limit),
+            decision: unevaluated(&op.limit),
             source: Source::Store,
+            overridden_by: o,
             counters: Some(p.counters.clone()),
             detailed: p.detailed,
         });
@@ -195,6 +218,11 @@ mod tests {
     use crate::config::{LimiterConfig, RateLimitConfig, Replaces, Unit};
     use std::time::Duration;
 
+    /// Plans without overrides.
+    fn plan0<'r>(rules: &'r Rules, req: &Request, mode: Mode, lease: Option<Lease>) -> Result<Plan<'r>, RequestError> {
+        plan(rules, &OverrideSet::default(), req, mode, lease, 0)
+    }
+
     fn rules() -> Rules {
         let minute = Duration::from_secs(60);
         RulesBuilder::new()
@@ -214,7 +242,7 @@ mod tests {
         let rules = rules();
         let req =
             Request::new("api").descriptor([("user", "a")]).descriptor([("route", "/x")]).descriptor([("user", "b")]);
-        let p = plan(&rules, &req, Mode::Charge, None).unwrap();
+        let p = plan0(&rules, &req, Mode::Charge, None).unwrap();
         // a charge skips concurrency; three descriptors, three different clients
         assert_eq!(p.groups.len(), 3);
         assert!(p.groups.iter().all(|g| g.ops.len() == 1 && g.ops[0].lease.is_none()));
@@ -226,12 +254,12 @@ mod tests {
     fn admit_puts_leases_and_rates_of_one_client_in_one_call() {
         let rules = rules();
         let req = Request::new("api").descriptor([("user", "a")]);
-        let p = plan(&rules, &req, Mode::Admit, Some(7)).unwrap();
+        let p = plan0(&rules, &req, Mode::Admit, Some(7)).unwrap();
         assert_eq!(p.groups.len(), 1);
         let ops = &p.groups[0].ops;
         assert_eq!(ops.len(), 2);
         assert_eq!((ops[1].lease, ops[1].cost), (Some(7), 1));
-        let peek = plan(&rules, &req, Mode::Peek, None).unwrap();
+        let peek = plan0(&rules, &req, Mode::Peek, None).unwrap();
         assert!(peek.groups[0].ops.iter().all(|o| o.cost == 0), "a peek charges nothing");
     }
 
@@ -239,7 +267,7 @@ mod tests {
     fn the_same_state_twice_gets_its_own_call() {
         let rules = rules();
         let req = Request::new("api").descriptor([("user", "a")]).descriptor([("user", "a")]);
-        let p = plan(&rules, &req, Mode::Charge, None).unwrap();
+        let p = plan0(&rules, &req, Mode::Charge, None).unwrap();
         assert_eq!(p.groups.len(), 2);
         assert_eq!(p.groups[0].tag, p.groups[1].tag);
     }
@@ -262,7 +290,7 @@ mod tests {
         domain.descriptors = vec![any, vip];
         let rules = Rules::compile(&LimiterConfig::default(), &[domain]).unwrap();
         let req = Request::new("api").descriptor([("user", "x")]).descriptor([("vip", "y")]);
-        let p = plan(&rules, &req, Mode::Charge, None).unwrap();
+        let p = plan0(&rules, &req, Mode::Charge, None).unwrap();
         let names: Vec<Vec<&str>> =
             p.descriptors.iter().map(|d| d.policies.iter().map(|p| &*p.name).collect()).collect();
         assert_eq!(names, [vec![], vec!["vip"]]);
@@ -271,15 +299,15 @@ mod tests {
     #[test]
     fn bad_requests_are_refused_before_any_store() {
         let rules = rules();
-        let e = plan(&rules, &Request::new("nope").descriptor([("user", "a")]), Mode::Charge, None).unwrap_err();
+        let e = plan0(&rules, &Request::new("nope").descriptor([("user", "a")]), Mode::Charge, None).unwrap_err();
         assert_eq!(e.code(), "unknown_domain");
-        let e = plan(&rules, &Request::new("api").descriptor([("user", "a")]).cost(11), Mode::Charge, None);
+        let e = plan0(&rules, &Request::new("api").descriptor([("user", "a")]).cost(11), Mode::Charge, None);
         assert!(matches!(e, Err(RequestError::CostAboveCapacity { capacity: 10, .. })), "{e:?}");
         let mut req = Request::new("api").descriptor([("user", "a")]);
         req.descriptors[0].limit =
             Some(crate::request::LimitOverride { requests_per_unit: 0, unit: crate::config::Unit::Second });
-        let e = plan(&rules, &req, Mode::Charge, None).unwrap_err();
+        let e = plan0(&rules, &req, Mode::Charge, None).unwrap_err();
         assert_eq!(e.code(), "bad_limit");
-        assert!(plan(&rules, &Request::new("api"), Mode::Charge, None).is_err());
+        assert!(plan0(&rules, &Request::new("api"), Mode::Charge, None).is_err());
     }
 }

@@ -9,7 +9,8 @@ use crate::algo::MAX_EXACT;
 use crate::config::{RequestBounds, Unit};
 
 /// One `key=value` of a descriptor.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Entry {
     pub key: String,
     pub value: String,

@@ -34,6 +34,41 @@ pub mod names {
     pub const SHED: &str = "sluice_shed_total";
     pub const SHED_AMOUNT: &str = "sluice_shed_amount";
     pub const HTTP_OVER_LIMIT: &str = "sluice_http_connections_over_limit_total";
+    pub const ADMIN_ACTIONS: &str = "sluice_admin_actions_total";
+    pub const OVERRIDES: &str = "sluice_overrides";
+}
+
+/// One admin action, for the audit log.
+#[derive(Debug, Clone, Copy)]
+pub struct Audit<'a> {
+    /// What was done: `override_set`, `override_removed`, `override_expired`,
+    /// `client_reset`, `migration_percent` ...
+    pub action: &'a str,
+    /// What it was done to: an override id, a client's descriptor, a store.
+    pub target: &'a str,
+    /// The value before, as JSON (None when there was none).
+    pub old: Option<&'a str>,
+    /// The value after, as JSON (None when there is none).
+    pub new: Option<&'a str>,
+    pub reason: &'a str,
+    /// Who: an identifier of the credential used (never the credential), or `expiry`.
+    pub by: &'a str,
+}
+
+/// Writes one audit line (target `sluice::audit`, every field structured: JSON when the
+/// log is JSON) and counts it in `sluice_admin_actions_total{action}`.
+pub fn audit(a: &Audit<'_>) {
+    counter!(names::ADMIN_ACTIONS, "action" => a.action.to_string()).increment(1);
+    tracing::info!(
+        target: "sluice::audit",
+        action = a.action,
+        target = a.target,
+        old = a.old.unwrap_or("null"),
+        new = a.new.unwrap_or("null"),
+        reason = a.reason,
+        by = a.by,
+        "admin action"
+    );
 }
 
 /// The counters of one policy of one domain.
@@ -178,19 +213,21 @@ pub(crate) fn lease_released() {
 
 /// A store's call latencies, errors and breaker state.
 pub(crate) struct StoreMetrics {
-    calls: [Histogram; 4],
+    calls: [Histogram; 6],
     /// By kind: unavailable, timeout, protocol, circuit_open.
     errors: [(&'static str, Counter); 4],
     breaker: Gauge,
 }
 
-/// The four store operations, as labelled.
+/// The store operations, as labelled.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum StoreOp {
     Apply = 0,
     Peek = 1,
     Release = 2,
     Refund = 3,
+    Reset = 4,
+    Registry = 5,
 }
 
 impl StoreMetrics {
@@ -199,7 +236,7 @@ impl StoreMetrics {
         let call = |op: &'static str| histogram!(names::STORE_CALL_SECONDS, "store" => kind, "op" => op);
         let error = |k: &'static str| (k, counter!(names::STORE_ERRORS, "store" => kind, "kind" => k));
         Self {
-            calls: [call("apply"), call("peek"), call("release"), call("refund")],
+            calls: [call("apply"), call("peek"), call("release"), call("refund"), call("reset"), call("registry")],
             errors: [error("unavailable"), error("timeout"), error("protocol"), error("circuit_open")],
             breaker: gauge!(names::BREAKER_STATE, "store" => kind),
         }

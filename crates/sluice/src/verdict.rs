@@ -64,6 +64,8 @@ pub struct PolicyDecision {
     pub shadow: bool,
     pub decision: Decision,
     pub source: Source,
+    /// The stored override whose limit this is, if one is in force for this client.
+    pub overridden_by: Option<Arc<crate::overrides::Override>>,
     /// The policy's counters; None for a limit that came with the request.
     pub(crate) counters: Option<Arc<PolicyCounters>>,
     /// Counted by descriptor value too (`detailed_metric`).

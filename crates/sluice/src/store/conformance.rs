@@ -14,7 +14,7 @@
 //! argument), so the suite crosses window boundaries without sleeping. Every check uses
 //! fresh random tags, so checks may share one store and one server.
 
-use super::{Refund, Store};
+use super::{Refund, RegistryOp, Store};
 use crate::algo::{self, Decision, Lease, Limit, Op, State};
 use crate::tag::Tag;
 use crate::time::{Clock, Millis};
@@ -202,6 +202,60 @@ pub async fn refunds(s: &dyn Store) {
     hit(s, t, op(1, FW, 1), t0 + 60_000).await;
     s.refund(t, &[r], t0 + 60_001).await.unwrap();
     assert_eq!(hit(s, t, op(1, FW, 0), t0 + 60_002).await.used, 1);
+}
+
+/// A reset forgets the states it names, and only those: the client starts a fresh window.
+pub async fn reset_forgets_state(s: &dyn Store) {
+    let t0 = t0();
+    let t = tag();
+    hit(s, t, op(1, FW, 5), t0).await;
+    hit(s, t, op(2, FW, 3), t0).await;
+    s.reset(t, &[op(1, FW, 0)], t0 + 1).await.unwrap();
+    let d = hit(s, t, op(1, FW, 1), t0 + 2).await;
+    assert!(d.allowed, "refused after a reset: {d:?}");
+    assert_eq!((d.used, d.reset_at), (1, t0 + 2 + 60_000), "a reset client starts a fresh window");
+    assert_eq!(hit(s, t, op(2, FW, 0), t0 + 3).await.used, 3, "a state not named keeps its count");
+    s.reset(tag(), &[op(1, FW, 0)], t0 + 4).await.expect("resetting what is not there is no error");
+}
+
+/// A reset empties buckets' debt and drops leases, in one call.
+pub async fn reset_forgets_every_kind(s: &dyn Store) {
+    let t0 = t0();
+    let t = tag();
+    let tb = Limit::TokenBucket { rate: 1, per: 60_000, burst: 2 };
+    let cc = Limit::Concurrency { limit: 1, lease_ttl: 60_000 };
+    let lease = |id| Op { lease: Some(id), ..op(2, cc, 1) };
+    assert!(hit(s, t, op(1, tb, 2), t0).await.allowed);
+    assert!(hit(s, t, lease(1), t0).await.allowed);
+    assert!(!hit(s, t, op(1, tb, 1), t0 + 1).await.allowed);
+    assert!(!hit(s, t, lease(2), t0 + 1).await.allowed);
+    s.reset(t, &[op(1, tb, 0), op(2, cc, 0)], t0 + 2).await.unwrap();
+    assert_eq!(hit(s, t, op(1, tb, 1), t0 + 3).await.remaining, 1, "a full bucket again");
+    assert!(hit(s, t, lease(3), t0 + 3).await.allowed, "the lease held was dropped");
+}
+
+/// The registry: every change moves the version; a conditional remove removes only an
+/// unchanged value. A store without one says so.
+pub async fn registry_is_versioned(s: &dyn Store) {
+    if !s.keeps_registry() {
+        assert!(s.registry(RegistryOp::Read).await.is_err(), "a store keeping no registry must refuse to read one");
+        return;
+    }
+    let id = format!("conformance-{:x}", tag().0);
+    let put = |value: &str| RegistryOp::Put { id: id.clone(), value: value.into() };
+    let remove = |only_if: &str| RegistryOp::Remove { id: id.clone(), only_if: Some(only_if.into()) };
+    let v0 = s.registry(RegistryOp::Version).await.unwrap().version;
+    let first = s.registry(put("a")).await.unwrap();
+    assert!(first.version > v0 && first.previous.is_none(), "{first:?}");
+    let read = s.registry(RegistryOp::Read).await.unwrap();
+    assert!(read.version >= first.version);
+    assert!(read.entries.contains(&(id.clone(), "a".into())), "{:?}", read.entries);
+    assert_eq!(s.registry(put("b")).await.unwrap().previous.as_deref(), Some("a"));
+    assert_eq!(s.registry(remove("a")).await.unwrap().previous, None, "changed since: not removed");
+    let gone = s.registry(remove("b")).await.unwrap();
+    assert_eq!(gone.previous.as_deref(), Some("b"));
+    assert!(!s.registry(RegistryOp::Read).await.unwrap().entries.iter().any(|(k, _)| *k == id));
+    assert!(s.registry(RegistryOp::Touch).await.unwrap().version > gone.version, "a touch moves the version");
 }
 
 /// Concurrent calls for one client are exact: 300 at once against a limit of 100 admit
@@ -395,13 +449,15 @@ pub async fn sequence_matches_model(s: &dyn Store) {
 macro_rules! conformance_suite {
     (fixed_window_only $name:ident, $make:expr) => {
         $crate::conformance_suite!(@tests $name, $make; fixed_window_counts_and_resets, aligned_window_ends_on_boundary,
-            all_or_nothing, shadow_does_not_block, peek_never_charges, refunds, tags_and_keys_are_independent);
+            all_or_nothing, shadow_does_not_block, peek_never_charges, refunds, tags_and_keys_are_independent,
+            reset_forgets_state, registry_is_versioned);
     };
     ($name:ident, $make:expr) => {
         $crate::conformance_suite!(@tests $name, $make; fixed_window_counts_and_resets, aligned_window_ends_on_boundary,
             all_or_nothing, shadow_does_not_block, cost_zero_charges_nothing, peek_never_charges,
             token_bucket_burst_and_refill, sliding_window_weighs_previous, concurrency_leases, refunds,
-            tags_and_keys_are_independent, sequence_matches_model);
+            tags_and_keys_are_independent, sequence_matches_model, reset_forgets_state, reset_forgets_every_kind,
+            registry_is_versioned);
     };
     (@tests $name:ident, $make:expr; $($check:ident),*) => {
         mod $name {

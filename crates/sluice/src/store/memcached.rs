@@ -45,11 +45,13 @@ pub struct MemcachedStore {
 }
 
 /// A reply line of the text protocol.
+#[derive(Debug)]
 enum Reply {
     Stored,
     NotStored,
     Exists,
     NotFound,
+    Deleted,
     Number(u64),
     /// `VALUE` lines: (value, cas)
     Values(Vec<(String, u64)>),
@@ -204,6 +206,7 @@ async fn exchange(conn: &mut Conn, line: &str, data: Option<&str>) -> std::io::R
             Some("NOT_STORED") => Reply::NotStored,
             Some("EXISTS") => Reply::Exists,
             Some("NOT_FOUND") => Reply::NotFound,
+            Some("DELETED") => Reply::Deleted,
             Some("END") => Reply::Values(values),
             Some("VERSION") => Reply::Version,
             Some("VALUE") => {
@@ -314,6 +317,20 @@ impl Store for MemcachedStore {
             {
                 // decr stops at 0
                 self.incr(s, "decr", &format!("{key}:{reset}"), r.cost).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes each window's stored reset: the next hit starts a fresh window (under a new
+    /// counter key). One delete per state: Memcached has no atomic multi-key change.
+    async fn reset(&self, tag: Tag, ops: &[Op], _now: Millis) -> Result<(), StoreError> {
+        let s = self.server(tag);
+        for op in ops {
+            fixed_only(&op.limit)?;
+            match self.call(s, &format!("delete {}:r", state_key(tag, op.key)), None).await? {
+                Reply::Deleted | Reply::NotFound => {}
+                other => return Err(protocol(format!("delete answered {other:?}"))),
             }
         }
         Ok(())

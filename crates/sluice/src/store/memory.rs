@@ -12,7 +12,7 @@
 //! fail-closed refuses it) while every client already held keeps its exact count. Room
 //! comes back as windows end; [`MemoryStats::full`] counts the calls that found none.
 
-use super::{Refund, Store, StoreError};
+use super::{LocalRegistry, Refund, RegistryOp, RegistryReply, Store, StoreError};
 use crate::algo::{self, Decision, Lease, Limit, Op, State};
 use crate::tag::Tag;
 use crate::time::Millis;
@@ -86,6 +86,7 @@ pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     per_shard: usize,
     stats: MemoryStats,
+    registry: LocalRegistry,
 }
 
 const SHARDS: usize = 64;
@@ -94,7 +95,8 @@ impl MemoryStore {
     /// A store holding at most about `max_keys` states (one per policy per client).
     pub fn new(max_keys: usize) -> Self {
         let shards = (0..SHARDS).map(|_| Mutex::new(Shard { map: Map::default(), next_collect: 0 })).collect();
-        Self { shards, per_shard: max_keys.div_ceil(SHARDS).max(1), stats: MemoryStats::default() }
+        let per_shard = max_keys.div_ceil(SHARDS).max(1);
+        Self { shards, per_shard, stats: MemoryStats::default(), registry: LocalRegistry::default() }
     }
 
     /// Eviction and collection counters.
@@ -258,6 +260,22 @@ impl Store for MemoryStore {
             }
         }
         Ok(())
+    }
+
+    async fn reset(&self, tag: Tag, ops: &[Op], _now: Millis) -> Result<(), StoreError> {
+        let mut shard = self.shard(tag);
+        for op in ops {
+            shard.map.remove(&slot(tag, op.key));
+        }
+        Ok(())
+    }
+
+    fn keeps_registry(&self) -> bool {
+        true
+    }
+
+    async fn registry(&self, op: RegistryOp) -> Result<RegistryReply, StoreError> {
+        Ok(self.registry.run(op))
     }
 
     fn kind(&self) -> &'static str {

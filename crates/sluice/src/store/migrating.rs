@@ -54,6 +54,11 @@ impl Router for MigratingStore {
     fn stores(&self) -> Vec<&dyn Store> {
         vec![&*self.from, &*self.to]
     }
+    /// `to` when it can: where the clients end up, so overrides stay when the migration
+    /// is over and `to` becomes the store.
+    fn registry_home(&self) -> Option<&dyn Store> {
+        [&*self.to, &*self.from].into_iter().find(|s| s.keeps_registry())
+    }
     fn kind(&self) -> &'static str {
         "migrating"
     }

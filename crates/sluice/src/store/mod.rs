@@ -123,6 +123,71 @@ impl PartialEq for StoreError {
     }
 }
 
+/// A read of, or a change to, the registry a store keeps for the whole fleet: values
+/// under ids (the stored overrides of [`crate::overrides`]), and a version that every
+/// change moves, so an instance notices a change by reading one number.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RegistryOp {
+    /// The version and every entry.
+    Read,
+    /// The version alone.
+    Version,
+    /// Sets `id` to `value`.
+    Put { id: String, value: String },
+    /// Removes `id`; with `only_if`, only while its value is still exactly that (so of
+    /// several instances expiring one entry, one removes it).
+    Remove { id: String, only_if: Option<String> },
+    /// Moves the version without changing an entry: tells every instance that state
+    /// changed under it (a client was reset).
+    Touch,
+}
+
+/// What a [`RegistryOp`] answers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RegistryReply {
+    /// The version after the op.
+    pub version: u64,
+    /// The value the id had before a put or remove (None: it had none, and a remove
+    /// removed nothing).
+    pub previous: Option<String>,
+    /// Every entry, for [`RegistryOp::Read`].
+    pub entries: Vec<(String, String)>,
+}
+
+/// The registry held in process memory (the memory store's, and a model for the others).
+#[derive(Debug, Default)]
+pub(crate) struct LocalRegistry(std::sync::Mutex<(u64, std::collections::BTreeMap<String, String>)>);
+
+impl LocalRegistry {
+    pub(crate) fn run(&self, op: RegistryOp) -> RegistryReply {
+        let mut guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let (version, entries) = &mut *guard;
+        let previous = match op {
+            RegistryOp::Read => {
+                let entries = entries.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                return RegistryReply { version: *version, previous: None, entries };
+            }
+            RegistryOp::Version => None,
+            RegistryOp::Put { id, value } => {
+                *version += 1;
+                entries.insert(id, value)
+            }
+            RegistryOp::Remove { id, only_if } => match entries.get(&id) {
+                Some(v) if only_if.as_ref().is_none_or(|want| want == v) => {
+                    *version += 1;
+                    entries.remove(&id)
+                }
+                _ => None,
+            },
+            RegistryOp::Touch => {
+                *version += 1;
+                None
+            }
+        };
+        RegistryReply { version: *version, previous, entries: Vec::new() }
+    }
+}
+
 /// A place where limiter state lives.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
@@ -141,6 +206,21 @@ pub trait Store: Send + Sync + 'static {
     /// Gives back charges made under `tag`.
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError>;
 
+    /// Forgets the states of `ops` (all under `tag`) at once, leases included: the client
+    /// starts afresh on them, as if never seen.
+    async fn reset(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<(), StoreError>;
+
+    /// Whether the store keeps the fleet's registry (the memory and Redis stores do).
+    fn keeps_registry(&self) -> bool {
+        false
+    }
+
+    /// Reads or changes the registry (see [`RegistryOp`]), atomically.
+    async fn registry(&self, op: RegistryOp) -> Result<RegistryReply, StoreError> {
+        let _ = op;
+        Err(no_registry(self.kind()))
+    }
+
     /// Whether the store can take calls now (for `/readyz`).
     async fn ready(&self) -> bool {
         true
@@ -150,6 +230,13 @@ pub trait Store: Send + Sync + 'static {
     fn kind(&self) -> &'static str;
 }
 
+/// The error of a store asked for a registry it does not keep.
+fn no_registry(kind: &str) -> StoreError {
+    StoreError::protocol(format!(
+        "the {kind} store keeps no overrides; use a memory or redis store (a migrating store keeps them on a side that can)"
+    ))
+}
+
 /// A store made of other stores, each client on one of them (client-side shards, a
 /// migration). Implementing this gives the `Store`: every call goes to `route(tag)`.
 pub trait Router: Send + Sync + 'static {
@@ -157,6 +244,11 @@ pub trait Router: Send + Sync + 'static {
     fn route(&self, tag: Tag) -> &dyn Store;
     /// Every store behind it (ready only when all are).
     fn stores(&self) -> Vec<&dyn Store>;
+    /// The store that keeps the registry: by default the first that can (it must not
+    /// change while the set of stores stays the same).
+    fn registry_home(&self) -> Option<&dyn Store> {
+        self.stores().into_iter().find(|s| s.keeps_registry())
+    }
     /// The store kind, for logs and metrics.
     fn kind(&self) -> &'static str;
 }
@@ -174,6 +266,18 @@ impl<R: Router> Store for R {
     }
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
         self.route(tag).refund(tag, refunds, now).await
+    }
+    async fn reset(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<(), StoreError> {
+        self.route(tag).reset(tag, ops, now).await
+    }
+    fn keeps_registry(&self) -> bool {
+        self.registry_home().is_some()
+    }
+    async fn registry(&self, op: RegistryOp) -> Result<RegistryReply, StoreError> {
+        match self.registry_home() {
+            Some(s) => s.registry(op).await,
+            None => Err(no_registry(Router::kind(self))),
+        }
     }
     async fn ready(&self) -> bool {
         for s in self.stores() {

@@ -6,7 +6,7 @@
 //! work; then one call is let through as a probe, and its success closes the breaker.
 //! What the client sees when a call fails is the engine's failure policy.
 
-use super::{Refund, Store, StoreError};
+use super::{Refund, RegistryOp, RegistryReply, Store, StoreError};
 use crate::algo::{Decision, Lease, Op};
 use crate::tag::Tag;
 use crate::telemetry::{StoreMetrics, StoreOp};
@@ -246,6 +246,15 @@ impl<S: Store> Store for Resilient<S> {
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
         self.call(StoreOp::Refund, self.inner.refund(tag, refunds, now)).await
     }
+    async fn reset(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<(), StoreError> {
+        self.call(StoreOp::Reset, self.inner.reset(tag, ops, now)).await
+    }
+    fn keeps_registry(&self) -> bool {
+        self.inner.keeps_registry()
+    }
+    async fn registry(&self, op: RegistryOp) -> Result<RegistryReply, StoreError> {
+        self.call(StoreOp::Registry, self.inner.registry(op)).await
+    }
     async fn ready(&self) -> bool {
         tokio::time::timeout(self.settings.get().deadline.max(Duration::from_millis(500)), self.inner.ready())
             .await
@@ -291,6 +300,9 @@ mod tests {
         }
         async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
             self.inner.refund(tag, refunds, now).await
+        }
+        async fn reset(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<(), StoreError> {
+            self.inner.reset(tag, ops, now).await
         }
         fn kind(&self) -> &'static str {
             "flaky"

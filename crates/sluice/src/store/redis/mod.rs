@@ -18,7 +18,7 @@ mod sharded;
 
 pub use sharded::ShardedRedisStore;
 
-use super::{Refund, Store, StoreError, b64};
+use super::{Refund, RegistryOp, RegistryReply, Store, StoreError, b64};
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::tag::Tag;
 use crate::time::Millis;
@@ -44,12 +44,15 @@ impl Script {
     }
 }
 
-/// The four scripts, each the prelude and `lib.lua` followed by its body.
+/// The scripts: those that run the algorithms are the prelude and `lib.lua` followed by
+/// their body.
 struct Scripts {
     apply: Script,
     peek: Script,
     refund: Script,
     release: Script,
+    reset: Script,
+    registry: Script,
 }
 
 const LIB: &str = include_str!("lua/lib.lua");
@@ -63,6 +66,8 @@ impl Scripts {
             peek: Script::new(format!("#!lua flags=no-writes\n{lib}{}", include_str!("lua/peek.lua"))),
             refund: Script::new(format!("{lib}{}", include_str!("lua/refund.lua"))),
             release: Script::new(include_str!("lua/release.lua").to_string()),
+            reset: Script::new(include_str!("lua/reset.lua").to_string()),
+            registry: Script::new(include_str!("lua/registry.lua").to_string()),
         }
     }
 }
@@ -158,6 +163,9 @@ impl Location {
 /// every state about a byte (19 characters cost 105 bytes a state at 100k clients, 12
 /// cost 100: docs/benchmarks.md).
 const FIELD_CHARS: u32 = 12;
+
+/// The registry (see [`RegistryOp`]): a hash of overrides and its version, in one slot.
+const REGISTRY_KEYS: [&str; 2] = ["sluice:{registry}:overrides", "sluice:{registry}:version"];
 
 /// Buckets when the configuration names none: fewer than one state per bucket wastes
 /// the sharing, more than 128 turns a bucket from a listpack into a hash table (about 100
@@ -653,6 +661,56 @@ impl Store for RedisStore {
             }
         };
         self.writer.write(&self.writer.scripts.refund, &keys(&at), fill).await.map(|_| ())
+    }
+
+    async fn reset(&self, tag: Tag, ops: &[Op], _now: Millis) -> Result<(), StoreError> {
+        let at = self.locate(tag, ops.iter().map(|o| (o.key, &o.limit)));
+        let fill = |cmd: &mut Cmd| {
+            for l in &at {
+                cmd.arg(&l.field);
+            }
+        };
+        self.writer.write(&self.writer.scripts.reset, &keys(&at), fill).await.map(|_| ())
+    }
+
+    fn keeps_registry(&self) -> bool {
+        true
+    }
+
+    async fn registry(&self, op: RegistryOp) -> Result<RegistryReply, StoreError> {
+        let (action, id, value) = match &op {
+            RegistryOp::Read => ("read", "", ""),
+            RegistryOp::Version => ("version", "", ""),
+            RegistryOp::Touch => ("touch", "", ""),
+            RegistryOp::Put { id, value } => ("put", id.as_str(), value.as_str()),
+            RegistryOp::Remove { id, only_if } => ("remove", id.as_str(), only_if.as_deref().unwrap_or("")),
+        };
+        let fill = |cmd: &mut Cmd| {
+            cmd.arg(action).arg(id).arg(value);
+        };
+        let reply = match op {
+            RegistryOp::Read | RegistryOp::Version => self
+                .writer
+                .conn
+                .run(&self.writer.scripts.registry, false, &REGISTRY_KEYS, fill)
+                .await
+                .map_err(store_error)?,
+            _ => self.writer.write(&self.writer.scripts.registry, &REGISTRY_KEYS, fill).await?,
+        };
+        let bad = |e: redis::ParsingError| StoreError::protocol(format!("registry reply: {e}"));
+        let mut items: Vec<Value> = redis::from_redis_value(reply).map_err(bad)?;
+        if items.len() < 2 || items.len() % 2 != 0 {
+            return Err(StoreError::protocol(format!("registry reply of {} items", items.len())));
+        }
+        let rest = items.split_off(2);
+        let previous: Option<String> = redis::from_redis_value(items.pop().unwrap_or(Value::Nil)).map_err(bad)?;
+        let version: u64 = redis::from_redis_value(items.pop().unwrap_or(Value::Nil)).map_err(bad)?;
+        let mut entries = Vec::with_capacity(rest.len() / 2);
+        let mut rest = rest.into_iter();
+        while let (Some(id), Some(value)) = (rest.next(), rest.next()) {
+            entries.push((redis::from_redis_value(id).map_err(bad)?, redis::from_redis_value(value).map_err(bad)?));
+        }
+        Ok(RegistryReply { version, previous, entries })
     }
 
     async fn ready(&self) -> bool {

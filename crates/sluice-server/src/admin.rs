@@ -1,0 +1,284 @@
+//! The admin API, behind `server.admin_token`: stored overrides, inspecting and resetting
+//! a client, the migration percentage. Every change writes one audit line and counts in
+//! `sluice_admin_actions_total{action}` (docs/operations.md has the runbooks).
+
+use crate::http::{check_error, client_query, error};
+use crate::state::AppState;
+use axum::Router;
+use axum::body::{Body, to_bytes};
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde_json::{Value, json};
+use sluice::time::ceil_secs;
+use sluice::{Audit, Override, OverrideError, PolicyDecision, audit};
+use std::sync::Arc;
+
+type Shared = State<Arc<AppState>>;
+
+/// The admin routes, each answering 401 without the token.
+pub fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/v1/admin/migration", get(migration).put(set_migration))
+        .route("/v1/overrides", get(list_overrides))
+        .route("/v1/overrides/{id}", get(get_override).put(put_override).delete(delete_override))
+        .route("/v1/admin/clients", get(inspect).delete(reset))
+        .route_layer(axum::middleware::from_fn_with_state(state, require_token))
+}
+
+/// Lets through requests carrying `Authorization: Bearer <server.admin_token>`
+/// (compared in constant time); 401 for the rest.
+async fn require_token(
+    State(state): Shared,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let given = request.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
+    match state.admin_token.as_deref().is_some_and(|token| crate::state::bearer_is(given, token)) {
+        true => next.run(request).await,
+        false => crate::http::unauthorized_for("server.admin_token"),
+    }
+}
+
+/// Who acted, for the audit line: a fingerprint of the admin token (never the token).
+fn actor(state: &AppState) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    state.admin_token.hash(&mut h);
+    format!("admin_token:{:08x}", h.finish() >> 32)
+}
+
+fn log(state: &AppState, action: &str, target: &str, old: Option<String>, new: Option<String>, reason: &str) {
+    let by = actor(state);
+    audit(&Audit { action, target, old: old.as_deref(), new: new.as_deref(), reason, by: &by });
+}
+
+fn to_json(o: &Override) -> String {
+    serde_json::to_string(o).unwrap_or_default()
+}
+
+fn override_error(e: OverrideError) -> Response {
+    match e {
+        OverrideError::Invalid(m) => error(StatusCode::BAD_REQUEST, "bad_override", m),
+        OverrideError::Unsupported(e) => error(StatusCode::NOT_IMPLEMENTED, "overrides_unsupported", e.to_string()),
+        OverrideError::Store(e) => check_error(e.into()),
+    }
+}
+
+fn no_override(id: &str) -> Response {
+    error(StatusCode::NOT_FOUND, "unknown_override", format!("no override has the id '{id}'"))
+}
+
+fn bad_path(e: PathRejection) -> Response {
+    error(StatusCode::BAD_REQUEST, "bad_path", format!("the path is not readable: {e}"))
+}
+
+/// The overrides as the store holds them now (read again, so an instance answers what
+/// another has just set).
+async fn fresh(state: &AppState) -> Result<Arc<sluice::Overrides>, Response> {
+    let overrides = state.engine.load().limiter.overrides().clone();
+    if !overrides.supported() {
+        let message = "this store keeps no overrides; use a memory or redis store".to_string();
+        return Err(error(StatusCode::NOT_IMPLEMENTED, "overrides_unsupported", message));
+    }
+    overrides.refresh().await.map_err(|e| check_error(e.into()))?;
+    Ok(overrides)
+}
+
+/// `GET /v1/overrides[?domain=D]`: every stored override, by id.
+async fn list_overrides(State(state): Shared, query: Result<Query<Vec<(String, String)>>, QueryRejection>) -> Response {
+    let domain = match query {
+        Ok(Query(pairs)) => pairs.into_iter().find(|(k, _)| k == "domain").map(|(_, v)| v),
+        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_query", e.to_string()),
+    };
+    match fresh(&state).await {
+        Ok(o) => axum::Json(json!({"overrides": o.list(domain.as_deref())})).into_response(),
+        Err(resp) => resp,
+    }
+}
+
+/// `GET /v1/overrides/{id}`.
+async fn get_override(State(state): Shared, id: Result<Path<String>, PathRejection>) -> Response {
+    let Path(id) = match id {
+        Ok(id) => id,
+        Err(e) => return bad_path(e),
+    };
+    match fresh(&state).await {
+        Ok(o) => match o.get(&id) {
+            Some(found) => axum::Json(&*found).into_response(),
+            None => no_override(&id),
+        },
+        Err(resp) => resp,
+    }
+}
+
+/// `PUT /v1/overrides/{id}` with an override as JSON: stores it (replacing one of the
+/// same id) after checking it against the rules; 200 with the stored override.
+async fn put_override(State(state): Shared, id: Result<Path<String>, PathRejection>, body: Body) -> Response {
+    let Path(id) = match id {
+        Ok(id) => id,
+        Err(e) => return bad_path(e),
+    };
+    let Ok(bytes) = to_bytes(body, 64 * 1024).await else {
+        return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "an override is at most 64 KiB".into());
+    };
+    let o: Override = match serde_json::from_slice(&bytes) {
+        Ok(o) => o,
+        Err(e) => {
+            let message = format!(
+                "the body is not an override: {e} (send {{\"domain\", \"entries\": [{{\"key\", \"value\"}}], \"limit\", optional \"policy\", \"window\", \"rate\", \"expires_at_ms\", \"reason\"}})"
+            );
+            return error(StatusCode::BAD_REQUEST, "invalid_json", message);
+        }
+    };
+    if !o.id.is_empty() && o.id != id {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "bad_override",
+            format!("the body's id '{}' is not the path's '{id}'", o.id),
+        );
+    }
+    let o = Override { id: id.clone(), set_by: actor(&state), ..o };
+    let limiter = &state.engine.load().limiter;
+    match limiter.set_override(o).await {
+        Ok(previous) => {
+            let stored = limiter.overrides().get(&id);
+            let new = stored.as_deref().map(to_json);
+            let reason = stored.as_ref().map_or("", |o| o.reason.as_str());
+            log(&state, "override_set", &id, previous.as_ref().map(to_json), new, reason);
+            axum::Json(json!(stored)).into_response()
+        }
+        Err(e) => override_error(e),
+    }
+}
+
+/// `DELETE /v1/overrides/{id}`: 200 with the override removed, 404 when there was none.
+async fn delete_override(State(state): Shared, id: Result<Path<String>, PathRejection>) -> Response {
+    let Path(id) = match id {
+        Ok(id) => id,
+        Err(e) => return bad_path(e),
+    };
+    match state.engine.load().limiter.remove_override(&id).await {
+        Ok(Some(removed)) => {
+            log(&state, "override_removed", &id, Some(to_json(&removed)), None, &removed.reason);
+            axum::Json(removed).into_response()
+        }
+        Ok(None) => no_override(&id),
+        Err(e) => override_error(e),
+    }
+}
+
+/// One policy's stored state, as inspect shows it.
+fn policy_json(p: &PolicyDecision) -> Value {
+    let d = &p.decision;
+    let mut v = json!({
+        "policy": &*p.name,
+        "algorithm": p.limit.algorithm(),
+        "limit": d.limit,
+        "used": d.used,
+        "remaining": d.remaining,
+        "reset": ceil_secs(d.reset_at),
+        "reset_at_ms": d.reset_at,
+        "shadow": p.shadow,
+        "override": p.overridden_by.as_deref(),
+    });
+    match p.limit {
+        sluice::algo::Limit::TokenBucket { .. } => v["tokens"] = json!(d.remaining),
+        sluice::algo::Limit::Concurrency { .. } => v["leases_held"] = json!(d.used),
+        _ => {}
+    }
+    v
+}
+
+/// `GET /v1/admin/clients?domain=D&KEY=VALUE...`: every policy the client's descriptor
+/// matches, its stored state and the override in force. Never charges.
+async fn inspect(State(state): Shared, query: Result<Query<Vec<(String, String)>>, QueryRejection>) -> Response {
+    let (req, _) = match client_query(query, None) {
+        Ok(q) => q,
+        Err(resp) => return *resp,
+    };
+    match state.engine.load().limiter.status(&req).await {
+        Ok(v) => {
+            let policies: Vec<Value> = v.descriptors.iter().flat_map(|d| d.policies.iter().map(policy_json)).collect();
+            let matched = v.descriptors.iter().any(|d| d.matched);
+            let entries = &req.descriptors[0].entries;
+            axum::Json(json!({"domain": req.domain, "entries": entries, "matched": matched, "policies": policies}))
+                .into_response()
+        }
+        Err(e) => check_error(e),
+    }
+}
+
+/// `DELETE /v1/admin/clients?domain=D&KEY=VALUE...[&policy=NAME]`: forgets the client's
+/// state for every policy (or the one named), atomically per client; answers once every
+/// instance has dropped the client from its near-cache.
+async fn reset(State(state): Shared, query: Result<Query<Vec<(String, String)>>, QueryRejection>) -> Response {
+    let (req, policy) = match client_query(query, Some("policy")) {
+        Ok(q) => q,
+        Err(resp) => return *resp,
+    };
+    match state.engine.load().limiter.reset(&req, policy.as_deref()).await {
+        Ok(names) if names.is_empty() => {
+            let message = match &policy {
+                Some(p) => format!("policy '{p}' does not apply to this client"),
+                None => "no limit applies to this client".into(),
+            };
+            error(StatusCode::NOT_FOUND, "nothing_to_reset", message)
+        }
+        Ok(names) => {
+            let entries: Vec<String> =
+                req.descriptors[0].entries.iter().map(|e| format!("{}={}", e.key, e.value)).collect();
+            let target = format!("{}:{}", req.domain, entries.join(","));
+            let names: Vec<&str> = names.iter().map(|n| &**n).collect();
+            log(&state, "client_reset", &target, None, Some(json!({"reset": names}).to_string()), "");
+            tokio::time::sleep(sluice::overrides::PROPAGATION).await;
+            axum::Json(json!({"domain": req.domain, "reset": names})).into_response()
+        }
+        Err(e) => check_error(e),
+    }
+}
+
+/// `GET /v1/admin/migration`: the migrating store's percentage.
+async fn migration(State(state): Shared) -> Response {
+    match &*state.migration.load() {
+        Some(m) => axum::Json(json!({"percent": m.percent()})).into_response(),
+        None => error(StatusCode::CONFLICT, "not_migrating", "store.kind is not migrating".into()),
+    }
+}
+
+/// `PUT /v1/admin/migration` with `{"percent": N}`: moves the share of clients on the
+/// migrating store's `to` backend, live. The next config reload that changes `percent`
+/// sets it again.
+async fn set_migration(State(state): Shared, body: Body) -> Response {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct PercentBody {
+        percent: u8,
+    }
+    let Ok(bytes) = to_bytes(body, 1024).await else {
+        return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", "send {\"percent\": N}".into());
+    };
+    let percent = match serde_json::from_slice::<PercentBody>(&bytes) {
+        Ok(b) if b.percent <= 100 => b.percent,
+        Ok(b) => return error(StatusCode::BAD_REQUEST, "bad_percent", format!("percent {} is above 100", b.percent)),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_json",
+                format!("send {{\"percent\": N}} with N from 0 to 100: {e}"),
+            );
+        }
+    };
+    match &*state.migration.load() {
+        Some(m) => {
+            let previous = m.percent();
+            m.set_percent(percent);
+            let (old, new) = (Some(previous.to_string()), Some(percent.to_string()));
+            log(&state, "migration_percent", "store.percent", old, new, "");
+            axum::Json(json!({"percent": percent, "previous": previous})).into_response()
+        }
+        None => error(StatusCode::CONFLICT, "not_migrating", "store.kind is not migrating".into()),
+    }
+}

@@ -1,0 +1,309 @@
+//! `sluice admin ...`: the admin API from the command line, against a running server
+//! (`--server URL`, the token from `SLUICE_ADMIN_TOKEN` or `--token-file`). Prints for
+//! people by default, the server's JSON with `--json`; exits 1 with the server's message
+//! when it refuses.
+
+use clap::{Args as ClapArgs, Subcommand};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use serde_json::{Value, json};
+use std::path::PathBuf;
+
+#[derive(Debug, ClapArgs)]
+pub struct Args {
+    /// The server's HTTP address.
+    #[arg(long, global = true, default_value = "http://127.0.0.1:8080")]
+    pub server: String,
+    /// A file holding the admin token (else the SLUICE_ADMIN_TOKEN environment variable).
+    #[arg(long, global = true)]
+    pub token_file: Option<PathBuf>,
+    /// Print the server's JSON answer instead of text for people.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: AdminCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AdminCommand {
+    /// Stored overrides: other limits for some clients, in force fleet-wide within 1 s.
+    #[command(subcommand)]
+    Override(OverrideCommand),
+    /// Show a client's stored state for every policy its descriptor matches (charges
+    /// nothing).
+    Inspect(Client),
+    /// Forget a client's state (every policy, or `--policy NAME`): its next request sees
+    /// the full limit on every instance.
+    Reset {
+        #[command(flatten)]
+        client: Client,
+        /// Only this policy.
+        #[arg(long)]
+        policy: Option<String>,
+    },
+}
+
+/// A client: a domain and its descriptor's entries, in order.
+#[derive(Debug, ClapArgs)]
+pub struct Client {
+    /// The domain.
+    #[arg(long)]
+    pub domain: String,
+    /// The descriptor's entries, KEY=VALUE, in order.
+    #[arg(required = true, value_parser = entry)]
+    pub entries: Vec<(String, String)>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum OverrideCommand {
+    /// Set (or replace) the override ID.
+    Set {
+        /// The override's id: letters, digits and _ . - : @.
+        id: String,
+        #[arg(long)]
+        domain: String,
+        /// The descriptor's entries, KEY=VALUE, in order; a VALUE ending in * is a prefix.
+        #[arg(long = "entry", required = true, value_parser = entry)]
+        entries: Vec<(String, String)>,
+        /// The new limit (a window's requests, a bucket's burst, concurrent leases).
+        #[arg(long)]
+        limit: u64,
+        /// Only this policy (default: every policy the entries match).
+        #[arg(long)]
+        policy: Option<String>,
+        /// A fixed window's new length, like 1h.
+        #[arg(long, value_parser = crate::cli::duration)]
+        window: Option<sluice::config::Duration>,
+        /// A token bucket's new rate.
+        #[arg(long)]
+        rate: Option<u64>,
+        /// Lapse after this long, like 2h.
+        #[arg(long, value_parser = crate::cli::duration, conflicts_with = "expires_at_ms")]
+        expires_in: Option<sluice::config::Duration>,
+        /// Lapse at this time, in ms since the epoch.
+        #[arg(long)]
+        expires_at_ms: Option<u64>,
+        /// Why, for the audit log and the next operator.
+        #[arg(long, default_value = "")]
+        reason: String,
+    },
+    /// Show the override ID.
+    Get { id: String },
+    /// List the overrides (of one domain with --domain).
+    List {
+        #[arg(long)]
+        domain: Option<String>,
+    },
+    /// Remove the override ID.
+    Rm { id: String },
+}
+
+fn entry(s: &str) -> Result<(String, String), String> {
+    s.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).ok_or_else(|| format!("`{s}` is not KEY=VALUE"))
+}
+
+/// Why an admin command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("no admin token: set SLUICE_ADMIN_TOKEN or pass --token-file")]
+    NoToken,
+    #[error("cannot read --token-file {path}: {source}")]
+    TokenFile { path: String, source: std::io::Error },
+    #[error("--server {0} is not http://HOST:PORT")]
+    Server(String),
+    #[error("cannot reach {server}: {reason}")]
+    Unreachable { server: String, reason: String },
+    #[error("the server answered {status}: {message}")]
+    Refused { status: u16, message: String },
+}
+
+/// Runs one admin command.
+pub async fn run(args: Args) -> Result<(), AdminError> {
+    let token = match &args.token_file {
+        Some(p) => std::fs::read_to_string(p)
+            .map_err(|source| AdminError::TokenFile { path: p.display().to_string(), source })?
+            .trim()
+            .to_string(),
+        None => std::env::var("SLUICE_ADMIN_TOKEN").map_err(|_| AdminError::NoToken)?,
+    };
+    let client = Http { server: args.server.trim_end_matches('/').to_string(), token };
+    let (method, path, body) = request(&args.command);
+    let answer = client.call(method, &path, body).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&answer).unwrap_or_default());
+    } else {
+        print!("{}", human(&args.command, &answer));
+    }
+    Ok(())
+}
+
+/// The method, path and body of a command.
+fn request(c: &AdminCommand) -> (&'static str, String, Option<Value>) {
+    match c {
+        AdminCommand::Override(o) => match o {
+            OverrideCommand::Set {
+                id,
+                domain,
+                entries,
+                limit,
+                policy,
+                window,
+                rate,
+                expires_in,
+                expires_at_ms,
+                reason,
+            } => {
+                let now = sluice::time::Clock::now(&sluice::time::SystemClock);
+                let expires = expires_at_ms.or(expires_in.map(|d| now + d.0));
+                let entries: Vec<Value> = entries.iter().map(|(k, v)| json!({"key": k, "value": v})).collect();
+                let mut body = json!({"domain": domain, "entries": entries, "limit": limit, "reason": reason});
+                for (key, value) in [
+                    ("policy", policy.as_ref().map(|p| json!(p))),
+                    ("window", window.map(|w| json!(w.to_string()))),
+                    ("rate", rate.map(|r| json!(r))),
+                    ("expires_at_ms", expires.map(|t| json!(t))),
+                ] {
+                    if let Some(v) = value {
+                        body[key] = v;
+                    }
+                }
+                ("PUT", format!("/v1/overrides/{}", encode(id)), Some(body))
+            }
+            OverrideCommand::Get { id } => ("GET", format!("/v1/overrides/{}", encode(id)), None),
+            OverrideCommand::List { domain } => {
+                let query = domain.as_ref().map(|d| format!("?domain={}", encode(d))).unwrap_or_default();
+                ("GET", format!("/v1/overrides{query}"), None)
+            }
+            OverrideCommand::Rm { id } => ("DELETE", format!("/v1/overrides/{}", encode(id)), None),
+        },
+        AdminCommand::Inspect(client) => ("GET", format!("/v1/admin/clients?{}", client_query(client, None)), None),
+        AdminCommand::Reset { client, policy } => {
+            ("DELETE", format!("/v1/admin/clients?{}", client_query(client, policy.as_deref())), None)
+        }
+    }
+}
+
+fn client_query(c: &Client, policy: Option<&str>) -> String {
+    let mut q = format!("domain={}", encode(&c.domain));
+    for (k, v) in &c.entries {
+        q.push_str(&format!("&{}={}", encode(k), encode(v)));
+    }
+    if let Some(p) = policy {
+        q.push_str(&format!("&policy={}", encode(p)));
+    }
+    q
+}
+
+/// Percent-encodes all but RFC 3986's unreserved characters.
+fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// An answer for people.
+fn human(c: &AdminCommand, v: &Value) -> String {
+    let line = |o: &Value| {
+        let entries: Vec<String> = o["entries"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|e| format!("{}={}", e["key"].as_str().unwrap_or(""), e["value"].as_str().unwrap_or("")))
+            .collect();
+        let mut s = format!(
+            "{}  domain={} {}  limit={}",
+            o["id"].as_str().unwrap_or(""),
+            o["domain"].as_str().unwrap_or(""),
+            entries.join(","),
+            o["limit"]
+        );
+        for key in ["policy", "window", "rate", "expires_at_ms", "reason"] {
+            match &o[key] {
+                Value::Null => {}
+                Value::String(t) if t.is_empty() => {}
+                Value::String(t) => s.push_str(&format!("  {key}={t}")),
+                other => s.push_str(&format!("  {key}={other}")),
+            }
+        }
+        s + "\n"
+    };
+    match c {
+        AdminCommand::Override(OverrideCommand::List { .. }) => {
+            let all = v["overrides"].as_array().cloned().unwrap_or_default();
+            match all.is_empty() {
+                true => "no overrides\n".into(),
+                false => all.iter().map(line).collect(),
+            }
+        }
+        AdminCommand::Override(OverrideCommand::Rm { .. }) => format!("removed {}", line(v)),
+        AdminCommand::Override(_) => line(v),
+        AdminCommand::Inspect(_) => inspected(v),
+        AdminCommand::Reset { .. } => {
+            let names: Vec<&str> = v["reset"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+            format!("reset {} on every instance\n", names.join(", "))
+        }
+    }
+}
+
+/// A client's state, for people.
+fn inspected(v: &Value) -> String {
+    let mut out = String::new();
+    if v["matched"] == json!(false) {
+        out.push_str("no rule matches this descriptor: it is not limited\n");
+    }
+    for p in v["policies"].as_array().into_iter().flatten() {
+        let by = match &p["override"] {
+            Value::Null => String::new(),
+            o => format!("  (override {})", o["id"].as_str().unwrap_or("")),
+        };
+        out.push_str(&format!(
+            "{:<20} {:<15} used {}/{}  remaining {}  reset {}{by}\n",
+            p["policy"].as_str().unwrap_or(""),
+            p["algorithm"].as_str().unwrap_or(""),
+            p["used"],
+            p["limit"],
+            p["remaining"],
+            p["reset"],
+        ));
+    }
+    out
+}
+
+struct Http {
+    server: String,
+    token: String,
+}
+
+impl Http {
+    /// One request over a fresh connection; the answer's JSON, or the server's error.
+    async fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value, AdminError> {
+        let authority = self.server.strip_prefix("http://").ok_or_else(|| AdminError::Server(self.server.clone()))?;
+        let unreachable = |reason: String| AdminError::Unreachable { server: self.server.clone(), reason };
+        let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| unreachable(e.to_string()))?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        tokio::spawn(conn);
+        let bytes = body.map(|b| b.to_string()).unwrap_or_default();
+        let request = hyper::Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", authority)
+            .header("authorization", format!("Bearer {}", self.token))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(bytes)))
+            .map_err(|e| unreachable(e.to_string()))?;
+        let response = sender.send_request(request).await.map_err(|e| unreachable(e.to_string()))?;
+        let status = response.status().as_u16();
+        let body = response.into_body().collect().await.map_err(|e| unreachable(e.to_string()))?.to_bytes();
+        let value: Value = serde_json::from_slice(&body).unwrap_or_else(|_| json!(String::from_utf8_lossy(&body)));
+        if status >= 300 {
+            let message = value["error"]["message"].as_str().map(str::to_string).unwrap_or_else(|| value.to_string());
+            return Err(AdminError::Refused { status, message });
+        }
+        Ok(value)
+    }
+}

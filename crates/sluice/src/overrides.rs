@@ -1,0 +1,531 @@
+//! Stored overrides: other limits for some clients, set and removed live, in force on
+//! every instance of the fleet.
+//!
+//! GitHub gives an app installation more than a user, and its support staff raise one
+//! customer's limit without a deploy; Stripe raises limits for particular users. An
+//! [`Override`] names a domain and a descriptor (exact values, or a value ending in `*`
+//! for every value it prefixes) and replaces the limit of one (`policy`) or every policy
+//! that descriptor matches, optionally until an expiry time.
+//!
+//! Where they live: in the store's registry ([`crate::store::RegistryOp`]), beside the
+//! counters, so the fleet shares one truth (a hash and a version counter in Redis, in one
+//! slot of a cluster; process memory for the memory store). Where they are read: never
+//! on the hot path. Each instance keeps the whole set in memory, indexed for matching,
+//! and [`Overrides::watch`] reads the version every [`REFRESH`] and the set only when
+//! the version moved; a decision costs one lock-free pointer load, and when its domain
+//! has overrides, one hash lookup per descriptor. An override changes only which limit
+//! an op carries: the decision is still the one atomic store call it was.
+//!
+//! Precedence, for one policy of one descriptor: an exact override beats a prefix one;
+//! among prefix overrides the one with more exact entries, then the longer prefix; then
+//! one naming the policy beats one for every policy; then the one set last. Config
+//! `replaces` are applied first: an override replaces limits of the policies that are
+//! left. Stored state is keyed without the limit, so a client's usage stays when an
+//! override raises or lowers its limit mid-window.
+
+use crate::algo::{Limit, MAX_EXACT};
+use crate::config::Duration;
+use crate::request::Entry;
+use crate::store::{RegistryOp, RegistryReply, Store, StoreError};
+use crate::time::{Clock, Millis};
+use arc_swap::ArcSwap;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// How often an instance looks at the registry's version.
+pub const REFRESH: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// How long after a change every watching instance has seen it: two looks at the
+/// version and the read of the set. A reset answers only after this, so when it
+/// returns no instance's near-cache still refuses the client.
+pub const PROPAGATION: std::time::Duration = std::time::Duration::from_millis(600);
+
+/// Other limits for the clients one descriptor names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Override {
+    /// Its name, chosen by whoever sets it (`PUT /v1/overrides/{id}`).
+    #[serde(default)]
+    pub id: String,
+    pub domain: String,
+    /// The descriptor's entries, in order; a value ending in `*` matches every value it
+    /// prefixes.
+    pub entries: Vec<Entry>,
+    /// The new limit: requests per window, a token bucket's burst, or concurrent leases.
+    pub limit: u64,
+    /// The one policy it replaces; None: every policy the descriptor matches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
+    /// A fixed window's new length (from the client's next window: the stored reset stays).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<Duration>,
+    /// A token bucket's new rate, in tokens per the bucket's `per`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<u64>,
+    /// When it lapses, in ms since the epoch; None: until removed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at_ms: Option<Millis>,
+    /// Why, in words, for the next operator and the audit log.
+    #[serde(default)]
+    pub reason: String,
+    /// When it was stored, in ms since the epoch (set by [`crate::Limiter::set_override`]).
+    #[serde(default)]
+    pub set_at_ms: Millis,
+    /// Who stored it: an identifier of the credential used, never the credential.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub set_by: String,
+}
+
+impl Override {
+    /// Whether it replaces the limit of the policy named `policy`.
+    fn names(&self, policy: &str) -> bool {
+        self.policy.as_deref().is_none_or(|p| p == policy)
+    }
+
+    /// Whether it has lapsed at `now`.
+    pub fn expired(&self, now: Millis) -> bool {
+        self.expires_at_ms.is_some_and(|t| now >= t)
+    }
+
+    /// Whether its entries name the descriptor `entries`.
+    fn matches(&self, entries: &[(&str, &str)]) -> bool {
+        self.entries.len() == entries.len()
+            && self.entries.iter().zip(entries).all(|(e, (k, v))| {
+                e.key == *k
+                    && match e.value.strip_suffix('*') {
+                        Some(prefix) => v.starts_with(prefix),
+                        None => e.value == *v,
+                    }
+            })
+    }
+
+    fn exact(&self) -> bool {
+        !self.entries.iter().any(|e| e.value.ends_with('*'))
+    }
+
+    /// Its rank among overrides that match one descriptor: higher wins.
+    fn rank(&self) -> (bool, usize, usize, bool, Millis) {
+        let exact_entries = self.entries.iter().filter(|e| !e.value.ends_with('*')).count();
+        let literal: usize = self.entries.iter().map(|e| e.value.trim_end_matches('*').len()).sum();
+        (self.exact(), exact_entries, literal, self.policy.is_some(), self.set_at_ms)
+    }
+
+    /// The limit `base` becomes under this override. Only what fits the algorithm
+    /// changes: `window` a fixed window's, `rate` a token bucket's.
+    pub fn limit_for(&self, base: Limit) -> Limit {
+        match base {
+            Limit::FixedWindow { window, aligned, .. } => {
+                Limit::FixedWindow { limit: self.limit, window: self.window.map_or(window, |w| w.0), aligned }
+            }
+            Limit::SlidingWindow { window, .. } => Limit::SlidingWindow { limit: self.limit, window },
+            Limit::TokenBucket { rate, per, .. } => {
+                Limit::TokenBucket { rate: self.rate.unwrap_or(rate), per, burst: self.limit }
+            }
+            Limit::Concurrency { lease_ttl, .. } => Limit::Concurrency { limit: self.limit, lease_ttl },
+        }
+    }
+
+    /// What is wrong with it on its own (ids, sizes, bounds), before any rule is asked.
+    pub fn check(&self, now: Millis) -> Result<(), String> {
+        let id_ok = !self.id.is_empty()
+            && self.id.len() <= 128
+            && self.id.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-:@".contains(&b));
+        if !id_ok {
+            return Err(format!(
+                "override id {:?} must be 1 to 128 characters of letters, digits and _ . - : @",
+                self.id.chars().take(140).collect::<String>()
+            ));
+        }
+        if self.entries.is_empty() {
+            return Err("`entries` must name at least one {\"key\", \"value\"}".into());
+        }
+        if self.limit == 0 {
+            return Err("`limit` must be at least 1".into());
+        }
+        if self.limit > MAX_EXACT {
+            return Err(format!(
+                "`limit` {} is above 2^53 - 1 ({MAX_EXACT}), the largest count kept exactly",
+                self.limit
+            ));
+        }
+        if self.expires_at_ms.is_some_and(|t| t <= now) {
+            return Err(format!("`expires_at_ms` is not in the future (now is {now})"));
+        }
+        if self.reason.len() > 1024 {
+            return Err("`reason` is longer than 1024 bytes".into());
+        }
+        Ok(())
+    }
+}
+
+/// The overrides of one domain, indexed for matching.
+#[derive(Debug, Default)]
+pub(crate) struct DomainOverrides {
+    /// Overrides without a prefix, by a hash of their entries.
+    exact: HashMap<u64, Vec<Arc<Override>>>,
+    /// Overrides with a prefix, best rank first.
+    prefixed: Vec<Arc<Override>>,
+}
+
+fn entries_hash<'a>(entries: impl Iterator<Item = (&'a str, &'a str)>) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for (k, v) in entries {
+        (k, v).hash(&mut h);
+    }
+    h.finish()
+}
+
+impl DomainOverrides {
+    /// The override in force at `now` for policy `policy` of the descriptor `entries`.
+    pub(crate) fn find(&self, entries: &[(&str, &str)], policy: &str, now: Millis) -> Option<&Arc<Override>> {
+        let usable = |o: &&Arc<Override>| o.names(policy) && !o.expired(now) && o.matches(entries);
+        let exact = self.exact.get(&entries_hash(entries.iter().copied()));
+        // the bucket of one descriptor, best rank first: the first usable one
+        exact.into_iter().flatten().find(usable).or_else(|| self.prefixed.iter().find(usable))
+    }
+}
+
+/// Every override, as one instance holds them.
+#[derive(Debug, Default)]
+pub(crate) struct OverrideSet {
+    /// Each override and the text it is stored as (what an expiry removes, only if
+    /// unchanged).
+    by_id: BTreeMap<String, (Arc<Override>, String)>,
+    domains: HashMap<String, DomainOverrides>,
+}
+
+impl OverrideSet {
+    fn new(stored: Vec<(Override, String)>) -> Self {
+        let mut set = Self::default();
+        for (o, text) in stored {
+            let o = Arc::new(o);
+            let d = set.domains.entry(o.domain.clone()).or_default();
+            match o.exact() {
+                true => {
+                    let key = entries_hash(o.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())));
+                    d.exact.entry(key).or_default().push(o.clone());
+                }
+                false => d.prefixed.push(o.clone()),
+            }
+            set.by_id.insert(o.id.clone(), (o, text));
+        }
+        let best_first = |a: &Arc<Override>, b: &Arc<Override>| b.rank().cmp(&a.rank()).then(a.id.cmp(&b.id));
+        for d in set.domains.values_mut() {
+            d.prefixed.sort_by(best_first);
+            for bucket in d.exact.values_mut() {
+                bucket.sort_by(best_first);
+            }
+        }
+        set
+    }
+
+    /// The overrides of `domain`, if it has any.
+    pub(crate) fn domain(&self, domain: &str) -> Option<&DomainOverrides> {
+        if self.domains.is_empty() {
+            return None;
+        }
+        self.domains.get(domain)
+    }
+}
+
+/// Why an override was not stored.
+#[derive(Debug, thiserror::Error)]
+pub enum OverrideError {
+    /// The override is malformed or fits no rule: the message says what to change.
+    #[error("{0}")]
+    Invalid(String),
+    /// The store keeps no overrides (Memcached).
+    #[error("{0}")]
+    Unsupported(StoreError),
+    /// The store did not answer.
+    #[error(transparent)]
+    Store(StoreError),
+}
+
+impl From<StoreError> for OverrideError {
+    fn from(e: StoreError) -> Self {
+        OverrideError::Store(e)
+    }
+}
+
+/// The fleet's overrides as this instance holds them, and the way to change them.
+pub struct Overrides {
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    set: ArcSwap<OverrideSet>,
+    /// The registry version the set was read at.
+    version: AtomicU64,
+    /// Moves whenever the set is read anew or a client is reset here: what tells the
+    /// near-cache its refusals may be stale.
+    generation: AtomicU64,
+    /// One refresh at a time, so an older read never replaces a newer one.
+    refreshing: tokio::sync::Mutex<()>,
+}
+
+impl std::fmt::Debug for Overrides {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Overrides").field("version", &self.version).field("len", &self.len()).finish()
+    }
+}
+
+impl Overrides {
+    /// The overrides kept in `store`'s registry; empty until [`Overrides::refresh`].
+    pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            clock,
+            set: ArcSwap::from_pointee(OverrideSet::default()),
+            version: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
+            refreshing: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    pub(crate) fn current(&self) -> arc_swap::Guard<Arc<OverrideSet>> {
+        self.set.load()
+    }
+
+    /// Moves whenever what this instance knows may have changed under its near-cache.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Whether the store keeps overrides (the memory and Redis stores do, Memcached not).
+    pub fn supported(&self) -> bool {
+        self.store.keeps_registry()
+    }
+
+    /// How many overrides are held.
+    pub fn len(&self) -> usize {
+        self.set.load().by_id.len()
+    }
+
+    /// Whether none are held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The overrides held, by id; of one domain when `domain` is given.
+    pub fn list(&self, domain: Option<&str>) -> Vec<Arc<Override>> {
+        let set = self.set.load();
+        set.by_id.values().map(|(o, _)| o.clone()).filter(|o| domain.is_none_or(|d| o.domain == d)).collect()
+    }
+
+    /// The override `id`, if held.
+    pub fn get(&self, id: &str) -> Option<Arc<Override>> {
+        self.set.load().by_id.get(id).map(|(o, _)| o.clone())
+    }
+
+    /// Reads the registry's version, and the whole set when it moved. Returns whether it
+    /// had moved.
+    pub async fn refresh(&self) -> Result<bool, StoreError> {
+        let _one = self.refreshing.lock().await;
+        let version = self.store.registry(RegistryOp::Version).await?.version;
+        if version == self.version.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        let read = self.store.registry(RegistryOp::Read).await?;
+        self.install(read);
+        Ok(true)
+    }
+
+    fn install(&self, read: RegistryReply) {
+        let mut stored = Vec::with_capacity(read.entries.len());
+        for (id, text) in read.entries {
+            match serde_json::from_str::<Override>(&text) {
+                Ok(o) => stored.push((Override { id, ..o }, text)),
+                Err(e) => tracing::warn!(id = %id, error = %e, "a stored override cannot be read; it is not applied"),
+            }
+        }
+        metrics::gauge!(crate::telemetry::names::OVERRIDES).set(stored.len() as f64);
+        self.set.store(Arc::new(OverrideSet::new(stored)));
+        self.version.store(read.version, Ordering::Release);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Stores `o` under its id (replacing the override of that id), as it is: no rule is
+    /// consulted (see [`crate::Limiter::set_override`], which checks it against the rules).
+    /// In force here at once, on every watching instance within [`PROPAGATION`].
+    /// Returns the override it replaced.
+    pub async fn put(&self, o: &Override) -> Result<Option<Override>, OverrideError> {
+        let value = serde_json::to_string(o).map_err(|e| OverrideError::Invalid(e.to_string()))?;
+        let reply = self.write(RegistryOp::Put { id: o.id.clone(), value }).await?;
+        Ok(reply.previous.and_then(|p| serde_json::from_str(&p).ok()))
+    }
+
+    /// Removes the override `id`. Returns it, or None when there was none.
+    pub async fn remove(&self, id: &str) -> Result<Option<Override>, OverrideError> {
+        let reply = self.write(RegistryOp::Remove { id: id.to_string(), only_if: None }).await?;
+        Ok(reply.previous.and_then(|p| serde_json::from_str(&p).ok()).map(|o| Override { id: id.to_string(), ..o }))
+    }
+
+    /// Tells every instance that state changed under their near-caches (a reset).
+    pub(crate) async fn touch(&self) -> Result<(), StoreError> {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        if self.store.keeps_registry() {
+            self.store.registry(RegistryOp::Touch).await?;
+        }
+        Ok(())
+    }
+
+    async fn write(&self, op: RegistryOp) -> Result<RegistryReply, OverrideError> {
+        if !self.store.keeps_registry() {
+            let kind = self.store.kind();
+            return Err(OverrideError::Unsupported(StoreError::protocol(format!(
+                "the {kind} store keeps no overrides; use a memory or redis store"
+            ))));
+        }
+        let reply = self.store.registry(op).await?;
+        // in force here now; a failed read is retried by the watcher
+        if let Err(e) = self.refresh().await {
+            tracing::warn!(error = %e, "an override was stored but could not be read back yet");
+        }
+        Ok(reply)
+    }
+
+    /// Removes the overrides that have lapsed, each by one instance of the fleet (the one
+    /// whose conditional remove finds it unchanged), which writes the audit line.
+    pub async fn expire(&self) -> Result<(), StoreError> {
+        let now = self.clock.now();
+        let lapsed: Vec<(Arc<Override>, String)> =
+            self.set.load().by_id.values().filter(|(o, _)| o.expired(now)).cloned().collect();
+        for (o, text) in lapsed {
+            let removed = self.store.registry(RegistryOp::Remove { id: o.id.clone(), only_if: Some(text) }).await?;
+            if removed.previous.is_some() {
+                crate::telemetry::audit(&crate::telemetry::Audit {
+                    action: "override_expired",
+                    target: &o.id,
+                    old: serde_json::to_string(&*o).ok().as_deref(),
+                    new: None,
+                    reason: &o.reason,
+                    by: "expiry",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps this instance's set current: every `every` ([`REFRESH`] is what
+    /// [`PROPAGATION`] assumes), reads the version and, when it moved, the set; removes
+    /// lapsed overrides. Runs on the current tokio runtime until `self` is dropped; a
+    /// store that cannot be read keeps the last set read in force (logged once).
+    pub fn watch(self: &Arc<Self>, every: std::time::Duration) {
+        if !self.store.keeps_registry() || tokio::runtime::Handle::try_current().is_err() {
+            return;
+        }
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut failing = false;
+            loop {
+                tick.tick().await;
+                let Some(me) = me.upgrade() else { return };
+                let result = match me.refresh().await {
+                    Ok(_) => me.expire().await,
+                    Err(e) => Err(e),
+                };
+                match result {
+                    Err(e) if !failing => {
+                        tracing::warn!(error = %e, "cannot read the stored overrides; the last ones read stay in force");
+                        failing = true;
+                    }
+                    Ok(()) if failing => {
+                        tracing::info!("the stored overrides can be read again");
+                        failing = false;
+                    }
+                    _ => {}
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn o(id: &str, entries: &[(&str, &str)], policy: Option<&str>, limit: u64) -> (Override, String) {
+        let entries = entries.iter().map(|(k, v)| Entry { key: k.to_string(), value: v.to_string() }).collect();
+        let o = Override {
+            id: id.into(),
+            domain: "api".into(),
+            entries,
+            limit,
+            policy: policy.map(Into::into),
+            window: None,
+            rate: None,
+            expires_at_ms: None,
+            reason: String::new(),
+            set_at_ms: 1,
+            set_by: String::new(),
+        };
+        let text = serde_json::to_string(&o).unwrap();
+        (o, text)
+    }
+
+    fn winner(set: &OverrideSet, entries: &[(&str, &str)], policy: &str) -> Option<String> {
+        set.domain("api")?.find(entries, policy, 10).map(|o| o.id.clone())
+    }
+
+    #[test]
+    fn exact_beats_longer_prefix_beats_shorter_and_a_named_policy_beats_all() {
+        let set = OverrideSet::new(vec![
+            o("acme-all", &[("user", "acme*")], None, 10),
+            o("acme-corp", &[("user", "acme-corp*")], None, 20),
+            o("acme-corp-minute", &[("user", "acme-corp*")], Some("minute"), 30),
+            o("alice", &[("user", "acme-corp-alice")], None, 40),
+        ]);
+        assert_eq!(winner(&set, &[("user", "acme-corp-alice")], "minute").as_deref(), Some("alice"));
+        assert_eq!(winner(&set, &[("user", "acme-corp-bob")], "minute").as_deref(), Some("acme-corp-minute"));
+        assert_eq!(winner(&set, &[("user", "acme-corp-bob")], "hour").as_deref(), Some("acme-corp"));
+        assert_eq!(winner(&set, &[("user", "acme-x")], "hour").as_deref(), Some("acme-all"));
+        assert_eq!(winner(&set, &[("user", "other")], "hour"), None);
+        // entries must have the same keys, in order, and as many
+        assert_eq!(winner(&set, &[("user", "acme-x"), ("route", "/")], "hour"), None);
+        assert_eq!(winner(&set, &[("team", "acme-x")], "hour"), None);
+        assert!(set.domain("other").is_none());
+    }
+
+    #[test]
+    fn a_lapsed_override_is_not_applied() {
+        let (mut lapsing, _) = o("soon", &[("user", "a")], None, 5);
+        lapsing.expires_at_ms = Some(10);
+        let text = serde_json::to_string(&lapsing).unwrap();
+        let set = OverrideSet::new(vec![(lapsing, text), o("prefix", &[("user", "a*")], None, 7)]);
+        let d = set.domain("api").unwrap();
+        assert_eq!(d.find(&[("user", "a")], "p", 9).unwrap().id, "soon");
+        assert_eq!(d.find(&[("user", "a")], "p", 10).unwrap().id, "prefix");
+    }
+
+    #[test]
+    fn only_what_fits_the_algorithm_changes() {
+        let (mut x, _) = o("x", &[("user", "a")], None, 50);
+        x.window = Some(Duration(1000));
+        x.rate = Some(3);
+        let fixed = Limit::FixedWindow { limit: 5, window: 60_000, aligned: true };
+        assert_eq!(x.limit_for(fixed), Limit::FixedWindow { limit: 50, window: 1000, aligned: true });
+        let bucket = Limit::TokenBucket { rate: 1, per: 1000, burst: 5 };
+        assert_eq!(x.limit_for(bucket), Limit::TokenBucket { rate: 3, per: 1000, burst: 50 });
+        let sliding = Limit::SlidingWindow { limit: 5, window: 60_000 };
+        assert_eq!(x.limit_for(sliding), Limit::SlidingWindow { limit: 50, window: 60_000 });
+    }
+
+    #[test]
+    fn bad_overrides_say_what_to_change() {
+        let (mut x, _) = o("x", &[("user", "a")], None, MAX_EXACT + 1);
+        assert!(x.check(0).unwrap_err().contains("2^53"));
+        x.limit = 5;
+        x.id = "has space".into();
+        assert!(x.check(0).unwrap_err().contains("override id"));
+        x.id = "ok".into();
+        x.expires_at_ms = Some(5);
+        assert!(x.check(5).unwrap_err().contains("expires_at_ms"));
+        x.expires_at_ms = None;
+        x.entries.clear();
+        assert!(x.check(0).unwrap_err().contains("entries"));
+    }
+}
