@@ -688,6 +688,13 @@ impl Store for RedisStore {
         let fill = |cmd: &mut Cmd| {
             cmd.arg(action).arg(id).arg(value);
         };
+        if op == RegistryOp::Version {
+            // the watchers' poll, four times a second per instance: a plain GET, no script
+            let got = self.writer.conn.query(redis::cmd("GET").arg(REGISTRY_KEYS[1])).await.map_err(store_error)?;
+            let version: Option<u64> =
+                redis::from_redis_value(got).map_err(|e| StoreError::protocol(format!("registry version: {e}")))?;
+            return Ok(RegistryReply { version: version.unwrap_or(0), ..RegistryReply::default() });
+        }
         let reply = match op {
             RegistryOp::Read | RegistryOp::Version => self
                 .writer
