@@ -230,15 +230,10 @@ impl Limiter {
         let domain = self.rules.domain(&o.domain).ok_or_else(|| {
             format!("unknown domain '{}'; the config has: {}", o.domain, self.rules.domain_names().join(", "))
         })?;
-        let bounds = &self.rules.request_bounds;
-        if o.entries.len() > bounds.entries
-            || o.entries.iter().any(|e| e.key.len() > bounds.key_bytes || e.value.len() > bounds.value_bytes)
-        {
-            return Err(format!(
-                "entries exceed limiter.request_bounds ({} entries, keys of {} bytes, values of {})",
-                bounds.entries, bounds.key_bytes, bounds.value_bytes
-            ));
-        }
+        // the same bounds as a request naming these entries
+        let descriptor = crate::request::Descriptor { entries: o.entries.clone(), ..Default::default() };
+        let as_request = Request { domain: o.domain.clone(), descriptors: vec![descriptor], hits_addend: None };
+        crate::request::validate(&as_request, &self.rules.request_bounds).map_err(|e| e.to_string())?;
         let node = domain
             .find(o.entries.iter().map(|e| (e.key.as_str(), e.value.trim_end_matches('*'))))
             .filter(|n| !n.policies.is_empty())

@@ -195,6 +195,8 @@ pub(crate) struct OverrideSet {
     /// unchanged).
     by_id: BTreeMap<String, (Arc<Override>, String)>,
     domains: HashMap<String, DomainOverrides>,
+    /// The earliest `expires_at_ms` of the set: before it, nothing has lapsed.
+    next_expiry: Option<Millis>,
 }
 
 impl OverrideSet {
@@ -210,6 +212,7 @@ impl OverrideSet {
                 }
                 false => d.prefixed.push(o.clone()),
             }
+            set.next_expiry = set.next_expiry.into_iter().chain(o.expires_at_ms).min();
             set.by_id.insert(o.id.clone(), (o, text));
         }
         let best_first = |a: &Arc<Override>, b: &Arc<Override>| b.rank().cmp(&a.rank()).then(a.id.cmp(&b.id));
@@ -258,8 +261,8 @@ pub struct Overrides {
     set: ArcSwap<OverrideSet>,
     /// The registry version the set was read at.
     version: AtomicU64,
-    /// Moves whenever the set is read anew or a client is reset here: what tells the
-    /// near-cache its refusals may be stale.
+    /// Moves whenever the set is read anew (an override changed, or a client was reset,
+    /// anywhere): what tells the near-cache its refusals may be stale.
     generation: AtomicU64,
     /// One refresh at a time, so an older read never replaces a newer one.
     refreshing: tokio::sync::Mutex<()>,
@@ -362,9 +365,9 @@ impl Overrides {
         Ok(reply.previous.and_then(|p| serde_json::from_str(&p).ok()).map(|o| Override { id: id.to_string(), ..o }))
     }
 
-    /// Tells every instance that state changed under their near-caches (a reset).
+    /// Tells every other instance that state changed under their near-caches (a reset;
+    /// this instance's caller drops what it reset from its own).
     pub(crate) async fn touch(&self) -> Result<(), StoreError> {
-        self.generation.fetch_add(1, Ordering::AcqRel);
         if self.store.keeps_registry() {
             self.store.registry(RegistryOp::Touch).await?;
         }
@@ -390,8 +393,13 @@ impl Overrides {
     /// whose conditional remove finds it unchanged), which writes the audit line.
     pub async fn expire(&self) -> Result<(), StoreError> {
         let now = self.clock.now();
+        let set = self.set.load();
+        if set.next_expiry.is_none_or(|t| now < t) {
+            return Ok(());
+        }
         let lapsed: Vec<(Arc<Override>, String)> =
-            self.set.load().by_id.values().filter(|(o, _)| o.expired(now)).cloned().collect();
+            set.by_id.values().filter(|(o, _)| o.expired(now)).cloned().collect();
+        drop(set);
         for (o, text) in lapsed {
             let removed = self.store.registry(RegistryOp::Remove { id: o.id.clone(), only_if: Some(text) }).await?;
             if removed.previous.is_some() {

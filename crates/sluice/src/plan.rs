@@ -9,7 +9,7 @@
 
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::config::Failure;
-use crate::overrides::{DomainOverrides, Override, OverrideSet};
+use crate::overrides::{Override, OverrideSet};
 use crate::request::{Descriptor, Request, RequestError, validate};
 use crate::rules::{Domain, Node, Policy, Rules};
 use crate::tag::Tag;
@@ -121,7 +121,7 @@ pub(crate) fn plan<'r>(
         });
         for p in policies.iter().filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name)) {
             // a limit from the request is not the config's: stored overrides leave it
-            let o = overrides.filter(|_| d.limit.is_none()).and_then(|o| in_force(o, &entries, p, now));
+            let o = overrides.filter(|_| d.limit.is_none()).and_then(|o| o.find(&entries, &p.name, now));
             let op = op_for(rules, p, o.map(|o| &**o), &entries, cost, lease, di)?;
             plan.add(tag, op, p, o.cloned(), di);
         }
@@ -142,16 +142,6 @@ fn request_policy(rules: &Rules, domain: &Domain, d: &Descriptor, di: usize) -> 
         counters: domain.override_counters.clone(),
         detailed: false,
     })
-}
-
-/// The stored override in force for policy `p` of the descriptor `entries`.
-fn in_force<'o>(
-    o: &'o DomainOverrides,
-    entries: &[(&str, &str)],
-    p: &Policy,
-    now: Millis,
-) -> Option<&'o Arc<Override>> {
-    o.find(entries, &p.name, now)
 }
 
 /// The op that applies policy `p` (under override `o`, if any) to the descriptor

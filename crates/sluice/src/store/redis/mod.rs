@@ -678,33 +678,27 @@ impl Store for RedisStore {
     }
 
     async fn registry(&self, op: RegistryOp) -> Result<RegistryReply, StoreError> {
+        let bad = |e: redis::ParsingError| StoreError::protocol(format!("registry reply: {e}"));
         let (action, id, value) = match &op {
+            RegistryOp::Version => {
+                // the watchers' poll, four times a second per instance: a plain GET, no script
+                let got = self.writer.conn.query(redis::cmd("GET").arg(REGISTRY_KEYS[1])).await.map_err(store_error)?;
+                let version: Option<u64> = redis::from_redis_value(got).map_err(bad)?;
+                return Ok(RegistryReply { version: version.unwrap_or(0), ..RegistryReply::default() });
+            }
             RegistryOp::Read => ("read", "", ""),
-            RegistryOp::Version => ("version", "", ""),
             RegistryOp::Touch => ("touch", "", ""),
             RegistryOp::Put { id, value } => ("put", id.as_str(), value.as_str()),
             RegistryOp::Remove { id, only_if } => ("remove", id.as_str(), only_if.as_deref().unwrap_or("")),
         };
+        let (script, keys) = (&self.writer.scripts.registry, &REGISTRY_KEYS);
         let fill = |cmd: &mut Cmd| {
             cmd.arg(action).arg(id).arg(value);
         };
-        if op == RegistryOp::Version {
-            // the watchers' poll, four times a second per instance: a plain GET, no script
-            let got = self.writer.conn.query(redis::cmd("GET").arg(REGISTRY_KEYS[1])).await.map_err(store_error)?;
-            let version: Option<u64> =
-                redis::from_redis_value(got).map_err(|e| StoreError::protocol(format!("registry version: {e}")))?;
-            return Ok(RegistryReply { version: version.unwrap_or(0), ..RegistryReply::default() });
-        }
         let reply = match op {
-            RegistryOp::Read | RegistryOp::Version => self
-                .writer
-                .conn
-                .run(&self.writer.scripts.registry, false, &REGISTRY_KEYS, fill)
-                .await
-                .map_err(store_error)?,
-            _ => self.writer.write(&self.writer.scripts.registry, &REGISTRY_KEYS, fill).await?,
+            RegistryOp::Read => self.writer.conn.run(script, false, keys, fill).await.map_err(store_error)?,
+            _ => self.writer.write(script, keys, fill).await?,
         };
-        let bad = |e: redis::ParsingError| StoreError::protocol(format!("registry reply: {e}"));
         let mut items: Vec<Value> = redis::from_redis_value(reply).map_err(bad)?;
         if items.len() < 2 || items.len() % 2 != 0 {
             return Err(StoreError::protocol(format!("registry reply of {} items", items.len())));

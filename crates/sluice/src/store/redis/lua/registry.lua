@@ -1,8 +1,9 @@
 -- registry: the fleet's stored overrides, values under ids, and a version that every
--- change moves (instances poll the version, and read the values when it moved).
+-- change moves (instances poll the version with a plain GET, and read the values here
+-- when it moved).
 -- KEYS[1]   the hash of id -> value
 -- KEYS[2]   the version counter
--- ARGV[1]   read | version | put | remove | touch
+-- ARGV[1]   read | put | remove | touch
 -- ARGV[2]   the id (put, remove)
 -- ARGV[3]   put: the value; remove: '' or the value the id must still have
 -- Reply     {version, previous value or false, then id, value, id, value ... for read}
@@ -13,8 +14,6 @@ if action == 'read' then
   local all = redis.call('HGETALL', KEYS[1])
   for i = 1, #all do reply[i + 2] = all[i] end
   return reply
-elseif action == 'version' then
-  return {version, false}
 elseif action == 'touch' then
   return {redis.call('INCR', KEYS[2]), false}
 end
