@@ -470,9 +470,25 @@ pub(crate) struct Writer {
     conn: Conn,
     scripts: Scripts,
     options: RedisOptions,
+    /// Writes short of `replica_acks` are logged at most this often, with how many.
+    short_acks: crate::time::Throttle,
+    short_since: AtomicUsize,
 }
 
+/// How often writes short of their replica acknowledgements are summed up in the log.
+const SHORT_ACKS_LOG_EVERY: Millis = 5_000;
+
 impl Writer {
+    fn new(conn: Conn, options: RedisOptions) -> Self {
+        Self {
+            conn,
+            scripts: Scripts::new(),
+            options,
+            short_acks: Default::default(),
+            short_since: AtomicUsize::new(0),
+        }
+    }
+
     /// Runs a writing script on the primary, then waits for `replica_acks` replicas.
     async fn write(&self, script: &Script, keys: &[&str], fill: impl Fn(&mut Cmd)) -> Result<Value, StoreError> {
         let reply = self.conn.run(script, false, keys, fill).await.map_err(store_error)?;
@@ -482,11 +498,18 @@ impl Writer {
             let acked: i64 = redis::from_redis_value(self.conn.query(&wait).await.map_err(store_error)?)
                 .map_err(|e| StoreError::protocol(format!("WAIT reply: {e}")).because(e))?;
             if acked < i64::from(self.options.replica_acks) {
-                tracing::warn!(
-                    acked,
-                    wanted = self.options.replica_acks,
-                    "fewer redis replicas acknowledged a write than asked"
-                );
+                // once per write would be a line per request while a replica is down
+                let writes = self.short_since.fetch_add(1, Ordering::Relaxed) + 1;
+                let now = crate::time::Clock::now(&crate::time::SystemClock);
+                if self.short_acks.due(now, SHORT_ACKS_LOG_EVERY) {
+                    self.short_since.fetch_sub(writes, Ordering::Relaxed);
+                    tracing::warn!(
+                        acked,
+                        wanted = self.options.replica_acks,
+                        writes,
+                        "fewer redis replicas acknowledged writes than asked"
+                    );
+                }
             }
         }
         Ok(reply)
@@ -531,7 +554,7 @@ impl RedisStore {
                 }))
             })
             .collect::<Result<Vec<_>, StoreError>>()?;
-        let writer = Arc::new(Writer { conn: Conn::open(url, &options)?, scripts: Scripts::new(), options });
+        let writer = Arc::new(Writer::new(Conn::open(url, &options)?, options));
         let batcher = batch::Batcher::start(writer.clone());
         let store = Self { writer, batcher, replicas, next: AtomicUsize::new(0) };
         store.watch_replicas();
@@ -548,7 +571,7 @@ impl RedisStore {
         }
         let conn = Conn::open_cluster(nodes, &options, read_from_replicas)?;
         let options = RedisOptions { replica_acks: 0, ..options };
-        let writer = Arc::new(Writer { conn, scripts: Scripts::new(), options });
+        let writer = Arc::new(Writer::new(conn, options));
         let store = Self { writer, batcher: None, replicas: Vec::new(), next: AtomicUsize::new(0) };
         store.warm_up();
         Ok(store)
