@@ -50,9 +50,9 @@ fn actor(state: &AppState) -> String {
     format!("admin_token:{:08x}", h.finish() >> 32)
 }
 
-fn log(state: &AppState, action: &str, target: &str, old: Option<String>, new: Option<String>, reason: &str) {
+fn log(state: &AppState, action: &str, resource: &str, old: Option<String>, new: Option<String>, reason: &str) {
     let by = actor(state);
-    audit(&Audit { action, target, old: old.as_deref(), new: new.as_deref(), reason, by: &by });
+    audit(&Audit { action, resource, old: old.as_deref(), new: new.as_deref(), reason, by: &by });
 }
 
 fn to_json(o: &Override) -> String {
@@ -199,9 +199,28 @@ async fn inspect(State(state): Shared, query: Result<Query<Vec<(String, String)>
         Ok(q) => q,
         Err(resp) => return *resp,
     };
-    match state.engine.load().limiter.status(&req).await {
+    let limiter = &state.engine.load().limiter;
+    let held = match limiter.leases(&req).await {
+        Ok(h) => h,
+        Err(e) => return check_error(e),
+    };
+    match limiter.status(&req).await {
         Ok(v) => {
-            let policies: Vec<Value> = v.descriptors.iter().flat_map(|d| d.policies.iter().map(policy_json)).collect();
+            let mut policies = Vec::new();
+            for (di, d) in v.descriptors.iter().enumerate() {
+                for p in &d.policies {
+                    let mut json = policy_json(p);
+                    if let Some(h) = held.iter().find(|h| h.descriptor == di && h.policy == p.name) {
+                        let leases: Vec<Value> = h
+                            .leases
+                            .iter()
+                            .map(|(id, expires)| json!({"lease_id": id.to_string(), "expires_at_ms": expires}))
+                            .collect();
+                        json["leases"] = Value::Array(leases);
+                    }
+                    policies.push(json);
+                }
+            }
             let matched = v.descriptors.iter().any(|d| d.matched);
             let entries = &req.descriptors[0].entries;
             axum::Json(json!({"domain": req.domain, "entries": entries, "matched": matched, "policies": policies}))

@@ -268,6 +268,13 @@ fn inspected(v: &Value) -> String {
             p["remaining"],
             p["reset"],
         ));
+        for l in p["leases"].as_array().into_iter().flatten() {
+            out.push_str(&format!(
+                "    lease {}  lapses at {} ms\n",
+                l["lease_id"].as_str().unwrap_or(""),
+                l["expires_at_ms"]
+            ));
+        }
     }
     out
 }

@@ -84,14 +84,19 @@ pub struct Args {
     pub print_apply_script: bool,
 }
 
-/// Stores `args.overrides` overrides in the limiter's store, in one batch of registry
-/// writes and one read (an override set through the API is read back after each).
+/// Stores `args.overrides` overrides in the limiter's store, then reads them once. One in
+/// ten is a prefix (`other-N*`: several prefix lengths, as a real set holds), none names
+/// a client the load sends.
 async fn load_overrides(limiter: &sluice::Limiter, args: &Args) -> Result<(), BenchError> {
     use sluice::store::RegistryOp;
     for i in 0..args.overrides {
+        let value = match i % 10 {
+            0 => format!("other-{i}*"),
+            _ => format!("client-{}", args.clients + i),
+        };
         let o = serde_json::json!({
             "domain": args.domain,
-            "entries": [{"key": args.key, "value": format!("client-{}", args.clients + i)}],
+            "entries": [{"key": args.key, "value": value}],
             "limit": 1_000_000,
             "reason": "bench",
         });

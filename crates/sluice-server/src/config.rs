@@ -25,6 +25,8 @@ pub struct Config {
     /// each, loaded beside `domains`. Relative to the config file.
     #[serde(default)]
     pub domains_from: Option<std::path::PathBuf>,
+    #[serde(default)]
+    pub log: crate::logs::LogConfig,
 }
 
 impl Config {

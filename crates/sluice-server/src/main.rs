@@ -13,6 +13,7 @@ mod fuzz;
 mod http;
 mod listen;
 mod load;
+mod logs;
 mod reload;
 mod rls;
 mod serve;
@@ -27,16 +28,7 @@ use std::process::ExitCode;
 fn main() -> ExitCode {
     alloc::init();
     let result: Result<(), Box<dyn std::error::Error>> = match Cli::parse().command {
-        Command::Serve(args) => {
-            let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-            tracing_subscriber::fmt()
-                .with_max_level(args.log_level)
-                .with_target(false)
-                .with_ansi(tty)
-                .with_writer(std::io::stderr)
-                .init();
-            runtime().and_then(|rt| Ok(rt.block_on(serve::serve(args))?))
-        }
+        Command::Serve(args) => runtime().and_then(|rt| Ok(rt.block_on(serve::serve(args))?)),
         Command::Admin(args) => runtime().and_then(|rt| Ok(rt.block_on(admin_cli::run(args))?)),
         Command::Bench(args) => runtime().and_then(|rt| Ok(rt.block_on(bench::bench(args))?)),
         Command::Shed(ShedCommand::Simulate(args)) => shed::simulate(args).map_err(Into::into),

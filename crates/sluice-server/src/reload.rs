@@ -176,7 +176,13 @@ fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Config, Rel
         tls.install(read);
         applied.push("server.tls (files read again)");
     }
-    let restart = needs_restart(&config.server, &current.server);
+    if crate::logs::reconfigure(&current.log, &config.log) {
+        applied.push("log.level");
+    }
+    let mut restart = needs_restart(&config.server, &current.server);
+    if config.log.format != current.log.format {
+        restart.push("log.format");
+    }
     if !restart.is_empty() {
         tracing::warn!(keys = %restart.join(", "), "config reload: these settings need a restart to take effect");
     }

@@ -32,9 +32,10 @@ pub struct Args {
     /// a supervisor or a test learns the ports the system chose.
     #[arg(long, value_name = "FILE")]
     pub ready_file: Option<PathBuf>,
-    /// Log level: error, warn, info, debug or trace.
-    #[arg(long, default_value = "info", value_name = "LEVEL")]
-    pub log_level: tracing::Level,
+    /// Log level: error, warn, info, debug or trace. Overrides `RUST_LOG` and the
+    /// config's `log.level` (default: `info`).
+    #[arg(long, value_name = "LEVEL")]
+    pub log_level: Option<tracing::Level>,
 }
 
 /// Why the service could not start or stopped.
@@ -56,6 +57,8 @@ pub enum ServeError {
     Tls(#[from] crate::tls::TlsError),
     #[error("{0}")]
     Io(#[source] std::io::Error),
+    #[error("{0}")]
+    Log(String),
 }
 
 /// Runs the service.
@@ -66,6 +69,7 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
         Some(path) => load_file(path)?,
         None => load_str(DEFAULT_CONFIG, "<built-in config>")?,
     };
+    crate::logs::init(args.log_level, &config.log).map_err(ServeError::Log)?;
     // what the reload watcher compares against: the bytes that gave this config
     // (taken before the TLS files are read, so a change from here on is seen)
     let loaded_bytes =

@@ -98,8 +98,14 @@ async fn two_instances(store: &str) {
     // the audit trail: every action, one line and one count each; never the token
     assert_eq!(audits(&a, "override_set"), 4);
     assert_eq!(audits(&b, "override_removed"), 1);
-    let m = metrics(&c, &a.base).await;
-    assert!(m.contains("sluice_admin_actions_total{action=\"override_set\"} 4"), "{m}");
+    let count = |m: &str, action: &str| -> u64 {
+        let series = format!("sluice_admin_actions_total{{action=\"{action}\"}} ");
+        m.lines().find_map(|l| l.strip_prefix(&series)?.parse().ok()).unwrap_or(0)
+    };
+    let (ma, mb) = (metrics(&c, &a.base).await, metrics(&c, &b.base).await);
+    assert_eq!(count(&ma, "override_set"), 4, "{ma}");
+    assert_eq!(count(&mb, "override_removed"), 1, "{mb}");
+    assert_eq!(count(&ma, "override_expired") + count(&mb, "override_expired"), 1);
     for s in [&a, &b] {
         assert!(!s.log().contains(TOKEN), "the token is in a log:\n{}", s.log());
     }
@@ -171,6 +177,48 @@ async fn reset_on_two_instances_with_warm_near_caches() {
     let r = admin(&c, reqwest::Method::DELETE, &a.base, "/v1/admin/clients?domain=d&team=red&policy=nope").await;
     assert_eq!(r.status(), 404);
     assert_eq!(audits(&a, "client_reset") + audits(&b, "client_reset"), 2);
+    for s in [&a, &b] {
+        let m = metrics(&c, &s.base).await;
+        assert!(m.contains("sluice_admin_actions_total{action=\"client_reset\"} 1"), "{m}");
+    }
+}
+
+/// Inspect lists each lease a client holds with when it lapses (read from Redis), the
+/// ids it shows release those leases, and a reset drops the rest.
+#[tokio::test]
+async fn inspect_lists_leases_with_their_expiry() {
+    let redis = RedisServer::start();
+    let store = format!("store:\n  kind: redis\n  url: \"{}\"\n", redis.url());
+    let domains = "  - domain: w\n    descriptors:\n      - key: worker\n        policies:\n          - {name: inflight, concurrency: {limit: 3, lease_ttl: 30s}}\n";
+    let s = start_with(&sections(&store), domains);
+    let c = reqwest::Client::new();
+    let before = now_ms();
+    for _ in 0..2 {
+        let r =
+            c.post(format!("{}/v1/leases", s.base)).json(&common::body("w", &[("worker", "w1")])).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{}", s.log());
+    }
+    let inspect = || async {
+        let r = admin(&c, reqwest::Method::GET, &s.base, "/v1/admin/clients?domain=w&worker=w1").await;
+        assert_eq!(r.status(), 200);
+        r.json::<Value>().await.unwrap()
+    };
+    let seen = inspect().await;
+    let p = &seen["policies"][0];
+    assert_eq!((p["policy"].as_str(), p["leases_held"].as_u64()), (Some("inflight"), Some(2)), "{seen}");
+    let leases = p["leases"].as_array().unwrap();
+    assert_eq!(leases.len(), 2, "{seen}");
+    for l in leases {
+        let expires = l["expires_at_ms"].as_u64().unwrap();
+        assert!((before + 30_000..=now_ms() + 30_000).contains(&expires), "lapses a TTL after it was taken: {l}");
+    }
+    let id = leases[0]["lease_id"].as_str().unwrap();
+    let r = c.delete(format!("{}/v1/leases/{id}", s.base)).send().await.unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap()["released"], true, "an inspected lease id releases that lease");
+    assert_eq!(inspect().await["policies"][0]["leases"].as_array().unwrap().len(), 1);
+    let r = admin(&c, reqwest::Method::DELETE, &s.base, "/v1/admin/clients?domain=w&worker=w1").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(inspect().await["policies"][0]["leases"], json!([]), "a reset drops every lease");
 }
 
 /// Exact beats prefix beats the config; a longer prefix beats a shorter one; an

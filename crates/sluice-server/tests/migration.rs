@@ -93,4 +93,14 @@ async fn memcached_to_redis_at_0_50_100_and_back() {
     }
     let stats = memcached.command("stats").unwrap();
     assert!(!stats.contains("STAT curr_items 0\r"), "memcached held the clients of the 0% steps");
+
+    // each move is audited: one line with the old and new percentages, one count
+    let log = s.log();
+    let moves: Vec<&str> = log.lines().filter(|l| l.contains("action=\"migration_percent\"")).collect();
+    assert_eq!(moves.len(), 4, "{log}");
+    assert!(moves[1].contains("old=\"0\"") && moves[1].contains("new=\"50\""), "{}", moves[1]);
+    assert!(moves.iter().all(|l| l.contains("by=\"admin_token:")), "{moves:?}");
+    assert!(!log.contains(TOKEN), "the token is in the log");
+    let m = common::metrics(&client, &s.base).await;
+    assert!(m.contains("sluice_admin_actions_total{action=\"migration_percent\"} 4"), "{m}");
 }

@@ -95,6 +95,47 @@ async fn a_reload_that_drops_a_domain_names_it() {
     assert!(log.contains("domains are gone") && log.contains("gone"), "{log}");
 }
 
+/// `log.format: json`: every line one JSON object, the audit line's fields structured;
+/// `log.level` filters by target and a reload that changes it is in force at once.
+#[tokio::test]
+async fn json_logs_and_a_reloaded_level() {
+    let sections = |level: &str| format!("  admin_token: tok-9d2\nlog:\n  format: json\n  level: \"{level}\"\n");
+    let domains =
+        "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 5}\n";
+    let s = common::start_with(&sections("warn,sluice::audit=info"), domains);
+    let c = reqwest::Client::new();
+    let body = serde_json::json!({"domain": "d", "entries": [{"key": "user", "value": "a"}], "limit": 9, "reason": "ticket 12"});
+    let r = c.put(format!("{}/v1/overrides/raise-a", s.base)).bearer_auth("tok-9d2").json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let lines = |log: String| -> Vec<serde_json::Value> {
+        log.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect()
+    };
+    let logged = lines(s.log());
+    let audit = logged.iter().find(|l| l["message"] == "admin action").expect("an audit line");
+    assert_eq!(
+        (&audit["action"], &audit["resource"], &audit["reason"]),
+        (&"override_set".into(), &"raise-a".into(), &"ticket 12".into()),
+        "{audit}"
+    );
+    assert_eq!(audit["target"], "sluice::audit");
+    assert!(audit["by"].as_str().unwrap().starts_with("admin_token:") && audit["timestamp"].is_string(), "{audit}");
+    let new: serde_json::Value = serde_json::from_str(audit["new"].as_str().unwrap()).unwrap();
+    assert_eq!(new["limit"], 9, "the new value, as JSON text");
+    assert!(!logged.iter().any(|l| l["message"] == "sluice is serving"), "info lines are filtered out at warn");
+    assert!(!s.log().contains("tok-9d2"), "the token is in the log");
+
+    let config = s.dir.path().join("sluice.yaml");
+    let text = std::fs::read_to_string(&config).unwrap().replace("warn,sluice::audit=info", "info");
+    std::fs::write(&config, text).unwrap();
+    let started = Instant::now();
+    while !lines(s.log()).iter().any(|l| l["message"] == "config reloaded") {
+        assert!(started.elapsed() < Duration::from_secs(5), "no info line after the reload:\n{}", s.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let reloaded = lines(s.log()).into_iter().find(|l| l["message"] == "config reloaded").unwrap();
+    assert!(reloaded["applied"].as_str().unwrap().contains("log.level"), "{reloaded}");
+}
+
 /// SIGHUP reloads the config, as a file change does, and the server keeps serving.
 /// (It used to end the process with exit 129.)
 #[tokio::test]

@@ -7,7 +7,7 @@
 //! given back, so a request is charged everywhere or nowhere. A group whose store call
 //! fails is decided by its policies' failure policy (invariant 7).
 
-use crate::algo::{Decision, Lease, Op};
+use crate::algo::{Decision, Lease, Limit, Op};
 use crate::config::Failure;
 use crate::near_cache::NearCache;
 use crate::overrides::{Override, OverrideError, Overrides};
@@ -35,6 +35,18 @@ pub enum CheckError {
 
 /// How long a fail-closed refusal tells the client to wait, in ms.
 const FAIL_CLOSED_RETRY: Millis = 1_000;
+
+/// The leases one client holds on one concurrency policy (see [`Limiter::leases`]).
+#[derive(Debug, Clone)]
+pub struct HeldLeases {
+    /// Which of the request's descriptors the policy belongs to.
+    pub descriptor: usize,
+    /// The policy's name.
+    pub policy: Arc<str>,
+    /// Each lease, oldest first: its id (what [`Limiter::release`] takes; it names this
+    /// policy's state only) and when it lapses, in ms since the epoch.
+    pub leases: Vec<(LeaseId, Millis)>,
+}
 
 /// The decision engine: rules, a store and a clock.
 ///
@@ -302,6 +314,28 @@ impl Limiter {
             self.overrides.touch().await?;
         }
         Ok(names)
+    }
+
+    /// The leases a client holds on each of its concurrency policies, with when each
+    /// lapses, for inspecting it. Reads only (may be served by a replica).
+    pub async fn leases(&self, req: &Request) -> Result<Vec<HeldLeases>, CheckError> {
+        let now = self.clock.now();
+        let Plan { descriptors, groups, .. } =
+            plan(&self.rules, &self.overrides.current(), req, Mode::Peek, None, now)?;
+        let mut out = Vec::new();
+        for g in &groups {
+            for (op, &(di, pi)) in g.ops.iter().zip(&g.slots) {
+                let Limit::Concurrency { lease_ttl, .. } = op.limit else { continue };
+                let held = self.store.leases(g.tag, op.key, lease_ttl, now).await?;
+                let leases = held
+                    .leases
+                    .into_iter()
+                    .map(|(lease, at)| (LeaseId { tag: g.tag, lease, keys: vec![op.key] }, at + lease_ttl))
+                    .collect();
+                out.push(HeldLeases { descriptor: di, policy: descriptors[di].policies[pi].name.clone(), leases });
+            }
+        }
+        Ok(out)
     }
 
     /// Plans a request, evaluates every group, and makes the verdict.

@@ -54,7 +54,7 @@ pub mod time;
 mod verdict;
 
 pub use builder::{DomainBuilder, RuleBuilder, RulesBuilder};
-pub use engine::{CheckError, Limiter};
+pub use engine::{CheckError, HeldLeases, Limiter};
 pub use overrides::{Override, OverrideError, Overrides};
 pub use request::{Descriptor, Entry, LimitOverride, Request, RequestError};
 pub use telemetry::names as metric_names;

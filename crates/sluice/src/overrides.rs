@@ -30,8 +30,8 @@ use crate::store::{RegistryOp, RegistryReply, Store, StoreError};
 use crate::time::{Clock, Millis};
 use arc_swap::ArcSwap;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
-use std::hash::{Hash, Hasher};
+use std::collections::HashMap;
+use std::hash::Hasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -161,68 +161,150 @@ impl Override {
     }
 }
 
-/// The overrides of one domain, indexed for matching.
-#[derive(Debug, Default)]
+/// How a class of overrides reads a descriptor: per entry, the whole value (`None`) or
+/// its first `n` bytes (`Some(n)`, a prefix of `n` bytes then `*`).
+type Shape = Box<[Option<usize>]>;
+
+/// Overrides of one shape matching one descriptor, best rank first.
+type Bucket = Arc<[Arc<Override>]>;
+
+/// The overrides of one domain, indexed for matching: by shape, then by a hash of the
+/// bytes that shape reads, so a descriptor costs one hash lookup per shape held
+/// (exact overrides of one-entry descriptors are one shape; each prefix length is
+/// another), however many overrides there are.
+#[derive(Debug, Default, Clone)]
 pub(crate) struct DomainOverrides {
-    /// Overrides without a prefix, by a hash of their entries.
-    exact: HashMap<u64, Vec<Arc<Override>>>,
-    /// Overrides with a prefix, best rank first.
-    prefixed: Vec<Arc<Override>>,
+    classes: Vec<(Shape, HashMap<u64, Bucket>)>,
 }
 
-fn entries_hash<'a>(entries: impl Iterator<Item = (&'a str, &'a str)>) -> u64 {
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    for (k, v) in entries {
-        (k, v).hash(&mut h);
+fn shape_of(o: &Override) -> Shape {
+    o.entries.iter().map(|e| e.value.strip_suffix('*').map(str::len)).collect()
+}
+
+/// The hash of what `shape` reads of `entries`; None when they do not fit it (another
+/// length, or a value shorter than its prefix).
+fn read_hash<'a>(shape: &[Option<usize>], entries: impl ExactSizeIterator<Item = (&'a str, &'a str)>) -> Option<u64> {
+    if entries.len() != shape.len() {
+        return None;
     }
-    h.finish()
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for ((k, v), cut) in entries.zip(shape) {
+        let v = match cut {
+            Some(n) => v.as_bytes().get(..*n)?,
+            None => v.as_bytes(),
+        };
+        // keys are UTF-8, so never 0xff: the separator keeps ("ab", "c") from ("a", "bc")
+        h.write(k.as_bytes());
+        h.write_u8(0xff);
+        h.write(v);
+        h.write_u8(0xff);
+    }
+    Some(h.finish())
+}
+
+/// Best first: higher rank, then the smaller id.
+fn best_first(a: &Arc<Override>, b: &Arc<Override>) -> std::cmp::Ordering {
+    b.rank().cmp(&a.rank()).then(a.id.cmp(&b.id))
 }
 
 impl DomainOverrides {
     /// The override in force at `now` for policy `policy` of the descriptor `entries`.
     pub(crate) fn find(&self, entries: &[(&str, &str)], policy: &str, now: Millis) -> Option<&Arc<Override>> {
         let usable = |o: &&Arc<Override>| o.names(policy) && !o.expired(now) && o.matches(entries);
-        let exact = self.exact.get(&entries_hash(entries.iter().copied()));
-        // the bucket of one descriptor, best rank first: the first usable one
-        exact.into_iter().flatten().find(usable).or_else(|| self.prefixed.iter().find(usable))
+        self.classes
+            .iter()
+            .filter_map(|(shape, buckets)| {
+                let bucket = buckets.get(&read_hash(shape, entries.iter().copied())?)?;
+                bucket.iter().find(usable)
+            })
+            .min_by(|a, b| best_first(a, b))
+    }
+
+    fn key(o: &Override) -> (Shape, u64) {
+        let shape = shape_of(o);
+        let entries = o.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
+        let hash = read_hash(&shape, entries).expect("an override fits its own shape");
+        (shape, hash)
+    }
+
+    fn insert(&mut self, o: &Arc<Override>) {
+        let (shape, hash) = Self::key(o);
+        let i = match self.classes.iter().position(|(s, _)| *s == shape) {
+            Some(i) => i,
+            None => {
+                self.classes.push((shape, HashMap::new()));
+                self.classes.len() - 1
+            }
+        };
+        let bucket = self.classes[i].1.entry(hash).or_insert_with(|| Arc::from(Vec::new()));
+        let mut next = bucket.to_vec();
+        let at = next.partition_point(|x| best_first(x, o).is_lt());
+        next.insert(at, o.clone());
+        *bucket = next.into();
+    }
+
+    fn remove(&mut self, o: &Arc<Override>) {
+        let (shape, hash) = Self::key(o);
+        let Some(i) = self.classes.iter().position(|(s, _)| *s == shape) else { return };
+        let buckets = &mut self.classes[i].1;
+        if let Some(bucket) = buckets.get_mut(&hash) {
+            let next: Vec<_> = bucket.iter().filter(|x| !Arc::ptr_eq(x, o)).cloned().collect();
+            match next.is_empty() {
+                true => _ = buckets.remove(&hash),
+                false => *bucket = next.into(),
+            }
+        }
+        if buckets.is_empty() {
+            self.classes.swap_remove(i);
+        }
     }
 }
 
-/// Every override, as one instance holds them.
-#[derive(Debug, Default)]
+/// An override and the text it is stored as.
+type Stored = (Arc<Override>, Arc<str>);
+
+/// Every override, as one instance holds them. Cheap to copy (every part is shared), so
+/// a change makes a new set from the last one in time proportional to the number of
+/// overrides with a small constant, not by indexing them all again.
+#[derive(Debug, Default, Clone)]
 pub(crate) struct OverrideSet {
     /// Each override and the text it is stored as (what an expiry removes, only if
     /// unchanged).
-    by_id: BTreeMap<String, (Arc<Override>, String)>,
-    domains: HashMap<String, DomainOverrides>,
+    by_id: HashMap<Arc<str>, Stored>,
+    domains: HashMap<Arc<str>, DomainOverrides>,
     /// The earliest `expires_at_ms` of the set: before it, nothing has lapsed.
     next_expiry: Option<Millis>,
 }
 
 impl OverrideSet {
-    fn new(stored: Vec<(Override, String)>) -> Self {
+    fn new<O: Into<Arc<Override>>, T: Into<Arc<str>>>(stored: impl IntoIterator<Item = (O, T)>) -> Self {
         let mut set = Self::default();
         for (o, text) in stored {
-            let o = Arc::new(o);
-            let d = set.domains.entry(o.domain.clone()).or_default();
-            match o.exact() {
-                true => {
-                    let key = entries_hash(o.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())));
-                    d.exact.entry(key).or_default().push(o.clone());
-                }
-                false => d.prefixed.push(o.clone()),
-            }
-            set.next_expiry = set.next_expiry.into_iter().chain(o.expires_at_ms).min();
-            set.by_id.insert(o.id.clone(), (o, text));
-        }
-        let best_first = |a: &Arc<Override>, b: &Arc<Override>| b.rank().cmp(&a.rank()).then(a.id.cmp(&b.id));
-        for d in set.domains.values_mut() {
-            d.prefixed.sort_by(best_first);
-            for bucket in d.exact.values_mut() {
-                bucket.sort_by(best_first);
-            }
+            set.insert((o.into(), text.into()));
         }
         set
+    }
+
+    /// Adds an override, replacing the one of the same id.
+    fn insert(&mut self, (o, text): Stored) {
+        self.remove(&o.id);
+        self.domains.entry(o.domain.as_str().into()).or_default().insert(&o);
+        self.next_expiry = self.next_expiry.into_iter().chain(o.expires_at_ms).min();
+        self.by_id.insert(o.id.as_str().into(), (o, text));
+    }
+
+    /// Removes the override `id`, if held.
+    fn remove(&mut self, id: &str) {
+        let Some((o, _)) = self.by_id.remove(id) else { return };
+        if let Some(d) = self.domains.get_mut(o.domain.as_str()) {
+            d.remove(&o);
+            if d.classes.is_empty() {
+                self.domains.remove(o.domain.as_str());
+            }
+        }
+        if o.expires_at_ms.is_some() && o.expires_at_ms == self.next_expiry {
+            self.next_expiry = self.by_id.values().filter_map(|(o, _)| o.expires_at_ms).min();
+        }
     }
 
     /// The overrides of `domain`, if it has any.
@@ -314,7 +396,10 @@ impl Overrides {
     /// The overrides held, by id; of one domain when `domain` is given.
     pub fn list(&self, domain: Option<&str>) -> Vec<Arc<Override>> {
         let set = self.set.load();
-        set.by_id.values().map(|(o, _)| o.clone()).filter(|o| domain.is_none_or(|d| o.domain == d)).collect()
+        let mut found: Vec<_> =
+            set.by_id.values().map(|(o, _)| o.clone()).filter(|o| domain.is_none_or(|d| o.domain == d)).collect();
+        found.sort_by(|a, b| a.id.cmp(&b.id));
+        found
     }
 
     /// The override `id`, if held.
@@ -343,9 +428,13 @@ impl Overrides {
                 Err(e) => tracing::warn!(id = %id, error = %e, "a stored override cannot be read; it is not applied"),
             }
         }
-        metrics::gauge!(crate::telemetry::names::OVERRIDES).set(stored.len() as f64);
-        self.set.store(Arc::new(OverrideSet::new(stored)));
-        self.version.store(read.version, Ordering::Release);
+        self.swap(OverrideSet::new(stored), read.version);
+    }
+
+    fn swap(&self, set: OverrideSet, version: u64) {
+        metrics::gauge!(crate::telemetry::names::OVERRIDES).set(set.by_id.len() as f64);
+        self.set.store(Arc::new(set));
+        self.version.store(version, Ordering::Release);
         self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
@@ -355,13 +444,14 @@ impl Overrides {
     /// Returns the override it replaced.
     pub async fn put(&self, o: &Override) -> Result<Option<Override>, OverrideError> {
         let value = serde_json::to_string(o).map_err(|e| OverrideError::Invalid(e.to_string()))?;
-        let reply = self.write(RegistryOp::Put { id: o.id.clone(), value }).await?;
+        let added = (Arc::new(o.clone()), Arc::from(value.as_str()));
+        let reply = self.write(RegistryOp::Put { id: o.id.clone(), value }, &o.id, Some(added)).await?;
         Ok(reply.previous.and_then(|p| serde_json::from_str(&p).ok()))
     }
 
     /// Removes the override `id`. Returns it, or None when there was none.
     pub async fn remove(&self, id: &str) -> Result<Option<Override>, OverrideError> {
-        let reply = self.write(RegistryOp::Remove { id: id.to_string(), only_if: None }).await?;
+        let reply = self.write(RegistryOp::Remove { id: id.to_string(), only_if: None }, id, None).await?;
         Ok(reply.previous.and_then(|p| serde_json::from_str(&p).ok()).map(|o| Override { id: id.to_string(), ..o }))
     }
 
@@ -374,7 +464,10 @@ impl Overrides {
         Ok(())
     }
 
-    async fn write(&self, op: RegistryOp) -> Result<RegistryReply, OverrideError> {
+    /// Runs `op`, which puts `added` under `id` or removes `id`, and puts the result in
+    /// force here: applied to the set held when no other change came between (so loading
+    /// many overrides costs no read of the whole set per change), else read anew.
+    async fn write(&self, op: RegistryOp, id: &str, added: Option<Stored>) -> Result<RegistryReply, OverrideError> {
         if !self.store.keeps_registry() {
             let kind = self.store.kind();
             return Err(OverrideError::Unsupported(StoreError::protocol(format!(
@@ -382,6 +475,18 @@ impl Overrides {
             ))));
         }
         let reply = self.store.registry(op).await?;
+        {
+            let _one = self.refreshing.lock().await;
+            if reply.version == self.version.load(Ordering::Acquire) + 1 {
+                let mut next = OverrideSet::clone(&self.set.load());
+                match added {
+                    Some(added) => next.insert(added),
+                    None => next.remove(id),
+                }
+                self.swap(next, reply.version);
+                return Ok(reply);
+            }
+        }
         // in force here now; a failed read is retried by the watcher
         if let Err(e) = self.refresh().await {
             tracing::warn!(error = %e, "an override was stored but could not be read back yet");
@@ -397,15 +502,15 @@ impl Overrides {
         if set.next_expiry.is_none_or(|t| now < t) {
             return Ok(());
         }
-        let lapsed: Vec<(Arc<Override>, String)> =
-            set.by_id.values().filter(|(o, _)| o.expired(now)).cloned().collect();
+        let lapsed: Vec<Stored> = set.by_id.values().filter(|(o, _)| o.expired(now)).cloned().collect();
         drop(set);
         for (o, text) in lapsed {
-            let removed = self.store.registry(RegistryOp::Remove { id: o.id.clone(), only_if: Some(text) }).await?;
+            let only_if = Some(text.to_string());
+            let removed = self.store.registry(RegistryOp::Remove { id: o.id.clone(), only_if }).await?;
             if removed.previous.is_some() {
                 crate::telemetry::audit(&crate::telemetry::Audit {
                     action: "override_expired",
-                    target: &o.id,
+                    resource: &o.id,
                     old: serde_json::to_string(&*o).ok().as_deref(),
                     new: None,
                     reason: &o.reason,
@@ -496,6 +601,42 @@ mod tests {
         assert_eq!(winner(&set, &[("user", "acme-x"), ("route", "/")], "hour"), None);
         assert_eq!(winner(&set, &[("team", "acme-x")], "hour"), None);
         assert!(set.domain("other").is_none());
+    }
+
+    #[test]
+    fn changed_in_place_it_finds_what_a_set_read_anew_finds() {
+        let all = [
+            o("acme-all", &[("user", "acme*")], None, 10),
+            o("acme-corp", &[("user", "acme-corp*")], None, 20),
+            o("alice", &[("user", "acme-corp-alice")], None, 40),
+            o("any", &[("user", "*")], None, 50),
+            o("two", &[("user", "acme*"), ("route", "/a")], None, 60),
+        ];
+        let mut set = OverrideSet::default();
+        for (x, text) in all.iter().cloned() {
+            set.insert((Arc::new(x), text.into()));
+        }
+        set.remove("acme-corp");
+        set.insert((Arc::new(o("alice", &[("user", "acme-corp-alice")], None, 41).0), "".into()));
+        let fresh = OverrideSet::new(all.iter().filter(|(x, _)| x.id != "acme-corp").cloned());
+        for entries in [
+            &[("user", "acme-corp-alice")][..],
+            &[("user", "acme-corp-bob")],
+            &[("user", "ac")],
+            &[("user", "")],
+            &[("user", "acme-x"), ("route", "/a")],
+            &[("user", "acme-x"), ("route", "/b")],
+        ] {
+            assert_eq!(winner(&set, entries, "p"), winner(&fresh, entries, "p"), "{entries:?}");
+        }
+        assert_eq!(set.domain("api").unwrap().find(&[("user", "acme-corp-alice")], "p", 0).unwrap().limit, 41);
+        assert_eq!(winner(&set, &[("user", "acme-corp-bob")], "p").as_deref(), Some("acme-all"));
+        assert_eq!(winner(&set, &[("user", "zed")], "p").as_deref(), Some("any"), "a bare * matches every value");
+        set.remove("any");
+        set.remove("acme-all");
+        set.remove("alice");
+        set.remove("two");
+        assert!(set.domain("api").is_none() && set.by_id.is_empty(), "{set:?}");
     }
 
     #[test]

@@ -44,11 +44,12 @@ pub struct Audit<'a> {
     /// What was done: `override_set`, `override_removed`, `override_expired`,
     /// `client_reset`, `migration_percent` ...
     pub action: &'a str,
-    /// What it was done to: an override id, a client's descriptor, a store.
-    pub target: &'a str,
-    /// The value before, as JSON (None when there was none).
+    /// What it was done to: an override id, a client's descriptor, a store. (Logged as
+    /// `resource`: `target` is the log line's own, `sluice::audit`.)
+    pub resource: &'a str,
+    /// The value before, as JSON text (None when there was none: logged as `null`).
     pub old: Option<&'a str>,
-    /// The value after, as JSON (None when there is none).
+    /// The value after, as JSON text (None when there is none: logged as `null`).
     pub new: Option<&'a str>,
     pub reason: &'a str,
     /// Who: an identifier of the credential used (never the credential), or `expiry`.
@@ -62,7 +63,7 @@ pub fn audit(a: &Audit<'_>) {
     tracing::info!(
         target: "sluice::audit",
         action = a.action,
-        target = a.target,
+        resource = a.resource,
         old = a.old.unwrap_or("null"),
         new = a.new.unwrap_or("null"),
         reason = a.reason,

@@ -183,11 +183,16 @@ pub async fn concurrency_leases(s: &dyn Store) {
     let d = take(4, t0 + 1).await;
     assert!(!d.allowed);
     assert_eq!((d.remaining, d.retry_after), (0, Some(9_999)));
+    let held = s.leases(t, 9, 10_000, t0 + 1).await.unwrap();
+    assert_eq!(held.leases, vec![(1, t0), (2, t0), (3, t0)], "listed with when taken");
     assert!(s.release(t, &[9], 2, t0 + 2).await.unwrap());
     assert!(!s.release(t, &[9], 2, t0 + 2).await.unwrap(), "release is idempotent");
     assert!(take(4, t0 + 3).await.allowed);
     assert!(!take(5, t0 + 4).await.allowed);
     assert!(take(5, t0 + 10_000).await.allowed, "leases past their TTL are reclaimed");
+    let live = s.leases(t, 9, 10_000, t0 + 10_000).await.unwrap().leases;
+    assert_eq!(live.iter().map(|l| l.0).collect::<Vec<_>>(), [4, 5], "only live leases are listed: {live:?}");
+    assert!(s.leases(t, 8, 10_000, t0).await.unwrap().leases.is_empty(), "no state, no leases");
 }
 
 /// Refunds give back within the charged window and never reach a later one.

@@ -16,7 +16,7 @@
 
 use super::{Refund, Store, StoreError};
 use crate::algo::fixed_window::window_end;
-use crate::algo::{Decision, Lease, Limit, Op};
+use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::store::b64;
 use crate::tag::Tag;
 use crate::time::Millis;
@@ -303,6 +303,10 @@ impl Store for MemcachedStore {
     }
 
     async fn release(&self, _tag: Tag, _keys: &[u64], _lease: Lease, _now: Millis) -> Result<bool, StoreError> {
+        Err(StoreError::protocol("the memcached store has no concurrency limits; use redis"))
+    }
+
+    async fn leases(&self, _tag: Tag, _key: u64, _ttl: Millis, _now: Millis) -> Result<ConcurrencyState, StoreError> {
         Err(StoreError::protocol("the memcached store has no concurrency limits; use redis"))
     }
 

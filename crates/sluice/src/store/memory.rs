@@ -13,7 +13,7 @@
 //! comes back as windows end; [`MemoryStats::full`] counts the calls that found none.
 
 use super::{LocalRegistry, Refund, RegistryOp, RegistryReply, Store, StoreError};
-use crate::algo::{self, Decision, Lease, Limit, Op, State};
+use crate::algo::{self, ConcurrencyState, Decision, Lease, Limit, Op, State};
 use crate::tag::Tag;
 use crate::time::Millis;
 use async_trait::async_trait;
@@ -247,6 +247,13 @@ impl Store for MemoryStore {
             }
         }
         Ok(held)
+    }
+
+    async fn leases(&self, tag: Tag, key: u64, ttl: Millis, now: Millis) -> Result<ConcurrencyState, StoreError> {
+        match Self::get(&self.shard(tag), tag, key) {
+            Some(State::Leases(s)) => Ok(algo::concurrency::normalize(s, ttl, now)),
+            _ => Ok(ConcurrencyState::default()),
+        }
     }
 
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {

@@ -14,7 +14,7 @@ mod migrating;
 pub mod redis;
 mod resilient;
 
-use crate::algo::{Decision, Lease, Limit, Op};
+use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
 use crate::time::Millis;
 use async_trait::async_trait;
@@ -203,6 +203,11 @@ pub trait Store: Send + Sync + 'static {
     /// whether any lease was held.
     async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: Millis) -> Result<bool, StoreError>;
 
+    /// The live leases of the concurrency state `key` of `tag` (those younger than
+    /// `ttl`), oldest first, with when each was taken. Reads only; may be served by a
+    /// replica. For inspecting a client: requests never need it.
+    async fn leases(&self, tag: Tag, key: u64, ttl: Millis, now: Millis) -> Result<ConcurrencyState, StoreError>;
+
     /// Gives back charges made under `tag`.
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError>;
 
@@ -263,6 +268,9 @@ impl<R: Router> Store for R {
     }
     async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: Millis) -> Result<bool, StoreError> {
         self.route(tag).release(tag, keys, lease, now).await
+    }
+    async fn leases(&self, tag: Tag, key: u64, ttl: Millis, now: Millis) -> Result<ConcurrencyState, StoreError> {
+        self.route(tag).leases(tag, key, ttl, now).await
     }
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
         self.route(tag).refund(tag, refunds, now).await

@@ -7,7 +7,7 @@
 //! What the client sees when a call fails is the engine's failure policy.
 
 use super::{Refund, RegistryOp, RegistryReply, Store, StoreError};
-use crate::algo::{Decision, Lease, Op};
+use crate::algo::{ConcurrencyState, Decision, Lease, Op};
 use crate::tag::Tag;
 use crate::telemetry::{StoreMetrics, StoreOp};
 use crate::time::Millis;
@@ -243,6 +243,9 @@ impl<S: Store> Store for Resilient<S> {
     async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: Millis) -> Result<bool, StoreError> {
         self.call(StoreOp::Release, self.inner.release(tag, keys, lease, now)).await
     }
+    async fn leases(&self, tag: Tag, key: u64, ttl: Millis, now: Millis) -> Result<ConcurrencyState, StoreError> {
+        self.call(StoreOp::Peek, self.inner.leases(tag, key, ttl, now)).await
+    }
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
         self.call(StoreOp::Refund, self.inner.refund(tag, refunds, now)).await
     }
@@ -297,6 +300,9 @@ mod tests {
         }
         async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: Millis) -> Result<bool, StoreError> {
             self.inner.release(tag, keys, lease, now).await
+        }
+        async fn leases(&self, tag: Tag, key: u64, ttl: Millis, now: Millis) -> Result<ConcurrencyState, StoreError> {
+            self.inner.leases(tag, key, ttl, now).await
         }
         async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
             self.inner.refund(tag, refunds, now).await

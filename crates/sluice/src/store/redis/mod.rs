@@ -19,7 +19,7 @@ mod sharded;
 pub use sharded::ShardedRedisStore;
 
 use super::{Refund, RegistryOp, RegistryReply, Store, StoreError, b64};
-use crate::algo::{Decision, Lease, Limit, Op};
+use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
 use crate::time::Millis;
 use async_trait::async_trait;
@@ -673,6 +673,26 @@ impl Store for RedisStore {
         let held: i64 = redis::from_redis_value(reply?)
             .map_err(|e| StoreError::protocol(format!("script reply: {e}")).because(e))?;
         Ok(held == 1)
+    }
+
+    async fn leases(&self, tag: Tag, key: u64, ttl: Millis, now: Millis) -> Result<ConcurrencyState, StoreError> {
+        let at = Location::leases(tag, key, self.writer.options.buckets);
+        let mut cmd = redis::cmd("ZRANGEBYSCORE");
+        cmd.arg(&at.key).arg(format!("({}", now.saturating_sub(ttl))).arg("+inf").arg("WITHSCORES");
+        let reply = match self.replica() {
+            Some(r) => match r.conn.query(&cmd).await {
+                Ok(v) => Ok(v),
+                Err(_) => self.writer.conn.query(&cmd).await,
+            },
+            None => self.writer.conn.query(&cmd).await,
+        };
+        let held: Vec<(String, f64)> = redis::from_redis_value(reply.map_err(store_error)?)
+            .map_err(|e| StoreError::protocol(format!("leases reply: {e}")))?;
+        let leases = held
+            .into_iter()
+            .filter_map(|(id, at)| Some((Lease::from_str_radix(&id, 16).ok()?, at as Millis)))
+            .collect();
+        Ok(ConcurrencyState { leases })
     }
 
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
