@@ -7,6 +7,7 @@ use clap::{Args as ClapArgs, Subcommand};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use serde_json::{Value, json};
+use sluice::store::percent_encode;
 use std::path::PathBuf;
 
 #[derive(Debug, ClapArgs)]
@@ -167,14 +168,14 @@ fn request(c: &AdminCommand) -> (&'static str, String, Option<Value>) {
                         body[key] = v;
                     }
                 }
-                ("PUT", format!("/v1/overrides/{}", encode(id)), Some(body))
+                ("PUT", format!("/v1/overrides/{}", percent_encode(id)), Some(body))
             }
-            OverrideCommand::Get { id } => ("GET", format!("/v1/overrides/{}", encode(id)), None),
+            OverrideCommand::Get { id } => ("GET", format!("/v1/overrides/{}", percent_encode(id)), None),
             OverrideCommand::List { domain } => {
-                let query = domain.as_ref().map(|d| format!("?domain={}", encode(d))).unwrap_or_default();
+                let query = domain.as_ref().map(|d| format!("?domain={}", percent_encode(d))).unwrap_or_default();
                 ("GET", format!("/v1/overrides{query}"), None)
             }
-            OverrideCommand::Rm { id } => ("DELETE", format!("/v1/overrides/{}", encode(id)), None),
+            OverrideCommand::Rm { id } => ("DELETE", format!("/v1/overrides/{}", percent_encode(id)), None),
         },
         AdminCommand::Inspect(client) => ("GET", format!("/v1/admin/clients?{}", client_query(client, None)), None),
         AdminCommand::Reset { client, policy } => {
@@ -184,24 +185,14 @@ fn request(c: &AdminCommand) -> (&'static str, String, Option<Value>) {
 }
 
 fn client_query(c: &Client, policy: Option<&str>) -> String {
-    let mut q = format!("domain={}", encode(&c.domain));
+    let mut q = format!("domain={}", percent_encode(&c.domain));
     for (k, v) in &c.entries {
-        q.push_str(&format!("&{}={}", encode(k), encode(v)));
+        q.push_str(&format!("&{}={}", percent_encode(k), percent_encode(v)));
     }
     if let Some(p) = policy {
-        q.push_str(&format!("&policy={}", encode(p)));
+        q.push_str(&format!("&policy={}", percent_encode(p)));
     }
     q
-}
-
-/// Percent-encodes all but RFC 3986's unreserved characters.
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }
 
 /// An answer for people.

@@ -2,11 +2,11 @@
 //! circuit breaker), the near-cache and the rules. `serve`, `reload` and `bench` all
 //! build here.
 
-use crate::config::{Config, RedisConnectionConfig, StoreConfig, TlsConfig};
+use crate::config::{Config, RedisConnectionConfig, SentinelConfig, StoreConfig, TlsConfig};
 use crate::state::Engine;
 use sluice::config::{ClockKind, LimiterConfig};
 use sluice::rules::Rules;
-use sluice::store::redis::{RedisOptions, RedisStore, ShardedRedisStore, Tls};
+use sluice::store::redis::{Auth, RedisOptions, RedisStore, SentinelOptions, ShardedRedisStore, Tls};
 use sluice::store::{MemcachedStore, MemoryStore, MigratingStore, Resilience, Resilient, Store, StoreError, Tuning};
 use sluice::time::{Clock, CoarseClock, SystemClock};
 use sluice::{Limiter, Overrides};
@@ -133,6 +133,7 @@ fn store(
         StoreConfig::Redis { url, replicas, connection } => {
             resilient(RedisStore::new(url, replicas, options(connection)?)?, tuning)
         }
+        StoreConfig::RedisSentinel(c) => resilient(sentinel(c)?, tuning),
         StoreConfig::RedisCluster { nodes, read_from_replicas, timeout, retries, tls: files, buckets } => {
             let options = RedisOptions {
                 timeout: timeout.to_std(),
@@ -167,6 +168,18 @@ fn store(
             resilient(ShardedRedisStore::new(shards), tuning)
         }
     })
+}
+
+/// The Redis store a `redis_sentinel` config names.
+fn sentinel(c: &SentinelConfig) -> Result<RedisStore, BuildError> {
+    let sentinel = SentinelOptions {
+        sentinels: c.sentinels.clone(),
+        master_name: c.master_name.clone(),
+        read_from_replicas: c.read_from_replicas,
+        sentinel_auth: Auth { username: c.sentinel_username.clone(), password: c.sentinel_password.clone() },
+        redis_auth: Auth { username: c.username.clone(), password: c.password.clone() },
+    };
+    Ok(RedisStore::sentinel(&sentinel, options(&c.connection)?)?)
 }
 
 /// A remote store behind the deadline and breaker of `tuning`.

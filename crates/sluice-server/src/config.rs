@@ -118,6 +118,9 @@ pub enum StoreConfig {
         #[serde(flatten)]
         connection: RedisConnectionConfig,
     },
+    /// Redis behind Sentinel: the primary (and a replica for status reads) named by the
+    /// Sentinels, followed through a failover.
+    RedisSentinel(SentinelConfig),
     /// Redis Cluster (Stripe's setup): slots, MOVED and ASK followed by the client.
     RedisCluster {
         /// Any nodes of the cluster (`redis://host:port`); the rest are discovered.
@@ -161,6 +164,31 @@ pub enum StoreConfig {
         #[serde(flatten)]
         connection: RedisConnectionConfig,
     },
+}
+
+/// `redis_sentinel`: where the Sentinels are and what they watch.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SentinelConfig {
+    /// `host:port` of each Sentinel (no scheme: TLS comes from `tls`).
+    pub sentinels: Vec<String>,
+    /// The name the Sentinels monitor the primary under.
+    pub master_name: String,
+    /// Send status reads to a replica the Sentinels hold healthy.
+    #[serde(default)]
+    pub read_from_replicas: bool,
+    /// Credentials for the primary and replicas (`requirepass`, or an ACL user).
+    #[serde(default)]
+    pub username: Option<String>,
+    #[serde(default)]
+    pub password: Option<String>,
+    /// Credentials for the Sentinels themselves.
+    #[serde(default)]
+    pub sentinel_username: Option<String>,
+    #[serde(default)]
+    pub sentinel_password: Option<String>,
+    #[serde(flatten)]
+    pub connection: RedisConnectionConfig,
 }
 
 /// One shard of `redis_sharded`.

@@ -59,6 +59,8 @@ pub enum ServeError {
     Io(#[source] std::io::Error),
     #[error("{0}")]
     Log(String),
+    #[error("store: {0}")]
+    Store(String),
 }
 
 /// Runs the service.
@@ -79,6 +81,11 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     }
     let tls = config.server.tls.as_ref().map(crate::tls::Tls::load).transpose()?.map(Arc::new);
     let state = Arc::new(AppState::new(build(&config, rules)?, &config.server, Some(metrics), tls.clone()));
+    // a store that answers but cannot run the decisions (a Redis too old) stops the start
+    state.engine.load().limiter.store().preflight().await.map_err(|e| match e {
+        sluice::store::StoreError::Protocol { what, .. } => ServeError::Store(what),
+        other => ServeError::Store(other.to_string()),
+    })?;
     let addr = args.http.unwrap_or(config.server.http);
     let listener = listen(addr)?;
     let grpc_listener = listen(args.grpc.unwrap_or(config.server.grpc))?;

@@ -112,6 +112,7 @@ pub struct RedisServer {
     port: u16,
     extra: Vec<String>,
     dir: TempDir,
+    program: PathBuf,
 }
 
 impl RedisServer {
@@ -123,6 +124,11 @@ impl RedisServer {
     /// Starts a redis-server with extra arguments (e.g. `["--replicaof", "127.0.0.1",
     /// "6379"]`).
     pub fn start_with(extra: &[&str]) -> Self {
+        Self::start_program(&require("redis-server", "redis-server"), extra)
+    }
+
+    /// Starts `program` (another build of redis-server) with extra arguments.
+    pub fn start_program(program: &Path, extra: &[&str]) -> Self {
         let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         let cluster = extra.iter().any(|a| a == "--cluster-enabled");
         let mut last_error = String::new();
@@ -130,8 +136,8 @@ impl RedisServer {
         for _ in 0..5 {
             let dir = TempDir::new("sluice-redis");
             let port = if cluster { free_cluster_port() } else { free_port() };
-            match launch(port, &dir, &extra) {
-                Ok(process) => return Self { process, port, extra, dir },
+            match launch(program, port, &dir, &extra) {
+                Ok(process) => return Self { process, port, extra, dir, program: program.to_path_buf() },
                 Err(e) => last_error = e,
             }
         }
@@ -141,7 +147,8 @@ impl RedisServer {
     /// Starts the server again on the same port (after [`RedisServer::kill`]), empty.
     pub fn restart(&mut self) {
         self.process.kill();
-        self.process = launch(self.port, &self.dir, &self.extra).unwrap_or_else(|e| panic!("restart: {e}"));
+        self.process =
+            launch(&self.program, self.port, &self.dir, &self.extra).unwrap_or_else(|e| panic!("restart: {e}"));
     }
 
     /// A replica of `primary`, returned once its replication link is up and in sync.
@@ -364,6 +371,142 @@ impl MemcachedServer {
     }
 }
 
+/// Redis behind Sentinel: a primary, its replicas and Sentinels watching it as
+/// [`RedisSentinels::MASTER`], each on a free loopback port in its own temp dir, killed on
+/// drop. Returned once every Sentinel names the primary and sees every replica (and, with
+/// several, the other Sentinels), as a failover needs.
+pub struct RedisSentinels {
+    pub primary: RedisServer,
+    pub replicas: Vec<RedisServer>,
+    pub sentinels: Vec<SentinelServer>,
+}
+
+/// One `redis-sentinel` process.
+pub struct SentinelServer {
+    process: Process,
+    port: u16,
+    _dir: TempDir,
+}
+
+impl SentinelServer {
+    /// `127.0.0.1:PORT`.
+    pub fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// A command's reply as `redis-cli` prints it.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new(require("redis-cli", "redis-tools"))
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Kills it now.
+    pub fn kill(&mut self) {
+        self.process.kill();
+    }
+}
+
+impl RedisSentinels {
+    /// The name the Sentinels monitor the primary under.
+    pub const MASTER: &'static str = "sluice-primary";
+
+    /// `replicas` replicas and `sentinels` Sentinels (quorum: a majority of them), each
+    /// calling the primary down after `down_after_ms` without an answer.
+    pub fn start(replicas: usize, sentinels: usize, down_after_ms: u64) -> Self {
+        let bin = require("redis-sentinel", "redis-sentinel");
+        let primary = RedisServer::start();
+        let replicas: Vec<RedisServer> = (0..replicas).map(|_| RedisServer::replica_of(&primary)).collect();
+        let quorum = sentinels / 2 + 1;
+        let sentinels: Vec<SentinelServer> = (0..sentinels)
+            .map(|_| {
+                let mut last = String::new();
+                for _ in 0..5 {
+                    let (dir, port) = (TempDir::new("sluice-sentinel"), free_port());
+                    let conf = dir.path().join("sentinel.conf");
+                    std::fs::write(
+                        &conf,
+                        format!(
+                            "port {port}\nbind 127.0.0.1\nprotected-mode no\ndaemonize no\ndir {}\n\
+                             sentinel monitor {} 127.0.0.1 {} {quorum}\n\
+                             sentinel down-after-milliseconds {} {down_after_ms}\n\
+                             sentinel failover-timeout {} 10000\n",
+                            dir.path().display(),
+                            Self::MASTER,
+                            primary.port(),
+                            Self::MASTER,
+                            Self::MASTER,
+                        ),
+                    )
+                    .expect("write sentinel.conf");
+                    let mut cmd = Command::new(&bin);
+                    cmd.arg(&conf);
+                    let mut process = Process::spawn(&mut cmd).expect("start redis-sentinel");
+                    if wait_for_port(port, Duration::from_secs(5)) && ping(port).is_ok() {
+                        return SentinelServer { process, port, _dir: dir };
+                    }
+                    process.kill();
+                    last = format!("redis-sentinel on port {port} did not answer PING");
+                }
+                panic!("{last}")
+            })
+            .collect();
+        let set = Self { primary, replicas, sentinels };
+        set.wait_until_known();
+        set
+    }
+
+    /// Waits until every Sentinel sees every replica linked and the other Sentinels.
+    fn wait_until_known(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for s in &self.sentinels {
+            loop {
+                let replicas = s.cli(&["SENTINEL", "REPLICAS", Self::MASTER]);
+                let linked = replicas
+                    .lines()
+                    .collect::<Vec<_>>()
+                    .windows(2)
+                    .filter(|w| w[0] == "master-link-status" && w[1] == "ok")
+                    .count();
+                let master = s.cli(&["SENTINEL", "MASTER", Self::MASTER]);
+                let lines: Vec<&str> = master.lines().collect();
+                let others =
+                    lines.windows(2).find(|w| w[0] == "num-other-sentinels").and_then(|w| w[1].parse::<usize>().ok());
+                if linked == self.replicas.len() && others == Some(self.sentinels.len() - 1) {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "Sentinel {} does not know the set yet:\n{replicas}\n{master}",
+                    s.addr()
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+
+    /// Every Sentinel's `host:port`.
+    pub fn addrs(&self) -> Vec<String> {
+        self.sentinels.iter().map(SentinelServer::addr).collect()
+    }
+
+    /// The port of the server the first Sentinel that answers names as the primary.
+    pub fn primary_port(&self) -> Option<u16> {
+        self.sentinels.iter().find_map(|s| {
+            let reply = s.cli(&["SENTINEL", "GET-MASTER-ADDR-BY-NAME", Self::MASTER]);
+            reply.lines().nth(1)?.trim().parse().ok()
+        })
+    }
+
+    /// The server (primary or replica) on `port`.
+    pub fn server(&self, port: u16) -> Option<&RedisServer> {
+        std::iter::once(&self.primary).chain(&self.replicas).find(|r| r.port() == port)
+    }
+}
+
 /// A six-node Redis Cluster (three primaries, three replicas) on free loopback ports,
 /// every node in its own temp dir, killed on drop.
 pub struct RedisCluster {
@@ -478,9 +621,8 @@ impl RedisCluster {
 }
 
 /// Starts redis-server on `port` and waits (up to 10 s) until it answers PING.
-fn launch(port: u16, dir: &TempDir, extra: &[String]) -> Result<Process, String> {
-    let bin = require("redis-server", "redis-server");
-    let mut cmd = Command::new(&bin);
+fn launch(bin: &Path, port: u16, dir: &TempDir, extra: &[String]) -> Result<Process, String> {
+    let mut cmd = Command::new(bin);
     cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
         .args(["--daemonize", "no", "--protected-mode", "yes"])
         .arg("--dir")

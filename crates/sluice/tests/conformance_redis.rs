@@ -34,3 +34,18 @@ sluice::conformance_suite!(redis_cluster, async {
     let cluster = sluice_testkit::RedisCluster::start();
     (RedisStore::cluster(&cluster.urls(), false, options()).unwrap(), cluster)
 });
+
+// Behind Sentinel: the primary and a replica for peeks found by asking a Sentinel (one
+// here; the failover test in sluice-server's tests/sentinel.rs runs three). Each write
+// waits for the replica, so a peek right after it sees it.
+sluice::conformance_suite!(redis_sentinel, async {
+    let set = sluice_testkit::RedisSentinels::start(1, 1, 5_000);
+    let sentinel = sluice::store::redis::SentinelOptions {
+        sentinels: set.addrs(),
+        master_name: sluice_testkit::RedisSentinels::MASTER.into(),
+        read_from_replicas: true,
+        ..Default::default()
+    };
+    let opts = RedisOptions { replica_acks: 1, ..options() };
+    (RedisStore::sentinel(&sentinel, opts).unwrap(), set)
+});

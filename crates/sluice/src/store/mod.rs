@@ -46,6 +46,17 @@ pub struct Refund {
 /// callers that look at [`std::error::Error::source`].
 pub type Cause = std::sync::Arc<dyn std::error::Error + Send + Sync>;
 
+/// `s` with every byte but RFC 3986's unreserved characters percent-encoded: safe in a
+/// URL's path, query or credentials (the credentials of a Redis URL the Sentinel store writes; the admin CLI's queries).
+pub fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 /// Why a store call failed. The engine's failure policy decides what the client sees.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
@@ -226,6 +237,13 @@ pub trait Store: Send + Sync + 'static {
         Err(no_registry(self.kind()))
     }
 
+    /// Checks, once at start, that the store can run Sluice's decisions at all (a Redis
+    /// new enough for the scripts). A store that cannot be reached now passes: stores
+    /// connect lazily, and one that is down must not keep Sluice from starting.
+    async fn preflight(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     /// Whether the store can take calls now (for `/readyz`).
     async fn ready(&self) -> bool {
         true
@@ -286,6 +304,12 @@ impl<R: Router> Store for R {
             Some(s) => s.registry(op).await,
             None => Err(no_registry(Router::kind(self))),
         }
+    }
+    async fn preflight(&self) -> Result<(), StoreError> {
+        for s in self.stores() {
+            s.preflight().await?;
+        }
+        Ok(())
     }
     async fn ready(&self) -> bool {
         for s in self.stores() {

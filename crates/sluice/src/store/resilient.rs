@@ -258,10 +258,20 @@ impl<S: Store> Store for Resilient<S> {
     async fn registry(&self, op: RegistryOp) -> Result<RegistryReply, StoreError> {
         self.call(StoreOp::Registry, self.inner.registry(op)).await
     }
+    async fn preflight(&self) -> Result<(), StoreError> {
+        self.inner.preflight().await
+    }
     async fn ready(&self) -> bool {
-        tokio::time::timeout(self.settings.get().deadline.max(Duration::from_millis(500)), self.inner.ready())
-            .await
-            .unwrap_or(false)
+        let ready =
+            tokio::time::timeout(self.settings.get().deadline.max(Duration::from_millis(500)), self.inner.ready())
+                .await
+                .unwrap_or(false);
+        // a store that answers is not down: an open breaker closes, so that `/readyz`
+        // saying ready means decisions reach the store again (not a cool-down later)
+        if ready && self.breaker() != BreakerState::Closed {
+            self.record(None);
+        }
+        ready
     }
     fn kind(&self) -> &'static str {
         self.inner.kind()
@@ -310,8 +320,20 @@ mod tests {
         async fn reset(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<(), StoreError> {
             self.inner.reset(tag, ops, now).await
         }
+        async fn ready(&self) -> bool {
+            !self.down.load(Ordering::Relaxed)
+        }
         fn kind(&self) -> &'static str {
             "flaky"
+        }
+    }
+
+    fn flaky(down: bool, slow: bool) -> Flaky {
+        Flaky {
+            down: AtomicBool::new(down),
+            slow: AtomicBool::new(slow),
+            calls: AtomicU64::new(0),
+            inner: MemoryStore::new(100),
         }
     }
 
@@ -327,12 +349,7 @@ mod tests {
 
     #[tokio::test]
     async fn breaker_opens_fails_fast_then_probes_and_closes() {
-        let flaky = Flaky {
-            down: AtomicBool::new(true),
-            slow: AtomicBool::new(false),
-            calls: AtomicU64::new(0),
-            inner: MemoryStore::new(100),
-        };
+        let flaky = flaky(true, false);
         let r = Resilient::new(
             flaky,
             Resilience { deadline: Duration::from_millis(50), failures: 3, cooldown: Duration::from_millis(200) },
@@ -352,14 +369,26 @@ mod tests {
         assert_eq!(r.breaker(), BreakerState::Closed);
     }
 
+    /// `/readyz` saying ready means decisions reach the store: a store that answers
+    /// closes an open breaker at once, not a cool-down later.
+    #[tokio::test]
+    async fn a_ready_store_closes_the_breaker() {
+        let flaky = flaky(true, false);
+        let r = Resilient::new(
+            flaky,
+            Resilience { deadline: Duration::from_millis(50), failures: 1, cooldown: Duration::from_secs(60) },
+        );
+        assert!(r.apply(Tag(1), &[op()], 0).await.is_err());
+        assert!(!r.ready().await && r.breaker() == BreakerState::Open, "down: not ready, still open");
+        r.inner().down.store(false, Ordering::Relaxed);
+        assert!(r.ready().await);
+        assert_eq!(r.breaker(), BreakerState::Closed);
+        assert!(r.apply(Tag(1), &[op()], 0).await.is_ok(), "decisions reach the store again");
+    }
+
     #[tokio::test]
     async fn the_deadline_bounds_a_slow_store() {
-        let flaky = Flaky {
-            down: AtomicBool::new(false),
-            slow: AtomicBool::new(true),
-            calls: AtomicU64::new(0),
-            inner: MemoryStore::new(100),
-        };
+        let flaky = flaky(false, true);
         let r = Resilient::new(flaky, Resilience { deadline: Duration::from_millis(50), ..Resilience::default() });
         let start = Instant::now();
         assert_eq!(r.apply(Tag(1), &[op()], 0).await, Err(StoreError::Timeout(50)));

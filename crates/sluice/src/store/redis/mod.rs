@@ -14,8 +14,10 @@
 mod batch;
 #[cfg(test)]
 mod cluster_distribution;
+mod sentinel;
 mod sharded;
 
+pub use sentinel::{Auth, FOLLOW_EVERY, SentinelOptions};
 pub use sharded::ShardedRedisStore;
 
 use super::{Refund, RegistryOp, RegistryReply, Store, StoreError, b64};
@@ -268,6 +270,8 @@ fn answers(reply: Result<Value, StoreError>, calls: &[&Call]) -> Vec<Result<Vec<
 enum Conn {
     Node(ConnectionManager),
     Cluster(Arc<ClusterLink>),
+    /// The server Sentinel names, followed through failovers (`sentinel.rs`).
+    Sentinel(Arc<sentinel::SentinelLink>),
 }
 
 /// A Redis Cluster connection, opened on first use and kept; attempts are spaced so a
@@ -303,19 +307,7 @@ impl ClusterLink {
 
 impl Conn {
     fn open(url: &str, options: &RedisOptions) -> Result<Self, StoreError> {
-        crypto_provider();
-        let client = match &options.tls {
-            Some(tls) => redis::Client::build_with_tls(url, tls.certificates()),
-            None => redis::Client::open(url),
-        }
-        .map_err(|e| StoreError::unavailable(format!("invalid redis url {}: {e}", redacted(url))).because(e))?;
-        let timeout = options.timeout;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_millis(500));
-        ConnectionManager::new_lazy_with_config(client, config).map(Conn::Node).map_err(store_error)
+        manager(url, options, 2).map(Conn::Node)
     }
 
     fn open_cluster(nodes: &[String], options: &RedisOptions, read_from_replicas: bool) -> Result<Self, StoreError> {
@@ -347,6 +339,11 @@ impl Conn {
         match self {
             Conn::Node(m) => cmd.query_async(&mut m.clone()).await,
             Conn::Cluster(link) => cmd.query_async(&mut link.get().await?).await,
+            Conn::Sentinel(link) => {
+                let reply = cmd.query_async(&mut link.get().await?).await;
+                link.saw(&reply);
+                reply
+            }
         }
     }
 
@@ -374,6 +371,13 @@ impl Conn {
         }
     }
 
+    /// Why the server (every node of a cluster) cannot run the scripts, if it answers
+    /// and is older than [`OLDEST_REDIS`].
+    async fn version_problem(&self, timeout: Duration) -> Option<StoreError> {
+        let reply = tokio::time::timeout(timeout, self.query(redis::cmd("INFO").arg("server"))).await.ok()?.ok()?;
+        texts(reply).iter().find_map(|info| too_old(info))
+    }
+
     /// Whether the server answers PING now. One PING: a dead server costs one timeout.
     async fn ping(&self) -> bool {
         match self.query(&redis::cmd("PING")).await {
@@ -382,6 +386,56 @@ impl Conn {
             _ => false,
         }
     }
+}
+
+/// The oldest Redis the scripts run on: 7.0 brought `EVALSHA_RO` (status reads on
+/// replicas), the `#!lua flags=no-writes` shebang and `PEXPIREAT ... GT`.
+pub const OLDEST_REDIS: (u64, u64) = (7, 0);
+
+/// The error for a server whose `INFO server` reply names a version older than
+/// [`OLDEST_REDIS`]; None when it is new enough or says no version.
+fn too_old(info: &str) -> Option<StoreError> {
+    let version = info.lines().find_map(|l| l.strip_prefix("redis_version:"))?.trim();
+    let mut parts = version.split('.').map(|p| p.parse::<u64>().ok());
+    let (major, minor) = (parts.next()??, parts.next()??);
+    ((major, minor) < OLDEST_REDIS).then(|| {
+        let (m, n) = OLDEST_REDIS;
+        StoreError::protocol(format!(
+            "the redis server is version {version}; Sluice needs Redis {m}.{n} or later (its scripts use EVALSHA_RO, `#!lua flags=no-writes` and PEXPIREAT ... GT): upgrade the server or point store.url elsewhere"
+        ))
+    })
+}
+
+/// Every text in a reply (a cluster answers `INFO` with one per node).
+fn texts(v: Value) -> Vec<String> {
+    match v {
+        Value::BulkString(b) => vec![String::from_utf8_lossy(&b).into_owned()],
+        Value::VerbatimString { text, .. } | Value::SimpleString(text) => vec![text],
+        Value::Array(items) | Value::Set(items) => items.into_iter().flat_map(texts).collect(),
+        Value::Map(pairs) => pairs.into_iter().flat_map(|(_, v)| texts(v)).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// A client for `url` (TLS with `options.tls` for `rediss://`).
+fn client(url: &str, options: &RedisOptions) -> Result<redis::Client, StoreError> {
+    crypto_provider();
+    match &options.tls {
+        Some(tls) => redis::Client::build_with_tls(url, tls.certificates()),
+        None => redis::Client::open(url),
+    }
+    .map_err(|e| StoreError::unavailable(format!("invalid redis url {}: {e}", redacted(url))).because(e))
+}
+
+/// A connection to `url` that reconnects by itself (up to `retries` times a call),
+/// opened lazily: a Redis that is down when Sluice starts does not stop it from starting.
+fn manager(url: &str, options: &RedisOptions, retries: usize) -> Result<ConnectionManager, StoreError> {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(options.timeout))
+        .set_response_timeout(Some(options.timeout))
+        .set_number_of_retries(retries)
+        .set_max_delay(Duration::from_millis(500));
+    ConnectionManager::new_lazy_with_config(client(url, options)?, config).map_err(store_error)
 }
 
 /// A URL with its password replaced by `***`, for errors and logs.
@@ -577,6 +631,39 @@ impl RedisStore {
         Ok(store)
     }
 
+    /// A store on the primary the Sentinels at `sentinel.sentinels` name, followed
+    /// through failovers (see `sentinel.rs`); with `read_from_replicas`, status reads go
+    /// to a replica they hold healthy (health-checked as `redis` replicas are, falling
+    /// back to the primary). Connects lazily; fails only on a malformed address.
+    pub fn sentinel(sentinel: &SentinelOptions, options: RedisOptions) -> Result<Self, StoreError> {
+        use sentinel::{Discovery, Role, SentinelLink};
+        let discovery = Arc::new(Discovery::new(sentinel, &options)?);
+        let link = |role| SentinelLink::new(discovery.clone(), role, sentinel.redis_auth.clone(), options.clone());
+        let replicas = match sentinel.read_from_replicas {
+            true => vec![Arc::new(Replica {
+                conn: Conn::Sentinel(link(Role::Replica)),
+                healthy: AtomicBool::new(true),
+                url: format!("a replica of '{}' (from the Sentinels)", sentinel.master_name),
+            })],
+            false => Vec::new(),
+        };
+        let writer = Arc::new(Writer::new(Conn::Sentinel(link(Role::Primary)), options));
+        let batcher = batch::Batcher::start(writer.clone());
+        let store = Self { writer, batcher, replicas, next: AtomicUsize::new(0) };
+        store.watch_replicas();
+        store.warm_up();
+        Ok(store)
+    }
+
+    /// Where a Sentinel store's primary is now (`host:port`; None for other stores or
+    /// before the Sentinels answered).
+    pub fn primary_address(&self) -> Option<String> {
+        match &self.writer.conn {
+            Conn::Sentinel(link) => link.address(),
+            _ => None,
+        }
+    }
+
     /// The same store with every apply in a script call of its own, as if no two were
     /// ever in flight at once: what batched decisions are compared with.
     pub fn one_by_one(mut self) -> Self {
@@ -590,9 +677,13 @@ impl RedisStore {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
-        let primary = self.writer.conn.clone();
+        let (primary, timeout) = (self.writer.conn.clone(), self.writer.options.timeout);
         tokio::spawn(async move {
-            primary.ping().await;
+            // a server too old for the scripts, found once it answers (perhaps after
+            // start): said once, plainly, rather than as each script's error
+            if let Some(e) = primary.version_problem(timeout).await {
+                tracing::error!(error = %e, "this redis cannot run Sluice's scripts");
+            }
         });
     }
 
@@ -757,6 +848,13 @@ impl Store for RedisStore {
         Ok(RegistryReply { version, previous, entries })
     }
 
+    async fn preflight(&self) -> Result<(), StoreError> {
+        match self.writer.conn.version_problem(self.writer.options.timeout).await {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     async fn ready(&self) -> bool {
         self.writer.conn.ping().await
     }
@@ -765,12 +863,30 @@ impl Store for RedisStore {
         match self.writer.conn {
             Conn::Node(_) => "redis",
             Conn::Cluster(_) => "redis_cluster",
+            Conn::Sentinel(_) => "redis_sentinel",
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn servers_older_than_7_0_are_named() {
+        let e = too_old("# Server\r\nredis_version:6.2.14\r\nredis_mode:standalone\r\n").unwrap().to_string();
+        assert!(e.contains("version 6.2.14") && e.contains("Redis 7.0 or later"), "{e}");
+        assert!(too_old("redis_version:7.0.15\r\n").is_none());
+        assert!(too_old("redis_version:8.2.1\r\n").is_none());
+        assert!(too_old("# no version here").is_none());
+        let cluster = Value::Map(vec![
+            (
+                Value::SimpleString("a".into()),
+                Value::VerbatimString { format: redis::VerbatimFormat::Text, text: "redis_version:7.2.4".into() },
+            ),
+            (Value::SimpleString("b".into()), Value::BulkString(b"redis_version:5.0.7".to_vec())),
+        ]);
+        assert!(texts(cluster).iter().find_map(|t| too_old(t)).is_some(), "one old node is enough");
+    }
+
     use super::*;
 
     #[test]
