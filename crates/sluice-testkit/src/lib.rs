@@ -168,12 +168,7 @@ impl RedisServer {
     /// How many times a script has run on this server (`EVALSHA` and `EVALSHA_RO`
     /// calls in `INFO commandstats`).
     pub fn script_calls(&self) -> u64 {
-        let stats = self.command("INFO commandstats").unwrap_or_default();
-        stats
-            .lines()
-            .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_evalsha_ro:"))
-            .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
-            .sum()
+        script_calls(&self.command("INFO commandstats").unwrap_or_default())
     }
 
     /// The port.
@@ -379,12 +374,15 @@ pub struct RedisSentinels {
     pub primary: RedisServer,
     pub replicas: Vec<RedisServer>,
     pub sentinels: Vec<SentinelServer>,
+    /// The servers' password, if they have one.
+    password: Option<String>,
 }
 
 /// One `redis-sentinel` process.
 pub struct SentinelServer {
     process: Process,
     port: u16,
+    password: Option<String>,
     _dir: TempDir,
 }
 
@@ -396,12 +394,7 @@ impl SentinelServer {
 
     /// A command's reply as `redis-cli` prints it.
     pub fn cli(&self, args: &[&str]) -> String {
-        let out = Command::new(require("redis-cli", "redis-tools"))
-            .args(["-p", &self.port.to_string()])
-            .args(args)
-            .output()
-            .expect("run redis-cli");
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        cli(self.port, self.password.as_deref(), args)
     }
 
     /// Kills it now.
@@ -417,9 +410,42 @@ impl RedisSentinels {
     /// `replicas` replicas and `sentinels` Sentinels (quorum: a majority of them), each
     /// calling the primary down after `down_after_ms` without an answer.
     pub fn start(replicas: usize, sentinels: usize, down_after_ms: u64) -> Self {
+        Self::start_with_passwords(replicas, sentinels, down_after_ms, None)
+    }
+
+    /// As [`RedisSentinels::start`], with `passwords`: the servers' (`requirepass`, and
+    /// `masterauth` for replication) and the Sentinels' own (`requirepass`; they reach
+    /// the servers with `sentinel auth-pass`).
+    pub fn start_with_passwords(
+        replicas: usize,
+        sentinels: usize,
+        down_after_ms: u64,
+        passwords: Option<(&str, &str)>,
+    ) -> Self {
         let bin = require("redis-sentinel", "redis-sentinel");
-        let primary = RedisServer::start();
-        let replicas: Vec<RedisServer> = (0..replicas).map(|_| RedisServer::replica_of(&primary)).collect();
+        let (redis_auth, sentinel_auth) = match passwords {
+            Some((r, s)) => (
+                vec!["--requirepass".to_string(), r.to_string(), "--masterauth".into(), r.into()],
+                format!("requirepass {s}\nsentinel auth-pass {} {r}\n", Self::MASTER),
+            ),
+            None => (Vec::new(), String::new()),
+        };
+        let auth: Vec<&str> = redis_auth.iter().map(String::as_str).collect();
+        let primary = RedisServer::start_with(&auth);
+        let replicas: Vec<RedisServer> = (0..replicas)
+            .map(|_| {
+                let port = primary.port().to_string();
+                let replica = RedisServer::start_with(&[&["--replicaof", "127.0.0.1", &port][..], &auth].concat());
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !cli(replica.port(), passwords.map(|p| p.0), &["INFO", "replication"])
+                    .contains("master_link_status:up")
+                {
+                    assert!(Instant::now() < deadline, "replica on {} did not sync", replica.port());
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                replica
+            })
+            .collect();
         let quorum = sentinels / 2 + 1;
         let sentinels: Vec<SentinelServer> = (0..sentinels)
             .map(|_| {
@@ -433,7 +459,7 @@ impl RedisSentinels {
                             "port {port}\nbind 127.0.0.1\nprotected-mode no\ndaemonize no\ndir {}\n\
                              sentinel monitor {} 127.0.0.1 {} {quorum}\n\
                              sentinel down-after-milliseconds {} {down_after_ms}\n\
-                             sentinel failover-timeout {} 10000\n",
+                             sentinel failover-timeout {} 10000\n{sentinel_auth}",
                             dir.path().display(),
                             Self::MASTER,
                             primary.port(),
@@ -446,7 +472,8 @@ impl RedisSentinels {
                     cmd.arg(&conf);
                     let mut process = Process::spawn(&mut cmd).expect("start redis-sentinel");
                     if wait_for_port(port, Duration::from_secs(5)) && ping(port).is_ok() {
-                        return SentinelServer { process, port, _dir: dir };
+                        let password = passwords.map(|p| p.1.to_string());
+                        return SentinelServer { process, port, password, _dir: dir };
                     }
                     process.kill();
                     last = format!("redis-sentinel on port {port} did not answer PING");
@@ -454,7 +481,7 @@ impl RedisSentinels {
                 panic!("{last}")
             })
             .collect();
-        let set = Self { primary, replicas, sentinels };
+        let set = Self { primary, replicas, sentinels, password: passwords.map(|p| p.0.to_string()) };
         set.wait_until_known();
         set
     }
@@ -488,6 +515,12 @@ impl RedisSentinels {
         }
     }
 
+    /// How many scripts the replicas have run (`EVALSHA_RO` and `EVALSHA` calls).
+    pub fn replica_script_calls(&self) -> u64 {
+        let stats = self.replicas.iter().map(|r| cli(r.port(), self.password.as_deref(), &["INFO", "commandstats"]));
+        stats.map(|s| script_calls(&s)).sum()
+    }
+
     /// Every Sentinel's `host:port`.
     pub fn addrs(&self) -> Vec<String> {
         self.sentinels.iter().map(SentinelServer::addr).collect()
@@ -505,6 +538,26 @@ impl RedisSentinels {
     pub fn server(&self, port: u16) -> Option<&RedisServer> {
         std::iter::once(&self.primary).chain(&self.replicas).find(|r| r.port() == port)
     }
+}
+
+/// The script calls (`EVALSHA`, `EVALSHA_RO`) an `INFO commandstats` reply counts.
+fn script_calls(stats: &str) -> u64 {
+    stats
+        .lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_evalsha_ro:"))
+        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// `redis-cli -p PORT [-a PASSWORD] ARGS...`, its output.
+fn cli(port: u16, password: Option<&str>, args: &[&str]) -> String {
+    let mut cmd = Command::new(require("redis-cli", "redis-tools"));
+    cmd.args(["-p", &port.to_string()]);
+    if let Some(p) = password {
+        cmd.args(["-a", p, "--no-auth-warning"]);
+    }
+    let out = cmd.args(args).output().expect("run redis-cli");
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// A six-node Redis Cluster (three primaries, three replicas) on free loopback ports,
