@@ -62,7 +62,7 @@ fn to_json(o: &Override) -> String {
 fn override_error(e: OverrideError) -> Response {
     match e {
         OverrideError::Invalid(m) => error(StatusCode::BAD_REQUEST, "bad_override", m),
-        OverrideError::Unsupported(e) => error(StatusCode::NOT_IMPLEMENTED, "overrides_unsupported", e.to_string()),
+        OverrideError::Unsupported(m) => error(StatusCode::NOT_IMPLEMENTED, "overrides_unsupported", m),
         OverrideError::Store(e) => check_error(e.into()),
     }
 }
@@ -79,10 +79,7 @@ fn bad_path(e: PathRejection) -> Response {
 /// another has just set).
 async fn fresh(state: &AppState) -> Result<Arc<sluice::Overrides>, Response> {
     let overrides = state.engine.load().limiter.overrides().clone();
-    if !overrides.supported() {
-        let message = "this store keeps no overrides; use a memory or redis store".to_string();
-        return Err(error(StatusCode::NOT_IMPLEMENTED, "overrides_unsupported", message));
-    }
+    overrides.supported().map_err(override_error)?;
     overrides.refresh().await.map_err(|e| check_error(e.into()))?;
     Ok(overrides)
 }

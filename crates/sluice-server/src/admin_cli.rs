@@ -7,6 +7,7 @@ use clap::{Args as ClapArgs, Subcommand};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use serde_json::{Value, json};
+use sluice::Entry;
 use sluice::store::percent_encode;
 use std::path::PathBuf;
 
@@ -155,20 +156,24 @@ fn request(c: &AdminCommand) -> (&'static str, String, Option<Value>) {
                 reason,
             } => {
                 let now = sluice::time::Clock::now(&sluice::time::SystemClock);
-                let expires = expires_at_ms.or(expires_in.map(|d| now + d.0));
-                let entries: Vec<Value> = entries.iter().map(|(k, v)| json!({"key": k, "value": v})).collect();
-                let mut body = json!({"domain": domain, "entries": entries, "limit": limit, "reason": reason});
-                for (key, value) in [
-                    ("policy", policy.as_ref().map(|p| json!(p))),
-                    ("window", window.map(|w| json!(w.to_string()))),
-                    ("rate", rate.map(|r| json!(r))),
-                    ("expires_at_ms", expires.map(|t| json!(t))),
-                ] {
-                    if let Some(v) = value {
-                        body[key] = v;
-                    }
-                }
-                ("PUT", format!("/v1/overrides/{}", percent_encode(id)), Some(body))
+                // the server sets `set_at_ms` and `set_by`
+                let body = sluice::Override {
+                    id: id.clone(),
+                    domain: domain.clone(),
+                    entries: entries
+                        .iter()
+                        .map(|(key, value)| Entry { key: key.clone(), value: value.clone() })
+                        .collect(),
+                    limit: *limit,
+                    policy: policy.clone(),
+                    window: *window,
+                    rate: *rate,
+                    expires_at_ms: expires_at_ms.or(expires_in.map(|d| now + d.0)),
+                    reason: reason.clone(),
+                    set_at_ms: 0,
+                    set_by: String::new(),
+                };
+                ("PUT", format!("/v1/overrides/{}", percent_encode(id)), Some(json!(body)))
             }
             OverrideCommand::Get { id } => ("GET", format!("/v1/overrides/{}", percent_encode(id)), None),
             OverrideCommand::List { domain } => {

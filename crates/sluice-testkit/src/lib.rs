@@ -153,10 +153,19 @@ impl RedisServer {
 
     /// A replica of `primary`, returned once its replication link is up and in sync.
     pub fn replica_of(primary: &RedisServer) -> Self {
-        let replica = Self::start_with(&["--replicaof", "127.0.0.1", &primary.port().to_string()]);
+        Self::replica_with_password(primary, None)
+    }
+
+    /// A replica of `primary` whose servers want `password` (`requirepass`, and
+    /// `masterauth` to replicate), returned once in sync.
+    pub fn replica_with_password(primary: &RedisServer, password: Option<&str>) -> Self {
+        let port = primary.port().to_string();
+        let auth = password.map(|p| ["--requirepass", p, "--masterauth", p]);
+        let args = [&["--replicaof", "127.0.0.1", &port][..], auth.as_ref().map_or(&[][..], |a| &a[..])].concat();
+        let replica = Self::start_with(&args);
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let info = replica.command("INFO replication").unwrap_or_default();
+            let info = cli(replica.port(), password, &["INFO", "replication"]);
             if info.contains("master_link_status:up") && !info.contains("master_sync_in_progress:1") {
                 return replica;
             }
@@ -423,29 +432,17 @@ impl RedisSentinels {
         passwords: Option<(&str, &str)>,
     ) -> Self {
         let bin = require("redis-sentinel", "redis-sentinel");
-        let (redis_auth, sentinel_auth) = match passwords {
-            Some((r, s)) => (
-                vec!["--requirepass".to_string(), r.to_string(), "--masterauth".into(), r.into()],
-                format!("requirepass {s}\nsentinel auth-pass {} {r}\n", Self::MASTER),
-            ),
-            None => (Vec::new(), String::new()),
+        let sentinel_auth = match passwords {
+            Some((r, s)) => format!("requirepass {s}\nsentinel auth-pass {} {r}\n", Self::MASTER),
+            None => String::new(),
         };
-        let auth: Vec<&str> = redis_auth.iter().map(String::as_str).collect();
-        let primary = RedisServer::start_with(&auth);
-        let replicas: Vec<RedisServer> = (0..replicas)
-            .map(|_| {
-                let port = primary.port().to_string();
-                let replica = RedisServer::start_with(&[&["--replicaof", "127.0.0.1", &port][..], &auth].concat());
-                let deadline = Instant::now() + Duration::from_secs(10);
-                while !cli(replica.port(), passwords.map(|p| p.0), &["INFO", "replication"])
-                    .contains("master_link_status:up")
-                {
-                    assert!(Instant::now() < deadline, "replica on {} did not sync", replica.port());
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                replica
-            })
-            .collect();
+        let redis_password = passwords.map(|p| p.0);
+        let primary = match redis_password {
+            Some(p) => RedisServer::start_with(&["--requirepass", p, "--masterauth", p]),
+            None => RedisServer::start(),
+        };
+        let replicas: Vec<RedisServer> =
+            (0..replicas).map(|_| RedisServer::replica_with_password(&primary, redis_password)).collect();
         let quorum = sentinels / 2 + 1;
         let sentinels: Vec<SentinelServer> = (0..sentinels)
             .map(|_| {

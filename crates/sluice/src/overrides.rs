@@ -260,6 +260,11 @@ impl DomainOverrides {
     }
 }
 
+/// The override stored as `text` under `id` (the registry's id wins over the text's).
+fn parse(id: &str, text: &str) -> Result<Override, serde_json::Error> {
+    serde_json::from_str(text).map(|o| Override { id: id.to_string(), ..o })
+}
+
 /// An override and the text it is stored as.
 type Stored = (Arc<Override>, Arc<str>);
 
@@ -322,9 +327,9 @@ pub enum OverrideError {
     /// The override is malformed or fits no rule: the message says what to change.
     #[error("{0}")]
     Invalid(String),
-    /// The store keeps no overrides (Memcached).
+    /// The store keeps no overrides (Memcached): the message says what to use.
     #[error("{0}")]
-    Unsupported(StoreError),
+    Unsupported(String),
     /// The store did not answer.
     #[error(transparent)]
     Store(StoreError),
@@ -378,9 +383,13 @@ impl Overrides {
         self.generation.load(Ordering::Acquire)
     }
 
-    /// Whether the store keeps overrides (the memory and Redis stores do, Memcached not).
-    pub fn supported(&self) -> bool {
-        self.store.keeps_registry()
+    /// Whether the store keeps overrides (the memory and Redis stores do, Memcached not);
+    /// the error says what to use instead.
+    pub fn supported(&self) -> Result<(), OverrideError> {
+        match self.store.keeps_registry() {
+            true => Ok(()),
+            false => Err(OverrideError::Unsupported(crate::store::no_registry_reason(self.store.kind()))),
+        }
     }
 
     /// How many overrides are held.
@@ -423,8 +432,8 @@ impl Overrides {
     fn install(&self, read: RegistryReply) {
         let mut stored = Vec::with_capacity(read.entries.len());
         for (id, text) in read.entries {
-            match serde_json::from_str::<Override>(&text) {
-                Ok(o) => stored.push((Override { id, ..o }, text)),
+            match parse(&id, &text) {
+                Ok(o) => stored.push((o, text)),
                 Err(e) => tracing::warn!(id = %id, error = %e, "a stored override cannot be read; it is not applied"),
             }
         }
@@ -446,13 +455,13 @@ impl Overrides {
         let value = serde_json::to_string(o).map_err(|e| OverrideError::Invalid(e.to_string()))?;
         let added = (Arc::new(o.clone()), Arc::from(value.as_str()));
         let reply = self.write(RegistryOp::Put { id: o.id.clone(), value }, &o.id, Some(added)).await?;
-        Ok(reply.previous.and_then(|p| serde_json::from_str(&p).ok()))
+        Ok(reply.previous.and_then(|p| parse(&o.id, &p).ok()))
     }
 
     /// Removes the override `id`. Returns it, or None when there was none.
     pub async fn remove(&self, id: &str) -> Result<Option<Override>, OverrideError> {
         let reply = self.write(RegistryOp::Remove { id: id.to_string(), only_if: None }, id, None).await?;
-        Ok(reply.previous.and_then(|p| serde_json::from_str(&p).ok()).map(|o| Override { id: id.to_string(), ..o }))
+        Ok(reply.previous.and_then(|p| parse(id, &p).ok()))
     }
 
     /// Tells every other instance that state changed under their near-caches (a reset;
@@ -468,12 +477,7 @@ impl Overrides {
     /// force here: applied to the set held when no other change came between (so loading
     /// many overrides costs no read of the whole set per change), else read anew.
     async fn write(&self, op: RegistryOp, id: &str, added: Option<Stored>) -> Result<RegistryReply, OverrideError> {
-        if !self.store.keeps_registry() {
-            let kind = self.store.kind();
-            return Err(OverrideError::Unsupported(StoreError::protocol(format!(
-                "the {kind} store keeps no overrides; use a memory or redis store"
-            ))));
-        }
+        self.supported()?;
         let reply = self.store.registry(op).await?;
         {
             let _one = self.refreshing.lock().await;

@@ -243,6 +243,11 @@ fn decision(allowed: bool, limit: u64, used: u64, reset: Millis, cost: u64, now:
     }
 }
 
+/// The error for a concurrency call: Memcached keeps no leases.
+fn no_concurrency() -> StoreError {
+    StoreError::protocol("the memcached store has no concurrency limits; use redis")
+}
+
 #[async_trait]
 impl Store for MemcachedStore {
     async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
@@ -303,11 +308,11 @@ impl Store for MemcachedStore {
     }
 
     async fn release(&self, _tag: Tag, _keys: &[u64], _lease: Lease, _now: Millis) -> Result<bool, StoreError> {
-        Err(StoreError::protocol("the memcached store has no concurrency limits; use redis"))
+        Err(no_concurrency())
     }
 
     async fn leases(&self, _tag: Tag, _key: u64, _ttl: Millis, _now: Millis) -> Result<ConcurrencyState, StoreError> {
-        Err(StoreError::protocol("the memcached store has no concurrency limits; use redis"))
+        Err(no_concurrency())
     }
 
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {

@@ -253,11 +253,16 @@ pub trait Store: Send + Sync + 'static {
     fn kind(&self) -> &'static str;
 }
 
+/// Why a store of `kind` keeps no registry, and what to use instead.
+pub(crate) fn no_registry_reason(kind: &str) -> String {
+    format!(
+        "the {kind} store keeps no overrides; use a memory or redis store (a migrating store keeps them on a side that can)"
+    )
+}
+
 /// The error of a store asked for a registry it does not keep.
 fn no_registry(kind: &str) -> StoreError {
-    StoreError::protocol(format!(
-        "the {kind} store keeps no overrides; use a memory or redis store (a migrating store keeps them on a side that can)"
-    ))
+    StoreError::protocol(no_registry_reason(kind))
 }
 
 /// A store made of other stores, each client on one of them (client-side shards, a

@@ -655,15 +655,6 @@ impl RedisStore {
         Ok(store)
     }
 
-    /// Where a Sentinel store's primary is now (`host:port`; None for other stores or
-    /// before the Sentinels answered).
-    pub fn primary_address(&self) -> Option<String> {
-        match &self.writer.conn {
-            Conn::Sentinel(link) => link.address(),
-            _ => None,
-        }
-    }
-
     /// The same store with every apply in a script call of its own, as if no two were
     /// ever in flight at once: what batched decisions are compared with.
     pub fn one_by_one(mut self) -> Self {
@@ -713,6 +704,25 @@ impl RedisStore {
         states.map(|(key, limit)| Location::of(tag, key, limit, self.writer.options.buckets)).collect()
     }
 
+    /// Runs a read on a healthy replica when there is one, else (or when it fails) on
+    /// the primary. A replica that fails gets no reads until its health check passes.
+    async fn read<'a, F, Fut>(&'a self, call: F) -> Result<Value, StoreError>
+    where
+        F: Fn(&'a Conn) -> Fut,
+        Fut: std::future::Future<Output = Result<Value, RedisError>>,
+    {
+        if let Some(r) = self.replica() {
+            match call(&r.conn).await {
+                Ok(reply) => return Ok(reply),
+                Err(e) => {
+                    r.healthy.store(false, Ordering::Relaxed);
+                    tracing::warn!(replica = %r.url, error = %e, "redis replica failed a read; using the primary");
+                }
+            }
+        }
+        call(&self.writer.conn).await.map_err(store_error)
+    }
+
     fn replica(&self) -> Option<&Arc<Replica>> {
         let n = self.replicas.len();
         let start = self.next.fetch_add(1, Ordering::Relaxed);
@@ -739,17 +749,7 @@ impl Store for RedisStore {
                 cmd.arg(&params(&op.limit)[..]).arg(&at.field);
             }
         };
-        if let Some(r) = self.replica() {
-            match r.conn.run(&self.writer.scripts.peek, true, &keys, fill).await {
-                Ok(reply) => return decisions(reply, ops.len()),
-                Err(e) => {
-                    // a replica that fails gets no reads until its health check passes
-                    r.healthy.store(false, Ordering::Relaxed);
-                    tracing::warn!(replica = %r.url, error = %e, "redis replica failed a read; using the primary");
-                }
-            }
-        }
-        let reply = self.writer.conn.run(&self.writer.scripts.peek, true, &keys, fill).await.map_err(store_error)?;
+        let reply = self.read(|conn| conn.run(&self.writer.scripts.peek, true, &keys, &fill)).await?;
         decisions(reply, ops.len())
     }
 
@@ -770,15 +770,9 @@ impl Store for RedisStore {
         let at = Location::leases(tag, key, self.writer.options.buckets);
         let mut cmd = redis::cmd("ZRANGEBYSCORE");
         cmd.arg(&at.key).arg(format!("({}", now.saturating_sub(ttl))).arg("+inf").arg("WITHSCORES");
-        let reply = match self.replica() {
-            Some(r) => match r.conn.query(&cmd).await {
-                Ok(v) => Ok(v),
-                Err(_) => self.writer.conn.query(&cmd).await,
-            },
-            None => self.writer.conn.query(&cmd).await,
-        };
-        let held: Vec<(String, f64)> = redis::from_redis_value(reply.map_err(store_error)?)
-            .map_err(|e| StoreError::protocol(format!("leases reply: {e}")))?;
+        let reply = self.read(|conn| conn.query(&cmd)).await?;
+        let held: Vec<(String, f64)> =
+            redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("leases reply: {e}")))?;
         let leases = held
             .into_iter()
             .filter_map(|(id, at)| Some((Lease::from_str_radix(&id, 16).ok()?, at as Millis)))
@@ -870,6 +864,8 @@ impl Store for RedisStore {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn servers_older_than_7_0_are_named() {
         let e = too_old("# Server\r\nredis_version:6.2.14\r\nredis_mode:standalone\r\n").unwrap().to_string();
@@ -886,8 +882,6 @@ mod tests {
         ]);
         assert!(texts(cluster).iter().find_map(|t| too_old(t)).is_some(), "one old node is enough");
     }
-
-    use super::*;
 
     #[test]
     fn passwords_are_redacted() {

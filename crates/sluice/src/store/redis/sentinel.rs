@@ -11,9 +11,9 @@
 //! Sentinels are asked in turn, starting with the last that answered; one that is down
 //! costs one connection timeout, and only while the link is looking.
 
-use super::{RedisOptions, client, manager};
+use super::{RedisOptions, manager};
 use crate::store::percent_encode;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManager;
 use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -70,13 +70,7 @@ impl Discovery {
                     StoreError::unavailable(format!("store.sentinels: '{addr}' is not host:port (no scheme, no path)"))
                 })?;
                 let url = url(host, port, &o.sentinel_auth, options.tls.is_some());
-                let client = client(&url, options)?;
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(options.timeout))
-                    .set_response_timeout(Some(options.timeout))
-                    .set_number_of_retries(0);
-                let manager = ConnectionManager::new_lazy_with_config(client, config).map_err(super::store_error)?;
-                Ok((addr.clone(), manager))
+                Ok((addr.clone(), manager(&url, options, 0)?))
             })
             .collect::<Result<_, StoreError>>()?;
         Ok(Self { sentinels, name: o.master_name.clone(), first: AtomicUsize::new(0), timeout: options.timeout })
@@ -201,7 +195,7 @@ impl SentinelLink {
         }
     }
 
-    /// Where the link points now (`host:port`), for logs and tests.
+    /// Where the link points now (`host:port`).
     pub(crate) fn address(&self) -> Option<String> {
         self.current.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(a, _)| a.clone())
     }
