@@ -371,11 +371,11 @@ impl Conn {
         }
     }
 
-    /// Why the server (every node of a cluster) cannot run the scripts, if it answers
-    /// and is older than [`OLDEST_REDIS`].
-    async fn version_problem(&self, timeout: Duration) -> Option<StoreError> {
+    /// Whether the server answers `INFO server` within `timeout`, and if so, why it
+    /// (any node of a cluster) cannot run the scripts: older than [`OLDEST_REDIS`].
+    async fn version_check(&self, timeout: Duration) -> Option<Result<(), StoreError>> {
         let reply = tokio::time::timeout(timeout, self.query(redis::cmd("INFO").arg("server"))).await.ok()?.ok()?;
-        texts(reply).iter().find_map(|info| too_old(info))
+        Some(texts(reply).iter().find_map(|info| too_old(info)).map_or(Ok(()), Err))
     }
 
     /// Whether the server answers PING now. One PING: a dead server costs one timeout.
@@ -668,12 +668,18 @@ impl RedisStore {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
-        let (primary, timeout) = (self.writer.conn.clone(), self.writer.options.timeout);
+        let writer = Arc::downgrade(&self.writer);
         tokio::spawn(async move {
-            // a server too old for the scripts, found once it answers (perhaps after
-            // start): said once, plainly, rather than as each script's error
-            if let Some(e) = primary.version_problem(timeout).await {
-                tracing::error!(error = %e, "this redis cannot run Sluice's scripts");
+            // once the server answers (perhaps long after start), a server too old for
+            // the scripts is said once, plainly, rather than as each script's error
+            while let Some(w) = writer.upgrade() {
+                match w.conn.version_check(w.options.timeout).await {
+                    Some(Err(e)) => return tracing::error!(error = %e, "this redis cannot run Sluice's scripts"),
+                    Some(Ok(())) => return,
+                    None => {}
+                }
+                drop(w);
+                tokio::time::sleep(Duration::from_secs(1)).await;
             }
         });
     }
@@ -843,10 +849,8 @@ impl Store for RedisStore {
     }
 
     async fn preflight(&self) -> Result<(), StoreError> {
-        match self.writer.conn.version_problem(self.writer.options.timeout).await {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        // a server that does not answer now is checked when it does (`warm_up`)
+        self.writer.conn.version_check(self.writer.options.timeout).await.unwrap_or(Ok(()))
     }
 
     async fn ready(&self) -> bool {
