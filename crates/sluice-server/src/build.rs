@@ -50,7 +50,10 @@ pub fn build(config: &Config, rules: Rules) -> Result<Built, BuildError> {
     let tuning = Arc::new(Tuning::new(resilience(&config.limiter)));
     let mut migration = None;
     let clock = clock(&config.limiter);
-    let store = store(&config.store, &tuning, clock.clone(), &mut migration)?;
+    let mut store = store(&config.store, &tuning, clock.clone(), &mut migration)?;
+    if config.telemetry.otlp.is_some() {
+        store = Arc::new(crate::otel::TracedStore(store));
+    }
     let engine = engine(config, rules, store, clock, None);
     Ok(Built { engine, migration, tuning })
 }

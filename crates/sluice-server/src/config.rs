@@ -27,6 +27,8 @@ pub struct Config {
     pub domains_from: Option<std::path::PathBuf>,
     #[serde(default)]
     pub log: crate::logs::LogConfig,
+    #[serde(default)]
+    pub telemetry: crate::otel::TelemetryConfig,
 }
 
 impl Config {

@@ -1,6 +1,7 @@
 //! The HTTP JSON API (see docs/configuration.md and the README for examples).
 
 use crate::api::{RequestJson, response_json};
+use crate::otel::Call;
 use crate::state::{AppState, Engine};
 use axum::Router;
 use axum::body::{Body, to_bytes};
@@ -115,20 +116,40 @@ fn code(v: &Verdict) -> StatusCode {
 
 /// `POST /v1/ratelimit`: charge and decide.
 async fn ratelimit(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
-    let engine = state.engine.load_full();
-    match read_request(&state, &headers, body).await {
-        Ok(req) => answer(&engine, engine.limiter.check(&req).await),
-        Err(resp) => resp,
-    }
+    traced(&state, &headers, "POST /v1/ratelimit", decide(&state, &headers, body, false)).await
 }
 
 /// `POST /v1/leases`: take a lease on every matching concurrency policy.
 async fn acquire(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
+    traced(&state, &headers, "POST /v1/leases", decide(&state, &headers, body, true)).await
+}
+
+/// A decision on the request in `body`: charged (`lease`: and a lease taken).
+async fn decide(state: &AppState, headers: &HeaderMap, body: Body, lease: bool) -> Response {
     let engine = state.engine.load_full();
-    match read_request(&state, &headers, body).await {
-        Ok(req) => answer(&engine, engine.limiter.acquire(&req).await),
+    match read_request(state, headers, body).await {
+        Ok(req) => {
+            let decided = match lease {
+                true => engine.limiter.acquire(&req).await,
+                false => engine.limiter.check(&req).await,
+            };
+            crate::otel::decided(engine.limiter.store().kind(), &req, &decided);
+            answer(&engine, decided)
+        }
         Err(resp) => resp,
     }
+}
+
+/// One data-plane call's handling, inside its trace when it has one (see `otel`).
+async fn traced(
+    state: &AppState,
+    headers: &HeaderMap,
+    route: &'static str,
+    work: impl std::future::Future<Output = Response>,
+) -> Response {
+    let ended = |r: &Response| crate::otel::Ended::http(r.status().as_u16());
+    let parent = crate::otel::Parent::from_headers(headers);
+    crate::otel::around(state.tracer.as_deref(), parent, Call::Http(route), work, ended).await
 }
 
 /// A decision as a response.
@@ -141,16 +162,25 @@ fn answer(engine: &Engine, decided: Result<Verdict, CheckError>) -> Response {
 
 /// `GET /v1/ratelimit?domain=D&KEY=VALUE...`: the status of one descriptor (its entries
 /// in query order), never charging.
-async fn status(State(state): Shared, query: Result<Query<Vec<(String, String)>>, QueryRejection>) -> Response {
-    let req = match client_query(query, None) {
-        Ok((req, _)) => req,
-        Err(resp) => return *resp,
+async fn status(
+    State(state): Shared,
+    headers: HeaderMap,
+    query: Result<Query<Vec<(String, String)>>, QueryRejection>,
+) -> Response {
+    let work = async {
+        let req = match client_query(query, None) {
+            Ok((req, _)) => req,
+            Err(resp) => return *resp,
+        };
+        let engine = state.engine.load_full();
+        let decided = engine.limiter.status(&req).await;
+        crate::otel::decided(engine.limiter.store().kind(), &req, &decided);
+        match decided {
+            Ok(v) => verdict_response(&engine, &v, StatusCode::OK),
+            Err(e) => check_error(e),
+        }
     };
-    let engine = state.engine.load_full();
-    match engine.limiter.status(&req).await {
-        Ok(v) => verdict_response(&engine, &v, StatusCode::OK),
-        Err(e) => check_error(e),
-    }
+    traced(&state, &headers, "GET /v1/ratelimit", work).await
 }
 
 /// A client named in a query string: `domain=D`, then the descriptor's `KEY=VALUE`
@@ -185,31 +215,39 @@ pub(crate) fn client_query(
 }
 
 /// `DELETE /v1/leases/{lease_id}`: give a lease back (idempotent).
-async fn release(State(state): Shared, path: Result<Path<String>, PathRejection>) -> Response {
-    let lease_id = match path {
-        Ok(Path(id)) => id,
-        Err(e) => return error(StatusCode::BAD_REQUEST, "bad_lease_id", format!("the lease id is not readable: {e}")),
+async fn release(State(state): Shared, headers: HeaderMap, path: Result<Path<String>, PathRejection>) -> Response {
+    let work = async {
+        let lease_id = match path {
+            Ok(Path(id)) => id,
+            Err(e) => {
+                return error(StatusCode::BAD_REQUEST, "bad_lease_id", format!("the lease id is not readable: {e}"));
+            }
+        };
+        let lease: LeaseId = match lease_id.parse() {
+            Ok(l) => l,
+            Err(e) => return error(StatusCode::BAD_REQUEST, RequestError::code(&e), e.to_string()),
+        };
+        match state.engine.load_full().limiter.release(&lease).await {
+            Ok(held) => axum::Json(json!({"released": held})).into_response(),
+            Err(e) => check_error(e.into()),
+        }
     };
-    let lease: LeaseId = match lease_id.parse() {
-        Ok(l) => l,
-        Err(e) => return error(StatusCode::BAD_REQUEST, RequestError::code(&e), e.to_string()),
-    };
-    match state.engine.load_full().limiter.release(&lease).await {
-        Ok(held) => axum::Json(json!({"released": held})).into_response(),
-        Err(e) => check_error(e.into()),
-    }
+    traced(&state, &headers, "DELETE /v1/leases/{lease_id}", work).await
 }
 
 /// `POST /v1/refund`: give back the request's cost in the current windows.
 async fn refund(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
-    let req = match read_request(&state, &headers, body).await {
-        Ok(r) => r,
-        Err(resp) => return resp,
+    let work = async {
+        let req = match read_request(&state, &headers, body).await {
+            Ok(r) => r,
+            Err(resp) => return resp,
+        };
+        match state.engine.load_full().limiter.refund_request(&req).await {
+            Ok(_) => axum::Json(json!({"refunded": true})).into_response(),
+            Err(e) => check_error(e),
+        }
     };
-    match state.engine.load_full().limiter.refund_request(&req).await {
-        Ok(_) => axum::Json(json!({"refunded": true})).into_response(),
-        Err(e) => check_error(e),
-    }
+    traced(&state, &headers, "POST /v1/refund", work).await
 }
 
 /// A 401 naming the setting whose token to send.

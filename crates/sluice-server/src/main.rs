@@ -14,6 +14,8 @@ mod http;
 mod listen;
 mod load;
 mod logs;
+mod otel;
+mod otlp;
 mod reload;
 mod rls;
 mod serve;

@@ -21,7 +21,7 @@
 //! the last good config stays, and the error is logged (with file:line:col) and counted.
 
 use crate::build::{self, BuildError};
-use crate::config::{Config, ServerConfig, StoreConfig};
+use crate::config::{Config, StoreConfig};
 use crate::load::{ConfigError, Loaded, fingerprint, load_file};
 use crate::state::AppState;
 use sluice::metric_names as names;
@@ -179,10 +179,7 @@ fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Config, Rel
     if crate::logs::reconfigure(&current.log, &config.log) {
         applied.push("log.level");
     }
-    let mut restart = needs_restart(&config.server, &current.server);
-    if config.log.format != current.log.format {
-        restart.push("log.format");
-    }
+    let restart = needs_restart(&config, current);
     if !restart.is_empty() {
         tracing::warn!(keys = %restart.join(", "), "config reload: these settings need a restart to take effect");
     }
@@ -190,11 +187,14 @@ fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Config, Rel
     Ok(config)
 }
 
-/// The `server` keys that differ: listeners, their bounds and the tokens are set up
-/// once, at start.
-fn needs_restart(new: &ServerConfig, old: &ServerConfig) -> Vec<&'static str> {
+/// The keys set up once, at start, that differ: the listeners, their bounds and the
+/// tokens, the log's format, the tracer.
+fn needs_restart(new_config: &Config, old_config: &Config) -> Vec<&'static str> {
+    let (new, old) = (&new_config.server, &old_config.server);
     let mut keys = Vec::new();
     for (key, changed) in [
+        ("log.format", new_config.log.format != old_config.log.format),
+        ("telemetry", new_config.telemetry != old_config.telemetry),
         ("server.http", new.http != old.http),
         ("server.grpc", new.grpc != old.grpc),
         ("server.max_body_bytes", new.max_body_bytes != old.max_body_bytes),

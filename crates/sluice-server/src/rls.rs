@@ -7,6 +7,7 @@
 //! refusal by a fail-closed policy whose store failed answers `UNAVAILABLE`, so Envoy's
 //! `failure_mode_deny` decides; fail-open answers OK (counted, as everywhere).
 
+use crate::otel::Call;
 use crate::state::AppState;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -155,8 +156,19 @@ impl tower::Service<GrpcRequest> for Rls {
 
     fn call(&mut self, req: GrpcRequest) -> Self::Future {
         let state = self.state.clone();
-        Box::pin(async move { Ok(unary(&state, req).await.unwrap_or_else(Status::into_http)) })
+        let parent = crate::otel::Parent::from_headers(req.headers());
+        Box::pin(async move {
+            let work = async { unary(&state, req).await.unwrap_or_else(Status::into_http) };
+            let tracer = state.tracer.as_deref();
+            Ok(crate::otel::around(tracer, parent, Call::Grpc("ShouldRateLimit"), work, grpc_ended).await)
+        })
     }
+}
+
+/// The gRPC status of an answer (in its headers when it is an error, else OK).
+fn grpc_ended(answer: &GrpcResponse) -> crate::otel::Ended {
+    let code = answer.headers().get("grpc-status").and_then(|v| v.to_str().ok()?.parse().ok()).unwrap_or(0);
+    crate::otel::Ended::grpc(code)
 }
 
 async fn unary(state: &AppState, req: GrpcRequest) -> Result<GrpcResponse, Status> {
@@ -203,7 +215,9 @@ async fn unary(state: &AppState, req: GrpcRequest) -> Result<GrpcResponse, Statu
 pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<RateLimitResponse, Status> {
     let req = request(r)?;
     let engine = state.engine.load_full();
-    match engine.limiter.check(&req).await {
+    let decided = engine.limiter.check(&req).await;
+    crate::otel::decided(engine.limiter.store().kind(), &req, &decided);
+    match decided {
         Ok(v) if v.outcome == Outcome::Unavailable => {
             Err(Status::unavailable("the rate limit store is unavailable (fail-closed)"))
         }

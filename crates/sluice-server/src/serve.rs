@@ -2,7 +2,7 @@
 //! gRPC rate limit service until SIGINT or SIGTERM.
 
 use crate::build::{BuildError, build};
-use crate::config::{ServerConfig, StoreConfig};
+use crate::config::{Config, ServerConfig, StoreConfig};
 use crate::http::router;
 use crate::listen::Bounds;
 use crate::load::{ConfigError, DEFAULT_CONFIG, Loaded, load_file, load_str};
@@ -61,6 +61,8 @@ pub enum ServeError {
     Log(String),
     #[error("store: {0}")]
     Store(String),
+    #[error("{0}")]
+    Telemetry(String),
 }
 
 /// Runs the service.
@@ -80,12 +82,8 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
         tracing::warn!("limiter.key_secret is the default: set your own so clients cannot predict their tags");
     }
     let tls = config.server.tls.as_ref().map(crate::tls::Tls::load).transpose()?.map(Arc::new);
-    let state = Arc::new(AppState::new(build(&config, rules)?, &config.server, Some(metrics), tls.clone()));
-    // a store that answers but cannot run the decisions (a Redis too old) stops the start
-    state.engine.load().limiter.store().preflight().await.map_err(|e| match e {
-        sluice::store::StoreError::Protocol { what, .. } => ServeError::Store(what),
-        other => ServeError::Store(other.to_string()),
-    })?;
+    let state = Arc::new(state_of(&config, rules, metrics, tls.clone()).await?);
+    let tracer = state.tracer.clone();
     let addr = args.http.unwrap_or(config.server.http);
     let listener = listen(addr)?;
     let grpc_listener = listen(args.grpc.unwrap_or(config.server.grpc))?;
@@ -118,8 +116,30 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     .map_err(ServeError::Io)?;
     // gRPC stops on the same signal, within the same grace
     let grpc_dropped = tokio::time::timeout(bounds.shutdown_grace, grpc).await.is_err();
+    if let Some(tracer) = tracer {
+        // the last spans, sent within the same grace
+        tracer.flush(bounds.shutdown_grace).await;
+    }
     tracing::info!(dropped_http_connections = dropped, grpc_cut_off = grpc_dropped, "stopped");
     Ok(())
+}
+
+/// The engine `config` describes, with its tracer; refused when the store answers but
+/// cannot run the decisions (a Redis too old).
+async fn state_of(
+    config: &Config,
+    rules: sluice::rules::Rules,
+    metrics: Metrics,
+    tls: Option<Arc<crate::tls::Tls>>,
+) -> Result<AppState, ServeError> {
+    let mut state = AppState::new(build(config, rules)?, &config.server, Some(metrics), tls);
+    state.tracer =
+        config.telemetry.otlp.as_ref().map(crate::otel::Tracer::start).transpose().map_err(ServeError::Telemetry)?;
+    state.engine.load().limiter.store().preflight().await.map_err(|e| match e {
+        sluice::store::StoreError::Protocol { what, .. } => ServeError::Store(what),
+        other => ServeError::Store(other.to_string()),
+    })?;
+    Ok(state)
 }
 
 /// The accept queue asked of the kernel (which caps it at `net.core.somaxconn`).

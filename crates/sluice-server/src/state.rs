@@ -33,6 +33,8 @@ pub struct AppState {
     pub tls: Option<Arc<crate::tls::Tls>>,
     /// Renders `/metrics`; None when no recorder is installed.
     pub metrics: Option<Metrics>,
+    /// `telemetry.otlp`: traces, when on (set at start).
+    pub tracer: Option<Arc<crate::otel::Tracer>>,
 }
 
 /// What `/metrics` renders: the recorder's metrics and the standard process metrics
@@ -69,6 +71,7 @@ impl AppState {
             max_body_bytes: server.max_body_bytes,
             body_timeout: server.body_timeout.to_std(),
             metrics,
+            tracer: None,
         }
     }
 

@@ -2,6 +2,8 @@
 //! `envoy.filters.http.ratelimit` filter pointed at Sluice, routing to an upstream on
 //! loopback; descriptors come from request headers.
 
+#[path = "common/collector.rs"]
+mod collector;
 mod common;
 
 use common::start_with;
@@ -45,8 +47,26 @@ async fn upstream(listener: tokio::net::TcpListener) {
 }
 
 /// Envoy's config; `sluice_tls` is the `transport_socket` of the cluster that reaches
-/// Sluice (empty: plain TCP).
-fn bootstrap(listen: u16, admin: u16, up: u16, grpc: u16, sluice_tls: &str) -> String {
+/// Sluice (empty: plain TCP); with `otel`, the port of an OTLP collector, Envoy traces
+/// every request with OpenTelemetry and sends its spans there.
+fn bootstrap(listen: u16, admin: u16, up: u16, grpc: u16, sluice_tls: &str, otel: Option<u16>) -> String {
+    let (tracing, otel_cluster) = match otel {
+        None => (String::new(), String::new()),
+        Some(port) => (
+            r#"          tracing:
+            random_sampling: {value: 100}
+            provider:
+              name: envoy.tracers.opentelemetry
+              typed_config:
+                "@type": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig
+                grpc_service: {envoy_grpc: {cluster_name: otel}, timeout: 1s}
+                service_name: envoy
+"#
+            .to_string(),
+            grpc_cluster("otel", port, ""),
+        ),
+    };
+    let sluice = grpc_cluster("sluice", grpc, sluice_tls);
     format!(
         r#"admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}}}
 static_resources:
@@ -59,7 +79,7 @@ static_resources:
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: ingress
-          route_config:
+{tracing}          route_config:
             name: local
             virtual_hosts:
             - name: all
@@ -92,15 +112,23 @@ static_resources:
     type: STATIC
     connect_timeout: 1s
     load_assignment: {{cluster_name: upstream, endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {up}}}}}}}}}]}}]}}
-  - name: sluice
+{sluice}{otel_cluster}"#
+    )
+}
+
+/// A cluster of one gRPC server (HTTP/2) on loopback `port`; `tls` is its
+/// `transport_socket` (empty: plain TCP).
+fn grpc_cluster(name: &str, port: u16, tls: &str) -> String {
+    format!(
+        r#"  - name: {name}
     type: STATIC
     connect_timeout: 1s
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config: {{http2_protocol_options: {{}}}}
-{sluice_tls}
-    load_assignment: {{cluster_name: sluice, endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {grpc}}}}}}}}}]}}]}}
+{tls}
+    load_assignment: {{cluster_name: {name}, endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}}}]}}]}}
 "#
     )
 }
@@ -109,14 +137,14 @@ static_resources:
 /// returns it (and its directory) and the port it listens on. Every port is the
 /// system's choice, read back (Envoy's admin address from `--admin-address-path`, its
 /// listener's from the admin API): no test can race another for one.
-async fn start_envoy(envoy: &str, grpc: &str, sluice_tls: &str) -> ((Process, TempDir), u16) {
+async fn start_envoy(envoy: &str, grpc: &str, sluice_tls: &str, otel: Option<u16>) -> ((Process, TempDir), u16) {
     let grpc: u16 = grpc.rsplit(':').next().unwrap().parse().unwrap();
     let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let up_port = up.local_addr().unwrap().port();
     tokio::spawn(upstream(up));
     let dir = TempDir::new("sluice-envoy");
     let (config, admin_file) = (dir.path().join("envoy.yaml"), dir.path().join("admin.addr"));
-    std::fs::write(&config, bootstrap(0, 0, up_port, grpc, sluice_tls)).unwrap();
+    std::fs::write(&config, bootstrap(0, 0, up_port, grpc, sluice_tls, otel)).unwrap();
     let mut cmd = std::process::Command::new(envoy);
     cmd.arg("-c").arg(&config).args(["--log-level", "warn", "--use-dynamic-base-id", "--admin-address-path"]);
     let mut process = Process::spawn_logging(cmd.arg(&admin_file), &dir.path().join("envoy.log")).expect("start envoy");
@@ -174,7 +202,7 @@ async fn through_a_real_envoy_over_mutual_tls() {
         f("envoy.key"),
         f("ca.crt")
     );
-    let (envoy_process, listen) = start_envoy(&envoy, &sluice.grpc, &tls).await;
+    let (envoy_process, listen) = start_envoy(&envoy, &sluice.grpc, &tls, None).await;
     let client = reqwest::Client::new();
     let mut statuses = Vec::new();
     for _ in 0..5 {
@@ -190,7 +218,7 @@ async fn through_a_real_envoy() {
     let envoy = envoy();
     let domains = "  - domain: api\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 5}\n      - key: user\n        value: vip\n        rate_limit: {unit: minute, requests_per_unit: 8}\n      - key: tenant\n        descriptors:\n          - key: path\n            rate_limit: {unit: minute, requests_per_unit: 2}\n";
     let sluice = start_with("", domains);
-    let (_envoy, listen) = start_envoy(&envoy, &sluice.grpc, "").await;
+    let (_envoy, listen) = start_envoy(&envoy, &sluice.grpc, "", None).await;
     let client = reqwest::Client::new();
     let get = |path: &'static str, headers: Vec<(&'static str, &'static str)>| {
         let mut r = client.get(format!("http://127.0.0.1:{listen}{path}"));
@@ -227,4 +255,48 @@ async fn through_a_real_envoy() {
         }
         assert_eq!(ok, 2, "{path}");
     }
+}
+
+/// Envoy traces its requests with OpenTelemetry and passes the trace context on its
+/// rate limit call: Sluice's decision span is a child of Envoy's span for that call, in
+/// Envoy's trace, and both reach the same collector. (Sluice's own sampling ratio is 0:
+/// only the caller's sampled flag can have recorded it.)
+#[tokio::test]
+async fn envoys_trace_continues_through_sluice() {
+    let envoy = envoy();
+    let (collector, endpoint) = collector::Collector::start().await;
+    let otlp = format!("telemetry:\n  otlp: {{endpoint: '{endpoint}', sampling_ratio: 0}}\n");
+    let sluice = start_with(
+        &otlp,
+        "  - domain: api\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 5}\n",
+    );
+    let port: u16 = endpoint.rsplit(':').next().unwrap().parse().unwrap();
+    let (envoy_process, listen) = start_envoy(&envoy, &sluice.grpc, "", Some(port)).await;
+    let client = reqwest::Client::new();
+    let r = client.get(format!("http://127.0.0.1:{listen}/x")).header("x-user", "ivan").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let log = || {
+        let envoy = std::fs::read_to_string(envoy_process.1.path().join("envoy.log")).unwrap_or_default();
+        format!("envoy:\n{envoy}\nsluice:\n{}", sluice.log())
+    };
+    // Envoy sends its spans every 5 s
+    let started = std::time::Instant::now();
+    let (decision, caller) = loop {
+        let ours = collector.spans().into_iter().find(|s| s.parent_span_id.len() == 8);
+        let theirs = collector.spans_of("envoy");
+        if let Some(d) = ours {
+            if let Some(c) = theirs.iter().find(|s| s.span_id == d.parent_span_id) {
+                break (d, c.clone());
+            }
+        }
+        let waited = started.elapsed();
+        assert!(waited < Duration::from_secs(20), "sluice: {:#?}\nenvoy: {theirs:#?}\n{}", collector.spans(), log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(decision.trace_id, caller.trace_id);
+    assert_eq!(decision.name, "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit");
+    assert!(caller.name.contains("ShouldRateLimit"), "Envoy's span for the call: {caller:#?}");
+    // and Envoy's own request span is in the same trace
+    let request = collector.spans_of("envoy").into_iter().find(|s| s.span_id == caller.parent_span_id);
+    assert!(request.is_some_and(|r| r.trace_id == decision.trace_id), "{:#?}", collector.spans_of("envoy"));
 }
