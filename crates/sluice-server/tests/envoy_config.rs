@@ -69,3 +69,33 @@ fn a_broken_domain_file_is_reported_in_its_own_file() {
     assert!(err.contains("bad.yaml:5:"), "{err}");
     assert!(err.contains("unknown unit `fortnight`"), "{err}");
 }
+
+/// What envoyproxy/ratelimit refuses to load is refused here too, in its own file:
+/// `unlimited: true` with a `unit`, and a limit whose `replaces` names itself.
+#[test]
+fn their_refusals_are_refusals_here() {
+    for (file, text, says) in [
+        (
+            "unlimited_with_unit.yaml",
+            "domain: a\ndescriptors:\n  - key: k\n    rate_limit:\n      unlimited: true\n      unit: second\n",
+            "takes no `unit`",
+        ),
+        (
+            "replaces_self.yaml",
+            "domain: b\ndescriptors:\n  - key: k\n    rate_limit:\n      name: own\n      unit: second\n      requests_per_unit: 1\n      replaces:\n        - name: own\n",
+            "rate_limit 'own' lists itself in `replaces`",
+        ),
+    ] {
+        let dir = sluice_testkit::TempDir::new("sluice-envoy-config");
+        let domains = dir.path().join("domains");
+        std::fs::create_dir(&domains).unwrap();
+        std::fs::write(domains.join(file), text).unwrap();
+        let config = dir.path().join("sluice.yaml");
+        std::fs::write(&config, "domains_from: domains\n").unwrap();
+        let out = std::process::Command::new(bin()).args(["config", "check"]).arg(&config).output().unwrap();
+        assert!(!out.status.success(), "{file} loaded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(&format!("{file}:3:")), "{err}");
+        assert!(err.contains(says), "{err}");
+    }
+}

@@ -2,8 +2,9 @@
 //!
 //! Matching follows envoyproxy/ratelimit: a request descriptor's entries are walked one
 //! nesting level at a time; at each level an entry matches a rule with the same key and
-//! value first, then a rule whose value ends in `*` and prefixes it, then a rule with the
-//! key alone. The limits that apply are those of the rule reached by the last entry. A
+//! value first, then the first rule (in file order) whose value is a wildcard matching it
+//! (each `*` matches any run of characters, none included: `bar*b` matches `barb` and
+//! `bar123b`, `foo*bar*baz` matches `foobarbaz`), then a rule with the key alone. The limits that apply are those of the rule reached by the last entry. A
 //! descriptor that falls off the tree matches nothing and is allowed.
 
 use crate::algo::Limit;
@@ -48,7 +49,8 @@ struct Level {
 #[derive(Debug, Default)]
 struct KeyRules {
     exact: HashMap<String, Node>,
-    prefixes: Vec<(String, Node)>,
+    /// Wildcard values, in file order: the first that matches wins.
+    wildcards: Vec<(Wildcard, Node)>,
     any: Option<Node>,
 }
 
@@ -74,7 +76,7 @@ impl Domain {
             let n = rules
                 .exact
                 .get(v)
-                .or_else(|| rules.prefixes.iter().find(|(p, _)| v.starts_with(p.as_str())).map(|(_, n)| n))
+                .or_else(|| rules.wildcards.iter().find(|(w, _)| w.matches(v)).map(|(_, n)| n))
                 .or(rules.any.as_ref())?;
             node = Some(n);
             level = &n.children;
@@ -154,7 +156,7 @@ impl Rules {
     pub fn algorithms(&self) -> std::collections::BTreeSet<&'static str> {
         fn walk(level: &Level, out: &mut std::collections::BTreeSet<&'static str>) {
             for rules in level.by_key.values() {
-                let nodes = rules.exact.values().chain(rules.prefixes.iter().map(|(_, n)| n)).chain(rules.any.iter());
+                let nodes = rules.exact.values().chain(rules.wildcards.iter().map(|(_, n)| n)).chain(rules.any.iter());
                 for n in nodes {
                     out.extend(n.policies.iter().map(|p| p.limit.algorithm()));
                     walk(&n.children, out);
@@ -267,6 +269,17 @@ fn node(
 ) -> Result<Node, RuleError> {
     let mut node = Node::default();
     let Some(rl) = &c.rate_limit else { return Ok(node) };
+    if rl.unlimited && rl.unit.is_some() {
+        return Err(err(
+            "an `unlimited: true` rate_limit takes no `unit`: it has no window (remove one of them)".into()
+        ));
+    }
+    if let Some(own) = rl.replaces.iter().find(|r| rl.name.as_ref().is_some_and(|n| n.0 == r.name.0)) {
+        return Err(err(format!(
+            "rate_limit '{}' lists itself in `replaces`: a limit replaces others, never itself",
+            own.name.0
+        )));
+    }
     node.unlimited = rl.unlimited;
     node.replaces = rl.replaces.iter().map(|r| Arc::from(r.name.0.as_str())).collect();
     if !rl.unlimited {
@@ -293,12 +306,11 @@ fn insert(level: &mut Level, c: &DescriptorConfig, node: Node) -> Result<(), Str
             rules.any = Some(node);
             Ok(())
         }
-        Some(v) if v.ends_with('*') => {
-            let prefix = v.trim_end_matches('*').to_string();
-            if rules.prefixes.iter().any(|(p, _)| *p == prefix) {
+        Some(v) if v.contains('*') => {
+            if rules.wildcards.iter().any(|(w, _)| w.text == *v) {
                 return Err(format!("`{}: {v}` is defined twice at this level", c.key));
             }
-            rules.prefixes.push((prefix, node));
+            rules.wildcards.push((Wildcard::new(v), node));
             Ok(())
         }
         Some(v) if rules.exact.contains_key(v) => Err(format!("`{}: {v}` is defined twice at this level", c.key)),
@@ -306,6 +318,40 @@ fn insert(level: &mut Level, c: &DescriptorConfig, node: Node) -> Result<(), Str
             rules.exact.insert(v.clone(), node);
             Ok(())
         }
+    }
+}
+
+/// A rule value with `*` in it, as envoyproxy/ratelimit reads one: each `*` matches any
+/// run of characters (none included), and the literal parts between must appear in that
+/// order, the first at the start and the last at the end.
+#[derive(Debug)]
+struct Wildcard {
+    text: String,
+    /// The literal parts around the `*`s: at least two (a trailing `*` leaves "" last).
+    parts: Vec<String>,
+}
+
+impl Wildcard {
+    fn new(text: &str) -> Self {
+        Self { text: text.to_string(), parts: text.split('*').map(str::to_string).collect() }
+    }
+
+    fn matches(&self, v: &str) -> bool {
+        let (first, last) = (&self.parts[0], &self.parts[self.parts.len() - 1]);
+        let fixed: usize = self.parts.iter().map(String::len).sum();
+        if v.len() < fixed || !v.starts_with(first.as_str()) || !v.ends_with(last.as_str()) {
+            return false;
+        }
+        // between the first part and the last (which cannot overlap: the value is at
+        // least as long as every part together), each middle part in turn, leftmost
+        let mut rest = &v[first.len()..v.len() - last.len()];
+        for part in &self.parts[1..self.parts.len() - 1] {
+            match rest.find(part.as_str()) {
+                Some(at) => rest = &rest[at + part.len()..],
+                None => return false,
+            }
+        }
+        true
     }
 }
 
@@ -317,4 +363,37 @@ fn auto_name(chain: &[String]) -> String {
         joined.chars().map(|c| if c.is_ascii_alphanumeric() || "_.-".contains(c) { c } else { '_' }).collect();
     s.truncate(64);
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Wildcard;
+
+    /// A glob matcher written the slow, obvious way.
+    fn glob(p: &[u8], v: &[u8]) -> bool {
+        match p.split_first() {
+            None => v.is_empty(),
+            Some((b'*', rest)) => (0..=v.len()).any(|i| glob(rest, &v[i..])),
+            Some((c, rest)) => v.first() == Some(c) && glob(rest, &v[1..]),
+        }
+    }
+
+    /// Every value of up to 6 letters over {a, b, c} against patterns with one, two and
+    /// adjacent `*`s: the same answers as the obvious matcher.
+    #[test]
+    fn wildcards_match_as_globs_do() {
+        let mut values = vec![String::new()];
+        for _ in 0..6 {
+            let longer: Vec<String> = values.iter().flat_map(|v| ["a", "b", "c"].map(|c| format!("{v}{c}"))).collect();
+            values.extend(longer);
+        }
+        values.sort();
+        values.dedup();
+        for pattern in ["a*", "*a", "*", "**", "a*b", "ab*ba", "a*b*c", "*a*", "a**b", "*ab*ba*", "c*c*c"] {
+            let w = Wildcard::new(pattern);
+            for v in &values {
+                assert_eq!(w.matches(v), glob(pattern.as_bytes(), v.as_bytes()), "{pattern} on {v:?}");
+            }
+        }
+    }
 }

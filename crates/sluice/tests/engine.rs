@@ -168,6 +168,42 @@ async fn envoy_matching_value_wildcard_nesting_unlimited_replaces() {
     }
 }
 
+/// envoyproxy/ratelimit's wildcards: a `*` anywhere in a rule's value, several of them,
+/// each matching any run of characters (none included). An exact value beats every
+/// wildcard, the first wildcard in file order beats later ones, any wildcard beats the
+/// key alone.
+#[tokio::test]
+async fn envoy_wildcards_anywhere_in_a_value_and_their_precedence() {
+    let (l, _clock) = limiter(
+        r#"{"domains":[{"domain":"d","descriptors":[
+            {"key":"path","rate_limit":{"name":"default","unit":"minute","requests_per_unit":9}},
+            {"key":"path","value":"bar*b","rate_limit":{"name":"bar-b","unit":"minute","requests_per_unit":1}},
+            {"key":"path","value":"foo*bar*baz","rate_limit":{"name":"foo-bar-baz","unit":"minute","requests_per_unit":1}},
+            {"key":"path","value":"ba*","rate_limit":{"name":"ba","unit":"minute","requests_per_unit":1}},
+            {"key":"path","value":"barab","rate_limit":{"name":"exact","unit":"minute","requests_per_unit":1}},
+            {"key":"path","value":"*.json","rate_limit":{"name":"json","unit":"minute","requests_per_unit":1}}
+        ]}]}"#,
+    );
+    for (value, rule) in [
+        ("barab", "exact"),
+        ("bar123b", "bar-b"),
+        ("barb", "bar-b"),
+        ("barba", "ba"),
+        ("bab", "ba"),
+        ("foo123bar456baz", "foo-bar-baz"),
+        ("foobarbaz", "foo-bar-baz"),
+        ("foobaz", "default"),
+        ("foo123baz", "default"),
+        ("foobarbazz", "default"),
+        ("a/b.json", "json"),
+        (".json", "json"),
+        ("x", "default"),
+    ] {
+        let v = l.status(&req("d", &[&[("path", value)]])).await.unwrap();
+        assert_eq!(&*v.descriptors[0].policies[0].name, rule, "{value}");
+    }
+}
+
 #[tokio::test]
 async fn shadow_mode_reports_but_allows() {
     let (l, _clock) = limiter(
