@@ -133,7 +133,7 @@ async fn decide(state: &AppState, headers: &HeaderMap, body: Body, lease: bool) 
                 true => engine.limiter.acquire(&req).await,
                 false => engine.limiter.check(&req).await,
             };
-            crate::otel::decided(engine.limiter.store().kind(), &req, &decided);
+            crate::otel::decided(&engine.limiter, &req, &decided);
             answer(&engine, decided)
         }
         Err(resp) => resp,
@@ -174,7 +174,7 @@ async fn status(
         };
         let engine = state.engine.load_full();
         let decided = engine.limiter.status(&req).await;
-        crate::otel::decided(engine.limiter.store().kind(), &req, &decided);
+        crate::otel::decided(&engine.limiter, &req, &decided);
         match decided {
             Ok(v) => verdict_response(&engine, &v, StatusCode::OK),
             Err(e) => check_error(e),

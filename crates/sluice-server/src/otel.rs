@@ -25,8 +25,8 @@ use sluice::algo::{ConcurrencyState, Decision, Lease, Op};
 use sluice::config::Duration as ConfigDuration;
 use sluice::store::{Refund, RegistryOp, RegistryReply, Store, StoreError};
 use sluice::tag::Tag;
-use sluice::time::Millis;
-use sluice::{CheckError, Outcome, Request, Verdict};
+use sluice::time::{Clock, Millis, SystemClock, Throttle};
+use sluice::{CheckError, Limiter, Outcome, Request, Verdict};
 use std::cell::{Cell, RefCell};
 use std::future::Future;
 use std::sync::Arc;
@@ -252,7 +252,7 @@ impl Ended {
 pub enum Call {
     /// An HTTP API call: `METHOD /route`.
     Http(&'static str),
-    /// A gRPC method of Envoy's rate limit service.
+    /// A gRPC method: its path, `/package.Service/Method`.
     Grpc(&'static str),
 }
 
@@ -277,7 +277,7 @@ pub const EXPORT_EVERY: Duration = Duration::from_secs(1);
 /// Requests' spans waiting to be sent, at most; past it a request's spans are dropped.
 const QUEUE: usize = 4_096;
 /// How often a failing collector is named in the log.
-const EXPORT_WARN_EVERY: Duration = Duration::from_secs(60);
+const EXPORT_WARN_EVERY: Millis = 60_000;
 
 /// Metric names.
 pub const SPANS_DROPPED: &str = "sluice_trace_spans_dropped_total";
@@ -331,7 +331,7 @@ fn resource(service_name: &str) -> otlp::Resource {
 async fn export(mut rx: tokio::sync::mpsc::Receiver<Message>, mut client: otlp::Client, resource: otlp::Resource) {
     let mut batch: Vec<otlp::Span> = Vec::new();
     let mut tick = tokio::time::interval(EXPORT_EVERY);
-    let mut warned: Option<std::time::Instant> = None;
+    let warned = Throttle::default();
     loop {
         let flushed = tokio::select! {
             m = rx.recv() => match m {
@@ -349,7 +349,7 @@ async fn export(mut rx: tokio::sync::mpsc::Receiver<Message>, mut client: otlp::
         };
         while !batch.is_empty() {
             let spans: Vec<_> = batch.drain(..batch.len().min(BATCH)).collect();
-            send(&mut client, &resource, spans, &mut warned).await;
+            send(&mut client, &resource, spans, &warned).await;
         }
         if let Some(done) = flushed {
             let _ = done.send(());
@@ -357,12 +357,7 @@ async fn export(mut rx: tokio::sync::mpsc::Receiver<Message>, mut client: otlp::
     }
 }
 
-async fn send(
-    client: &mut otlp::Client,
-    resource: &otlp::Resource,
-    spans: Vec<otlp::Span>,
-    warned: &mut Option<std::time::Instant>,
-) {
+async fn send(client: &mut otlp::Client, resource: &otlp::Resource, spans: Vec<otlp::Span>, warned: &Throttle) {
     let n = spans.len();
     let scope = otlp::InstrumentationScope { name: "sluice".into(), version: env!("CARGO_PKG_VERSION").into() };
     let request = otlp::ExportTraceServiceRequest {
@@ -378,8 +373,7 @@ async fn send(
         Ok(rejected) => format!("the collector rejected {rejected} of {n} spans"),
         Err(e) => format!("{n} spans not exported: {e}"),
     };
-    if warned.is_none_or(|at| at.elapsed() >= EXPORT_WARN_EVERY) {
-        *warned = Some(std::time::Instant::now());
+    if warned.due(Clock::now(&SystemClock), EXPORT_WARN_EVERY) {
         tracing::warn!(problem = %problem, "traces: export failed (said at most once a minute; counted in {EXPORTS})");
     }
 }
@@ -399,43 +393,36 @@ pub async fn around<R>(
         return work.await;
     }
     // boxed: the state of a traced call is not carried by every untraced one
-    Box::pin(traced(tracer, parent, call, work, ended)).await
-}
-
-async fn traced<R>(
-    tracer: Option<&Tracer>,
-    parent: Option<Parent>,
-    call: Call,
-    work: impl Future<Output = R>,
-    ended: impl FnOnce(&R) -> Ended,
-) -> R {
-    let (trace_id, sampled) = match &parent {
-        Some(p) => (p.trace_id, p.sampled),
-        None => {
-            let id = trace_id();
-            (id, tracer.is_some_and(|t| sampled_at(t.bound, &id)))
-        }
-    };
-    // at level error, so every filter that lets a line through keeps its trace id
-    let log = |id: &[u8; 16]| tracing::error_span!("request", trace_id = %Hex(id));
-    let Some(tracer) = tracer.filter(|_| sampled) else {
-        return match &parent {
-            Some(p) => work.instrument(log(&p.trace_id)).await,
-            None => work.await,
+    Box::pin(async move {
+        let (trace_id, sampled) = match &parent {
+            Some(p) => (p.trace_id, p.sampled),
+            None => {
+                let id = trace_id();
+                (id, tracer.is_some_and(|t| sampled_at(t.bound, &id)))
+            }
         };
-    };
-    let start = unix_nanos();
-    let recording = Recording { detailed: tracer.detailed, ..Recording::default() };
-    let (response, recording) = RECORDING
-        .scope(RefCell::new(recording), async {
-            let response = work.instrument(log(&trace_id)).await;
-            (response, RECORDING.with(|r| r.take()))
-        })
-        .await;
-    let end = unix_nanos();
-    let context = Context { trace_id, parent: parent.as_ref(), start, end };
-    tracer.record(spans(&context, call, recording, ended(&response)));
-    response
+        // at level error, so every filter that lets a line through keeps its trace id
+        let log = |id: &[u8; 16]| tracing::error_span!("request", trace_id = %Hex(id));
+        let Some(tracer) = tracer.filter(|_| sampled) else {
+            return match &parent {
+                Some(p) => work.instrument(log(&p.trace_id)).await,
+                None => work.await,
+            };
+        };
+        let start = unix_nanos();
+        let recording = Recording { detailed: tracer.detailed, ..Recording::default() };
+        let (response, recording) = RECORDING
+            .scope(RefCell::new(recording), async {
+                let response = work.instrument(log(&trace_id)).await;
+                (response, RECORDING.with(|r| r.take()))
+            })
+            .await;
+        let end = unix_nanos();
+        let context = Context { trace_id, parent: parent.as_ref(), start, end };
+        tracer.record(spans(&context, call, recording, ended(&response)));
+        response
+    })
+    .await
 }
 
 /// Where a request's spans sit in their trace.
@@ -454,14 +441,18 @@ fn spans(c: &Context<'_>, call: Call, rec: Recording, ended: Ended) -> Vec<otlp:
             let (method, route) = name.split_once(' ').unwrap_or(("", name));
             (name.to_string(), vec![KeyValue::str("http.request.method", method), KeyValue::str("http.route", route)])
         }
-        Call::Grpc(method) => (
-            format!("envoy.service.ratelimit.v3.RateLimitService/{method}"),
-            vec![
-                KeyValue::str("rpc.system", "grpc"),
-                KeyValue::str("rpc.service", "envoy.service.ratelimit.v3.RateLimitService"),
-                KeyValue::str("rpc.method", method),
-            ],
-        ),
+        Call::Grpc(path) => {
+            let name = path.trim_start_matches('/');
+            let (service, method) = name.split_once('/').unwrap_or((name, ""));
+            (
+                name.to_string(),
+                vec![
+                    KeyValue::str("rpc.system", "grpc"),
+                    KeyValue::str("rpc.service", service),
+                    KeyValue::str("rpc.method", method),
+                ],
+            )
+        }
     };
     attributes.push(ended.attribute);
     attributes.extend(rec.attributes);
@@ -521,11 +512,11 @@ fn span(
 }
 
 /// Notes what the engine decided on the request being traced (nothing when none is).
-pub fn decided(store: &'static str, req: &Request, decided: &Result<Verdict, CheckError>) {
+pub fn decided(limiter: &Limiter, req: &Request, decided: &Result<Verdict, CheckError>) {
     let _ = RECORDING.try_with(|r| {
         let mut r = r.borrow_mut();
         r.attributes.push(KeyValue::str("sluice.domain", req.domain.as_str()));
-        r.attributes.push(KeyValue::str("sluice.store", store));
+        r.attributes.push(KeyValue::str("sluice.store", limiter.store().kind()));
         match decided {
             Ok(v) => {
                 r.outcome = Some(match v.outcome {

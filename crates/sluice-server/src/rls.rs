@@ -160,7 +160,7 @@ impl tower::Service<GrpcRequest> for Rls {
         Box::pin(async move {
             let work = async { unary(&state, req).await.unwrap_or_else(Status::into_http) };
             let tracer = state.tracer.as_deref();
-            Ok(crate::otel::around(tracer, parent, Call::Grpc("ShouldRateLimit"), work, grpc_ended).await)
+            Ok(crate::otel::around(tracer, parent, Call::Grpc(SHOULD_RATE_LIMIT), work, grpc_ended).await)
         })
     }
 }
@@ -216,7 +216,7 @@ pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<
     let req = request(r)?;
     let engine = state.engine.load_full();
     let decided = engine.limiter.check(&req).await;
-    crate::otel::decided(engine.limiter.store().kind(), &req, &decided);
+    crate::otel::decided(&engine.limiter, &req, &decided);
     match decided {
         Ok(v) if v.outcome == Outcome::Unavailable => {
             Err(Status::unavailable("the rate limit store is unavailable (fail-closed)"))

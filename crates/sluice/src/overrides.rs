@@ -207,17 +207,40 @@ fn best_first(a: &Arc<Override>, b: &Arc<Override>) -> std::cmp::Ordering {
     b.rank().cmp(&a.rank()).then(a.id.cmp(&b.id))
 }
 
+/// The overrides that may apply to one descriptor: the bucket each shape held reads of
+/// it. Looked up once per descriptor (a hash per shape), then asked once per policy.
+#[derive(Debug, Default)]
+pub(crate) struct Candidates<'o, 'e> {
+    entries: &'e [(&'e str, &'e str)],
+    buckets: Vec<&'o [Arc<Override>]>,
+}
+
+impl<'o> Candidates<'o, '_> {
+    /// The override in force at `now` for policy `policy`: the best usable one of any
+    /// bucket (each is best first).
+    pub(crate) fn find(&self, policy: &str, now: Millis) -> Option<&'o Arc<Override>> {
+        // `matches` guards against two descriptors whose read bytes share a hash
+        let usable = |o: &&Arc<Override>| o.names(policy) && !o.expired(now) && o.matches(self.entries);
+        self.buckets.iter().filter_map(|bucket| bucket.iter().find(usable)).min_by(|a, b| best_first(a, b))
+    }
+}
+
 impl DomainOverrides {
-    /// The override in force at `now` for policy `policy` of the descriptor `entries`.
-    pub(crate) fn find(&self, entries: &[(&str, &str)], policy: &str, now: Millis) -> Option<&Arc<Override>> {
-        let usable = |o: &&Arc<Override>| o.names(policy) && !o.expired(now) && o.matches(entries);
-        self.classes
+    /// The overrides that may apply to the descriptor `entries`.
+    pub(crate) fn candidates<'e>(&self, entries: &'e [(&'e str, &'e str)]) -> Candidates<'_, 'e> {
+        let buckets = self
+            .classes
             .iter()
-            .filter_map(|(shape, buckets)| {
-                let bucket = buckets.get(&read_hash(shape, entries.iter().copied())?)?;
-                bucket.iter().find(usable)
-            })
-            .min_by(|a, b| best_first(a, b))
+            .filter_map(|(shape, buckets)| buckets.get(&read_hash(shape, entries.iter().copied())?))
+            .map(|bucket| &bucket[..])
+            .collect();
+        Candidates { entries, buckets }
+    }
+
+    /// The override in force at `now` for policy `policy` of the descriptor `entries`.
+    #[cfg(test)]
+    pub(crate) fn find(&self, entries: &[(&str, &str)], policy: &str, now: Millis) -> Option<&Arc<Override>> {
+        self.candidates(entries).find(policy, now)
     }
 
     fn key(o: &Override) -> (Shape, u64) {

@@ -119,9 +119,10 @@ pub(crate) fn plan<'r>(
             unlimited: node.is_some_and(|n| n.unlimited),
             policies: Vec::new(),
         });
+        // a limit from the request is not the config's: stored overrides leave it
+        let candidates = overrides.filter(|_| d.limit.is_none()).map(|o| o.candidates(&entries)).unwrap_or_default();
         for p in policies.iter().filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name)) {
-            // a limit from the request is not the config's: stored overrides leave it
-            let o = overrides.filter(|_| d.limit.is_none()).and_then(|o| o.find(&entries, &p.name, now));
+            let o = candidates.find(&p.name, now);
             let op = op_for(rules, p, o.map(|o| &**o), &entries, cost, lease, di)?;
             plan.add(tag, op, p, o.cloned(), di);
         }

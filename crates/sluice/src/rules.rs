@@ -4,8 +4,9 @@
 //! nesting level at a time; at each level an entry matches a rule with the same key and
 //! value first, then the first rule (in file order) whose value is a wildcard matching it
 //! (each `*` matches any run of characters, none included: `bar*b` matches `barb` and
-//! `bar123b`, `foo*bar*baz` matches `foobarbaz`), then a rule with the key alone. The limits that apply are those of the rule reached by the last entry. A
-//! descriptor that falls off the tree matches nothing and is allowed.
+//! `bar123b`, `foo*bar*baz` matches `foobarbaz`), then a rule with the key alone. The
+//! limits that apply are those of the rule reached by the last entry. A descriptor that
+//! falls off the tree matches nothing and is allowed.
 
 use crate::algo::Limit;
 use crate::config::{DescriptorConfig, DomainConfig, Failure, LimiterConfig};
@@ -307,10 +308,11 @@ fn insert(level: &mut Level, c: &DescriptorConfig, node: Node) -> Result<(), Str
             Ok(())
         }
         Some(v) if v.contains('*') => {
-            if rules.wildcards.iter().any(|(w, _)| w.text == *v) {
+            let wildcard = Wildcard::new(v);
+            if rules.wildcards.iter().any(|(w, _)| w.parts == wildcard.parts) {
                 return Err(format!("`{}: {v}` is defined twice at this level", c.key));
             }
-            rules.wildcards.push((Wildcard::new(v), node));
+            rules.wildcards.push((wildcard, node));
             Ok(())
         }
         Some(v) if rules.exact.contains_key(v) => Err(format!("`{}: {v}` is defined twice at this level", c.key)),
@@ -326,14 +328,13 @@ fn insert(level: &mut Level, c: &DescriptorConfig, node: Node) -> Result<(), Str
 /// order, the first at the start and the last at the end.
 #[derive(Debug)]
 struct Wildcard {
-    text: String,
     /// The literal parts around the `*`s: at least two (a trailing `*` leaves "" last).
     parts: Vec<String>,
 }
 
 impl Wildcard {
     fn new(text: &str) -> Self {
-        Self { text: text.to_string(), parts: text.split('*').map(str::to_string).collect() }
+        Self { parts: text.split('*').map(str::to_string).collect() }
     }
 
     fn matches(&self, v: &str) -> bool {

@@ -12,7 +12,7 @@
 //! costs one connection timeout, and only while the link is looking.
 
 use super::{RedisOptions, manager};
-use crate::store::percent_encode;
+use crate::store::{StoreError, percent_encode};
 use redis::aio::ConnectionManager;
 use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -54,8 +54,7 @@ pub(crate) struct Discovery {
 }
 
 impl Discovery {
-    pub(crate) fn new(o: &SentinelOptions, options: &RedisOptions) -> Result<Self, crate::store::StoreError> {
-        use crate::store::StoreError;
+    pub(crate) fn new(o: &SentinelOptions, options: &RedisOptions) -> Result<Self, StoreError> {
         if o.sentinels.is_empty() {
             return Err(StoreError::unavailable("store.sentinels is empty: list the Sentinels as host:port"));
         }
@@ -66,11 +65,10 @@ impl Discovery {
             .sentinels
             .iter()
             .map(|addr| {
-                let (host, port) = split_addr(addr).ok_or_else(|| {
+                let conn = connect(addr, &o.sentinel_auth, options).ok_or_else(|| {
                     StoreError::unavailable(format!("store.sentinels: '{addr}' is not host:port (no scheme, no path)"))
-                })?;
-                let url = url(host, port, &o.sentinel_auth, options.tls.is_some());
-                Ok((addr.clone(), manager(&url, options, 0)?))
+                })??;
+                Ok((addr.clone(), conn))
             })
             .collect::<Result<_, StoreError>>()?;
         Ok(Self { sentinels, name: o.master_name.clone(), first: AtomicUsize::new(0), timeout: options.timeout })
@@ -220,9 +218,8 @@ impl SentinelLink {
         }
         let conn = match &next {
             Some(addr) => {
-                let (host, port) = split_addr(addr).ok_or_else(|| RedisError::from((ErrorKind::Io, "bad address")))?;
-                let url = url(host, port, &self.auth, self.options.tls.is_some());
-                let conn = manager(&url, &self.options, 0)
+                let conn = connect(addr, &self.auth, &self.options)
+                    .ok_or_else(|| RedisError::from((ErrorKind::Io, "bad address")))?
                     .map_err(|e| RedisError::from((ErrorKind::Io, "cannot connect", e.to_string())))?;
                 Some((addr.clone(), conn))
             }
@@ -259,6 +256,13 @@ impl SentinelLink {
             }
         });
     }
+}
+
+/// A connection (opened lazily, no retries: a link looks again instead) to `addr` with
+/// `auth`; None when `addr` is not `host:port`.
+fn connect(addr: &str, auth: &Auth, options: &RedisOptions) -> Option<Result<ConnectionManager, StoreError>> {
+    let (host, port) = split_addr(addr)?;
+    Some(manager(&url(host, port, auth, options.tls.is_some()), options, 0))
 }
 
 /// `host:port` split, for addresses written without a scheme.
