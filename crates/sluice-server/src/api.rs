@@ -86,7 +86,7 @@ impl RequestJson {
                 limit,
             });
         }
-        Ok(Request { domain: self.domain, descriptors, hits_addend: self.hits_addend })
+        Ok(Request { domain: self.domain, descriptors, hits_addend: self.hits_addend, lenient: false })
     }
 }
 

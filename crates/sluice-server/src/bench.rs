@@ -333,7 +333,7 @@ fn request(args: &Args, i: u64) -> Request {
             entries: vec![Entry { key: args.key.clone(), value: format!("client-{}", i % args.clients) }],
             ..Default::default()
         }],
-        hits_addend: None,
+        ..Default::default()
     }
 }
 

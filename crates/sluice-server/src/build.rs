@@ -81,7 +81,7 @@ pub fn engine(
         n if remote && n > 0 => limiter.with_near_cache(n),
         _ => limiter,
     };
-    Engine { limiter, headers: config.headers }
+    Engine { limiter, headers: config.headers, envoy: config.envoy }
 }
 
 /// The clock `limiter.clock` names.

@@ -46,6 +46,9 @@ pub enum ConfigCommand {
     },
     /// Print the built-in config.
     Default,
+    /// Print the config `sluice serve --ratelimit-env` makes of envoyproxy/ratelimit's
+    /// environment variables (see docs/envoy.md).
+    FromEnv,
 }
 
 /// A duration argument, like `10s`.

@@ -29,6 +29,21 @@ pub struct Config {
     pub log: crate::logs::LogConfig,
     #[serde(default)]
     pub telemetry: crate::otel::TelemetryConfig,
+    #[serde(default)]
+    pub envoy: EnvoyConfig,
+}
+
+/// `envoy`: envoyproxy/ratelimit's settings that have no other home here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EnvoyConfig {
+    /// Several files of `domains_from` may define one domain, whose rules are then read
+    /// together (their `MERGE_DOMAIN_CONFIG`). A rule defined in two of them is still
+    /// refused, naming both. Off: a domain in two files is refused, naming both.
+    pub merge_domains: bool,
+    /// Envoy's answer carries `dynamic_metadata` (their `RESPONSE_DYNAMIC_METADATA`): the
+    /// domain, the descriptors, and the config `metadata` of the rules that allowed.
+    pub response_dynamic_metadata: bool,
 }
 
 impl Config {

@@ -26,7 +26,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/ratelimit", post(ratelimit).get(status))
         .route("/v1/leases", post(acquire))
         .route("/v1/leases/{lease_id}", delete(release))
-        .route("/v1/refund", post(refund));
+        .route("/v1/refund", post(refund))
+        .route("/json", post(crate::envoy_http::json));
     // the data plane: behind `server.api_tokens` when there are any (a layer only then:
     // without tokens a decision pays nothing for it)
     if !state.api_tokens.is_empty() {
@@ -36,6 +37,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(data)
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
+        .route("/healthcheck", get(crate::envoy_http::healthcheck))
         .route("/metrics", get(metrics))
         .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found", "no such endpoint; see /v1/ratelimit".into()) })
         .with_state(state)
@@ -59,6 +61,16 @@ pub(crate) fn check_error(e: CheckError) -> Response {
 
 /// Reads a bounded body and parses it as a rate limit request.
 async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Request, Response> {
+    let bytes = read_body(state, headers, body).await?;
+    let parsed: RequestJson = serde_json::from_slice(&bytes).map_err(|e| {
+        error(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not a valid rate limit request: {e}"))
+    })?;
+    parsed.into_request().map_err(|e| error(StatusCode::BAD_REQUEST, "bad_limit", e))
+}
+
+/// Reads a request body of at most `server.max_body_bytes` within `server.body_timeout`;
+/// the error response says which bound it broke.
+pub(crate) async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<bytes::Bytes, Response> {
     let max = state.max_body_bytes;
     let too_large = || {
         error(
@@ -75,7 +87,7 @@ async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Resu
         let message = format!("the request body did not arrive within {:?} (server.body_timeout)", state.body_timeout);
         return Err(error(StatusCode::REQUEST_TIMEOUT, "body_timeout", message));
     };
-    let bytes = read.map_err(|e| {
+    read.map_err(|e| {
         // over the limit is a 413; a body that breaks off or is malformed (a bad chunk
         // size) is the client's mistake of another kind: a 400
         let over = std::iter::successors(Some(&e as &dyn std::error::Error), |e| e.source())
@@ -84,11 +96,7 @@ async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Resu
             true => too_large(),
             false => error(StatusCode::BAD_REQUEST, "bad_body", format!("the request body could not be read: {e}")),
         }
-    })?;
-    let parsed: RequestJson = serde_json::from_slice(&bytes).map_err(|e| {
-        error(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not a valid rate limit request: {e}"))
-    })?;
-    parsed.into_request().map_err(|e| error(StatusCode::BAD_REQUEST, "bad_limit", e))
+    })
 }
 
 /// A verdict as a response: status, headers, JSON body. The headers are rendered with
@@ -210,7 +218,12 @@ pub(crate) fn client_query(
             "add ?domain=NAME and the descriptor's KEY=VALUE pairs".into(),
         ))
     })?;
-    let req = Request { domain, descriptors: vec![Descriptor { entries, ..Default::default() }], hits_addend: None };
+    let req = Request {
+        domain,
+        descriptors: vec![Descriptor { entries, ..Default::default() }],
+        hits_addend: None,
+        lenient: false,
+    };
     Ok((req, taken))
 }
 

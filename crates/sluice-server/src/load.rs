@@ -2,7 +2,7 @@
 //! error names the file, a line and column, and what to write instead.
 
 use crate::config::Config;
-use sluice::config::{DomainConfig, LimiterConfig};
+use sluice::config::{DescriptorConfig, DomainConfig, LimiterConfig};
 use sluice::rules::Rules;
 use std::fmt;
 use std::path::Path;
@@ -50,11 +50,102 @@ pub fn load_file(path: &Path) -> Result<Loaded, ConfigError> {
     let mut config = parse_config(&text, &file)?;
     if let Some(dir) = config.domains_from.clone() {
         let dir = path.parent().unwrap_or(Path::new(".")).join(dir);
+        let mut places = Places::default();
+        for d in &config.domains {
+            places.record(d, &text, &file);
+        }
         for path in domain_files(&dir)? {
-            config.domains.push(domain_file(&read(&path)?, &path.display().to_string())?);
+            let name = path.display().to_string();
+            let text = read(&path)?;
+            let domain = domain_file(&text, &name)?;
+            places.add(&mut config.domains, domain, &text, &name, config.envoy.merge_domains)?;
         }
     }
     compile(config, &text, &file)
+}
+
+/// Where each domain read so far, and each of its top-level rules, was defined
+/// (`file:line:col`), so a second definition is refused naming both places.
+#[derive(Default)]
+struct Places {
+    domains: std::collections::HashMap<String, String>,
+    rules: std::collections::HashMap<(String, String, Option<String>), String>,
+}
+
+impl Places {
+    /// Notes where `d` and its top-level rules are, in `text` (of `file`).
+    fn record(&mut self, d: &DomainConfig, text: &str, file: &str) {
+        let name = &d.domain.0;
+        self.domains.entry(name.clone()).or_insert_with(|| place(file, locate(text, std::slice::from_ref(name))));
+        for c in &d.descriptors {
+            let at = place(file, locate(text, &rule_anchors(name, c)));
+            self.rules.insert((name.clone(), c.key.clone(), c.value.clone()), at);
+        }
+    }
+
+    /// Adds domain file `file`'s domain: a new one, or (with `merge`) more rules of one
+    /// read before, none of which may be defined already.
+    fn add(
+        &mut self,
+        domains: &mut Vec<DomainConfig>,
+        domain: DomainConfig,
+        text: &str,
+        file: &str,
+        merge: bool,
+    ) -> Result<(), ConfigError> {
+        let name = domain.domain.0.clone();
+        let err = |anchors: &[String], message: String| ConfigError {
+            file: file.to_string(),
+            at: locate(text, anchors),
+            message,
+        };
+        let Some(first) = domains.iter_mut().find(|d| d.domain.0 == name) else {
+            self.record(&domain, text, file);
+            domains.push(domain);
+            return Ok(());
+        };
+        if !merge {
+            let message = format!(
+                "domain '{name}' is also defined at {}; keep one domain to a file, or set \
+                 `envoy.merge_domains: true` to read the files as one domain",
+                self.domains[&name]
+            );
+            return Err(err(std::slice::from_ref(&name), message));
+        }
+        for c in &domain.descriptors {
+            if let Some(there) = self.rules.get(&(name.clone(), c.key.clone(), c.value.clone())) {
+                let rule = c.value.as_ref().map_or(format!("`key: {}`", c.key), |v| format!("`{}: {v}`", c.key));
+                let message = format!(
+                    "{rule} of domain '{name}' is also defined at {there}; merged files must not both define a rule"
+                );
+                return Err(err(&rule_anchors(&name, c), message));
+            }
+        }
+        if (first.shadow_mode, &first.client_key) != (domain.shadow_mode, &domain.client_key) {
+            let message = format!(
+                "domain '{name}' is also defined at {} with another `shadow_mode` or `client_key`; \
+                 merged files must agree on them",
+                self.domains[&name]
+            );
+            return Err(err(std::slice::from_ref(&name), message));
+        }
+        self.record(&domain, text, file);
+        first.descriptors.extend(domain.descriptors);
+        Ok(())
+    }
+}
+
+/// The texts on the way to a top-level rule: its domain, key and value.
+fn rule_anchors(domain: &str, c: &DescriptorConfig) -> Vec<String> {
+    [domain, &c.key].into_iter().chain(c.value.as_deref()).map(str::to_string).collect()
+}
+
+/// `file:line:col`, or `file` when the position is not known.
+fn place(file: &str, at: Option<(usize, usize)>) -> String {
+    match at {
+        Some((line, col)) => format!("{file}:{line}:{col}"),
+        None => file.to_string(),
+    }
 }
 
 /// One envoyproxy/ratelimit domain file's text (from `file`), parsed and compiled alone,
@@ -98,6 +189,8 @@ fn domain_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, ConfigError> {
     let mut files: Vec<_> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "yaml" || x == "yml"))
+        // a hidden file is an editor's or a deployment tool's, not a domain
+        .filter(|p| !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
         .collect();
     files.sort();
     Ok(files)
@@ -242,7 +335,7 @@ mod tests {
 
     #[test]
     fn rule_errors_point_at_the_rule() {
-        let text = "domains:\n  - domain: d\n    descriptors:\n      - key: a\n        policies:\n          - name: p\n            fixed_window: {limit: 0, window: 1s}\n";
+        let text = "domains:\n  - domain: d\n    descriptors:\n      - key: a\n        policies:\n          - name: p\n            sliding_window: {limit: 0, window: 1s}\n";
         let e = load_str(text, "c.yaml").err().unwrap();
         assert_eq!(e.at, Some((6, 19)), "{e}");
         assert!(e.to_string().starts_with("c.yaml:6:19: "), "{e}");

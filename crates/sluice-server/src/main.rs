@@ -8,6 +8,7 @@ mod bench;
 mod build;
 mod cli;
 mod config;
+mod envoy_http;
 #[cfg(test)]
 mod fuzz;
 mod http;
@@ -16,6 +17,7 @@ mod load;
 mod logs;
 mod otel;
 mod otlp;
+mod ratelimit_env;
 mod reload;
 mod rls;
 mod serve;
@@ -39,6 +41,7 @@ fn main() -> ExitCode {
             print!("{}", load::DEFAULT_CONFIG);
             Ok(())
         }
+        Command::Config(ConfigCommand::FromEnv) => ratelimit_env::print().map_err(Into::into),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -15,11 +15,12 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     Code, DescriptorStatus, RateLimit, rate_limit,
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf as pb;
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use sluice::algo::Limit;
 use sluice::config::Unit;
 use sluice::headers;
-use sluice::{CheckError, Descriptor, Entry, LimitOverride, Outcome, Request, Verdict};
+use sluice::{CheckError, Descriptor, Entry, LimitOverride, Outcome, Request, RequestError, Verdict};
 use std::sync::Arc;
 use tonic::Status;
 
@@ -57,13 +58,13 @@ fn wire_unit(u: Unit) -> rate_limit::Unit {
 
 /// Envoy's request as the engine's. Request `hits_addend` 0 means unset (1); a
 /// descriptor's `hits_addend` 0 checks without charging.
-fn request(r: RateLimitRequest) -> Result<Request, Status> {
+fn request(r: &RateLimitRequest) -> Result<Request, Status> {
     let descriptors = r
         .descriptors
-        .into_iter()
+        .iter()
         .enumerate()
-        .map(|(i, d): (usize, RateLimitDescriptor)| {
-            let limit = match d.limit {
+        .map(|(i, d): (usize, &RateLimitDescriptor)| {
+            let limit = match &d.limit {
                 Some(o) => Some(LimitOverride {
                     requests_per_unit: u64::from(o.requests_per_unit),
                     unit: unit_of(o.unit)
@@ -72,22 +73,27 @@ fn request(r: RateLimitRequest) -> Result<Request, Status> {
                 None => None,
             };
             Ok(Descriptor {
-                entries: d.entries.into_iter().map(|e| Entry { key: e.key, value: e.value }).collect(),
+                entries: d.entries.iter().map(|e| Entry { key: e.key.clone(), value: e.value.clone() }).collect(),
                 hits_addend: d.hits_addend.map(|h| h.value),
                 limit,
             })
         })
         .collect::<Result<Vec<_>, Status>>()?;
     let hits_addend = (r.hits_addend > 0).then_some(u64::from(r.hits_addend));
-    Ok(Request { domain: r.domain, descriptors, hits_addend })
+    Ok(Request { domain: r.domain.clone(), descriptors, hits_addend, lenient: true })
 }
 
-/// The engine's verdict as Envoy's response.
-fn response(v: &Verdict, headers_cfg: &sluice::headers::HeadersConfig) -> RateLimitResponse {
+/// The engine's verdict as Envoy's response. A descriptor's status reports the limit
+/// that binds it (a shadow limit when it has no other, as envoyproxy/ratelimit does); an
+/// `unlimited` one reports no limit and the most remaining there is, 2^32 - 1.
+fn response(v: &Verdict, engine: &crate::state::Engine, req: &RateLimitRequest) -> RateLimitResponse {
     let statuses = v
         .descriptors
         .iter()
         .map(|d| {
+            if d.unlimited {
+                return DescriptorStatus { code: Code::Ok as i32, limit_remaining: u32::MAX, ..Default::default() };
+            }
             let binding = d.binding().map(|i| &d.policies[i]);
             DescriptorStatus {
                 code: match d.code {
@@ -95,7 +101,8 @@ fn response(v: &Verdict, headers_cfg: &sluice::headers::HeadersConfig) -> RateLi
                     sluice::Code::OverLimit => Code::OverLimit,
                 } as i32,
                 current_limit: binding.map(|p| RateLimit {
-                    name: p.name.to_string(),
+                    // a limit the config did not name is reported without one, as theirs
+                    name: if p.anonymous { String::new() } else { p.name.to_string() },
                     requests_per_unit: p.limit.capacity().min(u64::from(u32::MAX)) as u32,
                     unit: match p.limit {
                         Limit::FixedWindow { window, .. } => {
@@ -116,12 +123,98 @@ fn response(v: &Verdict, headers_cfg: &sluice::headers::HeadersConfig) -> RateLi
     RateLimitResponse {
         overall_code: if v.allowed() { Code::Ok } else { Code::OverLimit } as i32,
         statuses,
-        response_headers_to_add: headers::render(v, headers_cfg)
+        response_headers_to_add: headers::render(v, &engine.headers)
             .into_iter()
             .map(|(k, v)| HeaderValue { key: k.to_string(), value: v, ..Default::default() })
             .collect(),
+        dynamic_metadata: engine.envoy.response_dynamic_metadata.then(|| dynamic_metadata(req, Some(v))),
         ..Default::default()
     }
+}
+
+/// The answer for a domain no config defines: OK for every descriptor, with no limit, as
+/// envoyproxy/ratelimit answers it (a drop-in must not refuse traffic its predecessor
+/// let through).
+fn unknown_domain(engine: &crate::state::Engine, req: &RateLimitRequest) -> RateLimitResponse {
+    RateLimitResponse {
+        overall_code: Code::Ok as i32,
+        statuses: req
+            .descriptors
+            .iter()
+            .map(|_| DescriptorStatus { code: Code::Ok as i32, ..Default::default() })
+            .collect(),
+        dynamic_metadata: engine.envoy.response_dynamic_metadata.then(|| dynamic_metadata(req, None)),
+        ..Default::default()
+    }
+}
+
+/// `dynamic_metadata` as envoyproxy/ratelimit writes it (`envoy.response_dynamic_metadata`):
+/// the domain, each descriptor's entries as `key=value` (and its `hitsAddend`, `limit`),
+/// the request's `hitsAddend`, and `metadata`: the config `metadata` of the rules of the
+/// descriptors that were allowed, merged (nested maps merged, a later value replacing).
+fn dynamic_metadata(req: &RateLimitRequest, v: Option<&Verdict>) -> pb::Struct {
+    use serde_json::{Map, Value, json};
+    let descriptors: Vec<Value> = req
+        .descriptors
+        .iter()
+        .map(|d| {
+            let entries: Vec<String> = d.entries.iter().map(|e| format!("{}={}", e.key, e.value)).collect();
+            let mut one = json!({ "entries": entries });
+            if let Some(h) = &d.hits_addend {
+                one["hitsAddend"] = json!(h.value);
+            }
+            if let Some(l) = &d.limit {
+                let unit = rate_limit::Unit::try_from(l.unit).map_or("UNKNOWN", |u| u.as_str_name());
+                one["limit"] = json!(format!("requests_per_unit:{} unit:{unit}", l.requests_per_unit));
+            }
+            one
+        })
+        .collect();
+    let mut out = json!({ "domain": req.domain, "descriptors": descriptors });
+    if req.hits_addend != 0 {
+        out["hitsAddend"] = json!(req.hits_addend);
+    }
+    let mut passed = Map::new();
+    for d in v.iter().flat_map(|v| &v.descriptors).filter(|d| d.code == sluice::Code::Ok) {
+        merge(&mut passed, d.metadata.iter().flat_map(|m| m.iter()));
+    }
+    if !passed.is_empty() {
+        out["metadata"] = Value::Object(passed);
+    }
+    let Value::Object(fields) = out else { unreachable!("built as an object") };
+    pb::Struct { fields: fields.into_iter().map(|(k, v)| (k, pb_value(v))).collect() }
+}
+
+/// Merges `from` into `into`: maps under the same key merge, anything else replaces.
+fn merge<'a>(
+    into: &mut serde_json::Map<String, serde_json::Value>,
+    from: impl Iterator<Item = (&'a String, &'a serde_json::Value)>,
+) {
+    for (k, v) in from {
+        match (into.get_mut(k), v) {
+            (Some(serde_json::Value::Object(mine)), serde_json::Value::Object(theirs)) => merge(mine, theirs.iter()),
+            _ => {
+                into.insert(k.clone(), v.clone());
+            }
+        }
+    }
+}
+
+/// A JSON value as `google.protobuf.Value`.
+fn pb_value(v: serde_json::Value) -> pb::Value {
+    use pb::value::Kind;
+    use serde_json::Value;
+    let kind = match v {
+        Value::Null => Kind::NullValue(0),
+        Value::Bool(b) => Kind::BoolValue(b),
+        Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
+        Value::String(s) => Kind::StringValue(s),
+        Value::Array(a) => Kind::ListValue(pb::ListValue { values: a.into_iter().map(pb_value).collect() }),
+        Value::Object(o) => {
+            Kind::StructValue(pb::Struct { fields: o.into_iter().map(|(k, v)| (k, pb_value(v))).collect() })
+        }
+    };
+    pb::Value { kind: Some(kind) }
 }
 
 /// The path of the one method served.
@@ -213,7 +306,7 @@ async fn unary(state: &AppState, req: GrpcRequest) -> Result<GrpcResponse, Statu
 /// One decision for Envoy: the engine's verdict as its response, or the status that
 /// says why there is none.
 pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<RateLimitResponse, Status> {
-    let req = request(r)?;
+    let req = request(&r)?;
     let engine = state.engine.load_full();
     let decided = engine.limiter.check(&req).await;
     crate::otel::decided(&engine.limiter, &req, &decided);
@@ -221,7 +314,11 @@ pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<
         Ok(v) if v.outcome == Outcome::Unavailable => {
             Err(Status::unavailable("the rate limit store is unavailable (fail-closed)"))
         }
-        Ok(v) => Ok(response(&v, &engine.headers)),
+        Ok(v) => Ok(response(&v, &engine, &r)),
+        Err(CheckError::Request(RequestError::UnknownDomain { .. })) if !req.domain.is_empty() => {
+            tracing::debug!(domain = %req.domain.escape_debug(), "unknown domain: answered OK");
+            Ok(unknown_domain(&engine, &r))
+        }
         Err(CheckError::Request(e)) => Err(Status::invalid_argument(e.to_string())),
         Err(CheckError::Store(e)) => Err(Status::unavailable(e.to_string())),
     }

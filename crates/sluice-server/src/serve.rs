@@ -20,6 +20,10 @@ pub struct Args {
     /// Config file (YAML). Without it, the built-in config (`sluice config default`).
     #[arg(long, short)]
     pub config: Option<PathBuf>,
+    /// Read envoyproxy/ratelimit's environment variables (REDIS_URL, RUNTIME_ROOT, ...)
+    /// instead of a config file: a drop-in for their image (docs/envoy.md).
+    #[arg(long, conflicts_with = "config")]
+    pub ratelimit_env: bool,
     /// Listen for HTTP on this address instead of `server.http`.
     #[arg(long, value_name = "ADDR")]
     pub http: Option<SocketAddr>,
@@ -63,10 +67,13 @@ pub enum ServeError {
     Store(String),
     #[error("{0}")]
     Telemetry(String),
+    #[error("{0}")]
+    Env(String),
 }
 
 /// Runs the service.
-pub async fn serve(args: Args) -> Result<(), ServeError> {
+pub async fn serve(mut args: Args) -> Result<(), ServeError> {
+    let without_effect = config_from_env(&mut args)?;
     // first: rules register their counters when they are compiled
     let metrics = install_metrics()?;
     let Loaded { config, rules } = match &args.config {
@@ -74,6 +81,7 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
         None => load_str(DEFAULT_CONFIG, "<built-in config>")?,
     };
     crate::logs::init(args.log_level, &config.log).map_err(ServeError::Log)?;
+    crate::ratelimit_env::note(&without_effect);
     // what the reload watcher compares against: the bytes that gave this config
     // (taken before the TLS files are read, so a change from here on is seen)
     let loaded_bytes =
@@ -122,6 +130,17 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     }
     tracing::info!(dropped_http_connections = dropped, grpc_cut_off = grpc_dropped, "stopped");
     Ok(())
+}
+
+/// With `--ratelimit-env`, the config file is the one their variables describe; returns
+/// the variables without effect here.
+fn config_from_env(args: &mut Args) -> Result<Vec<&'static str>, ServeError> {
+    if !args.ratelimit_env {
+        return Ok(Vec::new());
+    }
+    let (path, without_effect) = crate::ratelimit_env::write().map_err(ServeError::Env)?;
+    args.config = Some(path);
+    Ok(without_effect)
 }
 
 /// The engine `config` describes, with its tracer; refused when the store answers but

@@ -12,6 +12,8 @@ use std::sync::Arc;
 pub struct Engine {
     pub limiter: Limiter,
     pub headers: HeadersConfig,
+    /// `envoy`: how Envoy's answers are written.
+    pub envoy: crate::config::EnvoyConfig,
 }
 
 /// What every handler shares.

@@ -300,3 +300,51 @@ async fn envoys_trace_continues_through_sluice() {
     let request = collector.spans_of("envoy").into_iter().find(|s| s.span_id == caller.parent_span_id);
     assert!(request.is_some_and(|r| r.trace_id == decision.trace_id), "{:#?}", collector.spans_of("envoy"));
 }
+
+/// `sluice serve --ratelimit-env`, started with envoyproxy/ratelimit's environment
+/// variables and nothing else (a Redis on a unix socket, their runtime directory layout,
+/// their response headers), answers a real Envoy.
+#[tokio::test]
+async fn their_environment_alone_answers_a_real_envoy() {
+    let envoy = envoy();
+    let dir = TempDir::new("sluice-env");
+    let socket = dir.path().join("redis.sock").display().to_string();
+    let _redis = sluice_testkit::RedisServer::start_with(&["--unixsocket", &socket, "--unixsocketperm", "700"]);
+    let files = dir.path().join("runtime/ratelimit/config");
+    std::fs::create_dir_all(&files).unwrap();
+    let rule = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
+    std::fs::write(files.join("api.yaml"), rule).unwrap();
+    let mut cmd = std::process::Command::new(common::bin());
+    cmd.args(["serve", "--ratelimit-env"]);
+    let runtime = dir.path().join("runtime").display().to_string();
+    for (name, value) in [
+        ("HOST", "127.0.0.1"),
+        ("PORT", "0"),
+        ("GRPC_HOST", "127.0.0.1"),
+        ("GRPC_PORT", "0"),
+        ("USE_STATSD", "false"),
+        ("LOG_LEVEL", "info"),
+        ("REDIS_SOCKET_TYPE", "unix"),
+        ("REDIS_URL", &socket),
+        ("REDIS_POOL_SIZE", "10"),
+        ("RUNTIME_ROOT", &runtime),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+        ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
+    ] {
+        cmd.env(name, value);
+    }
+    let (_sluice, _http, grpc) = common::spawn_command(cmd, dir.path());
+    let log = || std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
+    let (_envoy, listen) = start_envoy(&envoy, &grpc, "", None).await;
+    let client = reqwest::Client::new();
+    let mut answers = Vec::new();
+    for _ in 0..3 {
+        let r = client.get(format!("http://127.0.0.1:{listen}/x")).header("x-user", "dana").send().await.unwrap();
+        answers.push((r.status().as_u16(), r.headers().get("ratelimit-remaining").cloned()));
+    }
+    // a store that did not answer would have failed open: the 429 is Redis's count
+    assert_eq!(answers[2].0, 429, "{answers:?}\n{}", log());
+    assert_eq!(answers[2].1.as_ref().map(|v| v.to_str().unwrap()), Some("0"), "their header names");
+    assert!(log().contains("store=\"redis\""), "{}", log());
+    assert!(log().contains("REDIS_POOL_SIZE"), "named as without effect:\n{}", log());
+}

@@ -99,3 +99,73 @@ fn their_refusals_are_refusals_here() {
         assert!(err.contains(says), "{err}");
     }
 }
+
+/// A domain in two files is refused naming both places; with `envoy.merge_domains`
+/// (their `MERGE_DOMAIN_CONFIG`) the files are one domain, but a rule in both is still
+/// refused, naming both.
+#[test]
+fn a_domain_in_two_files_is_refused_or_merged() {
+    let dir = sluice_testkit::TempDir::new("sluice-envoy-config");
+    let domains = dir.path().join("domains");
+    std::fs::create_dir(&domains).unwrap();
+    let rule = |key: &str| {
+        format!("domain: a\ndescriptors:\n  - key: {key}\n    rate_limit: {{unit: second, requests_per_unit: 1}}\n")
+    };
+    std::fs::write(domains.join("1.yaml"), rule("user")).unwrap();
+    std::fs::write(domains.join("2.yaml"), rule("ip")).unwrap();
+    let check = |sections: &str| {
+        let config = dir.path().join("sluice.yaml");
+        std::fs::write(&config, format!("domains_from: domains\n{sections}")).unwrap();
+        let out = std::process::Command::new(bin()).args(["config", "check"]).arg(&config).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (ok, err) = check("");
+    assert!(!ok);
+    assert!(err.contains("2.yaml:1:9: domain 'a' is also defined at ") && err.contains("1.yaml:1:9"), "{err}");
+    assert!(err.contains("envoy.merge_domains"), "{err}");
+    assert_eq!(check("envoy: {merge_domains: true}\n"), (true, String::new()));
+    std::fs::write(domains.join("3.yaml"), rule("user")).unwrap();
+    let (ok, err) = check("envoy: {merge_domains: true}\n");
+    assert!(!ok);
+    assert!(
+        err.contains("3.yaml:3:10: `key: user` of domain 'a' is also defined at ") && err.contains("1.yaml:3:10"),
+        "{err}"
+    );
+}
+
+/// Their integration test's reload step: a file added to the directory is served, a
+/// file removed is unloaded, without a restart.
+#[tokio::test]
+async fn files_added_and_removed_are_loaded_and_unloaded() {
+    let dir = sluice_testkit::TempDir::new("sluice-envoy-reload");
+    let domains = dir.path().join("domains");
+    std::fs::create_dir(&domains).unwrap();
+    let file = |name: &str, domain: &str| {
+        let text = format!(
+            "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: hour, requests_per_unit: 0}}\n"
+        );
+        std::fs::write(domains.join(name), text).unwrap();
+    };
+    file("basic.yaml", "basic");
+    let config = dir.path().join("sluice.yaml");
+    std::fs::write(&config, format!("{}domains_from: domains\n", common::SERVER)).unwrap();
+    let (_process, http, _) = common::spawn(&config, dir.path());
+    let (c, base) = (reqwest::Client::new(), format!("http://{http}"));
+    let status = |domain: &'static str| {
+        let (c, base) = (c.clone(), base.clone());
+        async move { hit(&c, &base, domain, &[("k", "v")]).await.status().as_u16() }
+    };
+    assert_eq!((status("basic").await, status("added").await), (429, 400));
+    file("added.yaml", "added");
+    let until = |domain: &'static str, want: u16| async move {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while status(domain).await != want {
+            assert!(std::time::Instant::now() < deadline, "{domain} never answered {want}");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    };
+    until("added", 429).await;
+    std::fs::remove_file(domains.join("basic.yaml")).unwrap();
+    until("basic", 400).await;
+    assert_eq!(status("added").await, 429);
+}

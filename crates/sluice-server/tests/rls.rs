@@ -49,10 +49,13 @@ async fn should_rate_limit_shares_the_http_engine() {
     let mut other = request("d", "x");
     other.descriptors[0].entries[0].key = "path".into();
     assert_eq!(rls.should_rate_limit(other).await.unwrap().into_inner().overall_code, Code::Ok as i32);
-    // errors
-    let e = rls.should_rate_limit(request("nope", "x")).await.unwrap_err();
+    // an unknown domain is OK with no limit, as envoyproxy/ratelimit answers it; an
+    // empty one is an error, as there
+    let r = rls.should_rate_limit(request("nope", "x")).await.unwrap().into_inner();
+    assert_eq!((r.overall_code, r.statuses[0].current_limit.is_none()), (Code::Ok as i32, true));
+    let e = rls.should_rate_limit(request("", "x")).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
-    assert!(e.message().contains("unknown domain 'nope'"), "{}", e.message());
+    assert!(e.message().contains("unknown domain ''"), "{}", e.message());
 }
 
 /// A codec that sends and receives raw bytes, to send what no generated client would.

@@ -175,16 +175,33 @@ pub struct DescriptorConfig {
     pub policies: Vec<PolicyConfig>,
     #[serde(default)]
     pub descriptors: Vec<DescriptorConfig>,
+    /// This rule's own limits in shadow mode; as in envoyproxy/ratelimit, the rules
+    /// nested below it keep their own setting.
     #[serde(default)]
     pub shadow_mode: bool,
     /// Sluice's extension: the failure policy of this rule's limits and those below it.
     #[serde(default)]
     pub failure: Option<Failure>,
     /// Also count this rule's decisions by descriptor value
-    /// (`sluice_decisions_detailed_total`). Every distinct value is a new series: only
-    /// for rules whose values are few.
+    /// (`sluice_decisions_detailed_total`), for this rule's own limits (not the rules
+    /// nested below it, as in envoyproxy/ratelimit). Every distinct value is a new
+    /// series: only for rules whose values are few.
     #[serde(default)]
     pub detailed_metric: bool,
+    /// envoyproxy/ratelimit's `value_to_metric`: the rules below count their decisions
+    /// with this entry's value from the request in the `descriptor` label of
+    /// `sluice_decisions_detailed_total` (a rule's own, or its wildcard, otherwise).
+    #[serde(default)]
+    pub value_to_metric: bool,
+    /// envoyproxy/ratelimit's `share_threshold`, for a wildcard `value`: every value the
+    /// wildcard matches shares one counter, instead of one counter per value.
+    #[serde(default)]
+    pub share_threshold: bool,
+    /// envoyproxy/ratelimit's `metadata`: free-form, passed on in Envoy's response
+    /// (`dynamic_metadata`, when `server.response_dynamic_metadata` is on) for the
+    /// descriptors it allowed.
+    #[serde(default)]
+    pub metadata: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// envoyproxy/ratelimit's `rate_limit` block.
@@ -287,6 +304,9 @@ impl DescriptorConfig {
             shadow_mode: false,
             failure: None,
             detailed_metric: false,
+            value_to_metric: false,
+            share_threshold: false,
+            metadata: None,
         }
     }
 }

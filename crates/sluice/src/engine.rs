@@ -244,7 +244,8 @@ impl Limiter {
         })?;
         // the same bounds as a request naming these entries
         let descriptor = crate::request::Descriptor { entries: o.entries.clone(), ..Default::default() };
-        let as_request = Request { domain: o.domain.clone(), descriptors: vec![descriptor], hits_addend: None };
+        let as_request =
+            Request { domain: o.domain.clone(), descriptors: vec![descriptor], hits_addend: None, lenient: false };
         crate::request::validate(&as_request, &self.rules.request_bounds).map_err(|e| e.to_string())?;
         let node = domain
             .find(o.entries.iter().map(|e| (e.key.as_str(), e.value.trim_end_matches('*'))))
@@ -353,13 +354,22 @@ impl Limiter {
             self.record(g, result, mode, now, &mut descriptors, &mut tally)?;
         }
         let allowed = tally.refused_groups == 0;
-        if !allowed && !tally.charges.is_empty() {
-            // another tag refused: give back what the allowing tags were charged
+        let lease = lease.and_then(|l| lease_id(&groups, l));
+        if !allowed {
+            // another tag refused: give back what the allowing tags were charged, and
+            // report what is true once it is given back
             self.give_back(&tally.charges, now).await?;
-            tally.charges.clear();
+            for ((_, refund), &(di, pi)) in tally.charges.drain(..).zip(&tally.charged) {
+                let d = &mut descriptors[di].policies[pi].decision;
+                d.used = d.used.saturating_sub(refund.cost);
+                d.remaining = d.remaining.saturating_add(refund.cost).min(d.limit);
+            }
+            if let Some(taken) = lease.as_ref().filter(|_| tally.leased) {
+                self.release(taken).await?;
+            }
         }
         let outcome = outcome(allowed, &mut descriptors);
-        let lease = lease.filter(|_| allowed).and_then(|l| lease_id(&groups, l));
+        let lease = lease.filter(|_| allowed);
         self.count(domain, req, mode, &descriptors, tally.degraded, lease.is_some());
         let binding = binding(&descriptors);
         Ok(Verdict { outcome, descriptors, binding, lease, degraded: tally.degraded, now, charges: tally.charges })
@@ -386,6 +396,7 @@ impl Limiter {
         }
         let allowed = g.ops.iter().zip(&decisions).all(|(o, d)| o.shadow || d.allowed);
         tally.refused_groups += usize::from(!allowed);
+        tally.leased |= allowed && source == Source::Store && g.ops.iter().any(|o| o.lease.is_some());
         for (i, ((op, d), &(di, pi))) in g.ops.iter().zip(&decisions).zip(&g.slots).enumerate() {
             let p = &mut descriptors[di].policies[pi];
             p.decision = *d;
@@ -398,6 +409,7 @@ impl Limiter {
             let charged = allowed && d.allowed && op.cost > 0 && op.lease.is_none() && source == Source::Store;
             if charged && mode.charges() {
                 tally.charges.push((g.tag, refund_of(op, op.cost, d.reset_at)));
+                tally.charged.push((di, pi));
             }
         }
         Ok(())
@@ -425,9 +437,9 @@ impl Limiter {
             let d = &p.decision;
             let near = d.used as f64 >= ratio * d.limit as f64;
             c.count(d.allowed, p.shadow, near, matches!(p.source, Source::NearCache(_)));
-            if p.detailed {
+            if let Some(label) = &p.metric {
                 let entries = req.descriptors[di].entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
-                telemetry::detailed(&req.domain, &p.name, entries, d.allowed || p.shadow);
+                telemetry::detailed(&req.domain, &p.name, label.render(entries), d.allowed || p.shadow);
             }
             if p.shadow && !d.allowed {
                 tracing::info!(domain = %req.domain, policy = %p.name, "shadow mode: this request would have been refused");
@@ -537,6 +549,10 @@ impl FailureLog {
 struct Tally {
     refused_groups: usize,
     charges: Vec<(Tag, Refund)>,
+    /// The `(descriptor, policy)` slot of each charge.
+    charged: Vec<(usize, usize)>,
+    /// A group taking a lease allowed: the lease is held.
+    leased: bool,
     degraded: Option<Failure>,
 }
 

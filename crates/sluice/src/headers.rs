@@ -17,11 +17,14 @@ pub struct HeadersConfig {
     pub github: bool,
     /// IETF draft-ietf-httpapi-ratelimit-headers-10 `RateLimit-Policy` and `RateLimit`.
     pub ietf: bool,
+    /// envoyproxy/ratelimit's `RateLimit-Limit`, `RateLimit-Remaining` and
+    /// `RateLimit-Reset` (seconds until the reset), their `LIMIT_RESPONSE_HEADERS_ENABLED`.
+    pub envoy_ratelimit: bool,
 }
 
 impl Default for HeadersConfig {
     fn default() -> Self {
-        Self { github: true, ietf: true }
+        Self { github: true, ietf: true, envoy_ratelimit: false }
     }
 }
 
@@ -56,6 +59,11 @@ pub fn render(v: &Verdict, cfg: &HeadersConfig) -> Vec<(&'static str, String)> {
         }
         let t = ceil_secs(d.retry_after.unwrap_or_else(|| d.reset_at.saturating_sub(v.now)));
         out.push(("ratelimit", format!("\"{}\";r={};t={}", b.name, d.remaining, t)));
+    }
+    if cfg.envoy_ratelimit {
+        out.push(("ratelimit-limit", d.limit.to_string()));
+        out.push(("ratelimit-remaining", d.remaining.to_string()));
+        out.push(("ratelimit-reset", (d.reset_at.saturating_sub(v.now) / 1000).to_string()));
     }
     if let Some(wait) = d.retry_after.filter(|_| v.outcome == Outcome::OverLimit) {
         out.push(("retry-after", ceil_secs(wait).to_string()));

@@ -389,7 +389,12 @@ impl Shared {
                 Some(Descriptor { entries, ..Default::default() })
             })
             .collect();
-        (!descriptors.is_empty()).then(|| Request { domain: self.domain.clone(), descriptors, hits_addend: None })
+        (!descriptors.is_empty()).then(|| Request {
+            domain: self.domain.clone(),
+            descriptors,
+            hits_addend: None,
+            lenient: false,
+        })
     }
 
     /// Stage 1, Stripe's worker utilization shedder: samples utilization and refuses

@@ -38,6 +38,9 @@ pub mod algo;
 mod builder;
 pub mod config;
 mod engine;
+#[cfg(feature = "conformance")]
+#[doc(hidden)]
+pub mod engine_conformance;
 mod hash;
 pub mod headers;
 #[cfg(feature = "tower")]

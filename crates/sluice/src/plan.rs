@@ -111,19 +111,23 @@ pub(crate) fn plan<'r>(
             (None, Some(n)) => &n.policies,
             (None, None) => &[],
         };
-        let entries: Vec<(&str, &str)> = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
+        let mut entries: Vec<(&str, &str)> = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect();
+        if let Some(n) = node {
+            n.keyed(&mut entries);
+        }
         let tag = domain.tag(&rules.tagger, &entries);
         plan.descriptors.push(DescriptorVerdict {
             code: Code::Ok,
             matched: node.is_some() || d.limit.is_some(),
             unlimited: node.is_some_and(|n| n.unlimited),
+            metadata: node.and_then(|n| n.metadata.clone()),
             policies: Vec::new(),
         });
         // a limit from the request is not the config's: stored overrides leave it
         let candidates = overrides.filter(|_| d.limit.is_none()).map(|o| o.candidates(&entries)).unwrap_or_default();
         for p in policies.iter().filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name)) {
             let o = candidates.find(&p.name, now);
-            let op = op_for(rules, p, o.map(|o| &**o), &entries, cost, lease, di)?;
+            let op = op_for(rules, p, o.map(|o| &**o), &entries, cost, lease, di, req.lenient)?;
             plan.add(tag, op, p, o.cloned(), di);
         }
     }
@@ -141,12 +145,15 @@ fn request_policy(rules: &Rules, domain: &Domain, d: &Descriptor, di: usize) -> 
         shadow: false,
         failure: rules.default_failure,
         counters: domain.override_counters.clone(),
-        detailed: false,
+        metric: None,
+        anonymous: true,
     })
 }
 
 /// The op that applies policy `p` (under override `o`, if any) to the descriptor
-/// `entries` of descriptor `di`.
+/// `entries` of descriptor `di`. A cost above the limit's capacity is an error, unless
+/// `lenient` (the limit then refuses it); a capacity of 0 refuses every cost.
+#[allow(clippy::too_many_arguments)]
 fn op_for(
     rules: &Rules,
     p: &Policy,
@@ -155,11 +162,12 @@ fn op_for(
     cost: u64,
     lease: Option<Lease>,
     di: usize,
+    lenient: bool,
 ) -> Result<Op, RequestError> {
     let limit = o.map_or(p.limit, |o| o.limit_for(p.limit));
     let is_lease = matches!(limit, Limit::Concurrency { .. });
     let capacity = limit.capacity();
-    if cost > capacity && !is_lease {
+    if cost > capacity && capacity > 0 && !is_lease && !lenient {
         return Err(RequestError::CostAboveCapacity { descriptor: di, cost, policy: p.name.to_string(), capacity });
     }
     Ok(Op {
@@ -187,7 +195,8 @@ impl Plan<'_> {
             source: Source::Store,
             overridden_by: o,
             counters: Some(p.counters.clone()),
-            detailed: p.detailed,
+            metric: p.metric.clone(),
+            anonymous: p.anonymous,
         });
         match self.groups.iter_mut().find(|g| g.tag == tag) {
             Some(g) if !g.ops.iter().any(|o| o.key == op.key) => {
@@ -292,13 +301,19 @@ mod tests {
         let rules = rules();
         let e = plan0(&rules, &Request::new("nope").descriptor([("user", "a")]), Mode::Charge, None).unwrap_err();
         assert_eq!(e.code(), "unknown_domain");
-        let e = plan0(&rules, &Request::new("api").descriptor([("user", "a")]).cost(11), Mode::Charge, None);
+        let mut req = Request::new("api").descriptor([("user", "a")]).cost(11);
+        let e = plan0(&rules, &req, Mode::Charge, None);
         assert!(matches!(e, Err(RequestError::CostAboveCapacity { capacity: 10, .. })), "{e:?}");
+        // Envoy's way: the limit refuses what it could never admit
+        req.lenient = true;
+        assert_eq!(plan0(&rules, &req, Mode::Charge, None).unwrap().groups[0].ops[0].cost, 11);
         let mut req = Request::new("api").descriptor([("user", "a")]);
-        req.descriptors[0].limit =
-            Some(crate::request::LimitOverride { requests_per_unit: 0, unit: crate::config::Unit::Second });
+        let limit = |requests_per_unit| Some(crate::request::LimitOverride { requests_per_unit, unit: Unit::Second });
+        req.descriptors[0].limit = limit(1 << 53);
         let e = plan0(&rules, &req, Mode::Charge, None).unwrap_err();
         assert_eq!(e.code(), "bad_limit");
+        req.descriptors[0].limit = limit(0);
+        assert!(plan0(&rules, &req.cost(3), Mode::Charge, None).is_ok(), "0 refuses every cost, as a limit");
         assert!(plan0(&rules, &Request::new("api"), Mode::Charge, None).is_err());
     }
 }

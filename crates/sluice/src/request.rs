@@ -54,6 +54,11 @@ pub struct Request {
     pub descriptors: Vec<Descriptor>,
     /// The cost of each descriptor that names none; None means 1.
     pub hits_addend: Option<u64>,
+    /// Answer as envoyproxy/ratelimit does what Sluice's own API refuses as a mistake: a
+    /// descriptor without entries (or an entry without a key) matches nothing and is
+    /// allowed, and a cost above a limit's capacity is refused by that limit (OVER_LIMIT)
+    /// rather than being an error. Envoy's gRPC path sets it.
+    pub lenient: bool,
 }
 
 impl Request {
@@ -133,14 +138,14 @@ pub(crate) fn validate(req: &Request, bounds: &RequestBounds) -> Result<(), Requ
         return Err(RequestError::TooManyDescriptors { sent: req.descriptors.len(), max: bounds.descriptors });
     }
     for (di, d) in req.descriptors.iter().enumerate() {
-        if d.entries.is_empty() {
+        if d.entries.is_empty() && !req.lenient {
             return Err(RequestError::EmptyDescriptor(di));
         }
         if d.entries.len() > bounds.entries {
             return Err(RequestError::TooManyEntries { descriptor: di, sent: d.entries.len(), max: bounds.entries });
         }
         for (ei, e) in d.entries.iter().enumerate() {
-            if e.key.is_empty() {
+            if e.key.is_empty() && !req.lenient {
                 return Err(RequestError::EmptyKey { descriptor: di, entry: ei });
             }
             let fields = [("key", e.key.len(), bounds.key_bytes), ("value", e.value.len(), bounds.value_bytes)];

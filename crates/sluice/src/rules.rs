@@ -27,8 +27,42 @@ pub(crate) struct Policy {
     pub failure: Failure,
     /// Its decision counters (`sluice_decisions_total` ...).
     pub counters: Arc<PolicyCounters>,
-    /// `detailed_metric`: also count decisions by descriptor value.
-    pub detailed: bool,
+    /// `detailed_metric` or `value_to_metric`: also count decisions by descriptor, with
+    /// this label.
+    pub metric: Option<MetricLabel>,
+    /// Named by Sluice, not by the config (a `rate_limit` without `name`).
+    pub anonymous: bool,
+}
+
+/// How the `descriptor` label of `sluice_decisions_detailed_total` is written for a
+/// rule's decisions: one part per entry of the descriptor, joined by `.`.
+#[derive(Debug, Clone)]
+pub(crate) struct MetricLabel(Arc<[LabelPart]>);
+
+#[derive(Debug, Clone)]
+enum LabelPart {
+    /// The entry as the request has it: `key_value`.
+    Request,
+    /// As the config has it: `key`, `key_value` or `key_wildcard`.
+    Config(String),
+}
+
+impl MetricLabel {
+    /// The label for a descriptor's entries. Control characters (CR, LF, NUL ...) become
+    /// `_`: a client's bytes must not break a line of `/metrics` open.
+    pub(crate) fn render<'e>(&self, entries: impl Iterator<Item = (&'e str, &'e str)>) -> String {
+        let printable = |s: &str| s.chars().map(|c| if c.is_control() { '_' } else { c }).collect::<String>();
+        let parts: Vec<String> = self
+            .0
+            .iter()
+            .zip(entries)
+            .map(|(part, (k, v))| match part {
+                LabelPart::Request => format!("{}_{}", printable(k), printable(v)),
+                LabelPart::Config(text) => printable(text),
+            })
+            .collect();
+        parts.join(".")
+    }
 }
 
 /// A rule node reached by a descriptor.
@@ -39,7 +73,25 @@ pub(crate) struct Node {
     pub unlimited: bool,
     /// Names of other rules' limits this rule's limit replaces when both match.
     pub replaces: Vec<Arc<str>>,
+    /// `share_threshold`: for each entry on the way here, the wildcard whose matches
+    /// share one counter (it stands for the value in the state's key), if any.
+    pub shared: Option<Box<[Option<String>]>>,
+    /// `metadata`, passed on in Envoy's response.
+    pub metadata: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
     children: Level,
+}
+
+impl Node {
+    /// A descriptor's entries as its state is keyed: a value matched by a shared
+    /// wildcard is replaced by the wildcard.
+    pub(crate) fn keyed<'a>(&'a self, entries: &mut [(&'a str, &'a str)]) {
+        let Some(shared) = &self.shared else { return };
+        for (entry, pattern) in entries.iter_mut().zip(shared.iter()) {
+            if let Some(p) = pattern {
+                entry.1 = p;
+            }
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -180,12 +232,11 @@ impl Rules {
 }
 
 fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Result<Domain, RuleError> {
-    let failure = limiter.failure;
     let mut root = Level::default();
     let anchors = vec![d.domain.0.clone()];
+    let inherited =
+        Inherited { domain: &d.domain.0, shadow: limiter.shadow_mode || d.shadow_mode, failure: limiter.failure };
     for (i, c) in d.descriptors.iter().enumerate() {
-        let inherited =
-            Inherited { domain: &d.domain.0, shadow: limiter.shadow_mode || d.shadow_mode, failure, detailed: false };
         add(&mut root, c, inherited, &[], &anchors, &format!("{path}.descriptors[{i}]"))?;
     }
     Ok(Domain {
@@ -197,21 +248,78 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
     })
 }
 
-/// What a rule takes from the rules above it.
+/// What a rule takes from the rules and the domain above it.
 #[derive(Clone, Copy)]
 struct Inherited<'a> {
     domain: &'a str,
+    /// The domain's shadow mode (or the global one). A rule's own `shadow_mode` is its
+    /// own, as in envoyproxy/ratelimit.
     shadow: bool,
     failure: Failure,
-    detailed: bool,
 }
 
-/// Compiles rule `c` (at `path`, below the rules named `parents`) into `level`.
+/// One rule on the way to a rule below it: what that rule needs to know of it.
+#[derive(Clone)]
+struct Step {
+    /// `key` or `key_value`: a part of the name made up for a limit without one.
+    name: String,
+    /// With `share_threshold`: the wildcard, whose matches share one counter.
+    shared: Option<String>,
+    /// This entry's part of the metric label with `value_to_metric`.
+    by_value: LabelPart,
+    /// This entry's part of the metric label with `detailed_metric`.
+    detailed: LabelPart,
+}
+
+impl Step {
+    fn of(c: &DescriptorConfig) -> Result<Self, String> {
+        let wildcard = c.value.as_deref().filter(|v| v.contains('*'));
+        if c.share_threshold && wildcard.is_none() {
+            return Err("`share_threshold` needs a wildcard `value` (one with a `*`): it makes every value \
+                        the wildcard matches share one counter"
+                .into());
+        }
+        let name = match &c.value {
+            Some(v) => format!("{}_{}", c.key, v),
+            None => c.key.clone(),
+        };
+        let shared = wildcard.filter(|_| c.share_threshold).map(str::to_string);
+        // a shared wildcard is counted as the wildcard, whatever asks for values
+        let by_value = match c.value_to_metric && shared.is_none() {
+            true => LabelPart::Request,
+            false => LabelPart::Config(name.clone()),
+        };
+        let detailed = match shared {
+            Some(_) => LabelPart::Config(name.clone()),
+            None => LabelPart::Request,
+        };
+        Ok(Step { name, shared, by_value, detailed })
+    }
+}
+
+/// The metric label of the limits of the rule reached by `steps`: every value with
+/// `detailed_metric` on that rule, else the values of the rules with `value_to_metric`
+/// on the way, else none (the policy's own counters say it all).
+fn metric_label(c: &DescriptorConfig, steps: &[Step]) -> Option<MetricLabel> {
+    if c.detailed_metric {
+        return Some(MetricLabel(steps.iter().map(|s| s.detailed.clone()).collect()));
+    }
+    let by_value = steps.iter().any(|s| matches!(s.by_value, LabelPart::Request));
+    by_value.then(|| MetricLabel(steps.iter().map(|s| s.by_value.clone()).collect()))
+}
+
+/// What a rule's own limits are, beside their limit.
+struct Own {
+    shadow: bool,
+    metric: Option<MetricLabel>,
+}
+
+/// Compiles rule `c` (at `path`, below the rules `parents`) into `level`.
 fn add(
     level: &mut Level,
     c: &DescriptorConfig,
     inherited: Inherited,
-    parents: &[String],
+    parents: &[Step],
     anchors: &[String],
     path: &str,
 ) -> Result<(), RuleError> {
@@ -221,18 +329,11 @@ fn add(
     if c.key.is_empty() {
         return Err(err("`key` must not be empty".into()));
     }
-    let inherited = Inherited {
-        shadow: inherited.shadow || c.shadow_mode,
-        detailed: inherited.detailed || c.detailed_metric,
-        failure: c.failure.unwrap_or(inherited.failure),
-        ..inherited
-    };
-    let mut chain = parents.to_vec();
-    chain.push(match &c.value {
-        Some(v) => format!("{}_{}", c.key, v),
-        None => c.key.clone(),
-    });
-    let mut node = node(c, inherited, &chain, &err)?;
+    let inherited = Inherited { failure: c.failure.unwrap_or(inherited.failure), ..inherited };
+    let mut steps = parents.to_vec();
+    steps.push(Step::of(c).map_err(&err)?);
+    let own = Own { shadow: inherited.shadow || c.shadow_mode, metric: metric_label(c, &steps) };
+    let mut node = node(c, inherited, &own, &steps, &err)?;
     for (j, p) in c.policies.iter().enumerate() {
         let at = |message: String| {
             let mut anchors = anchors.clone();
@@ -246,29 +347,34 @@ fn add(
         node.policies.push(Policy {
             name: p.name.0.as_str().into(),
             limit,
-            shadow: inherited.shadow || p.shadow_mode,
+            shadow: own.shadow || p.shadow_mode,
             failure: p.failure.unwrap_or(inherited.failure),
             counters: Arc::new(PolicyCounters::new(inherited.domain, &p.name.0)),
-            detailed: inherited.detailed,
+            metric: own.metric.clone(),
+            anonymous: false,
         });
     }
     if node.unlimited && !node.policies.is_empty() {
         return Err(err("an `unlimited` rule cannot also have `policies`".into()));
     }
     for (j, child) in c.descriptors.iter().enumerate() {
-        add(&mut node.children, child, inherited, &chain, &anchors, &format!("{path}.descriptors[{j}]"))?;
+        add(&mut node.children, child, inherited, &steps, &anchors, &format!("{path}.descriptors[{j}]"))?;
     }
     insert(level, c, node).map_err(err)
 }
 
-/// The node of rule `c` with its envoyproxy/ratelimit `rate_limit`, if any.
+/// The node of rule `c` (reached by `steps`) with its envoyproxy/ratelimit `rate_limit`,
+/// if any.
 fn node(
     c: &DescriptorConfig,
     inherited: Inherited,
-    chain: &[String],
+    own: &Own,
+    steps: &[Step],
     err: &dyn Fn(String) -> RuleError,
 ) -> Result<Node, RuleError> {
-    let mut node = Node::default();
+    let shared = steps.iter().any(|s| s.shared.is_some()).then(|| steps.iter().map(|s| s.shared.clone()).collect());
+    let metadata = c.metadata.clone().map(Arc::new);
+    let mut node = Node { shared, metadata, ..Node::default() };
     let Some(rl) = &c.rate_limit else { return Ok(node) };
     if rl.unlimited && rl.unit.is_some() {
         return Err(err(
@@ -287,16 +393,24 @@ fn node(
         let (Some(unit), Some(rpu)) = (rl.unit, rl.requests_per_unit) else {
             return Err(err("rate_limit needs `unit` and `requests_per_unit` (or `unlimited: true`)".into()));
         };
+        // 0 requests a unit is allowed here: envoyproxy/ratelimit's way to block a value
         let limit = Limit::FixedWindow { limit: rpu, window: unit.millis(), aligned: false };
         limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
-        let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(chain));
+        let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
+        let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&names));
         let counters = Arc::new(PolicyCounters::new(inherited.domain, &name));
-        let Inherited { shadow, failure, detailed, .. } = inherited;
-        node.policies.push(Policy { name: name.into(), limit, shadow, failure, counters, detailed });
+        node.policies.push(Policy {
+            name: name.into(),
+            limit,
+            shadow: own.shadow,
+            failure: inherited.failure,
+            counters,
+            metric: own.metric.clone(),
+            anonymous: rl.name.is_none(),
+        });
     }
     Ok(node)
 }
-
 /// Puts the node of rule `c` in its place at `level`: by exact value, by prefix, or for
 /// any value. Fails when that place is taken.
 fn insert(level: &mut Level, c: &DescriptorConfig, node: Node) -> Result<(), String> {
@@ -358,7 +472,7 @@ impl Wildcard {
 
 /// A name for a `rate_limit` without one: the rule's keys and values joined by dots,
 /// with anything unsafe for headers replaced by `_`.
-fn auto_name(chain: &[String]) -> String {
+fn auto_name(chain: &[&str]) -> String {
     let joined = chain.join(".");
     let mut s: String =
         joined.chars().map(|c| if c.is_ascii_alphanumeric() || "_.-".contains(c) { c } else { '_' }).collect();

@@ -154,19 +154,10 @@ impl DomainCounters {
     }
 }
 
-/// Counts a decision of a `detailed_metric` rule by its descriptor (`key_value` pairs
-/// joined by `.`, as envoyproxy/ratelimit names them). Registered per call: only rules
-/// that ask pay for it. Control characters (CR, LF, NUL ...) in keys and values become
-/// `_`: a client's bytes must not break a line of `/metrics` open.
-pub(crate) fn detailed<'a>(
-    domain: &str,
-    policy: &str,
-    entries: impl Iterator<Item = (&'a str, &'a str)>,
-    allowed: bool,
-) {
-    let printable = |s: &str| s.chars().map(|c| if c.is_control() { '_' } else { c }).collect::<String>();
-    let descriptor: Vec<String> = entries.map(|(k, v)| format!("{}_{}", printable(k), printable(v))).collect();
-    let mut descriptor = descriptor.join(".");
+/// Counts a decision of a `detailed_metric` or `value_to_metric` rule by its descriptor
+/// (`key_value` parts joined by `.`, as envoyproxy/ratelimit names them: see
+/// [`crate::rules::MetricLabel`]). Registered per call: only rules that ask pay for it.
+pub(crate) fn detailed(domain: &str, policy: &str, mut descriptor: String, allowed: bool) {
     if !admit_detailed(domain, policy, &descriptor) {
         descriptor = DETAILED_OVERFLOW.to_string();
     }
@@ -280,7 +271,7 @@ mod tests {
         let handle = recorder.handle();
         metrics::with_local_recorder(&recorder, || {
             for i in 0..DETAILED_MAX_SERIES + 500 {
-                detailed("d", "p", [("user", format!("u{i}").as_str())].into_iter(), true);
+                detailed("d", "p", format!("user_u{i}"), true);
             }
         });
         let text = handle.render();

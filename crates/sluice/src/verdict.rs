@@ -68,8 +68,11 @@ pub struct PolicyDecision {
     pub overridden_by: Option<Arc<crate::overrides::Override>>,
     /// The policy's counters; None for a limit that came with the request.
     pub(crate) counters: Option<Arc<PolicyCounters>>,
-    /// Counted by descriptor value too (`detailed_metric`).
-    pub(crate) detailed: bool,
+    /// Counted by descriptor too (`detailed_metric`, `value_to_metric`), with this label.
+    pub(crate) metric: Option<crate::rules::MetricLabel>,
+    /// The config gave this limit no name (`name` is made up, and Envoy's answer names
+    /// none).
+    pub anonymous: bool,
 }
 
 /// One descriptor's outcome.
@@ -81,13 +84,18 @@ pub struct DescriptorVerdict {
     pub matched: bool,
     /// Whether the matched rule is `unlimited`.
     pub unlimited: bool,
+    /// The matched rule's `metadata`.
+    pub metadata: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
     pub policies: Vec<PolicyDecision>,
 }
 
 impl DescriptorVerdict {
-    /// Index of the policy this descriptor's status reports (as [`Verdict::binding`]).
+    /// Index of the policy this descriptor's status reports (as [`Verdict::binding`]); a
+    /// descriptor whose only limits are in shadow mode reports the most binding of them
+    /// (what it would have been told).
     pub fn binding(&self) -> Option<usize> {
-        most_binding(self.policies.iter().enumerate())
+        most_binding(self.policies.iter().enumerate(), false)
+            .or_else(|| most_binding(self.policies.iter().enumerate(), true))
     }
 }
 
@@ -174,11 +182,14 @@ pub(crate) fn binding(descriptors: &[DescriptorVerdict]) -> Option<(usize, usize
             .iter()
             .enumerate()
             .flat_map(|(di, d)| d.policies.iter().enumerate().map(move |(pi, p)| ((di, pi), p))),
+        false,
     )
 }
 
-fn most_binding<'a, K>(all: impl Iterator<Item = (K, &'a PolicyDecision)>) -> Option<K> {
-    all.filter(|(_, p)| !p.shadow && matches!(p.source, Source::Store | Source::NearCache(_)))
+/// The most binding decision among enforced policies (or, with `shadow`, among shadow
+/// ones) that were evaluated.
+fn most_binding<'a, K>(all: impl Iterator<Item = (K, &'a PolicyDecision)>, shadow: bool) -> Option<K> {
+    all.filter(|(_, p)| p.shadow == shadow && matches!(p.source, Source::Store | Source::NearCache(_)))
         .min_by_key(|(_, p)| {
             let d = &p.decision;
             // among allowed decisions the headers describe a rate limit, not the lease

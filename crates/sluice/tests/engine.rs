@@ -37,7 +37,7 @@ fn req(domain: &str, descriptors: &[&[(&str, &str)]]) -> Request {
                 ..Default::default()
             })
             .collect(),
-        hits_addend: None,
+        ..Default::default()
     }
 }
 
@@ -318,4 +318,27 @@ async fn a_full_memory_store_keeps_every_live_count_and_decides_newcomers_by_pol
 
 fn clock_ms(clock: &ManualClock) -> u64 {
     sluice::time::Clock::now(clock)
+}
+
+/// A rule's `shadow_mode` and `detailed_metric` are its own, as in envoyproxy/ratelimit:
+/// a rule nested below a shadow rule is enforced. A `rate_limit` without a `name` is
+/// reported as anonymous (Envoy's answer names none).
+#[tokio::test]
+async fn shadow_mode_is_a_rules_own() {
+    let (l, _clock) = limiter(
+        r#"{"domains":[{"domain":"d","descriptors":[
+            {"key":"tenant","shadow_mode":true,"rate_limit":{"unit":"hour","requests_per_unit":1},
+             "descriptors":[{"key":"user","rate_limit":{"name":"per_user","unit":"hour","requests_per_unit":1}}]}]}]}"#,
+    );
+    let tenant = req("d", &[&[("tenant", "t")]]);
+    for _ in 0..3 {
+        let v = l.check(&tenant).await.unwrap();
+        assert!(v.allowed(), "the shadow rule never refuses");
+        assert!(v.descriptors[0].policies[0].anonymous);
+    }
+    let user = req("d", &[&[("tenant", "t"), ("user", "u")]]);
+    assert!(l.check(&user).await.unwrap().allowed());
+    let v = l.check(&user).await.unwrap();
+    assert!(!v.allowed(), "the nested rule is enforced");
+    assert!(!v.descriptors[0].policies[0].anonymous);
 }

@@ -78,9 +78,16 @@ pub const SERVER: &str = "server:\n  http: 127.0.0.1:0\n  grpc: 127.0.0.1:0\n";
 /// from its `--ready-file`. A server that exits or does not start in 15 s fails the test
 /// with its log.
 pub fn spawn(config: &Path, dir: &Path) -> (Process, String, String) {
-    let (ready, log) = (dir.join("ready"), dir.join("sluice.log"));
     let mut cmd = Command::new(bin());
-    cmd.arg("serve").arg("--config").arg(config).arg("--ready-file").arg(&ready);
+    cmd.arg("serve").arg("--config").arg(config);
+    spawn_command(cmd, dir)
+}
+
+/// [`spawn`] for a `sluice serve` command made ready by the caller (other arguments, an
+/// environment).
+pub fn spawn_command(mut cmd: Command, dir: &Path) -> (Process, String, String) {
+    let (ready, log) = (dir.join("ready"), dir.join("sluice.log"));
+    cmd.arg("--ready-file").arg(&ready);
     let mut process = Process::spawn_logging(&mut cmd, &log).expect("start sluice");
     let started = Instant::now();
     let text = loop {

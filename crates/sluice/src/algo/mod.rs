@@ -146,8 +146,12 @@ impl Limit {
             Limit::Concurrency { limit, lease_ttl } => (limit, lease_ttl, true),
         };
         let name = self.algorithm();
-        if quota == 0 {
-            return invalid(format!("{name} needs a limit of at least 1 (to allow everything, use `unlimited: true`)"));
+        // a fixed window of 0 refuses every request: envoyproxy/ratelimit's way to block
+        if quota == 0 && !matches!(self, Limit::FixedWindow { .. }) {
+            return invalid(format!(
+                "{name} needs a limit of at least 1 (to refuse everything, use a fixed_window of limit 0; \
+                 to allow everything, `unlimited: true`)"
+            ));
         }
         if span == 0 {
             return invalid(format!("{name} needs a period longer than 0ms"));

@@ -31,7 +31,8 @@ pub fn t0() -> Millis {
 
 const FW: Limit = Limit::FixedWindow { limit: 5, window: 60_000, aligned: false };
 
-fn tag() -> Tag {
+/// A fresh random client tag.
+pub fn fresh_tag() -> Tag {
     let mut b = [0u8; 16];
     // a fresh random tag per check; getrandom failing is not something a test can fix
     getrandom::fill(&mut b).expect("getrandom");
@@ -50,7 +51,7 @@ async fn hit(s: &dyn Store, t: Tag, o: Op, now: Millis) -> Decision {
 /// reset for the whole window, and starts afresh at the reset.
 pub async fn fixed_window_counts_and_resets(s: &dyn Store) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     let mut resets = Vec::new();
     for i in 0..5u64 {
         let d = hit(s, t, op(1, FW, 1), t0 + i * 7_001).await;
@@ -70,7 +71,7 @@ pub async fn fixed_window_counts_and_resets(s: &dyn Store) {
 /// Aligned windows end on multiples of the window.
 pub async fn aligned_window_ends_on_boundary(s: &dyn Store) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     let l = Limit::FixedWindow { limit: 2, window: 1_000, aligned: true };
     let d = hit(s, t, op(1, l, 1), t0).await;
     assert_eq!(d.reset_at, (t0 / 1000 + 1) * 1000);
@@ -79,7 +80,7 @@ pub async fn aligned_window_ends_on_boundary(s: &dyn Store) {
 /// A refusal by one limit charges none of the others (all or nothing).
 pub async fn all_or_nothing(s: &dyn Store) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     let tight = Limit::FixedWindow { limit: 1, window: 60_000, aligned: false };
     let ops = [op(1, FW, 1), op(2, tight, 1)];
     let d = s.apply(t, &ops, t0).await.unwrap();
@@ -95,7 +96,7 @@ pub async fn all_or_nothing(s: &dyn Store) {
 /// A shadow op's refusal is reported, but the other ops are charged.
 pub async fn shadow_does_not_block(s: &dyn Store) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     let tight = Limit::FixedWindow { limit: 1, window: 60_000, aligned: false };
     let shadow = Op { shadow: true, ..op(2, tight, 1) };
     for i in 0..3u64 {
@@ -109,7 +110,7 @@ pub async fn shadow_does_not_block(s: &dyn Store) {
 /// Cost 0 reports status and charges nothing.
 pub async fn cost_zero_charges_nothing(s: &dyn Store) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     let tb = Limit::TokenBucket { rate: 1, per: 1_000, burst: 3 };
     for _ in 0..3 {
         let d = s.apply(t, &[op(1, FW, 0), op(2, tb, 0)], t0).await.unwrap();
@@ -121,7 +122,7 @@ pub async fn cost_zero_charges_nothing(s: &dyn Store) {
 /// Peeks never change state; a window whose stored reset has passed reads as fresh.
 pub async fn peek_never_charges(s: &dyn Store) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     hit(s, t, op(1, FW, 3), t0).await;
     for i in 0..10 {
         let d = s.peek(t, &[op(1, FW, 1)], t0 + i).await.unwrap()[0];
@@ -129,14 +130,14 @@ pub async fn peek_never_charges(s: &dyn Store) {
     }
     let d = s.peek(t, &[op(1, FW, 1)], t0 + 60_000).await.unwrap()[0];
     assert_eq!((d.used, d.remaining), (0, 5), "a passed window must read as empty");
-    let fresh = s.peek(tag(), &[op(1, FW, 1)], t0).await.unwrap()[0];
+    let fresh = s.peek(fresh_tag(), &[op(1, FW, 1)], t0).await.unwrap()[0];
     assert_eq!((fresh.used, fresh.remaining), (0, 5));
 }
 
 /// A token bucket spends its burst, refills at exactly its rate, and says when to retry.
 pub async fn token_bucket_burst_and_refill(s: &dyn Store) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     let tb = Limit::TokenBucket { rate: 3, per: 1_000, burst: 3 };
     for left in [2, 1, 0] {
         let d = hit(s, t, op(1, tb, 1), t0).await;
@@ -156,7 +157,7 @@ pub async fn token_bucket_burst_and_refill(s: &dyn Store) {
 /// The sliding window weighs the previous window.
 pub async fn sliding_window_weighs_previous(s: &dyn Store) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     let sw = Limit::SlidingWindow { limit: 10, window: 1_000 };
     let base = (t0 / 1000 + 1) * 1000;
     let d = hit(s, t, op(1, sw, 10), base + 999).await;
@@ -171,7 +172,7 @@ pub async fn sliding_window_weighs_previous(s: &dyn Store) {
 /// Leases: capacity, idempotent release, reclaim after the TTL.
 pub async fn concurrency_leases(s: &dyn Store) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     let cc = Limit::Concurrency { limit: 3, lease_ttl: 10_000 };
     let take = |lease: u128, now| {
         let o = Op { lease: Some(lease), ..op(9, cc, 1) };
@@ -198,7 +199,7 @@ pub async fn concurrency_leases(s: &dyn Store) {
 /// Refunds give back within the charged window and never reach a later one.
 pub async fn refunds(s: &dyn Store) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     let d = hit(s, t, op(1, FW, 5), t0).await;
     let r = Refund { key: 1, limit: FW, cost: 2, window: d.reset_at };
     s.refund(t, &[r], t0 + 1).await.unwrap();
@@ -212,7 +213,7 @@ pub async fn refunds(s: &dyn Store) {
 /// A reset forgets the states it names, and only those: the client starts a fresh window.
 pub async fn reset_forgets_state(s: &dyn Store) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     hit(s, t, op(1, FW, 5), t0).await;
     hit(s, t, op(2, FW, 3), t0).await;
     s.reset(t, &[op(1, FW, 0)], t0 + 1).await.unwrap();
@@ -220,13 +221,13 @@ pub async fn reset_forgets_state(s: &dyn Store) {
     assert!(d.allowed, "refused after a reset: {d:?}");
     assert_eq!((d.used, d.reset_at), (1, t0 + 2 + 60_000), "a reset client starts a fresh window");
     assert_eq!(hit(s, t, op(2, FW, 0), t0 + 3).await.used, 3, "a state not named keeps its count");
-    s.reset(tag(), &[op(1, FW, 0)], t0 + 4).await.expect("resetting what is not there is no error");
+    s.reset(fresh_tag(), &[op(1, FW, 0)], t0 + 4).await.expect("resetting what is not there is no error");
 }
 
 /// A reset empties buckets' debt and drops leases, in one call.
 pub async fn reset_forgets_every_kind(s: &dyn Store) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     let tb = Limit::TokenBucket { rate: 1, per: 60_000, burst: 2 };
     let cc = Limit::Concurrency { limit: 1, lease_ttl: 60_000 };
     let lease = |id| Op { lease: Some(id), ..op(2, cc, 1) };
@@ -246,7 +247,7 @@ pub async fn registry_is_versioned(s: &dyn Store) {
         assert!(s.registry(RegistryOp::Read).await.is_err(), "a store keeping no registry must refuse to read one");
         return;
     }
-    let id = format!("conformance-{:x}", tag().0);
+    let id = format!("conformance-{:x}", fresh_tag().0);
     let put = |value: &str| RegistryOp::Put { id: id.clone(), value: value.into() };
     let remove = |only_if: &str| RegistryOp::Remove { id: id.clone(), only_if: Some(only_if.into()) };
     let v0 = s.registry(RegistryOp::Version).await.unwrap().version;
@@ -267,7 +268,7 @@ pub async fn registry_is_versioned(s: &dyn Store) {
 /// exactly 100.
 pub async fn concurrent_calls_are_exact(s: Arc<dyn Store>) {
     let t0 = t0();
-    let t = tag();
+    let t = fresh_tag();
     let l = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
     let tasks: Vec<_> = (0..300)
         .map(|i| {
@@ -285,7 +286,7 @@ pub async fn concurrent_calls_are_exact(s: Arc<dyn Store>) {
 /// Tags and keys are independent of one another.
 pub async fn tags_and_keys_are_independent(s: &dyn Store) {
     let t0 = t0();
-    let (a, b) = (tag(), tag());
+    let (a, b) = (fresh_tag(), fresh_tag());
     hit(s, a, op(1, FW, 5), t0).await;
     assert_eq!(hit(s, b, op(1, FW, 0), t0).await.remaining, 5);
     assert_eq!(hit(s, a, op(2, FW, 0), t0).await.remaining, 5);
@@ -307,7 +308,7 @@ pub enum Step {
 /// feed it shrinking ones.
 pub async fn replay(s: &dyn Store, steps: &[Step]) -> Result<(), String> {
     let clients = steps.iter().map(Step::client).max().map_or(0, |c| c + 1);
-    let tags: Vec<Tag> = (0..clients).map(|_| tag()).collect();
+    let tags: Vec<Tag> = (0..clients).map(|_| fresh_tag()).collect();
     let mut model: HashMap<(Tag, u64), State> = HashMap::new();
     let mut now = t0();
     for (i, step) in steps.iter().enumerate() {
@@ -444,51 +445,4 @@ pub async fn sequence_matches_model(s: &dyn Store) {
             panic!("seed {seed}: {e}");
         }
     }
-}
-
-/// Expands to one `#[tokio::test]` per conformance check. `$make` is an expression that
-/// evaluates to a future of `(store, guard)`: the guard (a server process, say) lives
-/// until the test ends. `conformance_suite!(fixed_window_only name, make)` runs the checks
-/// that only use fixed windows, for stores that have nothing else (memcached).
-#[macro_export]
-macro_rules! conformance_suite {
-    (fixed_window_only $name:ident, $make:expr) => {
-        $crate::conformance_suite!(@tests $name, $make; fixed_window_counts_and_resets, aligned_window_ends_on_boundary,
-            all_or_nothing, shadow_does_not_block, peek_never_charges, refunds, tags_and_keys_are_independent,
-            reset_forgets_state, registry_is_versioned);
-    };
-    ($name:ident, $make:expr) => {
-        $crate::conformance_suite!(@tests $name, $make; fixed_window_counts_and_resets, aligned_window_ends_on_boundary,
-            all_or_nothing, shadow_does_not_block, cost_zero_charges_nothing, peek_never_charges,
-            token_bucket_burst_and_refill, sliding_window_weighs_previous, concurrency_leases, refunds,
-            tags_and_keys_are_independent, sequence_matches_model, reset_forgets_state, reset_forgets_every_kind,
-            registry_is_versioned);
-    };
-    (@tests $name:ident, $make:expr; $($check:ident),*) => {
-        mod $name {
-            #[allow(unused_imports)]
-            use super::*;
-            use $crate::store::Store;
-            use $crate::store::conformance as c;
-
-            async fn conformance_store() -> (std::sync::Arc<dyn Store>, impl Sized) {
-                let (store, guard) = $make.await;
-                (std::sync::Arc::new(store) as std::sync::Arc<dyn Store>, guard)
-            }
-
-            $(
-                #[tokio::test]
-                async fn $check() {
-                    let (s, _guard) = conformance_store().await;
-                    c::$check(&*s).await
-                }
-            )*
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn concurrent_calls_are_exact() {
-                let (s, _guard) = conformance_store().await;
-                c::concurrent_calls_are_exact(s).await
-            }
-        }
-    };
 }
