@@ -11,6 +11,7 @@
 //! those refuse the start, each with the reason, never silently ignored.
 
 use serde_json::{Value, json};
+use sluice::store::percent_encode;
 
 /// What the environment says: the config, and the variables accepted without effect.
 pub struct FromEnv {
@@ -130,7 +131,7 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
     let headers = [("LIMIT_LIMIT_HEADER", "ratelimit-limit"), ("LIMIT_REMAINING_HEADER", "ratelimit-remaining")];
     let renamed =
         headers.into_iter().chain([("LIMIT_RESET_HEADER", "ratelimit-reset")]).any(|(v, name)| not(v, &[name]));
-    let checks: [(bool, &str); 22] = [
+    let checks = [
         (not("CONFIG_TYPE", &["file"]), "CONFIG_TYPE: rules come from files (RUNTIME_ROOT); xDS is not supported"),
         (
             on("FORCE_START_WITHOUT_INITIAL_CONFIG"),
@@ -199,7 +200,7 @@ fn store(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Res
         let scheme = if tls { "rediss" } else { "redis" };
         let auth = match (&user, &password) {
             (_, None) => String::new(),
-            (u, Some(p)) => format!("{}:{}@", escape(u.as_deref().unwrap_or("")), escape(p)),
+            (u, Some(p)) => format!("{}:{}@", percent_encode(u.as_deref().unwrap_or("")), percent_encode(p)),
         };
         format!("{scheme}://{auth}{address}")
     };
@@ -218,7 +219,7 @@ fn store(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Res
                 "sentinel_password": sentinel_password, "tls": tls_files})
         }
         _ if lower("REDIS_SOCKET_TYPE", "unix") == "unix" => {
-            let auth = password.map(|p| format!("?pass={}", escape(&p))).unwrap_or_default();
+            let auth = password.map(|p| format!("?pass={}", percent_encode(&p))).unwrap_or_default();
             json!({"kind": "redis", "url": format!("redis+unix://{url}{auth}")})
         }
         _ => json!({"kind": "redis", "url": with_auth(&url), "tls": tls_files}),
@@ -242,16 +243,6 @@ fn listener_tls(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool)
         json!({"cert_file": get("GRPC_SERVER_TLS_CERT"), "key_file": get("GRPC_SERVER_TLS_KEY"),
             "client_ca_file": get("GRPC_CLIENT_TLS_CACERT")})
     })
-}
-
-/// Percent-encodes what may not stand in a URL's user or password.
-fn escape(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
 }
 
 #[cfg(test)]

@@ -58,13 +58,13 @@ fn wire_unit(u: Unit) -> rate_limit::Unit {
 
 /// Envoy's request as the engine's. Request `hits_addend` 0 means unset (1); a
 /// descriptor's `hits_addend` 0 checks without charging.
-fn request(r: &RateLimitRequest) -> Result<Request, Status> {
+fn request(r: RateLimitRequest) -> Result<Request, Status> {
     let descriptors = r
         .descriptors
-        .iter()
+        .into_iter()
         .enumerate()
-        .map(|(i, d): (usize, &RateLimitDescriptor)| {
-            let limit = match &d.limit {
+        .map(|(i, d): (usize, RateLimitDescriptor)| {
+            let limit = match d.limit {
                 Some(o) => Some(LimitOverride {
                     requests_per_unit: u64::from(o.requests_per_unit),
                     unit: unit_of(o.unit)
@@ -73,20 +73,20 @@ fn request(r: &RateLimitRequest) -> Result<Request, Status> {
                 None => None,
             };
             Ok(Descriptor {
-                entries: d.entries.iter().map(|e| Entry { key: e.key.clone(), value: e.value.clone() }).collect(),
+                entries: d.entries.into_iter().map(|e| Entry { key: e.key, value: e.value }).collect(),
                 hits_addend: d.hits_addend.map(|h| h.value),
                 limit,
             })
         })
         .collect::<Result<Vec<_>, Status>>()?;
     let hits_addend = (r.hits_addend > 0).then_some(u64::from(r.hits_addend));
-    Ok(Request { domain: r.domain.clone(), descriptors, hits_addend, lenient: true })
+    Ok(Request { domain: r.domain, descriptors, hits_addend, lenient: true })
 }
 
 /// The engine's verdict as Envoy's response. A descriptor's status reports the limit
 /// that binds it (a shadow limit when it has no other, as envoyproxy/ratelimit does); an
 /// `unlimited` one reports no limit and the most remaining there is, 2^32 - 1.
-fn response(v: &Verdict, engine: &crate::state::Engine, req: &RateLimitRequest) -> RateLimitResponse {
+fn response(v: &Verdict, engine: &crate::state::Engine, req: &Request) -> RateLimitResponse {
     let statuses = v
         .descriptors
         .iter()
@@ -135,7 +135,7 @@ fn response(v: &Verdict, engine: &crate::state::Engine, req: &RateLimitRequest) 
 /// The answer for a domain no config defines: OK for every descriptor, with no limit, as
 /// envoyproxy/ratelimit answers it (a drop-in must not refuse traffic its predecessor
 /// let through).
-fn unknown_domain(engine: &crate::state::Engine, req: &RateLimitRequest) -> RateLimitResponse {
+fn unknown_domain(engine: &crate::state::Engine, req: &Request) -> RateLimitResponse {
     RateLimitResponse {
         overall_code: Code::Ok as i32,
         statuses: req
@@ -152,7 +152,8 @@ fn unknown_domain(engine: &crate::state::Engine, req: &RateLimitRequest) -> Rate
 /// the domain, each descriptor's entries as `key=value` (and its `hitsAddend`, `limit`),
 /// the request's `hitsAddend`, and `metadata`: the config `metadata` of the rules of the
 /// descriptors that were allowed, merged (nested maps merged, a later value replacing).
-fn dynamic_metadata(req: &RateLimitRequest, v: Option<&Verdict>) -> pb::Struct {
+/// Written from the engine's request, which holds all of Envoy's.
+fn dynamic_metadata(req: &Request, v: Option<&Verdict>) -> pb::Struct {
     use serde_json::{Map, Value, json};
     let descriptors: Vec<Value> = req
         .descriptors
@@ -160,19 +161,19 @@ fn dynamic_metadata(req: &RateLimitRequest, v: Option<&Verdict>) -> pb::Struct {
         .map(|d| {
             let entries: Vec<String> = d.entries.iter().map(|e| format!("{}={}", e.key, e.value)).collect();
             let mut one = json!({ "entries": entries });
-            if let Some(h) = &d.hits_addend {
-                one["hitsAddend"] = json!(h.value);
+            if let Some(h) = d.hits_addend {
+                one["hitsAddend"] = json!(h);
             }
             if let Some(l) = &d.limit {
-                let unit = rate_limit::Unit::try_from(l.unit).map_or("UNKNOWN", |u| u.as_str_name());
+                let unit = wire_unit(l.unit).as_str_name();
                 one["limit"] = json!(format!("requests_per_unit:{} unit:{unit}", l.requests_per_unit));
             }
             one
         })
         .collect();
     let mut out = json!({ "domain": req.domain, "descriptors": descriptors });
-    if req.hits_addend != 0 {
-        out["hitsAddend"] = json!(req.hits_addend);
+    if let Some(h) = req.hits_addend {
+        out["hitsAddend"] = json!(h);
     }
     let mut passed = Map::new();
     for d in v.iter().flat_map(|v| &v.descriptors).filter(|d| d.code == sluice::Code::Ok) {
@@ -306,7 +307,7 @@ async fn unary(state: &AppState, req: GrpcRequest) -> Result<GrpcResponse, Statu
 /// One decision for Envoy: the engine's verdict as its response, or the status that
 /// says why there is none.
 pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<RateLimitResponse, Status> {
-    let req = request(&r)?;
+    let req = request(r)?;
     let engine = state.engine.load_full();
     let decided = engine.limiter.check(&req).await;
     crate::otel::decided(&engine.limiter, &req, &decided);
@@ -314,10 +315,10 @@ pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<
         Ok(v) if v.outcome == Outcome::Unavailable => {
             Err(Status::unavailable("the rate limit store is unavailable (fail-closed)"))
         }
-        Ok(v) => Ok(response(&v, &engine, &r)),
+        Ok(v) => Ok(response(&v, &engine, &req)),
         Err(CheckError::Request(RequestError::UnknownDomain { .. })) if !req.domain.is_empty() => {
             tracing::debug!(domain = %req.domain.escape_debug(), "unknown domain: answered OK");
-            Ok(unknown_domain(&engine, &r))
+            Ok(unknown_domain(&engine, &req))
         }
         Err(CheckError::Request(e)) => Err(Status::invalid_argument(e.to_string())),
         Err(CheckError::Store(e)) => Err(Status::unavailable(e.to_string())),

@@ -265,10 +265,8 @@ struct Step {
     name: String,
     /// With `share_threshold`: the wildcard, whose matches share one counter.
     shared: Option<String>,
-    /// This entry's part of the metric label with `value_to_metric`.
-    by_value: LabelPart,
-    /// This entry's part of the metric label with `detailed_metric`.
-    detailed: LabelPart,
+    /// `value_to_metric` on a rule not shared: the request's value names the series.
+    by_value: bool,
 }
 
 impl Step {
@@ -285,15 +283,7 @@ impl Step {
         };
         let shared = wildcard.filter(|_| c.share_threshold).map(str::to_string);
         // a shared wildcard is counted as the wildcard, whatever asks for values
-        let by_value = match c.value_to_metric && shared.is_none() {
-            true => LabelPart::Request,
-            false => LabelPart::Config(name.clone()),
-        };
-        let detailed = match shared {
-            Some(_) => LabelPart::Config(name.clone()),
-            None => LabelPart::Request,
-        };
-        Ok(Step { name, shared, by_value, detailed })
+        Ok(Step { name, by_value: c.value_to_metric && shared.is_none(), shared })
     }
 }
 
@@ -301,11 +291,15 @@ impl Step {
 /// `detailed_metric` on that rule, else the values of the rules with `value_to_metric`
 /// on the way, else none (the policy's own counters say it all).
 fn metric_label(c: &DescriptorConfig, steps: &[Step]) -> Option<MetricLabel> {
+    let label = |request: &dyn Fn(&Step) -> bool| {
+        let part = |s: &Step| if request(s) { LabelPart::Request } else { LabelPart::Config(s.name.clone()) };
+        MetricLabel(steps.iter().map(part).collect())
+    };
     if c.detailed_metric {
-        return Some(MetricLabel(steps.iter().map(|s| s.detailed.clone()).collect()));
+        // every value but a shared wildcard's
+        return Some(label(&|s| s.shared.is_none()));
     }
-    let by_value = steps.iter().any(|s| matches!(s.by_value, LabelPart::Request));
-    by_value.then(|| MetricLabel(steps.iter().map(|s| s.by_value.clone()).collect()))
+    steps.iter().any(|s| s.by_value).then(|| label(&|s| s.by_value))
 }
 
 /// What a rule's own limits are, beside their limit.
