@@ -127,3 +127,47 @@ fn dump(redis: &RedisServer) -> Vec<String> {
         })
         .collect()
 }
+
+/// A call that fails inside a batch answers its own error, and the calls before and
+/// after it in the same script call are decided and stored as if it were not there:
+/// the middle client's bucket is made a string, so its HGET fails with WRONGTYPE.
+#[test]
+fn a_failed_call_in_a_batch_answers_its_error_and_no_other() {
+    let redis = RedisServer::start();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let options = RedisOptions { buckets: 4, ..RedisOptions::default() };
+    let store = rt.block_on(async { RedisStore::new(&redis.url(), &[], options).unwrap() });
+    let tag = |client: u128| sluice::tag::Tag(client * 0x9e37_79b9_7f4a_7c15 + 1);
+    let op = op_on(0, 1, false, 0);
+    let now = conformance::t0();
+    // the bucket each client's state lands in: its first call creates it
+    let bucket = |client: u128| {
+        redis.command("FLUSHALL").unwrap();
+        rt.block_on(store.apply(tag(client), std::slice::from_ref(&op), now)).unwrap();
+        redis.command("KEYS *").unwrap().lines().find(|l| l.starts_with("s:")).unwrap().to_string()
+    };
+    let mut clients: Vec<(u128, String)> = Vec::new();
+    for client in 0.. {
+        let b = bucket(client);
+        if clients.iter().all(|(_, seen)| *seen != b) {
+            clients.push((client, b));
+        }
+        if clients.len() == 3 {
+            break;
+        }
+    }
+    redis.command("FLUSHALL").unwrap();
+    redis.command(&format!("SET {} not-a-hash", clients[1].1)).unwrap();
+    let before = redis.script_calls();
+    let answers = rt.block_on(futures_util::future::join_all(
+        clients.iter().map(|(client, _)| store.apply(tag(*client), std::slice::from_ref(&op), now)),
+    ));
+    assert_eq!(redis.script_calls() - before, 1, "the three calls went in one script call");
+    for i in [0, 2] {
+        let decided = answers[i].as_ref().expect("a call beside the failed one is decided");
+        assert!(decided[0].allowed && decided[0].used == 1, "{decided:?}");
+        assert!(redis.command(&format!("HLEN {}", clients[i].1)).unwrap().contains('1'), "its state is stored");
+    }
+    let failed = answers[1].as_ref().expect_err("the call on a string fails");
+    assert!(failed.to_string().contains("WRONGTYPE"), "{failed}");
+}

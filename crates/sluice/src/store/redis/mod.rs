@@ -179,15 +179,17 @@ fn keys(at: &[Location]) -> Vec<&str> {
     at.iter().map(|l| l.key.as_str()).collect()
 }
 
-/// An algorithm and its three parameters, as the scripts take them.
-fn params(limit: &Limit) -> [u64; 4] {
+/// A policy as the scripts take it: "kind:p1:p2:p3:shadow" (see `lua/lib.lua`), one
+/// argument where four numbers and a flag were five (Redis parses and Lua interns every
+/// argument of every decision).
+fn policy(limit: &Limit, shadow: bool) -> String {
     let (kind, p) = match *limit {
         Limit::FixedWindow { limit, window, aligned } => (Kind::FixedWindow, [limit, window, aligned as u64]),
         Limit::TokenBucket { rate, per, burst } => (Kind::TokenBucket, [rate, per, burst]),
         Limit::SlidingWindow { limit, window } => (Kind::SlidingWindow, [limit, window, 0]),
         Limit::Concurrency { limit, lease_ttl } => (Kind::Concurrency, [limit, lease_ttl, 0]),
     };
-    [kind as u64, p[0], p[1], p[2]]
+    format!("{}:{}:{}:{}:{}", kind as u8, p[0], p[1], p[2], shadow as u8)
 }
 
 fn lease_hex(lease: Lease) -> String {
@@ -237,31 +239,48 @@ fn apply_args(cmd: &mut Cmd, calls: &[&Call]) {
     for c in calls {
         cmd.arg(c.now).arg(c.ops.len());
         for (op, at) in c.ops.iter().zip(&c.at) {
-            cmd.arg(&params(&op.limit)[..]).arg(op.cost).arg(op.shadow as u8);
-            cmd.arg(op.lease.map(lease_hex).unwrap_or_default()).arg(&at.field);
+            cmd.arg(policy(&op.limit, op.shadow)).arg(op.cost);
+            if let Limit::Concurrency { .. } = op.limit {
+                cmd.arg(op.lease.map(lease_hex).unwrap_or_default());
+            } else {
+                cmd.arg(&at.field);
+            }
         }
     }
 }
 
 /// The apply script's reply: per call, its decisions or the error that stopped it.
 fn answers(reply: Result<Value, StoreError>, calls: &[&Call]) -> Vec<Result<Vec<Decision>, StoreError>> {
-    let replies = reply.and_then(|v| match v {
-        Value::Array(replies) if replies.len() == calls.len() => Ok(replies),
-        other => Err(StoreError::protocol(format!("apply answered {other:?} for {} calls", calls.len()))),
-    });
-    match replies {
-        Ok(replies) => replies
-            .into_iter()
-            .zip(calls)
-            .map(|(reply, call)| match reply {
-                Value::BulkString(why) => {
-                    Err(StoreError::protocol(format!("redis script: {}", String::from_utf8_lossy(&why))))
-                }
-                reply => decisions(reply, call.ops.len()),
-            })
-            .collect(),
-        Err(e) => calls.iter().map(|_| Err(e.clone())).collect(),
+    let values = match reply {
+        Ok(Value::Array(values)) => values,
+        Ok(other) => return fail_all(StoreError::protocol(format!("apply answered {other:?}")), calls),
+        Err(e) => return fail_all(e, calls),
+    };
+    let mut values = values.into_iter();
+    let answers = calls.iter().map(|call| answer(&mut values, call.ops.len())).collect();
+    match values.next() {
+        None => answers,
+        Some(_) => fail_all(StoreError::protocol(format!("apply answered too much for {} calls", calls.len())), calls),
     }
+}
+
+/// One call's part of the apply script's reply: 6 integers per op, or one error string.
+fn answer(values: &mut std::vec::IntoIter<Value>, ops: usize) -> Result<Vec<Decision>, StoreError> {
+    if ops == 0 {
+        return Ok(Vec::new());
+    }
+    match values.as_slice().first() {
+        Some(Value::BulkString(why)) => {
+            let why = String::from_utf8_lossy(why).into_owned();
+            values.next();
+            Err(StoreError::protocol(format!("redis script: {why}")))
+        }
+        _ => decisions(Value::Array(values.by_ref().take(ops * 6).collect()), ops),
+    }
+}
+
+fn fail_all(e: StoreError, calls: &[&Call]) -> Vec<Result<Vec<Decision>, StoreError>> {
+    calls.iter().map(|_| Err(e.clone())).collect()
 }
 
 /// A connection that reconnects by itself, opened lazily: a Redis that is down when
@@ -752,7 +771,7 @@ impl Store for RedisStore {
         let fill = |cmd: &mut Cmd| {
             cmd.arg(now);
             for (op, at) in ops.iter().zip(&at) {
-                cmd.arg(&params(&op.limit)[..]).arg(&at.field);
+                cmd.arg(policy(&op.limit, false)).arg(&at.field);
             }
         };
         let reply = self.read(|conn| conn.run(&self.writer.scripts.peek, true, &keys, &fill)).await?;
@@ -791,7 +810,7 @@ impl Store for RedisStore {
         let fill = |cmd: &mut Cmd| {
             cmd.arg(now).arg(GRACE_MS);
             for (r, at) in refunds.iter().zip(&at) {
-                cmd.arg(&params(&r.limit)[..]).arg(r.cost).arg(r.window).arg(&at.field);
+                cmd.arg(policy(&r.limit, false)).arg(r.cost).arg(r.window).arg(&at.field);
             }
         };
         self.writer.write(&self.writer.scripts.refund, &keys(&at), fill).await.map(|_| ())

@@ -22,20 +22,27 @@
 --
 -- Parameters p1, p2, p3 per algorithm: fixed window (limit, window, aligned), token
 -- bucket (rate, per, burst), sliding window (limit, window, -), concurrency (limit,
--- lease_ttl, -). A decision is {allowed (0/1), limit, used, remaining, reset_at,
--- retry_after (-1: none)}.
+-- lease_ttl, -). A policy crosses the boundary as one string "kind:p1:p2:p3:shadow",
+-- parsed once per script call however many decisions of a batch name it.
+--
+-- States and decisions are plain values, never tables: a state is up to three numbers
+-- (x, y, z; x nil: no state) and a decision six (allowed (0/1), limit, used, remaining,
+-- reset_at, retry_after (-1: none)). A charge returns the decision, then the charged
+-- state (nothing when nothing was charged). A Lua table costs Redis an allocation, a
+-- few hashed stores and garbage collection; with the decision and three states of every
+-- op in tables, the Lua around the calls cost Redis more than the calls themselves
+-- (docs/benchmarks.md).
 
 local floor = math.floor
 local function cdiv(a, b) return floor((a + b - 1) / b) end
 local function min(a, b) if a < b then return a end return b end
 local function max(a, b) if a > b then return a end return b end
 -- Numbers cross the script boundary as strings both ways, and each conversion (strtod,
--- printf) costs Redis about as much as a table or a redis.call. A script call converts
--- each distinct string or number once: a batch's calls share `now`, their policies'
--- parameters and, for aligned windows, the window's end (about 10% of Redis's CPU per
--- decision at 64 in flight, docs/benchmarks.md). The tables live for one script call:
--- every EVALSHA runs this file afresh.
-local parsed, formatted = {}, {}
+-- printf) costs Redis about as much as a small table. A script call converts each
+-- distinct string or number once: a batch's calls share `now`, their policies and, for
+-- aligned windows, the window's end. The tables live for one script call: every
+-- EVALSHA runs this file afresh.
+local parsed, formatted, policies = {}, {}, {}
 -- The number a decimal string holds (tonumber, remembered for this script call).
 local function int(s)
   local v = parsed[s]
@@ -54,8 +61,19 @@ local function num(x)
   end
   return s
 end
+-- The policy a "kind:p1:p2:p3:shadow" string names: {kind, p1, p2, p3, shadow (bool)}.
+local function policy(s)
+  local p = policies[s]
+  if p == nil then
+    local k, a, b, c, shadow = string.match(s, '^(%d+):(%d+):(%d+):(%d+):([01])$')
+    if k == nil then error('sluice: malformed policy ' .. tostring(s)) end
+    p = {int(k), int(a), int(b), int(c), shadow == '1'}
+    policies[s] = p
+  end
+  return p
+end
 
--- Fixed window (algo::fixed_window): {u = used, r = resets_at}, stored "r:u".
+-- Fixed window (algo::fixed_window): (u = used, r = resets_at), stored "r:u".
 
 -- fixed_window::window_end
 local function fixed_window_end(window, aligned, now)
@@ -63,42 +81,40 @@ local function fixed_window_end(window, aligned, now)
   return now + window
 end
 
--- fixed_window::normalize (nil: fixed_window::fresh)
-local function fixed_window_normalize(st, window, aligned, now)
-  if st == nil or now >= st.r then return {u = 0, r = fixed_window_end(window, aligned, now)} end
-  return st
+-- fixed_window::normalize (u nil: fixed_window::fresh)
+local function fixed_window_normalize(u, r, window, aligned, now)
+  if u == nil or now >= r then return 0, fixed_window_end(window, aligned, now) end
+  return u, r
 end
 
 -- fixed_window::charge
-local function fixed_window_charge(st, limit, cost, now)
-  local used = st.u + cost
+local function fixed_window_charge(u, r, limit, cost, now)
+  local used = u + cost
   if used <= limit then
-    local new = nil
-    if cost > 0 then new = {u = used, r = st.r} end
-    return {1, limit, used, limit - used, st.r, -1}, new
+    if cost > 0 then return 1, limit, used, limit - used, r, -1, used, r end
+    return 1, limit, used, limit - used, r, -1
   end
   local retry = -1
-  if cost <= limit then retry = max(st.r - now, 0) end
-  return {0, limit, st.u, 0, st.r, retry}, nil
+  if cost <= limit then retry = max(r - now, 0) end
+  return 0, limit, u, 0, r, retry
 end
 
 -- fixed_window::refund
-local function fixed_window_refund(st, cost, charged_window)
-  if st.r == charged_window and st.u > 0 then return {u = max(st.u - cost, 0), r = st.r} end
-  return nil
+local function fixed_window_refund(u, r, cost, charged_window)
+  if r == charged_window and u > 0 then return max(u - cost, 0), r end
 end
 
--- Token bucket (algo::token_bucket): {t = tokens in 1/per units, a = at}, stored
+-- Token bucket (algo::token_bucket): (t = tokens in 1/per units, a = at), stored
 -- "full_at:t:(full_at - a)".
 
--- token_bucket::normalize (nil: token_bucket::fresh)
-local function token_bucket_normalize(st, rate, per, burst, now)
+-- token_bucket::normalize (t nil: token_bucket::fresh)
+local function token_bucket_normalize(t, a, rate, per, burst, now)
   local cap = burst * per
-  if st == nil then return {t = cap, a = now} end
-  if now <= st.a then return {t = min(st.t, cap), a = st.a} end
-  local missing = max(cap - st.t, 0)
-  if now - st.a >= cdiv(missing, rate) then return {t = cap, a = now} end
-  return {t = st.t + (now - st.a) * rate, a = now}
+  if t == nil then return cap, now end
+  if now <= a then return min(t, cap), a end
+  local missing = max(cap - t, 0)
+  if now - a >= cdiv(missing, rate) then return cap, now end
+  return t + (now - a) * rate, now
 end
 
 -- token_bucket::full_at
@@ -107,41 +123,41 @@ local function token_bucket_full_at(t, a, rate, per, burst)
 end
 
 -- token_bucket::charge
-local function token_bucket_charge(st, rate, per, burst, cost, now)
+local function token_bucket_charge(t, a, rate, per, burst, cost, now)
   local need = cost * per
-  if need <= st.t then
-    local after = st.t - need
+  if need <= t then
+    local after = t - need
     local remaining = floor(after / per)
-    local new = nil
-    if cost > 0 then new = {t = after, a = st.a} end
-    return {1, burst, burst - remaining, remaining, token_bucket_full_at(after, st.a, rate, per, burst), -1}, new
+    local full_at = token_bucket_full_at(after, a, rate, per, burst)
+    if cost > 0 then return 1, burst, burst - remaining, remaining, full_at, -1, after, a end
+    return 1, burst, burst - remaining, remaining, full_at, -1
   end
   local retry = -1
-  if cost <= burst then retry = max(st.a + cdiv(need - st.t, rate) - now, 0) end
-  return {0, burst, burst - floor(st.t / per), 0, token_bucket_full_at(st.t, st.a, rate, per, burst), retry}, nil
+  if cost <= burst then retry = max(a + cdiv(need - t, rate) - now, 0) end
+  return 0, burst, burst - floor(t / per), 0, token_bucket_full_at(t, a, rate, per, burst), retry
 end
 
 -- token_bucket::refund
-local function token_bucket_refund(st, per, burst, cost)
-  return {t = min(st.t + cost * per, burst * per), a = st.a}
+local function token_bucket_refund(t, a, per, burst, cost)
+  return min(t + cost * per, burst * per), a
 end
 
--- Sliding window (algo::sliding_window): {s = start, c = cur, p = prev}, stored
+-- Sliding window (algo::sliding_window): (s = start, c = cur, p = prev), stored
 -- "(s + 2 * window):c:p".
 
--- sliding_window::normalize (nil: sliding_window::fresh)
-local function sliding_window_normalize(st, window, now)
+-- sliding_window::normalize (s nil: sliding_window::fresh)
+local function sliding_window_normalize(s, c, p, window, now)
   local start = now - now % window
-  if st == nil then return {s = start, c = 0, p = 0} end
-  if start <= st.s then return st end
-  if start == st.s + window then return {s = start, c = 0, p = st.c} end
-  return {s = start, c = 0, p = 0}
+  if s == nil then return start, 0, 0 end
+  if start <= s then return s, c, p end
+  if start == s + window then return start, 0, c end
+  return start, 0, 0
 end
 
 -- sliding_window::count
-local function sliding_window_count(st, window, now)
-  local elapsed = max(now - st.s, 0)
-  return cdiv(st.p * (window - min(elapsed, window)), window) + st.c
+local function sliding_window_count(s, c, p, window, now)
+  local elapsed = max(now - s, 0)
+  return cdiv(p * (window - min(elapsed, window)), window) + c
 end
 
 -- sliding_window::first_fit
@@ -151,50 +167,48 @@ local function sliding_window_first_fit(prev, window, k)
 end
 
 -- sliding_window::charge
-local function sliding_window_charge(st, limit, window, cost, now)
-  local count = sliding_window_count(st, window, now)
+local function sliding_window_charge(s, c, p, limit, window, cost, now)
+  local count = sliding_window_count(s, c, p, window, now)
   if count + cost <= limit then
-    local new = nil
-    local cur = st.c + cost
-    if cost > 0 then new = {s = st.s, c = cur, p = st.p} end
-    local reset = st.s + window
-    if cur > 0 then reset = st.s + 2 * window end
-    return {1, limit, count + cost, limit - count - cost, reset, -1}, new
+    local cur = c + cost
+    local reset = s + window
+    if cur > 0 then reset = s + 2 * window end
+    if cost > 0 then return 1, limit, count + cost, limit - count - cost, reset, -1, s, cur, p end
+    return 1, limit, count + cost, limit - count - cost, reset, -1
   end
   local retry_at
-  local k = limit - (st.c + cost)
-  if k >= 0 and sliding_window_first_fit(st.p, window, k) < window then
-    retry_at = st.s + sliding_window_first_fit(st.p, window, k)
+  local k = limit - (c + cost)
+  if k >= 0 and sliding_window_first_fit(p, window, k) < window then
+    retry_at = s + sliding_window_first_fit(p, window, k)
   else
-    retry_at = st.s + window + sliding_window_first_fit(st.c, window, max(limit - cost, 0))
+    retry_at = s + window + sliding_window_first_fit(c, window, max(limit - cost, 0))
   end
-  local reset = st.s + window
-  if st.c > 0 then reset = st.s + 2 * window end
+  local reset = s + window
+  if c > 0 then reset = s + 2 * window end
   local retry = -1
   if cost <= limit then retry = max(retry_at - now, 0) end
-  return {0, limit, min(count, limit), 0, reset, retry}, nil
+  return 0, limit, min(count, limit), 0, reset, retry
 end
 
 -- sliding_window::refund (charged_reset_at: the reset the charging decision reported)
-local function sliding_window_refund(st, window, cost, charged_reset_at)
+local function sliding_window_refund(s, c, p, window, cost, charged_reset_at)
   local charged = charged_reset_at - 2 * window
-  if charged >= 0 and st.s == charged then return {s = st.s, c = max(st.c - cost, 0), p = st.p} end
-  if charged >= 0 and st.s == charged + window then return {s = st.s, c = st.c, p = max(st.p - cost, 0)} end
-  return nil
+  if charged >= 0 and s == charged then return s, max(c - cost, 0), p end
+  if charged >= 0 and s == charged + window then return s, c, max(p - cost, 0) end
 end
 
 -- Concurrency (algo::concurrency): a sorted set of lease -> acquired_at, held here as
--- {n = count, min = oldest at, max = newest at} of the live leases.
+-- (n = count, first = oldest at, last = newest at) of the live leases.
 
 -- Reads the live leases (concurrency::normalize drops the others; the write removes
--- them); nil when there are none.
+-- them); nothing when there are none.
 local function concurrency_load(key, ttl, now)
   local live = '(' .. num(now - ttl)
   local n = redis.call('ZCOUNT', key, live, '+inf')
-  if n == 0 then return nil end
+  if n == 0 then return end
   local first = redis.call('ZRANGEBYSCORE', key, live, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
   local last = redis.call('ZREVRANGEBYSCORE', key, '+inf', live, 'WITHSCORES', 'LIMIT', 0, 1)
-  return {n = n, min = int(first[2]), max = int(last[2])}
+  return n, int(first[2]), int(last[2])
 end
 
 -- Whether `lease` is already held and live (the `any(id == lease)` of Limit::admits and
@@ -206,83 +220,80 @@ local function concurrency_held(key, lease, ttl, now)
 end
 
 -- concurrency::status
-local function concurrency_status(st, limit, ttl, now)
+local function concurrency_status(n, first, limit, ttl, now)
   local reset = now
-  if st.n > 0 then reset = st.min + ttl end
-  return {1, limit, st.n, max(limit - st.n, 0), reset, -1}
+  if n > 0 then reset = first + ttl end
+  return 1, limit, n, max(limit - n, 0), reset, -1
 end
 
--- concurrency::acquire
-local function concurrency_acquire(st, limit, ttl, lease, now)
-  if st.n < limit then
-    local new = {n = st.n + 1, min = min(st.min or now, now), max = max(st.max or now, now), add = lease}
-    return concurrency_status(new, limit, ttl, now), new
+-- concurrency::acquire (the charged state: the lease's place taken)
+local function concurrency_acquire(n, first, last, limit, ttl, now)
+  if n < limit then
+    local first2, last2 = min(first or now, now), max(last or now, now)
+    local a, l, u, rem, reset, retry = concurrency_status(n + 1, first2, limit, ttl, now)
+    return a, l, u, rem, reset, retry, n + 1, first2, last2
   end
-  local reset = st.min + ttl
-  return {0, limit, st.n, 0, reset, max(reset - now, 0)}, nil
+  local reset = first + ttl
+  return 0, limit, n, 0, reset, max(reset - now, 0)
 end
 
 -- Dispatch, as algo::Limit does.
 
 -- Limit::normalize: the state brought up to now; charges nothing.
-local function normalize(kind, st, p1, p2, p3, now)
-  if kind == FIXED_WINDOW then return fixed_window_normalize(st, p2, p3, now) end
-  if kind == TOKEN_BUCKET then return token_bucket_normalize(st, p1, p2, p3, now) end
-  if kind == SLIDING_WINDOW then return sliding_window_normalize(st, p2, now) end
-  if st == nil then return {n = 0} end
-  return st
+local function normalize(kind, x, y, z, p1, p2, p3, now)
+  if kind == FIXED_WINDOW then return fixed_window_normalize(x, y, p2, p3, now) end
+  if kind == TOKEN_BUCKET then return token_bucket_normalize(x, y, p1, p2, p3, now) end
+  if kind == SLIDING_WINDOW then return sliding_window_normalize(x, y, z, p2, now) end
+  if x == nil then return 0 end
+  return x, y, z
 end
 
--- Limit::charge: the decision and the charged state (nil when nothing was charged).
--- `held` is whether a concurrency lease is already held (concurrency_held).
-local function charge(kind, st, p1, p2, p3, cost, lease, held, now)
-  if kind == FIXED_WINDOW then return fixed_window_charge(st, p1, cost, now) end
-  if kind == TOKEN_BUCKET then return token_bucket_charge(st, p1, p2, p3, cost, now) end
-  if kind == SLIDING_WINDOW then return sliding_window_charge(st, p1, p2, cost, now) end
-  if lease == '' or held then return concurrency_status(st, p1, p2, now), nil end
-  return concurrency_acquire(st, p1, p2, lease, now)
+-- Limit::charge: the decision, then the charged state (nothing when nothing was
+-- charged). `held` is whether a concurrency lease is already held (concurrency_held).
+local function charge(kind, x, y, z, p1, p2, p3, cost, lease, held, now)
+  if kind == FIXED_WINDOW then return fixed_window_charge(x, y, p1, cost, now) end
+  if kind == TOKEN_BUCKET then return token_bucket_charge(x, y, p1, p2, p3, cost, now) end
+  if kind == SLIDING_WINDOW then return sliding_window_charge(x, y, z, p1, p2, cost, now) end
+  if lease == '' or held then return concurrency_status(x, y, p1, p2, now) end
+  return concurrency_acquire(x, y, z, p1, p2, now)
 end
 
 -- Limit::refund: the state with `cost` given back in the window the charge was made
--- in (`window`, the charging decision's reset_at), or nil when nothing changes.
-local function refund(kind, st, p1, p2, p3, cost, window)
-  if kind == FIXED_WINDOW then return fixed_window_refund(st, cost, window) end
-  if kind == TOKEN_BUCKET then return token_bucket_refund(st, p2, p3, cost) end
-  if kind == SLIDING_WINDOW then return sliding_window_refund(st, p2, cost, window) end
-  return nil
+-- in (`window`, the charging decision's reset_at), or nothing when nothing changes.
+local function refund(kind, x, y, z, p1, p2, p3, cost, window)
+  if kind == FIXED_WINDOW then return fixed_window_refund(x, y, cost, window) end
+  if kind == TOKEN_BUCKET then return token_bucket_refund(x, y, p2, p3, cost) end
+  if kind == SLIDING_WINDOW then return sliding_window_refund(x, y, z, p2, cost, window) end
 end
 
 -- Limit::expires_at: when the state stops mattering.
-local function expires_at(kind, st, p1, p2, p3)
-  if kind == FIXED_WINDOW then return st.r end
-  if kind == TOKEN_BUCKET then return token_bucket_full_at(st.t, st.a, p1, p2, p3) end
-  if kind == SLIDING_WINDOW then return st.s + 2 * p2 end
-  if st.n == 0 then return 0 end
-  return st.max + p2
+local function expires_at(kind, x, y, z, p1, p2, p3)
+  if kind == FIXED_WINDOW then return y end
+  if kind == TOKEN_BUCKET then return token_bucket_full_at(x, y, p1, p2, p3) end
+  if kind == SLIDING_WINDOW then return x + 2 * p2 end
+  if x == 0 then return 0 end
+  return z + p2
 end
 
 -- Storage: reading and writing states where they live.
 
 -- Reads the stored state of one op (field `field` of bucket `key`; a concurrency limit:
--- the sorted set `key`), or nil.
-local function load(kind, key, field, p1, p2, now)
+-- the sorted set `key`), or nothing.
+local function load(kind, key, field, p2, now)
   if kind == CONCURRENCY then return concurrency_load(key, p2, now) end
   local v = redis.call('HGET', key, field)
-  if not v then return nil end
+  if not v then return end
   local e, a, b = string.match(v, '^(%d+):(%d+):?(%d*)$')
-  if e == nil then return nil end
-  if kind == FIXED_WINDOW then return {u = int(a), r = int(e)} end
-  if kind == TOKEN_BUCKET then return {t = int(a), a = int(e) - int(b)} end
-  return {s = int(e) - 2 * p2, c = int(a), p = int(b)}
+  if e == nil then return end
+  if kind == FIXED_WINDOW then return int(a), int(e) end
+  if kind == TOKEN_BUCKET then return int(a), int(e) - int(b) end
+  return int(e) - 2 * p2, int(a), int(b)
 end
 
--- Whether two states of a bucketed algorithm are equal.
-local function same(kind, a, b)
-  if a == nil or b == nil then return false end
-  if kind == FIXED_WINDOW then return a.u == b.u and a.r == b.r end
-  if kind == TOKEN_BUCKET then return a.t == b.t and a.a == b.a end
-  if kind == SLIDING_WINDOW then return a.s == b.s and a.c == b.c and a.p == b.p end
-  return false
+-- Whether a bucketed algorithm's state (x, y, z) equals the one loaded (lx, ly, lz).
+local function same(kind, x, y, z, lx, ly, lz)
+  if lx == nil or kind == CONCURRENCY then return false end
+  return x == lx and y == ly and (kind ~= SLIDING_WINDOW or z == lz)
 end
 
 -- Deletes the fields of bucket `key` that stopped mattering more than `grace` ago.
@@ -299,25 +310,25 @@ end
 -- New fields between two prunes of a bucket.
 local PRUNE_EVERY = 16
 
--- Writes a state back. A bucket lives `grace` ms past the latest moment one of its
--- states stops mattering. `loaded` is what was read: an unchanged state is not written
--- again.
-local function store(kind, key, field, st, p1, p2, p3, now, grace, loaded)
-  if same(kind, st, loaded) then return end
+-- Writes a state (x, y, z) back; `add`, a lease a concurrency limit's charge took. A
+-- bucket lives `grace` ms past the latest moment one of its states stops mattering.
+-- (lx, ly, lz) is what was read: an unchanged state is not written again.
+local function store(kind, key, field, x, y, z, p1, p2, p3, now, grace, lx, ly, lz, add)
+  if same(kind, x, y, z, lx, ly, lz) then return end
+  local e = expires_at(kind, x, y, z, p1, p2, p3)
   if kind == CONCURRENCY then
     redis.call('ZREMRANGEBYSCORE', key, '-inf', num(now - p2))
-    if st.add then redis.call('ZADD', key, num(now), st.add) end
-    if st.n > 0 then redis.call('PEXPIREAT', key, num(expires_at(kind, st, p1, p2, p3) + grace)) end
+    if add then redis.call('ZADD', key, num(now), add) end
+    if x > 0 then redis.call('PEXPIREAT', key, num(e + grace)) end
     return
   end
-  local e = expires_at(kind, st, p1, p2, p3)
   local rest
   if kind == FIXED_WINDOW then
-    rest = num(st.u)
+    rest = num(x)
   elseif kind == TOKEN_BUCKET then
-    rest = num(st.t) .. ':' .. num(e - st.a)
+    rest = num(x) .. ':' .. num(e - y)
   else
-    rest = num(st.c) .. ':' .. num(st.p)
+    rest = num(y) .. ':' .. num(z)
   end
   local added = redis.call('HSET', key, field, num(e) .. ':' .. rest)
   local at = num(e + grace)
@@ -329,7 +340,7 @@ local function store(kind, key, field, st, p1, p2, p3, now, grace, loaded)
       return
     end
     if n % PRUNE_EVERY == 0 then prune(key, now, grace) end
-  elseif loaded ~= nil and e == expires_at(kind, loaded, p1, p2, p3) then
+  elseif lx ~= nil and e == expires_at(kind, lx, ly, lz, p1, p2, p3) then
     -- the moment did not move, and the bucket's TTL already covers it
     return
   end

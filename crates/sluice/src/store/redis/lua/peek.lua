@@ -3,15 +3,17 @@
 -- on a replica that still holds it: expiry is decided here, not by Redis's TTL.
 -- KEYS[i]   where op i's state lives (as apply's)
 -- ARGV[1]   now, ms since the epoch
--- ARGV[2..] 5 values per op: algorithm, p1, p2, p3, field
+-- ARGV[2..] 2 values per op: its policy (as apply's), its state's field
 -- Reply     6 integers per op, as apply's
 local now = int(ARGV[1])
 local reply = {}
 for i = 1, #KEYS do
-  local b = 1 + (i - 1) * 5
-  local kind, p1, p2, p3 = int(ARGV[b + 1]), int(ARGV[b + 2]), int(ARGV[b + 3]), int(ARGV[b + 4])
-  local st = normalize(kind, load(kind, KEYS[i], ARGV[b + 5], p1, p2, now), p1, p2, p3, now)
-  local d = charge(kind, st, p1, p2, p3, 0, '', false, now)
-  for j = 1, 6 do reply[#reply + 1] = d[j] end
+  local p = policy(ARGV[2 * i])
+  local kind, p1, p2, p3 = p[1], p[2], p[3], p[4]
+  local lx, ly, lz = load(kind, KEYS[i], ARGV[2 * i + 1], p2, now)
+  local x, y, z = normalize(kind, lx, ly, lz, p1, p2, p3, now)
+  local d = 6 * i
+  reply[d - 5], reply[d - 4], reply[d - 3], reply[d - 2], reply[d - 1], reply[d] =
+    charge(kind, x, y, z, p1, p2, p3, 0, '', false, now)
 end
 return reply
