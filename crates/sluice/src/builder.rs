@@ -97,7 +97,8 @@ impl DomainBuilder {
         Self { name: name.into(), client_key: None, shadow: false, rules: Vec::new() }
     }
 
-    /// Which descriptor entry identifies the client (default: the first).
+    /// Which descriptor entry identifies the client (default: all of a descriptor's
+    /// entries together).
     pub fn client_key(mut self, key: impl Into<String>) -> Self {
         self.client_key = Some(key.into());
         self

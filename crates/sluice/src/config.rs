@@ -155,7 +155,7 @@ pub struct DomainConfig {
     #[serde(default)]
     pub shadow_mode: bool,
     /// Which descriptor entry identifies the client (its tag): the entry with this key,
-    /// else the first entry.
+    /// else all of the descriptor's entries together.
     #[serde(default)]
     pub client_key: Option<String>,
 }

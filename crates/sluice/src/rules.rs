@@ -137,16 +137,17 @@ impl Domain {
         node
     }
 
-    /// The client tag of a descriptor: its entry keyed `client_key`, else its first.
+    /// The client tag of a descriptor: its entry keyed `client_key`, else all its
+    /// entries (as keyed: a shared wildcard's pattern, not the value). All entries, not
+    /// the first: in Envoy's usual `[route, user]` the first is shared by every user,
+    /// and one tag for all of them was one memory shard and one Redis hash holding every
+    /// user of the route (docs/architecture.md, invariant 5).
     pub(crate) fn tag<'e>(&self, tagger: &Tagger, entries: &[(&'e str, &'e str)]) -> Tag {
-        let (k, v) = self
-            .client_key
-            .as_deref()
-            .and_then(|ck| entries.iter().find(|(k, _)| *k == ck))
-            .or(entries.first())
-            .copied()
-            .unwrap_or(("", ""));
-        tagger.tag(&self.name, k, v)
+        let client = self.client_key.as_deref().and_then(|ck| entries.iter().find(|(k, _)| *k == ck));
+        match client {
+            Some(&(k, v)) => tagger.tag(&self.name, k, v),
+            None => tagger.tag_of(&self.name, entries),
+        }
     }
 }
 

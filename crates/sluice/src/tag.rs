@@ -55,8 +55,18 @@ impl Tagger {
 
     /// The tag of the client `key=value` in `domain`.
     pub fn tag(&self, domain: &str, key: &str, value: &str) -> Tag {
+        self.tag_of(domain, &[(key, value)])
+    }
+
+    /// The tag of the client a descriptor's `entries` name together in `domain`: the
+    /// same as [`Tagger::tag`] for one entry, so a one-entry client's state stays where
+    /// it was.
+    pub fn tag_of(&self, domain: &str, entries: &[(&str, &str)]) -> Tag {
         let mut h = SipHasher13x128::new_with_keys(self.k0, self.k1);
-        feed(&mut h, &[domain.as_bytes(), key.as_bytes(), value.as_bytes()]);
+        feed(&mut h, &[domain.as_bytes()]);
+        for (key, value) in entries {
+            feed(&mut h, &[key.as_bytes(), value.as_bytes()]);
+        }
         Tag(h.finish128().as_u128())
     }
 
@@ -90,5 +100,11 @@ mod tests {
         assert_ne!(a.tag("d", "user", "x"), a.tag("e", "user", "x"));
         assert_ne!(a.tag("d", "user", "ab"), a.tag("d", "usera", "b"));
         assert_eq!(a.tag("d", "u", "v").to_string().len(), 32);
+        // one entry: the same tag either way; more: every entry counts, in order
+        assert_eq!(a.tag_of("d", &[("user", "x")]), a.tag("d", "user", "x"));
+        let pair = a.tag_of("d", &[("route", "/a"), ("user", "x")]);
+        assert_ne!(pair, a.tag_of("d", &[("route", "/a"), ("user", "y")]));
+        assert_ne!(pair, a.tag_of("d", &[("user", "x"), ("route", "/a")]));
+        assert_ne!(pair, a.tag("d", "route", "/a"));
     }
 }

@@ -316,6 +316,27 @@ async fn a_full_memory_store_keeps_every_live_count_and_decides_newcomers_by_pol
     assert!(l.check(&req("d", &[&[("user", "late")]])).await.unwrap().allowed());
 }
 
+/// Envoy's usual descriptor `[route, user]`: every user of one route is a client of its
+/// own, not the route. With the first entry as the client, the 3,000 users of one route
+/// shared one tag, so one of the memory store's 64 shards (room for 100 of the 6,400
+/// states here): the store said full at the 101st user and the failure policy decided
+/// the rest. Now all 3,000 are counted, each exactly.
+#[tokio::test]
+async fn every_user_of_one_route_is_a_client_of_its_own() {
+    let config = r#"{"limiter":{"failure":"closed"},"domains":[{"domain":"d","descriptors":[{"key":"route","descriptors":[{"key":"user","rate_limit":{"unit":"minute","requests_per_unit":1}}]}]}]}"#;
+    let config: RulesConfig = serde_json::from_str(config).expect("test config");
+    let store = Arc::new(MemoryStore::new(6_400));
+    let l = Limiter::new(Arc::new(config.compile().unwrap()), store.clone(), Arc::new(ManualClock::new(T0)));
+    for i in 0..3_000 {
+        let r = req("d", &[&[("route", "/a"), ("user", &format!("u{i}"))]]);
+        let v = l.check(&r).await.unwrap();
+        assert!(v.allowed() && v.degraded.is_none(), "user {i} of the route: {:?}", v.outcome);
+        assert!(!l.check(&r).await.unwrap().allowed(), "user {i} has used its one request");
+    }
+    assert_eq!(store.len(), 3_000);
+    assert_eq!(store.stats().full.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
 fn clock_ms(clock: &ManualClock) -> u64 {
     sluice::time::Clock::now(clock)
 }
