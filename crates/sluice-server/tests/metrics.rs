@@ -133,3 +133,62 @@ fn bench_reports_server_and_redis_cpu_per_decision() {
         assert!(us > 0.0 && us < 10_000.0, "{field} = {us}: {report}");
     }
 }
+
+/// The series `/metrics` exports are bounded by the rules, never by the clients: with
+/// three rules, the series after 100,000 distinct clients are the series after two,
+/// the same as before any decision, and three a rule (docs/operations.md, "Metrics").
+#[tokio::test]
+async fn series_are_bounded_by_rules_not_clients() {
+    let s = start(
+        "  - domain: api\n    descriptors:\n      - key: user\n        rate_limit: {unit: day, requests_per_unit: 1}\n      - key: token\n        rate_limit: {unit: day, requests_per_unit: 1}\n      - key: route\n        descriptors:\n          - key: user\n            rate_limit: {unit: day, requests_per_unit: 1}\n",
+    );
+    let rules = 3;
+    let client = reqwest::Client::new();
+    let series = |text: &str| text.lines().filter(|l| !l.is_empty() && !l.starts_with('#')).count();
+    let idle = series(&common::metrics(&client, &s.base).await);
+    // client i of the rule i % 3, `n` of them from `from`, in one request
+    let post = |from: usize, n: usize| {
+        let descriptors: Vec<serde_json::Value> = (from..from + n)
+            .map(|i| {
+                let entries = match i % 3 {
+                    0 => serde_json::json!([{"key": "user", "value": format!("u{i}")}]),
+                    1 => serde_json::json!([{"key": "token", "value": format!("t{i}")}]),
+                    _ => {
+                        serde_json::json!([{"key": "route", "value": "/a"}, {"key": "user", "value": format!("u{i}")}])
+                    }
+                };
+                serde_json::json!({ "entries": entries })
+            })
+            .collect();
+        let body = serde_json::json!({"domain": "api", "descriptors": descriptors});
+        let request = client.post(format!("{}/v1/ratelimit", s.base)).json(&body);
+        async move { request.send().await.unwrap().status().as_u16() }
+    };
+    // two clients of each rule, each refused once: every outcome of every rule is seen
+    for from in [0, 3] {
+        for i in from..from + 3 {
+            assert_eq!(post(i, 1).await, 200);
+            assert_eq!(post(i, 1).await, 429);
+        }
+    }
+    let seen = series(&common::metrics(&client, &s.base).await);
+    // 50 clients a request (a request carries at most 64 descriptors), 16 in flight
+    let requests = (0..2_000).map(|r| post(1_000 + r * 50, 50));
+    let statuses: Vec<u16> = futures_util::StreamExt::collect(futures_util::StreamExt::buffer_unordered(
+        futures_util::stream::iter(requests),
+        16,
+    ))
+    .await;
+    assert!(statuses.iter().all(|&code| code == 200), "{statuses:?}");
+    let text = common::metrics(&client, &s.base).await;
+    let allowed = text
+        .lines()
+        .filter(|l| l.starts_with("sluice_decisions_total{") && l.contains("outcome=\"allowed\""))
+        .map(|l| l.rsplit_once(' ').unwrap().1.parse::<f64>().unwrap())
+        .sum::<f64>();
+    assert_eq!(allowed, 100_006.0, "every decision was counted:\n{text}");
+    let after = series(&text);
+    assert_eq!((idle, seen), (after, after), "series before any decision, after two clients, after 100,000");
+    let of_rules = text.lines().filter(|l| l.contains("policy=\"") && !l.contains("policy=\"override\"")).count();
+    assert_eq!(of_rules, 3 * rules, "{text}");
+}

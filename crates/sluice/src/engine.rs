@@ -436,7 +436,10 @@ impl Limiter {
             };
             let d = &p.decision;
             let near = d.used as f64 >= ratio * d.limit as f64;
-            c.count(d.allowed, p.shadow, near, matches!(p.source, Source::NearCache(_)));
+            c.count(d.allowed, near);
+            if matches!(p.source, Source::NearCache(_)) {
+                domain.counters.near_cache.increment(1);
+            }
             if let Some(label) = &p.metric {
                 let entries = req.descriptors[di].entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
                 telemetry::detailed(&req.domain, &p.name, label.render(entries), d.allowed || p.shadow);

@@ -245,7 +245,7 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
         client_key: d.client_key.clone(),
         root,
         counters: DomainCounters::new(&d.domain.0),
-        override_counters: Arc::new(PolicyCounters::new(&d.domain.0, "override")),
+        override_counters: Arc::new(PolicyCounters::new(&d.domain.0, "override", false)),
     })
 }
 
@@ -344,7 +344,7 @@ fn add(
             limit,
             shadow: own.shadow || p.shadow_mode,
             failure: p.failure.unwrap_or(inherited.failure),
-            counters: Arc::new(PolicyCounters::new(inherited.domain, &p.name.0)),
+            counters: Arc::new(PolicyCounters::new(inherited.domain, &p.name.0, own.shadow || p.shadow_mode)),
             metric: own.metric.clone(),
             anonymous: false,
         });
@@ -393,7 +393,7 @@ fn node(
         limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
         let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
         let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&names));
-        let counters = Arc::new(PolicyCounters::new(inherited.domain, &name));
+        let counters = Arc::new(PolicyCounters::new(inherited.domain, &name, own.shadow));
         node.policies.push(Policy {
             name: name.into(),
             limit,

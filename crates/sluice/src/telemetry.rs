@@ -72,13 +72,20 @@ pub fn audit(a: &Audit<'_>) {
     );
 }
 
-/// The counters of one policy of one domain.
+/// The counters of one policy of one domain: three series for an enforced policy
+/// (allowed, over_limit, near_limit), two for a shadow one (shadow_over_limit,
+/// near_limit), registered when the rules are compiled whatever the traffic. Series are
+/// bounded by rules, never by clients (docs/operations.md, "Metrics").
 pub(crate) struct PolicyCounters {
-    allowed: Counter,
-    over_limit: Counter,
     near_limit: Counter,
-    shadow_over_limit: Counter,
-    near_cache: Counter,
+    decided: Decided,
+}
+
+/// What a policy's decisions are counted as: refusals of a shadow policy only (it allows
+/// everything), or both outcomes of an enforced one.
+enum Decided {
+    Shadow { over_limit: Counter },
+    Enforced { allowed: Counter, over_limit: Counter },
 }
 
 impl fmt::Debug for PolicyCounters {
@@ -88,32 +95,33 @@ impl fmt::Debug for PolicyCounters {
 }
 
 impl PolicyCounters {
-    /// Registers the counters of `policy` in `domain`.
-    pub(crate) fn new(domain: &str, policy: &str) -> Self {
+    /// Registers the counters of `policy` in `domain`, in shadow mode or not.
+    pub(crate) fn new(domain: &str, policy: &str, shadow: bool) -> Self {
         let (d, p) = (domain.to_string(), policy.to_string());
-        Self {
-            allowed: counter!(names::DECISIONS, "domain" => d.clone(), "policy" => p.clone(), "outcome" => "allowed"),
-            over_limit: counter!(names::DECISIONS, "domain" => d.clone(), "policy" => p.clone(), "outcome" => "over_limit"),
-            near_limit: counter!(names::NEAR_LIMIT, "domain" => d.clone(), "policy" => p.clone()),
-            shadow_over_limit: counter!(names::SHADOW_OVER_LIMIT, "domain" => d.clone(), "policy" => p.clone()),
-            near_cache: counter!(names::NEAR_CACHE_HITS, "domain" => d, "policy" => p),
-        }
+        let decisions =
+            |outcome| counter!(names::DECISIONS, "domain" => d.clone(), "policy" => p.clone(), "outcome" => outcome);
+        let decided = if shadow {
+            Decided::Shadow {
+                over_limit: counter!(names::SHADOW_OVER_LIMIT, "domain" => d.clone(), "policy" => p.clone()),
+            }
+        } else {
+            Decided::Enforced { allowed: decisions("allowed"), over_limit: decisions("over_limit") }
+        };
+        Self { near_limit: counter!(names::NEAR_LIMIT, "domain" => d, "policy" => p), decided }
     }
 
     /// Counts one decision. `near` is whether an allowed decision used at least the
     /// near-limit share of its quota.
-    pub(crate) fn count(&self, allowed: bool, shadow: bool, near: bool, from_near_cache: bool) {
-        match (shadow, allowed) {
-            (true, false) => self.shadow_over_limit.increment(1),
-            (true, true) => {}
-            (false, true) => self.allowed.increment(1),
-            (false, false) => self.over_limit.increment(1),
+    pub(crate) fn count(&self, allowed: bool, near: bool) {
+        match (&self.decided, allowed) {
+            (Decided::Shadow { over_limit }, false) | (Decided::Enforced { over_limit, .. }, false) => {
+                over_limit.increment(1)
+            }
+            (Decided::Enforced { allowed, .. }, true) => allowed.increment(1),
+            (Decided::Shadow { .. }, true) => {}
         }
         if allowed && near {
             self.near_limit.increment(1);
-        }
-        if from_near_cache {
-            self.near_cache.increment(1);
         }
     }
 }
@@ -123,6 +131,9 @@ pub(crate) struct DomainCounters {
     fail_open: Counter,
     fail_closed: Counter,
     leases_acquired: Counter,
+    /// Refusals answered from the near-cache (per domain: each is also counted as its
+    /// policy's over_limit decision).
+    pub near_cache: Counter,
 }
 
 impl fmt::Debug for DomainCounters {
@@ -138,7 +149,8 @@ impl DomainCounters {
         Self {
             fail_open: counter!(names::DEGRADED, "domain" => d.clone(), "failure" => "open"),
             fail_closed: counter!(names::DEGRADED, "domain" => d.clone(), "failure" => "closed"),
-            leases_acquired: counter!(names::LEASES_ACQUIRED, "domain" => d),
+            leases_acquired: counter!(names::LEASES_ACQUIRED, "domain" => d.clone()),
+            near_cache: counter!(names::NEAR_CACHE_HITS, "domain" => d),
         }
     }
 
