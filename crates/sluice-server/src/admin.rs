@@ -1,5 +1,5 @@
 //! The admin API, behind `server.admin_token`: stored overrides, inspecting and resetting
-//! a client, the migration percentage. Every change writes one audit line and counts in
+//! a client, the clients each rule refuses most, the migration percentage. Every change writes one audit line and counts in
 //! `sluice_admin_actions_total{action}` (docs/operations.md has the runbooks).
 
 use crate::http::{check_error, client_query, error};
@@ -25,6 +25,7 @@ pub fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/v1/overrides", get(list_overrides))
         .route("/v1/overrides/{id}", get(get_override).put(put_override).delete(delete_override))
         .route("/v1/admin/clients", get(inspect).delete(reset))
+        .route("/v1/admin/top", get(top))
         .route_layer(axum::middleware::from_fn_with_state(state, require_token))
 }
 
@@ -225,6 +226,46 @@ async fn inspect(State(state): Shared, query: Result<Query<Vec<(String, String)>
         }
         Err(e) => check_error(e),
     }
+}
+
+/// `GET /v1/admin/top?domain=D[&rule=R][&k=20][&outcome=refused|admitted]`: the `k`
+/// clients each rule of the domain (or rule `R`) refused (or admitted) most over the last
+/// one to two `limiter.top_clients.interval`s, from lists of bounded size (`sluice::topk`).
+async fn top(State(state): Shared, query: Result<Query<Vec<(String, String)>>, QueryRejection>) -> Response {
+    let bad = |message: String| error(StatusCode::BAD_REQUEST, "bad_query", message);
+    let Ok(Query(pairs)) = query else { return bad("the query string is not KEY=VALUE pairs".into()) };
+    let get = |key: &str| pairs.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str());
+    if let Some((unknown, _)) = pairs.iter().find(|(k, _)| !["domain", "rule", "k", "outcome"].contains(&k.as_str())) {
+        return bad(format!("unknown parameter '{unknown}': give domain, and rule, k, outcome if you like"));
+    }
+    let Some(domain) = get("domain") else { return bad("add ?domain=NAME".into()) };
+    let k = match get("k").map(str::parse::<usize>) {
+        None => 20,
+        Some(Ok(k)) if (1..=1_000).contains(&k) => k,
+        Some(_) => return bad("k is how many clients to list: 1 to 1000".into()),
+    };
+    let refused = match get("outcome") {
+        None | Some("refused") => true,
+        Some("admitted") => false,
+        Some(other) => return bad(format!("outcome '{other}': refused or admitted")),
+    };
+    let engine = state.engine.load();
+    let tops = match engine.limiter.top_clients(domain, get("rule"), refused, k) {
+        Ok(tops) => tops,
+        Err(e @ sluice::topk::TopError::Off) => return error(StatusCode::NOT_FOUND, "top_clients_off", e.to_string()),
+        Err(e) => return error(StatusCode::NOT_FOUND, "unknown", e.to_string()),
+    };
+    let rules: Vec<Value> = tops
+        .iter()
+        .map(|t| {
+            let clients: Vec<Value> =
+                t.clients.iter().map(|c| json!({"client": c.client, "count": c.count, "error": c.error})).collect();
+            let bound = t.decisions.div_ceil(t.capacity.max(1) as u64);
+            json!({"rule": t.rule, "decisions": t.decisions, "error_bound": bound, "clients": clients})
+        })
+        .collect();
+    let outcome = if refused { "refused" } else { "admitted" };
+    axum::Json(json!({"domain": domain, "outcome": outcome, "rules": rules})).into_response()
 }
 
 /// `DELETE /v1/admin/clients?domain=D&KEY=VALUE...[&policy=NAME]`: forgets the client's

@@ -43,6 +43,22 @@ pub enum AdminCommand {
         #[arg(long)]
         policy: Option<String>,
     },
+    /// The clients each rule of a domain refused (or admitted) most over the last one to
+    /// two `limiter.top_clients.interval`s.
+    Top {
+        /// The domain.
+        #[arg(long)]
+        domain: String,
+        /// Only this rule.
+        #[arg(long)]
+        rule: Option<String>,
+        /// How many clients a rule.
+        #[arg(long, default_value_t = 20)]
+        k: usize,
+        /// `refused` or `admitted`.
+        #[arg(long, default_value = "refused")]
+        outcome: String,
+    },
 }
 
 /// A client: a domain and its descriptor's entries, in order.
@@ -186,6 +202,13 @@ fn request(c: &AdminCommand) -> (&'static str, String, Option<Value>) {
         AdminCommand::Reset { client, policy } => {
             ("DELETE", format!("/v1/admin/clients?{}", client_query(client, policy.as_deref())), None)
         }
+        AdminCommand::Top { domain, rule, k, outcome } => {
+            let mut q = format!("domain={}&k={k}&outcome={}", percent_encode(domain), percent_encode(outcome));
+            if let Some(r) = rule {
+                q.push_str(&format!("&rule={}", percent_encode(r)));
+            }
+            ("GET", format!("/v1/admin/top?{q}"), None)
+        }
     }
 }
 
@@ -241,7 +264,26 @@ fn human(c: &AdminCommand, v: &Value) -> String {
             let names: Vec<&str> = v["reset"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
             format!("reset {} on every instance\n", names.join(", "))
         }
+        AdminCommand::Top { .. } => tops(v),
     }
+}
+
+/// Top lists, for people: a table a rule.
+fn tops(v: &Value) -> String {
+    let mut out = String::new();
+    for rule in v["rules"].as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "{} {}: {} decisions lately (a count may overstate by up to {})\n",
+            rule["rule"].as_str().unwrap_or(""),
+            v["outcome"].as_str().unwrap_or(""),
+            rule["decisions"],
+            rule["error_bound"]
+        ));
+        for c in rule["clients"].as_array().into_iter().flatten() {
+            out.push_str(&format!("{:>10}  {}\n", c["count"], c["client"].as_str().unwrap_or("")));
+        }
+    }
+    out
 }
 
 /// A client's state, for people.

@@ -370,3 +370,75 @@ async fn the_admin_command_line() {
         assert!(ok(&args).contains("Usage"), "{args:?}");
     }
 }
+
+/// Top limited clients (issue #19): the clients a rule refuses and admits most, from a
+/// list of bounded size, behind the admin token, over HTTP and on the command line, with
+/// clear errors; never a metric label.
+#[tokio::test]
+async fn top_limited_clients() {
+    let s = start_with(&sections(""), DOMAINS);
+    let c = reqwest::Client::new();
+    // three heavy users refused 20, 10 and 5 times (5 an hour each), 200 others once
+    for (user, refused) in [("heavy-a", 20), ("heavy-b", 10), ("heavy-c", 5)] {
+        for i in 0..5 + refused {
+            let want = if i < 5 { 200 } else { 429 };
+            assert_eq!(hit(&c, &s.base, "d", &[("user", user)]).await.status(), want);
+        }
+    }
+    for i in 0..200 {
+        assert_eq!(hit(&c, &s.base, "d", &[("user", &format!("light-{i}"))]).await.status(), 200);
+    }
+    let top = |query: &str| {
+        let (c, base) = (c.clone(), s.base.clone());
+        let query = query.to_string();
+        async move { admin(&c, reqwest::Method::GET, &base, &format!("/v1/admin/top?{query}")).await }
+    };
+    let r = top("domain=d&rule=hourly&k=3").await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["outcome"], "refused");
+    let hourly = &v["rules"][0];
+    assert_eq!((hourly["rule"].as_str(), hourly["decisions"].as_u64()), (Some("hourly"), Some(35)));
+    let listed: Vec<(&str, u64)> = hourly["clients"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["client"].as_str().unwrap(), t["count"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(listed, [("user=heavy-a", 20), ("user=heavy-b", 10), ("user=heavy-c", 5)]);
+    // admitted: every user's first five, the heavy ones first; every rule of the domain
+    let v: Value = top("domain=d&outcome=admitted&k=2").await.json().await.unwrap();
+    let rules: Vec<&str> = v["rules"].as_array().unwrap().iter().map(|r| r["rule"].as_str().unwrap()).collect();
+    assert!(rules.contains(&"hourly") && rules.contains(&"team_minute"), "{v}");
+    let hourly = v["rules"].as_array().unwrap().iter().find(|r| r["rule"] == "hourly").unwrap();
+    assert_eq!(hourly["decisions"].as_u64(), Some(215));
+    assert_eq!(hourly["clients"][0]["count"].as_u64(), Some(5));
+    // never a label: no client name in /metrics
+    assert!(!metrics(&c, &s.base).await.contains("heavy-a"));
+    // errors say what is wrong
+    for (query, status, says) in [
+        ("rule=hourly", 400, "domain"),
+        ("domain=nope", 404, "unknown domain 'nope'"),
+        ("domain=d&rule=nope", 404, "hourly"),
+        ("domain=d&k=0", 400, "k"),
+        ("domain=d&outcome=maybe", 400, "refused or admitted"),
+    ] {
+        let r = top(query).await;
+        assert_eq!(r.status(), status, "{query}");
+        let text = r.text().await.unwrap();
+        assert!(text.contains(says), "{query}: {text}");
+    }
+    let r = c.get(format!("{}/v1/admin/top?domain=d", s.base)).send().await.unwrap();
+    assert_eq!(r.status(), 401, "the admin token is needed");
+    // on the command line
+    let out = std::process::Command::new(common::bin())
+        .args(["admin", "--server", &s.base, "top", "--domain", "d", "--rule", "hourly", "--k", "2"])
+        .env("SLUICE_ADMIN_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines.iter().any(|l| l.contains("20") && l.contains("user=heavy-a")), "{text}");
+    assert!(!text.contains("heavy-c"), "k=2 lists two: {text}");
+}

@@ -65,6 +65,28 @@ pub struct LimiterConfig {
     pub shadow_mode: bool,
     /// The most one request may carry (descriptors, entries, key and value bytes).
     pub request_bounds: RequestBounds,
+    /// The lists of the clients each rule refuses and admits most (`GET /v1/admin/top`).
+    pub top_clients: TopClients,
+}
+
+/// `limiter.top_clients`: per rule, a list of the clients it refuses most and one of
+/// those it admits most, over the last one to two `interval`s, each of `capacity`
+/// counters whatever the number of clients (see [`crate::topk`]). Capacity 0 turns them
+/// off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TopClients {
+    /// Counters a list: every client with more than 1 / capacity of a rule's decisions
+    /// is in it, and a count overstates by at most decisions / capacity.
+    pub capacity: usize,
+    /// How long a list covers (between one and two of them).
+    pub interval: Duration,
+}
+
+impl Default for TopClients {
+    fn default() -> Self {
+        Self { capacity: 256, interval: Duration(60_000) }
+    }
 }
 
 /// `limiter.request_bounds`: the most a request may carry. Every descriptor costs a store
@@ -140,6 +162,7 @@ impl Default for LimiterConfig {
             near_limit_ratio: 0.8,
             shadow_mode: false,
             request_bounds: Default::default(),
+            top_clients: Default::default(),
         }
     }
 }

@@ -119,6 +119,37 @@ impl Limiter {
         self.near_cache.as_ref().map_or(0, NearCache::hits)
     }
 
+    /// The `k` clients each rule of `domain` (or only `rule`) refused, or admitted, most
+    /// over the last one to two `limiter.top_clients.interval`s, most first, with the
+    /// decisions each rule counted (see [`crate::topk`]).
+    pub fn top_clients(
+        &self,
+        domain: &str,
+        rule: Option<&str>,
+        refused: bool,
+        k: usize,
+    ) -> Result<Vec<crate::topk::RuleTop>, crate::topk::TopError> {
+        use crate::topk::{RuleLists, RuleTop, TopError};
+        let Some(rules) = self.rules.top_lists(domain) else {
+            let known = self.rules.domain_names().join(", ");
+            return Err(TopError::UnknownDomain { domain: domain.chars().take(200).collect(), known });
+        };
+        if rules.iter().all(|(_, lists)| lists.is_empty()) {
+            return Err(TopError::Off);
+        }
+        if let Some(r) = rule.filter(|r| !rules.iter().any(|(name, _)| name == r)) {
+            let known = rules.iter().map(|(name, _)| *name).collect::<Vec<_>>().join(", ");
+            return Err(TopError::UnknownRule { rule: r.chars().take(200).collect(), known });
+        }
+        let now = self.clock.now();
+        let tops = rules.into_iter().filter(|(name, _)| rule.is_none_or(|r| r == *name)).map(|(name, lists)| {
+            let (clients, decisions) = RuleLists::top(&lists, refused, now, k);
+            let capacity = lists.first().map_or(0, |l| l.capacity());
+            RuleTop { rule: name.to_string(), decisions, capacity, clients }
+        });
+        Ok(tops.collect())
+    }
+
     /// The rules in force.
     pub fn rules(&self) -> &Rules {
         &self.rules
@@ -439,6 +470,10 @@ impl Limiter {
             c.count(d.allowed, near);
             if matches!(p.source, Source::NearCache(_)) {
                 domain.counters.near_cache.increment(1);
+            }
+            if let Some(lists) = &c.top {
+                let entries = || req.descriptors[di].entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
+                lists.count(d.allowed, self.clock.now(), entries);
             }
             if let Some(label) = &p.metric {
                 let entries = req.descriptors[di].entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));

@@ -54,6 +54,7 @@ pub mod store;
 pub mod tag;
 mod telemetry;
 pub mod time;
+pub mod topk;
 mod verdict;
 
 pub use builder::{DomainBuilder, RuleBuilder, RulesBuilder};

@@ -205,6 +205,31 @@ impl Rules {
         self.domains.get(name)
     }
 
+    /// The top lists of every rule of `domain` by rule name, sorted by name (a name met
+    /// at several places of the rule tree has each place's lists), and `override` for
+    /// limits sent with a request; None for a domain not configured. Empty lists when
+    /// `limiter.top_clients` is off.
+    pub fn top_lists(&self, domain: &str) -> Option<Vec<(&str, Vec<&crate::topk::RuleLists>)>> {
+        let d = self.domains.get(domain)?;
+        let mut by_name: std::collections::BTreeMap<&str, Vec<&crate::topk::RuleLists>> = Default::default();
+        let mut levels = vec![&d.root];
+        let mut all: Vec<&Policy> = Vec::new();
+        while let Some(level) = levels.pop() {
+            for rules in level.by_key.values() {
+                let nodes = rules.exact.values().chain(rules.wildcards.iter().map(|(_, n)| n)).chain(&rules.any);
+                for node in nodes {
+                    all.extend(&node.policies);
+                    levels.push(&node.children);
+                }
+            }
+        }
+        by_name.entry("override").or_default().extend(d.override_counters.top.as_ref());
+        for p in all {
+            by_name.entry(&p.name).or_default().extend(p.counters.top.as_ref());
+        }
+        Some(by_name.into_iter().collect())
+    }
+
     /// The algorithms the rules use (`fixed_window` ...), so a store can refuse rules it
     /// cannot run.
     pub fn algorithms(&self) -> std::collections::BTreeSet<&'static str> {
@@ -235,8 +260,12 @@ impl Rules {
 fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Result<Domain, RuleError> {
     let mut root = Level::default();
     let anchors = vec![d.domain.0.clone()];
-    let inherited =
-        Inherited { domain: &d.domain.0, shadow: limiter.shadow_mode || d.shadow_mode, failure: limiter.failure };
+    let inherited = Inherited {
+        domain: &d.domain.0,
+        top: limiter.top_clients,
+        shadow: limiter.shadow_mode || d.shadow_mode,
+        failure: limiter.failure,
+    };
     for (i, c) in d.descriptors.iter().enumerate() {
         add(&mut root, c, inherited, &[], &anchors, &format!("{path}.descriptors[{i}]"))?;
     }
@@ -245,7 +274,7 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
         client_key: d.client_key.clone(),
         root,
         counters: DomainCounters::new(&d.domain.0),
-        override_counters: Arc::new(PolicyCounters::new(&d.domain.0, "override", false)),
+        override_counters: Arc::new(PolicyCounters::new(&d.domain.0, "override", false, inherited.lists())),
     })
 }
 
@@ -253,10 +282,19 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
 #[derive(Clone, Copy)]
 struct Inherited<'a> {
     domain: &'a str,
+    /// `limiter.top_clients`.
+    top: crate::config::TopClients,
     /// The domain's shadow mode (or the global one). A rule's own `shadow_mode` is its
     /// own, as in envoyproxy/ratelimit.
     shadow: bool,
     failure: Failure,
+}
+
+impl Inherited<'_> {
+    /// A policy's top lists, when `limiter.top_clients` has any.
+    fn lists(&self) -> Option<crate::topk::RuleLists> {
+        crate::topk::RuleLists::new(self.top.capacity, self.top.interval.0)
+    }
 }
 
 /// One rule on the way to a rule below it: what that rule needs to know of it.
@@ -344,7 +382,12 @@ fn add(
             limit,
             shadow: own.shadow || p.shadow_mode,
             failure: p.failure.unwrap_or(inherited.failure),
-            counters: Arc::new(PolicyCounters::new(inherited.domain, &p.name.0, own.shadow || p.shadow_mode)),
+            counters: Arc::new(PolicyCounters::new(
+                inherited.domain,
+                &p.name.0,
+                own.shadow || p.shadow_mode,
+                inherited.lists(),
+            )),
             metric: own.metric.clone(),
             anonymous: false,
         });
@@ -393,7 +436,7 @@ fn node(
         limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
         let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
         let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&names));
-        let counters = Arc::new(PolicyCounters::new(inherited.domain, &name, own.shadow));
+        let counters = Arc::new(PolicyCounters::new(inherited.domain, &name, own.shadow, inherited.lists()));
         node.policies.push(Policy {
             name: name.into(),
             limit,

@@ -79,6 +79,8 @@ pub fn audit(a: &Audit<'_>) {
 pub(crate) struct PolicyCounters {
     near_limit: Counter,
     decided: Decided,
+    /// The clients the policy refuses and admits most (`limiter.top_clients`), when on.
+    pub top: Option<crate::topk::RuleLists>,
 }
 
 /// What a policy's decisions are counted as: refusals of a shadow policy only (it allows
@@ -95,8 +97,9 @@ impl fmt::Debug for PolicyCounters {
 }
 
 impl PolicyCounters {
-    /// Registers the counters of `policy` in `domain`, in shadow mode or not.
-    pub(crate) fn new(domain: &str, policy: &str, shadow: bool) -> Self {
+    /// Registers the counters of `policy` in `domain`, in shadow mode or not, with its
+    /// top lists when `top` has some.
+    pub(crate) fn new(domain: &str, policy: &str, shadow: bool, top: Option<crate::topk::RuleLists>) -> Self {
         let (d, p) = (domain.to_string(), policy.to_string());
         let decisions =
             |outcome| counter!(names::DECISIONS, "domain" => d.clone(), "policy" => p.clone(), "outcome" => outcome);
@@ -107,7 +110,7 @@ impl PolicyCounters {
         } else {
             Decided::Enforced { allowed: decisions("allowed"), over_limit: decisions("over_limit") }
         };
-        Self { near_limit: counter!(names::NEAR_LIMIT, "domain" => d, "policy" => p), decided }
+        Self { near_limit: counter!(names::NEAR_LIMIT, "domain" => d, "policy" => p), decided, top }
     }
 
     /// Counts one decision. `near` is whether an allowed decision used at least the
