@@ -115,44 +115,96 @@ pub fn simulate(args: Args) -> Result<(), ShedError> {
     Ok(())
 }
 
-/// A line chart: utilization, shed amount and each class's drop probability over time.
+/// A line chart: utilization, shed amount and each class's drop probability over time,
+/// on labelled axes (time in seconds, ticks at a round step; share from 0 to 1).
 fn svg(rows: &[Row], classes: usize) -> String {
-    let (w, h, pad) = (900.0, 360.0, 40.0);
+    let plot = Plot { w: 900.0, h: 400.0, left: 60.0, right: 20.0, top: 40.0, bottom: 50.0 };
     let t_max = rows.last().map_or(1.0, |r| r.t.max(1.0));
-    let x = |t: f64| pad + t / t_max * (w - 2.0 * pad);
-    let y = |v: f64| h - pad - v.clamp(0.0, 1.0) * (h - 2.0 * pad);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"12\">\n",
+        plot.w, plot.h
+    );
+    s += &format!("<rect width=\"{}\" height=\"{}\" fill=\"white\"/>\n", plot.w, plot.h);
+    s += &plot.axes(t_max);
     let line = |values: &dyn Fn(&Row) -> f64, color: &str, dash: &str| {
-        let points: Vec<String> = rows.iter().map(|r| format!("{:.1},{:.1}", x(r.t), y(values(r)))).collect();
+        let points: Vec<String> =
+            rows.iter().map(|r| format!("{:.1},{:.1}", plot.x(r.t, t_max), plot.y(values(r)))).collect();
         format!(
             "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" stroke-dasharray=\"{dash}\" points=\"{}\"/>\n",
             points.join(" ")
         )
     };
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n"
-    );
-    s += &format!("<rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>\n");
-    s += &format!("<line x1=\"{pad}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n", h - pad, w - pad, h - pad);
-    s += &format!("<line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{}\" stroke=\"black\"/>\n", h - pad);
-    s += &format!("<text x=\"{}\" y=\"{}\">time: 0 to {t_max:.0} s</text>\n", w / 2.0 - 40.0, h - 10.0);
-    s += &format!("<text x=\"5\" y=\"{}\">1</text><text x=\"5\" y=\"{}\">0</text>\n", pad + 4.0, h - pad);
     s += &line(&|r: &Row| r.utilization, "#999999", "6,4");
     s += &line(&|r: &Row| r.amount.max(0.0), "#d62728", "");
     let colors = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
     for c in 0..classes.saturating_sub(1) {
         s += &line(&move |r: &Row| r.drops[c], colors[c % colors.len()], "2,2");
     }
-    let mut legend = vec![("utilization", "#999999"), ("shed", "#d62728")];
-    let names: Vec<String> = (0..classes.saturating_sub(1)).map(|c| format!("class {c} dropped")).collect();
-    for (c, n) in names.iter().enumerate() {
-        legend.push((n.as_str(), colors[c % colors.len()]));
+    let mut legend = vec![("utilization".to_string(), "#999999"), ("shed".to_string(), "#d62728")];
+    for c in 0..classes.saturating_sub(1) {
+        legend.push((format!("class {c} dropped"), colors[c % colors.len()]));
     }
     for (i, (name, color)) in legend.iter().enumerate() {
-        let lx = pad + 10.0 + i as f64 * 120.0;
+        let lx = plot.left + i as f64 * 120.0;
         s += &format!(
-            "<rect x=\"{lx}\" y=\"8\" width=\"12\" height=\"12\" fill=\"{color}\"/><text x=\"{}\" y=\"18\">{name}</text>\n",
+            "<rect x=\"{lx}\" y=\"12\" width=\"12\" height=\"12\" fill=\"{color}\"/><text x=\"{}\" y=\"22\">{name}</text>\n",
             lx + 16.0
         );
     }
     s + "</svg>\n"
+}
+
+/// Where a chart draws: its size and margins, in pixels.
+struct Plot {
+    w: f64,
+    h: f64,
+    left: f64,
+    right: f64,
+    top: f64,
+    bottom: f64,
+}
+
+impl Plot {
+    fn x(&self, t: f64, t_max: f64) -> f64 {
+        self.left + t / t_max * (self.w - self.left - self.right)
+    }
+
+    fn y(&self, share: f64) -> f64 {
+        self.h - self.bottom - share.clamp(0.0, 1.0) * (self.h - self.top - self.bottom)
+    }
+
+    /// The axes, their ticks and grid lines, and their titles.
+    fn axes(&self, t_max: f64) -> String {
+        let (x0, x1, y0, y1) = (self.left, self.w - self.right, self.h - self.bottom, self.top);
+        let mut s = String::new();
+        for share in [0.0, 0.25, 0.5, 0.75, 1.0] {
+            let y = self.y(share);
+            s += &format!("<line x1=\"{x0}\" y1=\"{y:.1}\" x2=\"{x1}\" y2=\"{y:.1}\" stroke=\"#e5e5e5\"/>\n");
+            s += &format!("<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{share}</text>\n", x0 - 6.0, y + 4.0);
+        }
+        // a round step giving 4 to 12 ticks
+        let step = [1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0]
+            .into_iter()
+            .find(|step| t_max / step <= 12.0)
+            .unwrap_or(7200.0);
+        let mut t = 0.0;
+        while t <= t_max + 1e-9 {
+            let x = self.x(t, t_max);
+            s += &format!("<line x1=\"{x:.1}\" y1=\"{y0}\" x2=\"{x:.1}\" y2=\"{}\" stroke=\"black\"/>\n", y0 + 5.0);
+            s += &format!("<text x=\"{x:.1}\" y=\"{}\" text-anchor=\"middle\">{t}</text>\n", y0 + 18.0);
+            t += step;
+        }
+        s += &format!("<line x1=\"{x0}\" y1=\"{y0}\" x2=\"{x1}\" y2=\"{y0}\" stroke=\"black\"/>\n");
+        s += &format!("<line x1=\"{x0}\" y1=\"{y1}\" x2=\"{x0}\" y2=\"{y0}\" stroke=\"black\"/>\n");
+        s += &format!(
+            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">time (s)</text>\n",
+            (x0 + x1) / 2.0,
+            self.h - 12.0
+        );
+        s + &format!(
+            "<text x=\"16\" y=\"{:.1}\" text-anchor=\"middle\" transform=\"rotate(-90 16 {:.1})\">share (0 to 1)</text>\n",
+            (y0 + y1) / 2.0,
+            (y0 + y1) / 2.0
+        )
+    }
 }

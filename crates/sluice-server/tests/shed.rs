@@ -45,3 +45,28 @@ fn plots_and_refuses_bad_schedules() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("outside 0 to 1"));
 }
+
+/// docs/operations.md's chart is what its documented command draws today, on labelled
+/// axes (time ticks in seconds, a share from 0 to 1).
+#[test]
+fn the_docs_chart_is_what_the_documented_command_draws() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let doc = std::fs::read_to_string(root.join("docs/operations.md")).unwrap();
+    let command = "sluice shed simulate --utilization 1.0:300s,0.5:300s,0.75:60s --plot shed.svg > shed.csv";
+    assert!(
+        doc.contains(command) && doc.contains("](images/shed.svg)"),
+        "docs/operations.md shows the command and its chart"
+    );
+    let dir = sluice_testkit::TempDir::new("sluice-shed-docs");
+    let plot = dir.path().join("shed.svg");
+    simulate(&["--utilization", "1.0:300s,0.5:300s,0.75:60s", "--plot", plot.to_str().unwrap()]);
+    let drawn = std::fs::read_to_string(&plot).unwrap();
+    let committed = std::fs::read_to_string(root.join("docs/images/shed.svg")).unwrap();
+    assert!(
+        drawn == committed,
+        "docs/images/shed.svg is stale: run the command above with --plot docs/images/shed.svg"
+    );
+    for label in ["time (s)", "share (0 to 1)", ">0.5</text>", ">300</text>", ">600</text>", "class 2 dropped"] {
+        assert!(drawn.contains(label), "the chart has no {label}");
+    }
+}
