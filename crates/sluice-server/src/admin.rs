@@ -26,21 +26,36 @@ pub fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/v1/overrides/{id}", get(get_override).put(put_override).delete(delete_override))
         .route("/v1/admin/clients", get(inspect).delete(reset))
         .route("/v1/admin/top", get(top))
+        .merge(ui_routes(&state))
         .route_layer(axum::middleware::from_fn_with_state(state, require_token))
 }
 
-/// Lets through requests carrying `Authorization: Bearer <server.admin_token>`
-/// (compared in constant time); 401 for the rest.
+/// The live page and its overview, when `server.ui` is on (see `ui.rs`).
+fn ui_routes(state: &AppState) -> Router<Arc<AppState>> {
+    match state.ui {
+        Some(_) => {
+            Router::new().route("/ui", get(crate::ui::page)).route("/v1/admin/overview", get(crate::ui::overview))
+        }
+        None => Router::new(),
+    }
+}
+
+/// Lets through requests carrying `Authorization: Bearer <server.admin_token>`, or HTTP
+/// Basic with it as the password (a browser on the live page), compared in constant
+/// time; 401 for the rest, inviting a browser to ask for Basic.
 async fn require_token(
     State(state): Shared,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
     let given = request.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
-    match state.admin_token.as_deref().is_some_and(|token| crate::state::bearer_is(given, token)) {
-        true => next.run(request).await,
-        false => crate::http::unauthorized_for("server.admin_token"),
+    let token = state.admin_token.as_deref();
+    if token.is_some_and(|t| crate::state::bearer_is(given, t) || crate::state::basic_is(given, t)) {
+        return next.run(request).await;
     }
+    let mut refused = crate::http::unauthorized_for("server.admin_token");
+    refused.headers_mut().append(header::WWW_AUTHENTICATE, HeaderValue::from_static("Basic realm=\"sluice admin\""));
+    refused
 }
 
 /// Who acted, for the audit line: a fingerprint of the admin token (never the token).

@@ -84,6 +84,8 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// TLS on both listeners (see `tls.rs`); plain TCP without it.
     pub tls: Option<ListenerTls>,
+    /// The live page, `GET /ui`, and the overview it polls (needs `admin_token`).
+    pub ui: bool,
 }
 
 /// `server.tls`: the listeners' certificate, and the CA whose client certificates are
@@ -112,6 +114,7 @@ impl Default for ServerConfig {
             max_connections: 4_096,
             shutdown_grace: Duration(10_000),
             tls: None,
+            ui: false,
         }
     }
 }

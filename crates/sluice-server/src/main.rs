@@ -24,6 +24,7 @@ mod serve;
 mod shed;
 mod state;
 mod tls;
+mod ui;
 
 use clap::Parser;
 use cli::{Cli, Command, ConfigCommand, ShedCommand};

@@ -69,6 +69,10 @@ pub enum ServeError {
     Telemetry(String),
     #[error("{0}")]
     Env(String),
+    #[error(
+        "server.ui is on but server.admin_token is not set: the page shows clients and overrides, so it is served only behind the admin token"
+    )]
+    UiWithoutToken,
 }
 
 /// Runs the service.
@@ -91,6 +95,7 @@ pub async fn serve(mut args: Args) -> Result<(), ServeError> {
     }
     let tls = config.server.tls.as_ref().map(crate::tls::Tls::load).transpose()?.map(Arc::new);
     let state = Arc::new(state_of(&config, rules, metrics, tls.clone()).await?);
+    crate::ui::start_sampling(&state);
     let tracer = state.tracer.clone();
     let addr = args.http.unwrap_or(config.server.http);
     let listener = listen(addr)?;
@@ -151,7 +156,11 @@ async fn state_of(
     metrics: Metrics,
     tls: Option<Arc<crate::tls::Tls>>,
 ) -> Result<AppState, ServeError> {
+    if config.server.ui && config.server.admin_token.is_none() {
+        return Err(ServeError::UiWithoutToken);
+    }
     let mut state = AppState::new(build(config, rules)?, &config.server, Some(metrics), tls);
+    state.ui = config.server.ui.then(Default::default);
     state.tracer =
         config.telemetry.otlp.as_ref().map(crate::otel::Tracer::start).transpose().map_err(ServeError::Telemetry)?;
     state.engine.load().limiter.store().preflight().await.map_err(|e| match e {

@@ -37,6 +37,8 @@ pub struct AppState {
     pub metrics: Option<Metrics>,
     /// `telemetry.otlp`: traces, when on (set at start).
     pub tracer: Option<Arc<crate::otel::Tracer>>,
+    /// `server.ui`: the samples the live page shows, when on (set at start).
+    pub ui: Option<Arc<crate::ui::History>>,
 }
 
 /// What `/metrics` renders: the recorder's metrics and the standard process metrics
@@ -74,6 +76,7 @@ impl AppState {
             body_timeout: server.body_timeout.to_std(),
             metrics,
             tracer: None,
+            ui: None,
         }
     }
 
@@ -95,5 +98,20 @@ impl AppState {
 /// length), so response times do not reveal how much of a guess was right.
 pub fn bearer_is(authorization: Option<&[u8]>, token: &str) -> bool {
     let given = authorization.and_then(|a| a.strip_prefix(b"Bearer ")).unwrap_or(b"");
-    given.len() == token.len() && given.iter().zip(token.as_bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    same(given, token.as_bytes())
+}
+
+/// Whether `authorization` is HTTP Basic with `token` as the password (any user name):
+/// how a browser sends the admin token to the live page (`server.ui`).
+pub fn basic_is(authorization: Option<&[u8]>, token: &str) -> bool {
+    use base64::Engine;
+    let given = authorization.and_then(|a| a.strip_prefix(b"Basic ")).unwrap_or(b"");
+    let decoded = base64::engine::general_purpose::STANDARD.decode(given).unwrap_or_default();
+    let password = decoded.iter().position(|&b| b == b':').map_or(&[][..], |i| &decoded[i + 1..]);
+    same(password, token.as_bytes())
+}
+
+/// Equal bytes, compared in constant time for a given length.
+fn same(given: &[u8], wanted: &[u8]) -> bool {
+    given.len() == wanted.len() && given.iter().zip(wanted).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }
