@@ -105,8 +105,8 @@ pub async fn overview(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// Per domain and rule: allowed and refused a second over the samples kept, and the
-/// totals; requests refused for want of a store (503) a second, and shed a second per
-/// priority class.
+/// totals; requests decided without the store a second (refused, 503, or admitted by
+/// failing open), and shed a second per priority class.
 fn rates(samples: &VecDeque<Sample>) -> Value {
     let seconds: Vec<f64> = samples
         .iter()
@@ -119,7 +119,7 @@ fn rates(samples: &VecDeque<Sample>) -> Value {
         samples.iter().zip(samples.iter().skip(1)).zip(&seconds).map(|((a, b), s)| (value(b) - value(a)) / s).collect()
     };
     let mut rules: BTreeMap<(String, String), (Vec<f64>, Vec<f64>)> = BTreeMap::new();
-    let mut unavailable = vec![0.0; seconds.len()];
+    let (mut unavailable, mut fail_open) = (vec![0.0; seconds.len()], vec![0.0; seconds.len()]);
     let mut shed: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     let last = samples.back().map(|s| s.values.keys().cloned().collect::<Vec<_>>()).unwrap_or_default();
     for series in &last {
@@ -133,6 +133,7 @@ fn rates(samples: &VecDeque<Sample>) -> Value {
                 add(if *outcome == "allowed" { allowed } else { refused });
             }
             ("sluice_degraded_total", _, Some(&"closed")) => add(&mut unavailable),
+            ("sluice_degraded_total", _, Some(&"open")) => add(&mut fail_open),
             ("sluice_shed_total", _, _) => {
                 let class = labels.get("class").copied().unwrap_or("").to_string();
                 add(shed.entry(class).or_insert_with(|| vec![0.0; seconds.len()]))
@@ -150,7 +151,7 @@ fn rates(samples: &VecDeque<Sample>) -> Value {
         })
         .collect();
     json!({"seconds": seconds.iter().sum::<f64>().round(), "rules": rules,
-           "unavailable_per_s": unavailable, "shed_per_s_by_class": shed})
+           "unavailable_per_s": unavailable, "fail_open_per_s": fail_open, "shed_per_s_by_class": shed})
 }
 
 /// The store's health: its kind, apply latency over the last minute (p50, p99), the
