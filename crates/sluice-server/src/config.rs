@@ -86,6 +86,9 @@ pub struct ServerConfig {
     pub tls: Option<ListenerTls>,
     /// The live page, `GET /ui`, and the overview it polls (needs `admin_token`).
     pub ui: bool,
+    /// Threads serving gRPC, each a single-threaded runtime of its own (default: one a
+    /// core). A connection stays on the thread that accepted it.
+    pub grpc_threads: Option<usize>,
 }
 
 /// `server.tls`: the listeners' certificate, and the CA whose client certificates are
@@ -115,6 +118,7 @@ impl Default for ServerConfig {
             shutdown_grace: Duration(10_000),
             tls: None,
             ui: false,
+            grpc_threads: None,
         }
     }
 }

@@ -111,7 +111,7 @@ pub async fn serve(mut args: Args) -> Result<(), ServeError> {
         ready_file(file, addr, grpc_addr)?;
     }
     let (stopping, stop) = tokio::sync::watch::channel(false);
-    let grpc = serve_grpc(grpc_listener, state.clone(), &config.server, stop);
+    let grpc = serve_grpc(grpc_listener, state.clone(), &config.server, stop)?;
     tracing::info!(http = %addr, grpc = %grpc_addr, store = state.engine.load().limiter.store().kind(), "sluice is serving");
     let server = config.server.clone();
     crate::reload::watch(args.config.clone(), config, loaded_bytes, state.clone());
@@ -201,40 +201,87 @@ fn ready_file(file: &std::path::Path, http: SocketAddr, grpc: SocketAddr) -> Res
 }
 
 /// Envoy's rate limit service, on its own port, sharing the engine, until `stop` turns
-/// true: then it answers the calls in flight and ends (the returned task).
+/// true: then it answers the calls in flight and ends (the returned task ends when every
+/// thread has).
+///
+/// Served by `server.grpc_threads` threads, each a single-threaded runtime accepting on
+/// the same socket, not by the multi-threaded runtime: hyper runs each HTTP/2 stream as
+/// a task of its own, and on the multi-threaded runtime every call woke another thread
+/// to run it and again to answer (measured: six times Limitador's system calls for the
+/// same load). A connection stays on the thread that accepted it, so a call never
+/// crosses threads: server CPU per decision 24.3 -> 15.1 us (docs/benchmarks.md).
 fn serve_grpc(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
     server: &ServerConfig,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::task::JoinHandle<()>, ServeError> {
+    let listener = listener.into_std().map_err(ServeError::Io)?;
+    let mut ended = Vec::new();
+    for i in 0..grpc_threads(server) {
+        let (listener, state, stop) = (listener.try_clone().map_err(ServeError::Io)?, state.clone(), stop.clone());
+        let ping = server.header_timeout.to_std();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .on_thread_park(crate::alloc::on_park)
+            .build()
+            .map_err(ServeError::Io)?;
+        let (done, end) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name(format!("sluice-grpc-{i}"))
+            .spawn(move || {
+                runtime.block_on(grpc_thread(listener, state, ping, stop));
+                let _ = done.send(());
+            })
+            .map_err(ServeError::Io)?;
+        ended.push(end);
+    }
+    Ok(tokio::spawn(async move {
+        for end in ended {
+            let _ = end.await;
+        }
+    }))
+}
+
+/// `server.grpc_threads`, or one a core.
+fn grpc_threads(server: &ServerConfig) -> usize {
+    server.grpc_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1)
+}
+
+/// One gRPC thread's server, on the shared socket, until `stop`.
+async fn grpc_thread(
+    listener: std::net::TcpListener,
+    state: Arc<AppState>,
+    ping: std::time::Duration,
     mut stop: tokio::sync::watch::Receiver<bool>,
-) -> tokio::task::JoinHandle<()> {
+) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => return tracing::error!(error = %e, "the gRPC listener cannot be used"),
+    };
     let tls = state.tls.clone();
-    let rls = Rls { state };
-    let ping = server.header_timeout.to_std();
-    let mut builder = tonic::transport::Server::builder()
+    let stopped = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    let router = tonic::transport::Server::builder()
         // a peer that stops answering HTTP/2 pings is gone: close its connection
         .http2_keepalive_interval(Some(ping))
         .http2_keepalive_timeout(Some(ping))
         .max_concurrent_streams(Some(1_024))
         // a call that takes longer than a request head may is answered DEADLINE_EXCEEDED
-        .timeout(ping);
-    tokio::spawn(async move {
-        let stopped = async move {
-            let _ = stop.wait_for(|s| *s).await;
-        };
-        let router = builder.add_service(rls);
-        let served = match tls {
-            Some(tls) => router.serve_with_incoming_shutdown(crate::tls::incoming(listener, tls, ping), stopped).await,
-            None => {
-                // no Nagle: a small reply held back for a delayed ACK costs every call ~40 ms
-                let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-                router.serve_with_incoming_shutdown(incoming, stopped).await
-            }
-        };
-        if let Err(e) = served {
-            tracing::error!(error = %e, "the gRPC server stopped");
+        .timeout(ping)
+        .add_service(Rls { state });
+    let served = match tls {
+        Some(tls) => router.serve_with_incoming_shutdown(crate::tls::incoming(listener, tls, ping), stopped).await,
+        None => {
+            // no Nagle: a small reply held back for a delayed ACK costs every call ~40 ms
+            let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+            router.serve_with_incoming_shutdown(incoming, stopped).await
         }
-    })
+    };
+    if let Err(e) = served {
+        tracing::error!(error = %e, "the gRPC server stopped");
+    }
 }
 
 /// Raises the process's soft open-file limit to its hard limit (each connection is a
