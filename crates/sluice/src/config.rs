@@ -220,6 +220,11 @@ pub struct DescriptorConfig {
     /// wildcard matches shares one counter, instead of one counter per value.
     #[serde(default)]
     pub share_threshold: bool,
+    /// Sluice's extension: this rule's fixed-window limits are decided in process from
+    /// quota grants taken from the store (`auto`, or `{max: N, refresh: 100ms}`): a
+    /// store call for a twentieth of the decisions or fewer, never past the limit.
+    #[serde(default)]
+    pub grants: Option<Grants>,
     /// envoyproxy/ratelimit's `metadata`: free-form, passed on in Envoy's response
     /// (`dynamic_metadata`, when `server.response_dynamic_metadata` is on) for the
     /// descriptors it allowed.
@@ -329,6 +334,7 @@ impl DescriptorConfig {
             detailed_metric: false,
             value_to_metric: false,
             share_threshold: false,
+            grants: None,
             metadata: None,
         }
     }
@@ -438,6 +444,57 @@ impl<'de> Deserialize<'de> for Duration {
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<Duration, E> {
                 Err(E::custom(format!("invalid duration `{v}`: add a unit, like {v}s or {v}ms")))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `grants:` on a rule: how its limits take quota grants (see docs/configuration.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grants {
+    /// The most units one grant takes (`auto`: as many as the key's rate over `refresh`,
+    /// within the store's share of what is left).
+    pub max: Option<u64>,
+    /// How long a grant should last at the key's rate: the next is asked for when a
+    /// quarter of the current one is left.
+    pub refresh: Millis,
+}
+
+impl Grants {
+    /// `grants: auto`.
+    pub const AUTO: Grants = Grants { max: None, refresh: 100 };
+}
+
+impl<'de> Deserialize<'de> for Grants {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Tuned {
+            #[serde(default)]
+            max: Option<u64>,
+            #[serde(default)]
+            refresh: Option<Duration>,
+        }
+        struct V;
+        impl<'de> de::Visitor<'de> for V {
+            type Value = Grants;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("`auto`, or a map with `max` (units) and `refresh` (a duration like 100ms)")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Grants, E> {
+                match v {
+                    "auto" => Ok(Grants::AUTO),
+                    _ => Err(E::custom(format!("grants: `{v}` is not `auto` or a map of `max` and `refresh`"))),
+                }
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Grants, A::Error> {
+                let t = Tuned::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                let refresh = t.refresh.map_or(Grants::AUTO.refresh, |r| r.0);
+                if t.max == Some(0) || refresh == 0 {
+                    return Err(de::Error::custom("grants: `max` and `refresh` must be above 0"));
+                }
+                Ok(Grants { max: t.max, refresh })
             }
         }
         d.deserialize_any(V)

@@ -8,7 +8,8 @@
 //! fails is decided by its policies' failure policy (invariant 7).
 
 use crate::algo::{Decision, Lease, Limit, Op};
-use crate::config::Failure;
+use crate::config::{Failure, Grants};
+use crate::grants::{Ledger, Leftovers, Take};
 use crate::near_cache::NearCache;
 use crate::overrides::{Override, OverrideError, Overrides};
 use crate::plan::{Group, Mode, Plan, plan, unevaluated};
@@ -75,13 +76,51 @@ pub struct Limiter {
     near_cache: Option<NearCache>,
     failures: FailureLog,
     overrides: Arc<Overrides>,
+    grants: Arc<Ledger>,
+    /// When the grants held were last swept for revocations and idle keys.
+    sweep: crate::time::Throttle,
 }
+
+/// How often the grants held are swept (for resets, overrides and idle keys): what
+/// bounds how long a revoked grant is still spent.
+const SWEEP_EVERY: Millis = 250;
 
 impl Limiter {
     /// An engine over compiled rules, a store and a clock.
     pub fn new(rules: Arc<Rules>, store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
         let overrides = Overrides::new(store.clone(), clock.clone());
-        Self { rules, store, clock, near_cache: None, failures: FailureLog::default(), overrides }
+        Self {
+            rules,
+            store,
+            clock,
+            near_cache: None,
+            failures: FailureLog::default(),
+            overrides,
+            grants: Arc::default(),
+            sweep: Default::default(),
+        }
+    }
+
+    /// Uses the quota grants `grants` holds: how a config reload hands the units this
+    /// instance holds to the next engine (a limit the reload changed gives its grants
+    /// back at its next decision).
+    pub fn with_grants(mut self, grants: Arc<Ledger>) -> Self {
+        self.grants = grants;
+        self
+    }
+
+    /// The quota grants this instance holds.
+    pub fn grants(&self) -> &Arc<Ledger> {
+        &self.grants
+    }
+
+    /// Gives back every grant this instance holds (at shutdown: what was not spent is
+    /// admitted elsewhere). The last error, if a give-back failed.
+    pub async fn return_grants(&self) -> Result<(), StoreError> {
+        let now = self.clock.now();
+        let mut out = Leftovers::default();
+        self.grants.drain(now, &mut out);
+        self.grants.settle(&*self.store, out, now).await
     }
 
     /// Uses `overrides` (kept in this engine's store): how a config reload hands the
@@ -379,6 +418,11 @@ impl Limiter {
         if let Some(cache) = &self.near_cache {
             cache.sync(self.overrides.generation());
         }
+        if self.sweep.due(now, SWEEP_EVERY) {
+            let mut out = Leftovers::default();
+            self.grants.sweep(self.overrides.generation(), now, &mut out);
+            self.settle_later(out, now);
+        }
         let results = futures_util::future::join_all(groups.iter().map(|g| self.evaluate(g, mode, now))).await;
         let mut tally = Tally::default();
         for (g, result) in groups.iter().zip(results) {
@@ -498,6 +542,9 @@ impl Limiter {
                 }
             }
         }
+        if g.grants.iter().any(Option::is_some) {
+            return Ok((self.evaluate_granted(g, now).await?, Source::Store));
+        }
         let decisions = match mode {
             Mode::Peek => self.store.peek(g.tag, &g.ops, now).await?,
             _ => self.store.apply(g.tag, &g.ops, now).await?,
@@ -508,6 +555,138 @@ impl Limiter {
             }
         }
         Ok((decisions, Source::Store))
+    }
+
+    /// One group's decisions when some of its ops are decided from quota grants: those
+    /// spend units held (or take a grant first), the others are one store call, and
+    /// the group stays all or nothing: a refusal puts the spent units back.
+    async fn evaluate_granted(&self, g: &Group, now: Millis) -> Result<Vec<Decision>, StoreError> {
+        let mut decisions: Vec<Decision> = g.ops.iter().map(|o| unevaluated(&o.limit)).collect();
+        let mut spent = Vec::new();
+        let mut refused = false;
+        let mut out = Leftovers::default();
+        for (i, (op, grants)) in g.ops.iter().zip(&g.grants).enumerate() {
+            let Some(grants) = grants else { continue };
+            let d = match self.spend(g.tag, op, *grants, now, &mut out).await {
+                Ok(d) => d,
+                Err(e) => {
+                    self.settle_later(out, now);
+                    self.put_back(g, &spent, &mut decisions, now).await?;
+                    return Err(e);
+                }
+            };
+            refused |= !d.allowed && !op.shadow;
+            if d.allowed && op.cost > 0 {
+                spent.push(i);
+            }
+            decisions[i] = d;
+        }
+        self.settle_later(out, now);
+        let rest: Vec<usize> = (0..g.ops.len()).filter(|&i| g.grants[i].is_none()).collect();
+        if !rest.is_empty() {
+            let ops: Vec<Op> = rest.iter().map(|&i| g.ops[i]).collect();
+            // a refused request charges nothing: the others only report
+            let answer = match refused {
+                true => self.store.peek(g.tag, &ops, now).await,
+                false => self.store.apply(g.tag, &ops, now).await,
+            };
+            let answer = match answer {
+                Ok(answer) => answer,
+                Err(e) => {
+                    self.put_back(g, &spent, &mut decisions, now).await?;
+                    return Err(e);
+                }
+            };
+            refused |= ops.iter().zip(&answer).any(|(o, d)| !o.shadow && !d.allowed);
+            for (i, d) in rest.into_iter().zip(answer) {
+                decisions[i] = d;
+            }
+        }
+        if refused {
+            self.put_back(g, &spent, &mut decisions, now).await?;
+        }
+        Ok(decisions)
+    }
+
+    /// Spends `op`'s cost from the grants held, taking a grant from the store first when
+    /// too few units are held; asks for the next grant in the background when due.
+    async fn spend(
+        &self,
+        tag: Tag,
+        op: &Op,
+        grants: Grants,
+        now: Millis,
+        out: &mut Leftovers,
+    ) -> Result<Decision, StoreError> {
+        let ask = match self.grants.take(tag, op, grants, now, out) {
+            Take::Spent(d, refresh) => {
+                if let Some(ask) = refresh {
+                    self.refresh(tag, ask);
+                }
+                return Ok(d);
+            }
+            Take::Refused(d) => return Ok(d),
+            Take::Short(ask) => ask,
+        };
+        self.grants.stats().store_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let granted = self.store.grant(tag, ask, now).await?;
+        self.grants.add(tag, &ask, &granted, now, out);
+        Ok(match self.grants.take(tag, op, grants, now, out) {
+            Take::Spent(d, _) => d,
+            _ => self.grants.refusal(tag, op, &granted, now),
+        })
+    }
+
+    /// Asks for a grant in the background.
+    fn refresh(&self, tag: Tag, ask: crate::store::GrantAsk) {
+        let (store, ledger, clock) = (self.store.clone(), self.grants.clone(), self.clock.clone());
+        tokio::spawn(async move {
+            ledger.stats().store_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let now = clock.now();
+            match store.grant(tag, ask, now).await {
+                Ok(granted) => {
+                    let mut out = Leftovers::default();
+                    ledger.add(tag, &ask, &granted, now, &mut out);
+                    let _ = ledger.settle(&*store, out, now).await;
+                }
+                Err(_) => ledger.refresh_failed(tag, ask.key),
+            }
+        });
+    }
+
+    /// Gives back, in the background, grants revoked and counts units lapsed.
+    fn settle_later(&self, out: Leftovers, now: Millis) {
+        if out.give_back.is_empty() && out.expired == 0 {
+            return;
+        }
+        let (store, ledger) = (self.store.clone(), self.grants.clone());
+        tokio::spawn(async move {
+            let _ = ledger.settle(&*store, out, now).await;
+        });
+    }
+
+    /// Puts the units the ops at `spent` took from grants back (the group was refused),
+    /// and reports their decisions as uncharged.
+    async fn put_back(
+        &self,
+        g: &Group,
+        spent: &[usize],
+        decisions: &mut [Decision],
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        let mut refunds = Vec::new();
+        for &i in spent {
+            let (op, d) = (&g.ops[i], &mut decisions[i]);
+            if !self.grants.put_back(g.tag, op.key, &op.limit, op.cost, d.reset_at) {
+                refunds.push(refund_of(op, op.cost, d.reset_at));
+            }
+            d.used = d.used.saturating_sub(op.cost);
+            d.remaining = d.remaining.saturating_add(op.cost).min(d.limit);
+        }
+        if !refunds.is_empty() {
+            self.store.refund(g.tag, &refunds, now).await?;
+        }
+        Ok(())
     }
 
     /// Decisions for a group whose store call failed, by each policy's failure policy:
@@ -544,6 +723,10 @@ impl Limiter {
     async fn give_back(&self, charges: &[(Tag, Refund)], now: Millis) -> Result<(), StoreError> {
         let mut by_tag: Vec<(Tag, Vec<Refund>)> = Vec::new();
         for &(tag, refund) in charges {
+            // units spent from a grant this instance still holds go back into it
+            if self.grants.put_back(tag, refund.key, &refund.limit, refund.cost, refund.window) {
+                continue;
+            }
             match by_tag.iter_mut().find(|(t, _)| *t == tag) {
                 Some((_, refunds)) => refunds.push(refund),
                 None => by_tag.push((tag, vec![refund])),

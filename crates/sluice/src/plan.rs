@@ -8,7 +8,7 @@
 //! that the engine fills with the store's decisions.
 
 use crate::algo::{Decision, Lease, Limit, Op};
-use crate::config::Failure;
+use crate::config::{Failure, Grants};
 use crate::overrides::{Override, OverrideSet};
 use crate::request::{Descriptor, Request, RequestError, validate};
 use crate::rules::{Domain, Node, Policy, Rules};
@@ -59,6 +59,8 @@ pub(crate) struct Group {
     pub failures: Vec<Failure>,
     /// Each op's `(descriptor, policy)` slot in the verdict.
     pub slots: Vec<(usize, usize)>,
+    /// Each op's quota grants, when it is decided from grants (a charging mode).
+    pub grants: Vec<Option<Grants>>,
 }
 
 /// A request, planned.
@@ -128,7 +130,8 @@ pub(crate) fn plan<'r>(
         for p in policies.iter().filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name)) {
             let o = candidates.find(&p.name, now);
             let op = op_for(rules, p, o.map(|o| &**o), &entries, cost, lease, di, req.lenient)?;
-            plan.add(tag, op, p, o.cloned(), di);
+            let grants = p.grants.filter(|_| mode.charges());
+            plan.add(tag, op, p, o.cloned(), di, grants);
         }
     }
     Ok(plan)
@@ -147,6 +150,7 @@ fn request_policy(rules: &Rules, domain: &Domain, d: &Descriptor, di: usize) -> 
         counters: domain.override_counters.clone(),
         metric: None,
         anonymous: true,
+        grants: None,
     })
 }
 
@@ -184,7 +188,7 @@ fn op_for(
 impl Plan<'_> {
     /// Adds `op` (of policy `p` under override `o`, descriptor `di`) to its tag's group,
     /// and its slot to the verdict.
-    fn add(&mut self, tag: Tag, op: Op, p: &Policy, o: Option<Arc<Override>>, di: usize) {
+    fn add(&mut self, tag: Tag, op: Op, p: &Policy, o: Option<Arc<Override>>, di: usize, grants: Option<Grants>) {
         let verdict = &mut self.descriptors[di];
         let slot = (di, verdict.policies.len());
         verdict.policies.push(PolicyDecision {
@@ -203,10 +207,17 @@ impl Plan<'_> {
                 g.ops.push(op);
                 g.failures.push(p.failure);
                 g.slots.push(slot);
+                g.grants.push(grants);
             }
             // the same state twice in one request (two identical descriptors): a separate
             // call keeps each op's decision its own
-            _ => self.groups.push(Group { tag, ops: vec![op], failures: vec![p.failure], slots: vec![slot] }),
+            _ => self.groups.push(Group {
+                tag,
+                ops: vec![op],
+                failures: vec![p.failure],
+                slots: vec![slot],
+                grants: vec![grants],
+            }),
         }
     }
 }

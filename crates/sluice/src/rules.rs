@@ -9,7 +9,7 @@
 //! falls off the tree matches nothing and is allowed.
 
 use crate::algo::Limit;
-use crate::config::{DescriptorConfig, DomainConfig, Failure, LimiterConfig};
+use crate::config::{DescriptorConfig, DomainConfig, Failure, Grants, LimiterConfig};
 use crate::tag::{Tag, Tagger};
 use crate::telemetry::{DomainCounters, PolicyCounters};
 use std::collections::HashMap;
@@ -32,6 +32,8 @@ pub(crate) struct Policy {
     pub metric: Option<MetricLabel>,
     /// Named by Sluice, not by the config (a `rate_limit` without `name`).
     pub anonymous: bool,
+    /// Decided from quota grants (`grants:` on its rule).
+    pub grants: Option<Grants>,
 }
 
 /// How the `descriptor` label of `sluice_decisions_detailed_total` is written for a
@@ -341,6 +343,24 @@ fn metric_label(c: &DescriptorConfig, steps: &[Step]) -> Option<MetricLabel> {
     steps.iter().any(|s| s.by_value).then(|| label(&|s| s.by_value))
 }
 
+/// The grants a limit of rule `c` takes: those of `grants:` on the rule, for the
+/// algorithms grants keep exact.
+fn grants_for(c: &DescriptorConfig, limit: &Limit) -> Result<Option<Grants>, String> {
+    let Some(grants) = c.grants else { return Ok(None) };
+    match limit {
+        Limit::FixedWindow { .. } => Ok(Some(grants)),
+        Limit::TokenBucket { .. } => Err("`grants` does not take token_bucket limits yet (only fixed_window): \
+             remove `grants` from this rule or make the limit a fixed_window"
+            .into()),
+        Limit::SlidingWindow { .. } => Err("`grants` cannot keep a sliding_window exact (its count weighs the \
+             previous window, which a grant taken earlier cannot know): use a fixed_window"
+            .into()),
+        Limit::Concurrency { .. } => Err("`grants` does not apply to concurrency limits: a lease is held \
+             and given back by one request, so there is nothing to hand out ahead"
+            .into()),
+    }
+}
+
 /// What a rule's own limits are, beside their limit.
 struct Own {
     shadow: bool,
@@ -390,6 +410,7 @@ fn add(
             )),
             metric: own.metric.clone(),
             anonymous: false,
+            grants: grants_for(c, &limit).map_err(at)?,
         });
     }
     if node.unlimited && !node.policies.is_empty() {
@@ -445,6 +466,7 @@ fn node(
             counters,
             metric: own.metric.clone(),
             anonymous: rl.name.is_none(),
+            grants: grants_for(c, &limit).map_err(err)?,
         });
     }
     Ok(node)

@@ -220,7 +220,7 @@ pub(crate) fn lease_released() {
 
 /// A store's call latencies, errors and breaker state.
 pub(crate) struct StoreMetrics {
-    calls: [Histogram; 6],
+    calls: [Histogram; 7],
     /// By kind: unavailable, timeout, protocol, circuit_open.
     errors: [(&'static str, Counter); 4],
     breaker: Gauge,
@@ -235,6 +235,8 @@ pub(crate) enum StoreOp {
     Refund = 3,
     Reset = 4,
     Registry = 5,
+    /// Taking a quota grant, or giving one back.
+    Grant = 6,
 }
 
 impl StoreMetrics {
@@ -243,7 +245,15 @@ impl StoreMetrics {
         let call = |op: &'static str| histogram!(names::STORE_CALL_SECONDS, "store" => kind, "op" => op);
         let error = |k: &'static str| (k, counter!(names::STORE_ERRORS, "store" => kind, "kind" => k));
         Self {
-            calls: [call("apply"), call("peek"), call("release"), call("refund"), call("reset"), call("registry")],
+            calls: [
+                call("apply"),
+                call("peek"),
+                call("release"),
+                call("refund"),
+                call("reset"),
+                call("registry"),
+                call("grant"),
+            ],
             errors: [error("unavailable"), error("timeout"), error("protocol"), error("circuit_open")],
             breaker: gauge!(names::BREAKER_STATE, "store" => kind),
         }

@@ -18,6 +18,7 @@
 
 pub(crate) mod concurrency;
 pub(crate) mod fixed_window;
+pub mod grant;
 pub mod shedder;
 pub(crate) mod sliding_window;
 pub(crate) mod token_bucket;

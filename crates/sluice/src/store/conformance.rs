@@ -14,7 +14,7 @@
 //! argument), so the suite crosses window boundaries without sleeping. Every check uses
 //! fresh random tags, so checks may share one store and one server.
 
-use super::{Refund, RegistryOp, Store};
+use super::{GiveBack, GrantAsk, Refund, RegistryOp, Store};
 use crate::algo::{self, Decision, Lease, Limit, Op, State};
 use crate::tag::Tag;
 use crate::time::{Clock, Millis};
@@ -264,6 +264,74 @@ pub async fn registry_is_versioned(s: &dyn Store) {
     assert!(s.registry(RegistryOp::Touch).await.unwrap().version > gone.version, "a touch moves the version");
 }
 
+/// Quota grants (`algo::grant`): a grant charges the window at once and is a share of
+/// what is left; a give-back counts once, only in its window; a reset closes the book;
+/// grants and plain charges of one window add up. A store that takes no grants says so.
+pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
+    let t0 = t0();
+    let t = fresh_tag();
+    let l = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
+    let ask = |id, need, want| GrantAsk { key: 1, limit: l, need, want, id };
+    if !s.grants() {
+        assert!(s.grant(t, ask(1, 1, 10), t0).await.is_err(), "a store taking no grants must refuse one");
+        return;
+    }
+    let g = s.grant(t, ask(u64::MAX, 1, 1_000), t0).await.unwrap();
+    assert_eq!((g.units, g.holders, g.decision.remaining, g.decision.reset_at), (50, 1, 50, t0 + 60_000));
+    let g2 = s.grant(t, ask(7, 1, 1_000), t0 + 1).await.unwrap();
+    assert_eq!((g2.units, g2.holders), (12, 2), "a share of what is left among two holders");
+    assert_eq!(hit(s, t, op(1, l, 3), t0 + 2).await.remaining, 35, "a plain charge counts on top of grants");
+    let back = |id, unspent, window| GiveBack { key: 1, limit: l, id, unspent, window };
+    assert_eq!(s.give_back(t, back(u64::MAX, 20, t0 + 60_000), t0 + 3).await.unwrap(), 20);
+    assert_eq!(s.give_back(t, back(u64::MAX, 20, t0 + 60_000), t0 + 4).await.unwrap(), 0, "twice: once");
+    assert_eq!(s.give_back(t, back(7, 99, t0 + 60_000), t0 + 5).await.unwrap(), 12, "never more than granted");
+    assert_eq!(hit(s, t, op(1, l, 0), t0 + 6).await.used, 33);
+    let need = s.grant(t, ask(8, 60, 5), t0 + 7).await.unwrap();
+    assert_eq!(need.units, 60, "at least one request's cost");
+    assert_eq!(s.grant(t, ask(9, 10, 10), t0 + 8).await.unwrap().units, 0, "less than asked is left: nothing");
+    // the next window: the old grants lapsed and cannot be given back into it
+    let g = s.grant(t, ask(10, 1, 4), t0 + 60_000).await.unwrap();
+    assert_eq!((g.units, g.holders, g.decision.used), (4, 1, 4));
+    assert_eq!(s.give_back(t, back(8, 60, t0 + 60_000), t0 + 60_001).await.unwrap(), 0);
+    // a reset forgets the window and its book: a give-back of a grant taken before it finds nothing
+    s.reset(t, &[op(1, l, 0)], t0 + 60_002).await.unwrap();
+    assert_eq!(s.give_back(t, back(10, 4, t0 + 120_000), t0 + 60_003).await.unwrap(), 0);
+    let g = s.grant(t, ask(11, 1, 1_000), t0 + 60_004).await.unwrap();
+    assert_eq!((g.units, g.holders, g.decision.reset_at), (50, 1, t0 + 120_004));
+}
+
+/// Grants from many tasks at once never hand out more than the window holds.
+pub async fn concurrent_grants_never_pass_the_limit(s: Arc<dyn Store>) {
+    if !s.grants() {
+        return;
+    }
+    let t0 = t0();
+    let t = fresh_tag();
+    let l = Limit::FixedWindow { limit: 1_000, window: 60_000, aligned: false };
+    let tasks: Vec<_> = (0..200u64)
+        .map(|id| {
+            let s = s.clone();
+            let ask = GrantAsk { key: 1, limit: l, need: 1, want: 37, id };
+            tokio::spawn(async move { s.grant(t, ask, t0 + id % 5).await.unwrap().units })
+        })
+        .collect();
+    let mut granted = 0;
+    for task in tasks {
+        granted += task.await.expect("task panicked");
+    }
+    let used = hit(s.as_ref(), t, op(1, l, 0), t0 + 10).await.used;
+    assert_eq!(used, granted, "the window counts exactly what was granted");
+    // the rest, asked for one by one until nothing is left: no unit twice, none lost
+    for id in 200.. {
+        match s.grant(t, GrantAsk { key: 1, limit: l, need: 1, want: 37, id }, t0 + 11).await.unwrap().units {
+            0 => break,
+            units => granted += units,
+        }
+    }
+    assert_eq!(granted, 1_000);
+    assert!(!hit(s.as_ref(), t, op(1, l, 1), t0 + 12).await.allowed);
+}
+
 /// Concurrent calls for one client are exact: 300 at once against a limit of 100 admit
 /// exactly 100.
 pub async fn concurrent_calls_are_exact(s: Arc<dyn Store>) {
@@ -399,10 +467,12 @@ pub fn op_on(key: u64, cost: u64, shadow: bool, lease: Lease) -> Op {
     Op { key, limit, cost, lease, shadow }
 }
 
-/// A small deterministic generator, so a failing sequence can be replayed from its seed.
-struct Rng(u64);
+/// A small deterministic generator (xorshift), so a failing sequence can be replayed
+/// from its seed (which must not be 0).
+pub struct Rng(pub u64);
 impl Rng {
-    fn next(&mut self, n: u64) -> u64 {
+    /// The next number below `n`.
+    pub fn next(&mut self, n: u64) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;

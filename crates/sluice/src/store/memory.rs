@@ -12,8 +12,9 @@
 //! fail-closed refuses it) while every client already held keeps its exact count. Room
 //! comes back as windows end; [`MemoryStats::full`] counts the calls that found none.
 
-use super::{LocalRegistry, Refund, RegistryOp, RegistryReply, Store, StoreError};
-use crate::algo::{self, ConcurrencyState, Decision, Lease, Limit, Op, State};
+use super::{GiveBack, GrantAsk, LocalRegistry, Refund, RegistryOp, RegistryReply, Store, StoreError};
+use crate::algo::grant::{self, GrantBook, Granted};
+use crate::algo::{self, ConcurrencyState, Decision, Lease, Limit, Op, State, WindowState};
 use crate::tag::Tag;
 use crate::time::Millis;
 use async_trait::async_trait;
@@ -67,6 +68,8 @@ struct Entry {
 
 struct Shard {
     map: Map,
+    /// The open quota grants of granted windows (see [`crate::algo::grant`]).
+    books: HashMap<Slot, GrantBook, BuildHasherDefault<FoldHasher>>,
     /// Collecting scans the shard; do it at most once a second.
     next_collect: Millis,
 }
@@ -94,7 +97,9 @@ const SHARDS: usize = 64;
 impl MemoryStore {
     /// A store holding at most about `max_keys` states (one per policy per client).
     pub fn new(max_keys: usize) -> Self {
-        let shards = (0..SHARDS).map(|_| Mutex::new(Shard { map: Map::default(), next_collect: 0 })).collect();
+        let shards = (0..SHARDS)
+            .map(|_| Mutex::new(Shard { map: Map::default(), books: Default::default(), next_collect: 0 }))
+            .collect();
         let per_shard = max_keys.div_ceil(SHARDS).max(1);
         Self { shards, per_shard, stats: MemoryStats::default(), registry: LocalRegistry::default() }
     }
@@ -150,6 +155,7 @@ impl MemoryStore {
     fn collect_shard(&self, shard: &mut Shard, now: Millis) {
         let before = shard.map.len();
         shard.map.retain(|_, e| e.expires_at > now);
+        shard.books.retain(|_, b| b.window > now);
         shard.next_collect = now + 1000;
         self.stats.collected.fetch_add((before - shard.map.len()) as u64, Ordering::Relaxed);
     }
@@ -216,6 +222,21 @@ impl MemoryStore {
     fn get(shard: &Shard, tag: Tag, key: u64) -> Option<State> {
         shard.map.get(&slot(tag, key)).map(|e| e.state.clone())
     }
+
+    /// A fixed window's state and its grant book, normalized to `now`.
+    fn window(shard: &Shard, at: Slot, limit: Limit, now: Millis) -> Result<(WindowState, GrantBook), StoreError> {
+        let state = shard.map.get(&at).map(|e| e.state.clone());
+        let State::Window(s) = limit.normalize(state, now) else {
+            return Err(StoreError::protocol(format!("grants take fixed windows, not {}", limit.algorithm())));
+        };
+        Ok((s, shard.books.get(&at).cloned().unwrap_or_default()))
+    }
+
+    /// Stores a granted window and its book.
+    fn put_window(shard: &mut Shard, at: Slot, s: WindowState, book: GrantBook) {
+        shard.map.insert(at, Entry { state: State::Window(s), expires_at: s.resets_at });
+        shard.books.insert(at, book);
+    }
 }
 
 /// A poisoned lock only means another thread panicked while holding it; the state
@@ -273,8 +294,40 @@ impl Store for MemoryStore {
         let mut shard = self.shard(tag);
         for op in ops {
             shard.map.remove(&slot(tag, op.key));
+            shard.books.remove(&slot(tag, op.key));
         }
         Ok(())
+    }
+
+    fn grants(&self) -> bool {
+        true
+    }
+
+    async fn grant(&self, tag: Tag, ask: GrantAsk, now: Millis) -> Result<Granted, StoreError> {
+        let Limit::FixedWindow { limit, .. } = ask.limit else {
+            return Err(StoreError::protocol(format!("grants take fixed windows, not {}", ask.limit.algorithm())));
+        };
+        let mut shard = self.shard(tag);
+        let at = slot(tag, ask.key);
+        if !shard.map.contains_key(&at) {
+            self.make_room(&mut shard, 1, now)?;
+        }
+        let (s, book) = Self::window(&shard, at, ask.limit, now)?;
+        let (granted, s, book) = grant::grant(s, book, limit, ask.need, ask.want, ask.id, now);
+        Self::put_window(&mut shard, at, s, book);
+        Ok(granted)
+    }
+
+    async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
+        let mut shard = self.shard(tag);
+        let at = slot(tag, back.key);
+        if !shard.map.contains_key(&at) {
+            return Ok(0);
+        }
+        let (s, book) = Self::window(&shard, at, back.limit, now)?;
+        let (units, s, book) = grant::give_back(s, book, back.id, back.unspent, back.window);
+        Self::put_window(&mut shard, at, s, book);
+        Ok(units)
     }
 
     fn keeps_registry(&self) -> bool {

@@ -14,6 +14,7 @@ mod migrating;
 pub mod redis;
 mod resilient;
 
+use crate::algo::grant::Granted;
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
 use crate::time::Millis;
@@ -39,6 +40,28 @@ pub struct Refund {
     pub key: u64,
     pub limit: Limit,
     pub cost: u64,
+    pub window: Millis,
+}
+
+/// A grant to take (see [`crate::algo::grant`]): up to `want` units, at least `need`,
+/// of the fixed-window state `key`, recorded as grant `id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GrantAsk {
+    pub key: u64,
+    pub limit: Limit,
+    pub need: u64,
+    pub want: u64,
+    pub id: u64,
+}
+
+/// Unspent units of grant `id`, taken from state `key` in the window that resets at
+/// `window`, to give back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GiveBack {
+    pub key: u64,
+    pub limit: Limit,
+    pub id: u64,
+    pub unspent: u64,
     pub window: Millis,
 }
 
@@ -226,6 +249,24 @@ pub trait Store: Send + Sync + 'static {
     /// starts afresh on them, as if never seen.
     async fn reset(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<(), StoreError>;
 
+    /// Whether the store takes quota grants (the memory and Redis stores do).
+    fn grants(&self) -> bool {
+        false
+    }
+
+    /// Grants units of a fixed window to this instance (see [`crate::algo::grant`]),
+    /// atomically: the window is charged at once.
+    async fn grant(&self, tag: Tag, ask: GrantAsk, now: Millis) -> Result<Granted, StoreError> {
+        let _ = (tag, ask, now);
+        Err(StoreError::protocol(no_grants_reason(self.kind())))
+    }
+
+    /// Gives back a grant's unspent units, once per grant; returns the units given back.
+    async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
+        let _ = (tag, back, now);
+        Err(StoreError::protocol(no_grants_reason(self.kind())))
+    }
+
     /// Whether the store keeps the fleet's registry (the memory and Redis stores do).
     fn keeps_registry(&self) -> bool {
         false
@@ -258,6 +299,11 @@ pub(crate) fn no_registry_reason(kind: &str) -> String {
     format!(
         "the {kind} store keeps no overrides; use a memory or redis store (a migrating store keeps them on a side that can)"
     )
+}
+
+/// Why a store of `kind` takes no grants.
+pub(crate) fn no_grants_reason(kind: &str) -> String {
+    format!("the {kind} store takes no quota grants (`grants:` on a rule); use a memory or redis store")
 }
 
 /// The error of a store asked for a registry it does not keep.
@@ -300,6 +346,15 @@ impl<R: Router> Store for R {
     }
     async fn reset(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<(), StoreError> {
         self.route(tag).reset(tag, ops, now).await
+    }
+    fn grants(&self) -> bool {
+        self.stores().iter().all(|s| s.grants())
+    }
+    async fn grant(&self, tag: Tag, ask: GrantAsk, now: Millis) -> Result<Granted, StoreError> {
+        self.route(tag).grant(tag, ask, now).await
+    }
+    async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
+        self.route(tag).give_back(tag, back, now).await
     }
     fn keeps_registry(&self) -> bool {
         self.registry_home().is_some()

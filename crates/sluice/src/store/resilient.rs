@@ -6,7 +6,8 @@
 //! work; then one call is let through as a probe, and its success closes the breaker.
 //! What the client sees when a call fails is the engine's failure policy.
 
-use super::{Refund, RegistryOp, RegistryReply, Store, StoreError};
+use super::{GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Store, StoreError};
+use crate::algo::grant::Granted;
 use crate::algo::{ConcurrencyState, Decision, Lease, Op};
 use crate::tag::Tag;
 use crate::telemetry::{StoreMetrics, StoreOp};
@@ -251,6 +252,15 @@ impl<S: Store> Store for Resilient<S> {
     }
     async fn reset(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<(), StoreError> {
         self.call(StoreOp::Reset, self.inner.reset(tag, ops, now)).await
+    }
+    fn grants(&self) -> bool {
+        self.inner.grants()
+    }
+    async fn grant(&self, tag: Tag, ask: GrantAsk, now: Millis) -> Result<Granted, StoreError> {
+        self.call(StoreOp::Grant, self.inner.grant(tag, ask, now)).await
+    }
+    async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
+        self.call(StoreOp::Grant, self.inner.give_back(tag, back, now)).await
     }
     fn keeps_registry(&self) -> bool {
         self.inner.keeps_registry()

@@ -20,7 +20,8 @@ mod sharded;
 pub use sentinel::{Auth, FOLLOW_EVERY, SentinelOptions};
 pub use sharded::ShardedRedisStore;
 
-use super::{Refund, RegistryOp, RegistryReply, Store, StoreError, b64};
+use super::{GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Store, StoreError, b64};
+use crate::algo::grant::Granted;
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
 use crate::time::Millis;
@@ -55,6 +56,8 @@ struct Scripts {
     release: Script,
     reset: Script,
     registry: Script,
+    grant: Script,
+    give_back: Script,
 }
 
 const LIB: &str = include_str!("lua/lib.lua");
@@ -70,6 +73,8 @@ impl Scripts {
             release: Script::new(include_str!("lua/release.lua").to_string()),
             reset: Script::new(include_str!("lua/reset.lua").to_string()),
             registry: Script::new(include_str!("lua/registry.lua").to_string()),
+            grant: Script::new(format!("{lib}{}", include_str!("lua/grant.lua"))),
+            give_back: Script::new(format!("{lib}{}", include_str!("lua/give_back.lua"))),
         }
     }
 }
@@ -100,11 +105,13 @@ impl Kind {
         (Kind::Concurrency, "CONCURRENCY"),
     ];
 
-    /// The Lua line that names every algorithm's number.
+    /// The Lua line that names every algorithm's number, and the most grants a book
+    /// holds (`algo::grant::MAX_OPEN`).
     fn prelude() -> String {
         let names: Vec<&str> = Self::ALL.iter().map(|(_, n)| *n).collect();
         let numbers: Vec<String> = Self::ALL.iter().map(|(k, _)| (*k as u8).to_string()).collect();
-        format!("local {} = {}\n", names.join(", "), numbers.join(", "))
+        let max_open = crate::algo::grant::MAX_OPEN;
+        format!("local {}, MAX_OPEN = {}, {max_open}\n", names.join(", "), numbers.join(", "))
     }
 }
 
@@ -824,6 +831,36 @@ impl Store for RedisStore {
             }
         };
         self.writer.write(&self.writer.scripts.reset, &keys(&at), fill).await.map(|_| ())
+    }
+
+    fn grants(&self) -> bool {
+        true
+    }
+
+    async fn grant(&self, tag: Tag, ask: GrantAsk, now: Millis) -> Result<Granted, StoreError> {
+        let at = Location::of(tag, ask.key, &ask.limit, self.writer.options.buckets);
+        let fill = |cmd: &mut Cmd| {
+            cmd.arg(now).arg(GRACE_MS).arg(policy(&ask.limit, false)).arg(&at.field);
+            cmd.arg(ask.need).arg(ask.want).arg(ask.id);
+        };
+        let reply = self.writer.write(&self.writer.scripts.grant, &[&at.key], fill).await?;
+        let ints: Vec<i64> =
+            redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("grant reply: {e}")).because(e))?;
+        let [units, ref decision @ .., holders] = ints[..] else {
+            return Err(StoreError::protocol(format!("grant answered {} numbers", ints.len())));
+        };
+        let decision = decisions(Value::Array(decision.iter().map(|&i| Value::Int(i)).collect()), 1)?[0];
+        Ok(Granted { units: units as u64, decision, holders: holders as u64 })
+    }
+
+    async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
+        let at = Location::of(tag, back.key, &back.limit, self.writer.options.buckets);
+        let fill = |cmd: &mut Cmd| {
+            cmd.arg(now).arg(GRACE_MS).arg(policy(&back.limit, false)).arg(&at.field);
+            cmd.arg(back.id).arg(back.unspent).arg(back.window);
+        };
+        let reply = self.writer.write(&self.writer.scripts.give_back, &[&at.key], fill).await?;
+        redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("give-back reply: {e}")).because(e))
     }
 
     fn keeps_registry(&self) -> bool {

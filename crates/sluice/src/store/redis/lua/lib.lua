@@ -346,3 +346,38 @@ local function store(kind, key, field, x, y, z, p1, p2, p3, now, grace, lx, ly, 
   end
   redis.call('PEXPIREAT', key, at, 'GT')
 end
+
+-- Quota grants (algo::grant) on fixed windows: the grants open in a window live in the
+-- field beside its state, `field .. '~'` (a field name never has '~'), as
+-- "window:id:units:id:units...", the window first so that pruning reads it as the
+-- moment the book stops mattering. Ids are kept as text (a u64 is not exact in Lua).
+
+-- grant::size
+local function grant_size(remaining, open, need, want)
+  if remaining < max(need, 1) then return 0 end
+  local share = max(floor(remaining / (2 * (open + 1))), 1)
+  return min(max(min(want, share), need), remaining)
+end
+
+-- The open grants of the window `r` (GrantBook::of_window): a flat list id, units, ...
+local function book_load(key, field, r)
+  local open = {}
+  local v = redis.call('HGET', key, field .. '~')
+  if not v then return open end
+  local window, rest = string.match(v, '^(%d+)(.*)$')
+  if window == nil or int(window) ~= r then return open end
+  for id, units in string.gmatch(rest, ':(%d+):(%d+)') do
+    open[#open + 1] = id
+    open[#open + 1] = units
+  end
+  return open
+end
+
+-- Writes the open grants of window `r` back (none: the field goes).
+local function book_store(key, field, r, open)
+  if #open == 0 then
+    redis.call('HDEL', key, field .. '~')
+    return
+  end
+  redis.call('HSET', key, field .. '~', num(r) .. ':' .. table.concat(open, ':'))
+end

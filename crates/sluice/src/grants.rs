@@ -1,0 +1,405 @@
+//! Quota grants, the instance's side: the units this instance holds, spent in process.
+//!
+//! A rule with `grants:` has its fixed windows decided here. The first decision of a key
+//! takes a grant from the store ([`Store::grant`], which charges the shared window at
+//! once); later decisions spend it without a store call; when a quarter of it is left,
+//! the next grant is asked for in the background, sized from the key's rate, so a busy
+//! key never waits on the store while units are left. What is not spent goes back
+//! ([`Store::give_back`], once per grant). The store never grants past the limit, so the
+//! fleet never admits past it: units lost with a crashed instance or a window that ended
+//! are admitted less, never more (docs/architecture.md, "Quota grants").
+//!
+//! Revocation: grants taken under one limit are given back when a decision names
+//! another (an override or a reload changed it), when the overrides' generation moves
+//! (a reset anywhere in the fleet), and when a key sits idle; all of it within a second.
+
+use crate::algo::grant::Granted;
+use crate::algo::{Decision, Limit, Op};
+use crate::config::Grants;
+use crate::store::{GiveBack, GrantAsk, Store, StoreError};
+use crate::tag::Tag;
+use crate::time::Millis;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// A key idle this long gives its grants back: its units may serve another instance.
+pub const IDLE: Millis = 500;
+
+/// What the grants of one key on this instance look like.
+#[derive(Debug)]
+struct Held {
+    /// The limit the grants were taken under: a decision under another revokes them.
+    limit: Limit,
+    /// The window they were taken from (its reset).
+    window: Millis,
+    /// Unspent units per grant, oldest first: `(id, units left)`.
+    parts: Vec<(u64, u64)>,
+    /// The window's remaining at the latest grant, after it.
+    store_remaining: u64,
+    /// The least remaining reported in this window: what is reported never goes up.
+    reported: u64,
+    /// The size of the latest grant; the next is asked for at a quarter of it left.
+    last_units: u64,
+    /// Units spent since `since`: the key's rate, which sizes the next grant.
+    spent: u64,
+    since: Millis,
+    /// A grant is being asked for in the background.
+    refreshing: bool,
+    /// When the store was last asked for a grant.
+    asked_at: Millis,
+    /// The last decision on it.
+    used_at: Millis,
+}
+
+impl Held {
+    fn left(&self) -> u64 {
+        self.parts.iter().map(|&(_, u)| u).sum()
+    }
+
+    /// Spends `cost` from the oldest grants first; the caller checked it is there.
+    fn spend(&mut self, cost: u64) {
+        let mut cost = cost;
+        for (_, left) in self.parts.iter_mut() {
+            let take = cost.min(*left);
+            *left -= take;
+            cost -= take;
+        }
+        self.parts.retain(|&(_, left)| left > 0);
+    }
+
+    /// The decision of a request that spent `cost`, or of a refusal. What is left is the
+    /// store's remaining at the latest grant plus the units held; it is reported only
+    /// ever lower (by at least each cost spent), although another instance's give-back
+    /// may raise the store's.
+    fn decision(&mut self, cost: u64, allowed: bool, now: Millis) -> Decision {
+        let limit = self.limit.capacity();
+        let remaining = (self.store_remaining + self.left()).min(self.reported.saturating_sub(cost)).min(limit);
+        self.reported = remaining;
+        let (remaining, retry_after) = if allowed { (remaining, None) } else { (0, Some(self.window - now)) };
+        Decision { allowed, limit, used: limit - remaining, remaining, reset_at: self.window, retry_after }
+    }
+}
+
+/// What [`Ledger::take`] found.
+#[derive(Debug)]
+pub(crate) enum Take {
+    /// Spent from a grant held: the decision, and a grant to ask for in the background.
+    Spent(Decision, Option<GrantAsk>),
+    /// Not enough units held: ask the store for this grant, then take again.
+    Short(GrantAsk),
+    /// Refused without a store call: the store had less than the cost left when it was
+    /// asked less than `refresh` ago.
+    Refused(Decision),
+}
+
+/// Grants to give back (revoked) and units that lapsed unspent with their window.
+#[derive(Debug, Default)]
+pub(crate) struct Leftovers {
+    pub give_back: Vec<(Tag, GiveBack)>,
+    pub expired: u64,
+}
+
+/// Counts an operator watches (`sluice_grant_*`).
+#[derive(Debug, Default)]
+pub struct GrantStats {
+    /// Grants taken, and units they held.
+    pub taken: AtomicU64,
+    pub units: AtomicU64,
+    /// Units given back, and units that lapsed unspent with their window (the
+    /// under-admission grants cost).
+    pub returned: AtomicU64,
+    pub expired: AtomicU64,
+    /// Decisions answered from a grant without a store call.
+    pub local: AtomicU64,
+    /// Store calls made for grants (taking and giving back).
+    pub store_calls: AtomicU64,
+}
+
+/// One shard of the ledger: the grants held, by client tag and state key.
+type Shard = HashMap<(Tag, u64), Held>;
+
+/// The grants this instance holds, by client tag and state key.
+pub struct Ledger {
+    shards: Box<[Mutex<Shard>]>,
+    /// Grant ids: random high bits per instance, a counter below.
+    next_id: AtomicU64,
+    generation: AtomicU64,
+    stats: GrantStats,
+}
+
+const SHARDS: usize = 16;
+
+impl Default for Ledger {
+    fn default() -> Self {
+        let mut seed = [0u8; 8];
+        // ids only need to differ between the instances holding one window's grants
+        let _ = getrandom::fill(&mut seed);
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            next_id: AtomicU64::new(u64::from_le_bytes(seed) & !0xffff_ffff),
+            generation: AtomicU64::new(0),
+            stats: GrantStats::default(),
+        }
+    }
+}
+
+impl Ledger {
+    /// The counters.
+    pub fn stats(&self) -> &GrantStats {
+        &self.stats
+    }
+
+    fn shard(&self, tag: Tag) -> std::sync::MutexGuard<'_, Shard> {
+        self.shards[(tag.0 as usize) % SHARDS].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Spends `op.cost` from the grants held for it, or says which grant to ask for.
+    /// Grants of another limit or a passed window are dropped first (into `out`).
+    pub(crate) fn take(&self, tag: Tag, op: &Op, grants: Grants, now: Millis, out: &mut Leftovers) -> Take {
+        let mut shard = self.shard(tag);
+        if let Some(h) = shard.get(&(tag, op.key))
+            && (h.limit != op.limit || now >= h.window)
+        {
+            let h = shard.remove(&(tag, op.key)).expect("just found");
+            self.drop_held(tag, op.key, h, now, out);
+        }
+        let held = shard.get_mut(&(tag, op.key));
+        let Some(h) = held.filter(|h| h.left() >= op.cost) else {
+            if let Some(h) = shard.get_mut(&(tag, op.key))
+                && h.store_remaining + h.left() < op.cost
+                && now.saturating_sub(h.asked_at) < grants.refresh
+            {
+                return Take::Refused(h.decision(0, false, now));
+            }
+            let want = grants.max.unwrap_or(u64::MAX).min(op.cost.max(1) * 16);
+            return Take::Short(self.ask(op, op.cost, want));
+        };
+        h.spend(op.cost);
+        h.spent += op.cost;
+        h.used_at = now;
+        let d = h.decision(op.cost, true, now);
+        let refresh = (!h.refreshing && h.left() * 4 <= h.last_units).then(|| {
+            h.refreshing = true;
+            // the key's rate over the time since the last grant, for `refresh` ms
+            let rate = h.spent as f64 / now.saturating_sub(h.since).max(1) as f64;
+            let want = (rate * grants.refresh as f64).ceil() as u64;
+            (op.key, want.clamp(1, grants.max.unwrap_or(u64::MAX)))
+        });
+        self.stats.local.fetch_add(1, Relaxed);
+        Take::Spent(d, refresh.map(|(_, want)| self.ask(op, 1, want)))
+    }
+
+    fn ask(&self, op: &Op, need: u64, want: u64) -> GrantAsk {
+        GrantAsk { key: op.key, limit: op.limit, need, want: want.max(need), id: self.next_id.fetch_add(1, Relaxed) }
+    }
+
+    /// Adds what the store granted for `ask`; returns the refusal to report when it
+    /// granted nothing and nothing is held.
+    pub(crate) fn add(&self, tag: Tag, ask: &GrantAsk, g: &Granted, now: Millis, out: &mut Leftovers) {
+        self.stats.taken.fetch_add(u64::from(g.units > 0), Relaxed);
+        self.stats.units.fetch_add(g.units, Relaxed);
+        let mut shard = self.shard(tag);
+        let window = g.decision.reset_at;
+        if let Some(h) = shard.get(&(tag, ask.key))
+            && (h.limit != ask.limit || h.window != window)
+        {
+            let h = shard.remove(&(tag, ask.key)).expect("just found");
+            self.drop_held(tag, ask.key, h, now, out);
+        }
+        let h = shard.entry((tag, ask.key)).or_insert_with(|| Held {
+            limit: ask.limit,
+            window,
+            parts: Vec::new(),
+            store_remaining: g.decision.remaining,
+            reported: u64::MAX,
+            last_units: 0,
+            spent: 0,
+            since: now,
+            refreshing: false,
+            asked_at: now,
+            used_at: now,
+        });
+        h.refreshing = false;
+        h.asked_at = now;
+        h.store_remaining = h.store_remaining.min(g.decision.remaining);
+        if g.units > 0 {
+            h.parts.push((ask.id, g.units));
+            h.last_units = g.units;
+            h.spent = 0;
+            h.since = now;
+        }
+    }
+
+    /// The refusal of `op` when the store granted too little: the window as this
+    /// instance sees it.
+    pub(crate) fn refusal(&self, tag: Tag, op: &Op, g: &Granted, now: Millis) -> Decision {
+        let mut shard = self.shard(tag);
+        match shard.get_mut(&(tag, op.key)).filter(|h| h.window == g.decision.reset_at) {
+            Some(h) => h.decision(0, false, now),
+            None => {
+                Decision { allowed: false, remaining: 0, retry_after: Some(g.decision.reset_at - now), ..g.decision }
+            }
+        }
+    }
+
+    /// Puts units spent by a request that was refused elsewhere (or refunded) back into
+    /// the grants of `window`; false when this instance holds none for it any more.
+    pub(crate) fn put_back(&self, tag: Tag, key: u64, limit: &Limit, cost: u64, window: Millis) -> bool {
+        let mut shard = self.shard(tag);
+        let Some(h) = shard.get_mut(&(tag, key)).filter(|h| h.limit == *limit && h.window == window) else {
+            return false;
+        };
+        match h.parts.last_mut() {
+            Some((_, left)) => *left += cost,
+            // every grant spent: the unit goes to the store instead
+            None => return false,
+        }
+        h.spent = h.spent.saturating_sub(cost);
+        true
+    }
+
+    /// A grant asked for in the background failed: the next decision may ask again.
+    pub(crate) fn refresh_failed(&self, tag: Tag, key: u64) {
+        if let Some(h) = self.shard(tag).get_mut(&(tag, key)) {
+            h.refreshing = false;
+        }
+    }
+
+    /// Drops every grant when the overrides' generation moved (a reset somewhere in the
+    /// fleet, an override changed), and those of keys idle for [`IDLE`].
+    pub(crate) fn sweep(&self, generation: u64, now: Millis, out: &mut Leftovers) {
+        let moved = self.generation.swap(generation, Relaxed) != generation;
+        for shard in self.shards.iter() {
+            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            let gone: Vec<(Tag, u64)> = shard
+                .iter()
+                .filter(|(_, h)| moved || now >= h.window || now.saturating_sub(h.used_at) >= IDLE)
+                .map(|(k, _)| *k)
+                .collect();
+            for (tag, key) in gone {
+                let h = shard.remove(&(tag, key)).expect("just listed");
+                self.drop_held(tag, key, h, now, out);
+            }
+        }
+    }
+
+    /// Every grant held, to give back (at shutdown).
+    pub(crate) fn drain(&self, now: Millis, out: &mut Leftovers) {
+        for shard in self.shards.iter() {
+            let held: Vec<_> = shard.lock().unwrap_or_else(|p| p.into_inner()).drain().collect();
+            for ((tag, key), h) in held {
+                self.drop_held(tag, key, h, now, out);
+            }
+        }
+    }
+
+    /// Counts `h`'s units as given back or lapsed.
+    fn drop_held(&self, tag: Tag, key: u64, h: Held, now: Millis, out: &mut Leftovers) {
+        for (id, unspent) in h.parts.into_iter().filter(|&(_, u)| u > 0) {
+            if now >= h.window {
+                out.expired += unspent;
+            } else {
+                out.give_back.push((tag, GiveBack { key, limit: h.limit, id, unspent, window: h.window }));
+            }
+        }
+    }
+
+    /// Gives `leftovers` back to `store` and counts them.
+    pub(crate) async fn settle(&self, store: &dyn Store, leftovers: Leftovers, now: Millis) -> Result<(), StoreError> {
+        self.stats.expired.fetch_add(leftovers.expired, Relaxed);
+        let mut result = Ok(());
+        for (tag, back) in leftovers.give_back {
+            self.stats.store_calls.fetch_add(1, Relaxed);
+            match store.give_back(tag, back, now).await {
+                Ok(units) => {
+                    self.stats.returned.fetch_add(units, Relaxed);
+                }
+                // lost in flight: the units stay charged until the window ends (an
+                // under-admission, never an over-admission)
+                Err(e) => result = Err(e),
+            }
+        }
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::algo::grant::Granted;
+
+    const L: Limit = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
+    const OP: Op = Op { key: 1, limit: L, cost: 1, lease: None, shadow: false };
+
+    fn granted(units: u64, remaining: u64) -> Granted {
+        let decision = Decision {
+            allowed: true,
+            limit: 100,
+            used: 100 - remaining,
+            remaining,
+            reset_at: 60_000,
+            retry_after: None,
+        };
+        Granted { units, decision, holders: 1 }
+    }
+
+    #[test]
+    fn spends_locally_asks_ahead_and_never_reports_more_left() {
+        let ledger = Ledger::default();
+        let mut out = Leftovers::default();
+        let Take::Short(ask) = ledger.take(Tag(1), &OP, Grants::AUTO, 0, &mut out) else { panic!("nothing held") };
+        ledger.add(Tag(1), &ask, &granted(8, 92), 0, &mut out);
+        let mut reported = Vec::new();
+        let mut asked = None;
+        for t in 1..=6 {
+            match ledger.take(Tag(1), &OP, Grants::AUTO, t, &mut out) {
+                Take::Spent(d, refresh) => {
+                    reported.push(d.remaining);
+                    asked = asked.or(refresh);
+                }
+                _ => panic!("units were held"),
+            }
+        }
+        assert_eq!(reported, [99, 98, 97, 96, 95, 94]);
+        let ask = asked.expect("a refresh asked for at a quarter left");
+        assert_eq!(ledger.take(Tag(1), &OP, Grants::AUTO, 7, &mut out).remaining(), Some(93));
+        // another instance gave units back: the store's remaining went up, the report does not
+        ledger.add(Tag(1), &ask, &granted(10, 90), 8, &mut out);
+        assert_eq!(ledger.take(Tag(1), &OP, Grants::AUTO, 9, &mut out).remaining(), Some(92));
+        assert!(ledger.put_back(Tag(1), 1, &L, 1, 60_000));
+        assert_eq!(ledger.take(Tag(1), &OP, Grants::AUTO, 10, &mut out).remaining(), Some(91));
+        assert!(out.give_back.is_empty() && out.expired == 0);
+    }
+
+    #[test]
+    fn another_limit_or_a_generation_revokes_and_a_window_end_expires() {
+        let ledger = Ledger::default();
+        let mut out = Leftovers::default();
+        let Take::Short(ask) = ledger.take(Tag(1), &OP, Grants::AUTO, 0, &mut out) else { panic!() };
+        ledger.add(Tag(1), &ask, &granted(8, 92), 0, &mut out);
+        let other = Op { limit: Limit::FixedWindow { limit: 50, window: 60_000, aligned: false }, ..OP };
+        assert!(matches!(ledger.take(Tag(1), &other, Grants::AUTO, 1, &mut out), Take::Short(_)));
+        assert_eq!(out.give_back.len(), 1);
+        assert_eq!(out.give_back[0].1.unspent, 8);
+        let mut out = Leftovers::default();
+        ledger.add(Tag(2), &ask, &granted(8, 92), 1, &mut out);
+        ledger.sweep(0, 2, &mut out);
+        assert!(out.give_back.is_empty(), "same generation, not idle: kept");
+        ledger.sweep(1, 3, &mut out);
+        assert_eq!(out.give_back.len(), 1, "a new generation revokes");
+        let mut out = Leftovers::default();
+        ledger.add(Tag(3), &ask, &granted(8, 92), 4, &mut out);
+        ledger.sweep(1, 60_000, &mut out);
+        assert_eq!((out.give_back.len(), out.expired), (0, 8), "a window that ended: lapsed, not given back");
+    }
+
+    impl Take {
+        fn remaining(&self) -> Option<u64> {
+            match self {
+                Take::Spent(d, _) => Some(d.remaining),
+                Take::Short(_) | Take::Refused(_) => None,
+            }
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! Quota grants never admit past the limit: several instances (each a `Limiter` with
+//! grants of its own) over one store, random demand, instances that crash with grants
+//! in hand (their give-backs never sent), windows that end with units held, under one
+//! injected clock. In every window, what all instances admitted together is at most the
+//! limit; requests are all or nothing with a limit that takes no grants.
+
+use sluice::config::RulesConfig;
+use sluice::store::conformance::Rng;
+use sluice::store::redis::{RedisOptions, RedisStore};
+use sluice::store::{MemoryStore, Store};
+use sluice::time::ManualClock;
+use sluice::{Limiter, Request};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+const ROUTE_LIMIT: u64 = 20;
+const USER_LIMIT: u64 = 6;
+const WINDOW: u64 = 1_000;
+
+fn rules() -> sluice::rules::Rules {
+    let config = serde_json::json!({"domains": [{"domain": "api", "descriptors": [
+        {"key": "route", "grants": "auto",
+         "rate_limit": {"name": "route", "unit": "second", "requests_per_unit": ROUTE_LIMIT}},
+        {"key": "user", "rate_limit": {"name": "user", "unit": "second", "requests_per_unit": USER_LIMIT}},
+    ]}]});
+    serde_json::from_value::<RulesConfig>(config).unwrap().compile().unwrap()
+}
+
+/// What the run saw: admitted per route window and per user window, and decisions.
+#[derive(Default)]
+struct Seen {
+    route: HashMap<u64, u64>,
+    user: HashMap<(u64, u64), u64>,
+    decisions: u64,
+    crashes: u64,
+}
+
+/// Drives `instances` limiters over `store` through `windows` windows of random demand.
+async fn drive(store: Arc<dyn Store>, instances: usize, windows: u64, seed: u64) -> Seen {
+    let clock = ManualClock::new(sluice::store::conformance::t0());
+    let rules = Arc::new(rules());
+    let make = || Limiter::new(rules.clone(), store.clone(), Arc::new(clock.clone()));
+    let mut fleet: Vec<Limiter> = (0..instances).map(|_| make()).collect();
+    let mut rng = Rng(seed | 1);
+    let mut seen = Seen::default();
+    let end = clock.now_ms() + windows * WINDOW;
+    while clock.now_ms() < end {
+        // a burst of requests, then time moves on by up to a fifth of a window
+        for _ in 0..rng.next(12) {
+            let i = rng.next(instances as u64) as usize;
+            let user = rng.next(3);
+            let cost = 1 + rng.next(3) / 2;
+            let req = Request::new("api")
+                .descriptor([("route", "r")])
+                .descriptor([("user", format!("u{user}").as_str())])
+                .cost(cost);
+            let v = fleet[i].check(&req).await.expect("a decision");
+            seen.decisions += 1;
+            if v.allowed() {
+                let route = v.descriptors[0].policies[0].decision;
+                let u = v.descriptors[1].policies[0].decision;
+                *seen.route.entry(route.reset_at).or_default() += cost;
+                *seen.user.entry((user, u.reset_at)).or_default() += cost;
+            }
+            if rng.next(500) == 0 {
+                // a crash: the grants it holds are never given back
+                fleet[i] = make();
+                seen.crashes += 1;
+            }
+            tokio::task::yield_now().await;
+        }
+        clock.advance(rng.next(WINDOW / 5));
+    }
+    seen
+}
+
+trait Now {
+    fn now_ms(&self) -> u64;
+}
+
+impl Now for ManualClock {
+    fn now_ms(&self) -> u64 {
+        sluice::time::Clock::now(self)
+    }
+}
+
+fn check(seen: &Seen, windows: u64) {
+    let over: Vec<_> = seen.route.iter().filter(|(_, n)| **n > ROUTE_LIMIT).take(10).collect();
+    assert!(over.is_empty(), "windows admitted past the granted limit of {ROUTE_LIMIT} (first 10): {over:?}");
+    let over: Vec<_> = seen.user.iter().filter(|(_, n)| **n > USER_LIMIT).take(10).collect();
+    assert!(over.is_empty(), "windows admitted past the user limit of {USER_LIMIT} (first 10): {over:?}");
+    assert!(seen.route.len() as u64 >= windows / 2, "only {} windows seen", seen.route.len());
+    let full = seen.route.values().filter(|&&n| n >= ROUTE_LIMIT - 2).count();
+    assert!(full > 0, "no window came near its limit: the demand is too low to test anything");
+    assert!(seen.crashes > 0, "no instance crashed");
+}
+
+#[test]
+fn no_window_admits_past_its_limit_on_the_memory_store() {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let windows = 110_000;
+    let seen = rt.block_on(drive(Arc::new(MemoryStore::new(100_000)), 4, windows, 0x5eed));
+    check(&seen, windows);
+    println!("{} decisions, {} windows, {} crashes", seen.decisions, seen.route.len(), seen.crashes);
+}
+
+#[test]
+fn no_window_admits_past_its_limit_on_redis() {
+    let redis = sluice_testkit::RedisServer::start();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let windows = 1_500;
+    let seen = rt.block_on(async {
+        let store: Arc<dyn Store> = Arc::new(RedisStore::new(&redis.url(), &[], RedisOptions::default()).unwrap());
+        drive(store, 4, windows, 0xbeef).await
+    });
+    check(&seen, windows);
+}
+
+fn one_route(grants: &str, algorithm: serde_json::Value) -> Result<sluice::rules::Rules, String> {
+    let grants: serde_json::Value = serde_json::from_str(grants).unwrap();
+    let config = serde_json::json!({"domains": [{"domain": "api", "descriptors": [
+        {"key": "route", "grants": grants, "policies": [algorithm]},
+    ]}]});
+    let config = serde_json::from_value::<RulesConfig>(config).map_err(|e| e.to_string())?;
+    config.compile().map_err(|e| e.to_string())
+}
+
+fn route() -> Request {
+    Request::new("api").descriptor([("route", "r")])
+}
+
+/// On one instance the remaining reported never rises within a window; two instances
+/// together admit exactly the limit when both keep asking.
+#[tokio::test]
+async fn remaining_never_rises_and_the_fleet_admits_exactly_the_limit() {
+    let window = serde_json::json!({"name": "w", "fixed_window": {"limit": 20, "window": "1m"}});
+    let rules = Arc::new(one_route(r#""auto""#, window).unwrap());
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(1_000));
+    let clock = Arc::new(ManualClock::new(sluice::store::conformance::t0()));
+    let a = Limiter::new(rules.clone(), store.clone(), clock.clone());
+    let b = Limiter::new(rules, store.clone(), clock.clone());
+    let (mut admitted, mut last) = (0, [u64::MAX; 2]);
+    for i in 0..60 {
+        let (who, limiter) = if i % 2 == 0 { (0, &a) } else { (1, &b) };
+        let v = limiter.check(&route()).await.unwrap();
+        let d = v.binding().unwrap().decision;
+        assert!(d.remaining <= last[who], "remaining rose on one instance: {} after {}", d.remaining, last[who]);
+        last[who] = d.remaining;
+        admitted += u64::from(v.allowed());
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(admitted, 20, "two instances that keep asking spend every unit of the window");
+    assert!(a.grants().stats().local.load(std::sync::atomic::Ordering::Relaxed) > 0, "no decision was local");
+}
+
+/// A reset anywhere revokes the grants every instance holds for the client within the
+/// overrides' watch (250 ms) and a sweep: the next decision starts the fresh window.
+#[tokio::test]
+async fn a_reset_elsewhere_revokes_the_grants_held() {
+    let window = serde_json::json!({"name": "w", "fixed_window": {"limit": 100, "window": "1m"}});
+    let rules = Arc::new(one_route(r#"{"max": 50}"#, window).unwrap());
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(1_000));
+    let clock = Arc::new(ManualClock::new(sluice::store::conformance::t0()));
+    let a = Limiter::new(rules.clone(), store.clone(), clock.clone());
+    let b = Limiter::new(rules, store.clone(), clock.clone());
+    a.overrides().watch(std::time::Duration::from_millis(50));
+    for _ in 0..10 {
+        assert!(a.check(&route()).await.unwrap().allowed());
+    }
+    let before = a.check(&route()).await.unwrap().binding().unwrap().decision;
+    assert_eq!(before.used, 11);
+    b.reset(&route(), None).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    clock.advance(300);
+    let after = a.check(&route()).await.unwrap().binding().unwrap().decision;
+    assert_eq!(after.used, 1, "still spending grants of the window before the reset: {after:?}");
+    assert!(after.reset_at > before.reset_at, "not the fresh window: {after:?}");
+}
+
+/// What grants cannot keep exact is refused when the rules load, saying why.
+#[test]
+fn grants_on_limits_they_cannot_keep_exact_are_refused() {
+    let cases = [
+        (
+            r#""auto""#,
+            serde_json::json!({"name": "s", "sliding_window": {"limit": 5, "window": "1m"}}),
+            "sliding_window",
+        ),
+        (r#""auto""#, serde_json::json!({"name": "c", "concurrency": {"limit": 5, "lease_ttl": "1m"}}), "concurrency"),
+        (
+            r#""auto""#,
+            serde_json::json!({"name": "t", "token_bucket": {"rate": 5, "per": "1s", "burst": 5}}),
+            "token_bucket",
+        ),
+        (r#""sometimes""#, serde_json::json!({"name": "w", "fixed_window": {"limit": 5, "window": "1m"}}), "auto"),
+        (r#"{"max": 0}"#, serde_json::json!({"name": "w", "fixed_window": {"limit": 5, "window": "1m"}}), "above 0"),
+    ];
+    for (grants, policy, says) in cases {
+        let Err(e) = one_route(grants, policy) else { panic!("grants {grants} loaded; must be refused") };
+        assert!(e.contains("grants") && e.contains(says), "{e}");
+    }
+}
