@@ -4,12 +4,12 @@
 
 use crate::config::{Config, RedisConnectionConfig, SentinelConfig, StoreConfig, TlsConfig};
 use crate::state::Engine;
+use sluice::Limiter;
 use sluice::config::{ClockKind, LimiterConfig};
 use sluice::rules::Rules;
 use sluice::store::redis::{Auth, RedisOptions, RedisStore, SentinelOptions, ShardedRedisStore, Tls};
 use sluice::store::{MemcachedStore, MemoryStore, MigratingStore, Resilience, Resilient, Store, StoreError, Tuning};
 use sluice::time::{Clock, CoarseClock, SystemClock};
-use sluice::{Limiter, Overrides};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,19 +59,20 @@ pub fn build(config: &Config, rules: Rules) -> Result<Built, BuildError> {
 }
 
 /// An engine over an existing store, with the clock, near-cache and headers `config`
-/// asks for. It applies `overrides` (those of the engine it follows, on the same store),
-/// or reads the store's own and keeps them current (every [`sluice::overrides::REFRESH`]).
+/// asks for. It applies the overrides and quota grants of `previous` (the engine it
+/// follows, on the same store), or reads the store's overrides and keeps them current
+/// (every [`sluice::overrides::REFRESH`]).
 pub fn engine(
     config: &Config,
     rules: Rules,
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
-    overrides: Option<Arc<Overrides>>,
+    previous: Option<&Limiter>,
 ) -> Engine {
     let remote = !matches!(config.store, StoreConfig::Memory { .. });
     let limiter = Limiter::new(Arc::new(rules), store, clock);
-    let limiter = match overrides {
-        Some(o) => limiter.with_overrides(o),
+    let limiter = match previous {
+        Some(p) => limiter.with_overrides(p.overrides().clone()).with_grants(p.grants().clone()),
         None => {
             limiter.overrides().watch(sluice::overrides::REFRESH);
             limiter
@@ -106,7 +107,10 @@ pub fn resilience(limiter: &LimiterConfig) -> Resilience {
 pub fn supports(store: &StoreConfig, rules: &Rules) -> Result<(), BuildError> {
     match store {
         StoreConfig::Memcached { .. } => {
-            let other: Vec<&str> = rules.algorithms().into_iter().filter(|a| *a != "fixed_window").collect();
+            let mut other: Vec<&str> = rules.algorithms().into_iter().filter(|a| *a != "fixed_window").collect();
+            if rules.use_grants() {
+                other.push("grants (`grants:` on a rule)");
+            }
             match other.is_empty() {
                 true => Ok(()),
                 false => Err(BuildError::Unsupported(other.join(", "))),

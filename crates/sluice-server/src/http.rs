@@ -284,7 +284,10 @@ async fn data_plane_token(
 /// `GET /metrics`: Prometheus text (docs/operations.md lists every metric).
 async fn metrics(State(state): Shared) -> Response {
     match &state.metrics {
-        Some(h) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], h.render()).into_response(),
+        Some(h) => {
+            state.engine.load().limiter.grants().publish();
+            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], h.render()).into_response()
+        }
         None => error(StatusCode::NOT_FOUND, "no_metrics", "metrics are not recorded in this process".into()),
     }
 }

@@ -21,9 +21,10 @@
 use crate::otlp::{self, KeyValue};
 use axum::http::{HeaderMap, HeaderName};
 use serde::{Deserialize, Deserializer, de};
+use sluice::algo::grant::Granted;
 use sluice::algo::{ConcurrencyState, Decision, Lease, Op};
 use sluice::config::Duration as ConfigDuration;
-use sluice::store::{Refund, RegistryOp, RegistryReply, Store, StoreError};
+use sluice::store::{GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Store, StoreError};
 use sluice::tag::Tag;
 use sluice::time::{Clock, Millis, SystemClock, Throttle};
 use sluice::{CheckError, Limiter, Outcome, Request, Verdict};
@@ -575,6 +576,18 @@ impl Store for TracedStore {
 
     async fn reset(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<(), StoreError> {
         store_call("reset", self.0.reset(tag, ops, now)).await
+    }
+
+    fn grants(&self) -> bool {
+        self.0.grants()
+    }
+
+    async fn grant(&self, tag: Tag, ask: GrantAsk, now: Millis) -> Result<Granted, StoreError> {
+        store_call("grant", self.0.grant(tag, ask, now)).await
+    }
+
+    async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
+        store_call("give_back", self.0.give_back(tag, back, now)).await
     }
 
     fn keeps_registry(&self) -> bool {

@@ -150,13 +150,16 @@ fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Config, Rel
         }
         // the same store, retuned and under new rules: no reconnect, no state lost
         state.tuning.load().set(build::resilience(&config.limiter));
-        let (store, overrides) = {
-            let limiter = &state.engine.load().limiter;
-            (limiter.store().clone(), limiter.overrides().clone())
-        };
-        let next = build::engine(&config, rules, store, build::clock(&config.limiter), Some(overrides));
+        let current = state.engine.load();
+        let store = current.limiter.store().clone();
+        let next = build::engine(&config, rules, store, build::clock(&config.limiter), Some(&current.limiter));
         state.engine.store(Arc::new(next));
     } else {
+        // the grants held on the old store go back to it
+        let old = state.engine.load_full();
+        tokio::spawn(async move {
+            let _ = old.limiter.return_grants().await;
+        });
         state.install(build::build(&config, rules)?);
         applied.push("store (a new store, connected)");
     }

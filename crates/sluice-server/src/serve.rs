@@ -90,9 +90,7 @@ pub async fn serve(mut args: Args) -> Result<(), ServeError> {
     // (taken before the TLS files are read, so a change from here on is seen)
     let loaded_bytes =
         args.config.as_deref().and_then(|path| crate::reload::watched(path, &config)).unwrap_or_default();
-    if config.limiter.key_secret == DEFAULT_KEY_SECRET && !matches!(config.store, StoreConfig::Memory { .. }) {
-        tracing::warn!("limiter.key_secret is the default: set your own so clients cannot predict their tags");
-    }
+    warn_if_default_secret(&config);
     let tls = config.server.tls.as_ref().map(crate::tls::Tls::load).transpose()?.map(Arc::new);
     let state = Arc::new(state_of(&config, rules, metrics, tls.clone()).await?);
     crate::ui::start_sampling(&state);
@@ -121,7 +119,7 @@ pub async fn serve(mut args: Args) -> Result<(), ServeError> {
         max_connections: server.max_connections,
         shutdown_grace: server.shutdown_grace.to_std(),
     };
-    let dropped = crate::listen::serve(listener, router(state), bounds, tls, async {
+    let dropped = crate::listen::serve(listener, router(state.clone()), bounds, tls, async {
         shutdown().await;
         let _ = stopping.send(true);
     })
@@ -129,6 +127,7 @@ pub async fn serve(mut args: Args) -> Result<(), ServeError> {
     .map_err(ServeError::Io)?;
     // gRPC stops on the same signal, within the same grace
     let grpc_dropped = tokio::time::timeout(bounds.shutdown_grace, grpc).await.is_err();
+    return_grants(&state.engine.load().limiter, bounds.shutdown_grace).await;
     if let Some(tracer) = tracer {
         // the last spans, sent within the same grace
         tracer.flush(bounds.shutdown_grace).await;
@@ -336,6 +335,27 @@ fn install_metrics() -> Result<Metrics, ServeError> {
 }
 
 /// Resolves on SIGINT or SIGTERM.
+/// A shared store with the default key secret: clients could predict their tags.
+fn warn_if_default_secret(config: &Config) {
+    if config.limiter.key_secret == DEFAULT_KEY_SECRET && !matches!(config.store, StoreConfig::Memory { .. }) {
+        tracing::warn!("limiter.key_secret is the default: set your own so clients cannot predict their tags");
+    }
+}
+
+/// Gives back the quota grants not spent, within `grace`, so other instances can admit
+/// them.
+async fn return_grants(limiter: &sluice::Limiter, grace: std::time::Duration) {
+    let held = limiter.grants().held_units();
+    match tokio::time::timeout(grace, limiter.return_grants()).await {
+        Ok(Ok(())) if held > 0 => tracing::info!(units = held, "quota grants given back"),
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "quota grants not given back (an under-admission until their windows end)")
+        }
+        Err(_) => tracing::warn!("quota grants not given back within the shutdown grace"),
+    }
+}
+
 async fn shutdown() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;

@@ -618,15 +618,20 @@ impl Limiter {
         now: Millis,
         out: &mut Leftovers,
     ) -> Result<Decision, StoreError> {
-        let ask = match self.grants.take(tag, op, grants, now, out) {
-            Take::Spent(d, refresh) => {
-                if let Some(ask) = refresh {
-                    self.refresh(tag, ask);
+        let mut turn = None;
+        let ask = loop {
+            match self.grants.take(tag, op, grants, now, out) {
+                Take::Spent(d, refresh) => {
+                    if let Some(ask) = refresh {
+                        self.refresh(tag, ask);
+                    }
+                    return Ok(d);
                 }
-                return Ok(d);
+                Take::Refused(d) => return Ok(d),
+                // one request at a time asks for a key; the others then find its units
+                Take::Short(_) if turn.is_none() => turn = Some(self.grants.turn(tag, op.key).await),
+                Take::Short(ask) => break ask,
             }
-            Take::Refused(d) => return Ok(d),
-            Take::Short(ask) => ask,
         };
         self.grants.stats().store_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let granted = self.store.grant(tag, ask, now).await?;

@@ -122,6 +122,10 @@ type Shard = HashMap<(Tag, u64), Held>;
 /// The grants this instance holds, by client tag and state key.
 pub struct Ledger {
     shards: Box<[Mutex<Shard>]>,
+    /// Turns to ask the store for a grant, by key (hashed into these slots): of the
+    /// requests that find too few units at once, one asks and the others wait for its
+    /// answer, instead of a grant call each.
+    turns: Box<[tokio::sync::Mutex<()>]>,
     /// Grant ids: random high bits per instance, a counter below.
     next_id: AtomicU64,
     generation: AtomicU64,
@@ -129,6 +133,7 @@ pub struct Ledger {
 }
 
 const SHARDS: usize = 16;
+const TURNS: usize = 256;
 
 impl Default for Ledger {
     fn default() -> Self {
@@ -137,6 +142,7 @@ impl Default for Ledger {
         let _ = getrandom::fill(&mut seed);
         Self {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            turns: (0..TURNS).map(|_| tokio::sync::Mutex::new(())).collect(),
             next_id: AtomicU64::new(u64::from_le_bytes(seed) & !0xffff_ffff),
             generation: AtomicU64::new(0),
             stats: GrantStats::default(),
@@ -148,6 +154,31 @@ impl Ledger {
     /// The counters.
     pub fn stats(&self) -> &GrantStats {
         &self.stats
+    }
+
+    /// Units held now, unspent.
+    pub fn held_units(&self) -> u64 {
+        let shard =
+            |s: &Mutex<Shard>| s.lock().unwrap_or_else(|p| p.into_inner()).values().map(Held::left).sum::<u64>();
+        self.shards.iter().map(shard).sum()
+    }
+
+    /// Publishes the counters as metrics (`sluice_grant*`), once a grant was ever taken
+    /// (an instance without grants exports none of these series).
+    pub fn publish(&self) {
+        use crate::telemetry::names;
+        use metrics::{counter, gauge};
+        let s = &self.stats;
+        if s.taken.load(Relaxed) == 0 {
+            return;
+        }
+        counter!(names::GRANTS_TAKEN).absolute(s.taken.load(Relaxed));
+        for (kind, n) in [("granted", &s.units), ("returned", &s.returned), ("expired", &s.expired)] {
+            counter!(names::GRANT_UNITS, "kind" => kind).absolute(n.load(Relaxed));
+        }
+        counter!(names::GRANT_LOCAL).absolute(s.local.load(Relaxed));
+        counter!(names::GRANT_STORE_CALLS).absolute(s.store_calls.load(Relaxed));
+        gauge!(names::GRANT_UNITS_HELD).set(self.held_units() as f64);
     }
 
     fn shard(&self, tag: Tag) -> std::sync::MutexGuard<'_, Shard> {
@@ -188,6 +219,13 @@ impl Ledger {
         });
         self.stats.local.fetch_add(1, Relaxed);
         Take::Spent(d, refresh.map(|(_, want)| self.ask(op, 1, want)))
+    }
+
+    /// Waits for the turn to ask the store for a grant for `key` of `tag`; held until
+    /// the answer is added.
+    pub(crate) async fn turn(&self, tag: Tag, key: u64) -> tokio::sync::MutexGuard<'_, ()> {
+        let slot = (tag.0 as u64 ^ key).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56;
+        self.turns[slot as usize % TURNS].lock().await
     }
 
     fn ask(&self, op: &Op, need: u64, want: u64) -> GrantAsk {

@@ -235,20 +235,34 @@ impl Rules {
     /// The algorithms the rules use (`fixed_window` ...), so a store can refuse rules it
     /// cannot run.
     pub fn algorithms(&self) -> std::collections::BTreeSet<&'static str> {
-        fn walk(level: &Level, out: &mut std::collections::BTreeSet<&'static str>) {
+        let mut out = std::collections::BTreeSet::new();
+        self.each_policy(&mut |p| {
+            out.insert(p.limit.algorithm());
+        });
+        out
+    }
+
+    /// Whether a rule takes quota grants (`grants:`).
+    pub fn use_grants(&self) -> bool {
+        let mut found = false;
+        self.each_policy(&mut |p| found |= p.grants.is_some());
+        found
+    }
+
+    /// Calls `f` with every policy of every rule.
+    fn each_policy(&self, f: &mut dyn FnMut(&Policy)) {
+        fn walk(level: &Level, f: &mut dyn FnMut(&Policy)) {
             for rules in level.by_key.values() {
                 let nodes = rules.exact.values().chain(rules.wildcards.iter().map(|(_, n)| n)).chain(rules.any.iter());
                 for n in nodes {
-                    out.extend(n.policies.iter().map(|p| p.limit.algorithm()));
-                    walk(&n.children, out);
+                    n.policies.iter().for_each(&mut *f);
+                    walk(&n.children, f);
                 }
             }
         }
-        let mut out = std::collections::BTreeSet::new();
         for d in self.domains.values() {
-            walk(&d.root, &mut out);
+            walk(&d.root, f);
         }
-        out
     }
 
     /// Configured domain names, sorted.

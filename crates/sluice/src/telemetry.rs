@@ -36,6 +36,11 @@ pub mod names {
     pub const HTTP_OVER_LIMIT: &str = "sluice_http_connections_over_limit_total";
     pub const ADMIN_ACTIONS: &str = "sluice_admin_actions_total";
     pub const OVERRIDES: &str = "sluice_overrides";
+    pub const GRANTS_TAKEN: &str = "sluice_grants_taken_total";
+    pub const GRANT_UNITS: &str = "sluice_grant_units_total";
+    pub const GRANT_UNITS_HELD: &str = "sluice_grant_units_held";
+    pub const GRANT_LOCAL: &str = "sluice_grant_decisions_local_total";
+    pub const GRANT_STORE_CALLS: &str = "sluice_grant_store_calls_total";
 }
 
 /// One admin action, for the audit log.
