@@ -334,7 +334,6 @@ fn install_metrics() -> Result<Metrics, ServeError> {
     Ok(Metrics { recorder: handle, process })
 }
 
-/// Resolves on SIGINT or SIGTERM.
 /// A shared store with the default key secret: clients could predict their tags.
 fn warn_if_default_secret(config: &Config) {
     if config.limiter.key_secret == DEFAULT_KEY_SECRET && !matches!(config.store, StoreConfig::Memory { .. }) {
@@ -356,6 +355,7 @@ async fn return_grants(limiter: &sluice::Limiter, grace: std::time::Duration) {
     }
 }
 
+/// Resolves on SIGINT or SIGTERM.
 async fn shutdown() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;

@@ -23,19 +23,6 @@ fn bases(fleet: &[Sluice]) -> Vec<String> {
     fleet.iter().map(|s| s.base.clone()).collect()
 }
 
-/// Redis's count of script calls so far (`INFO commandstats`: evalsha and eval).
-fn script_calls(redis: &RedisServer) -> u64 {
-    let out = std::process::Command::new("redis-cli")
-        .args(["-p", &redis.port().to_string(), "INFO", "commandstats"])
-        .output()
-        .expect("run redis-cli");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
-        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<u64>().ok())
-        .sum()
-}
-
 /// 6,000 requests at once over 4 instances, for a limit of 3,000: at most 3,000
 /// admitted, nearly all of them, for a few store calls per hundred decisions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -43,9 +30,9 @@ async fn four_instances_admit_at_most_the_limit() {
     let _heavy = heavy().await;
     let redis = RedisServer::start();
     let fleet = fleet(&redis, 4);
-    let before = script_calls(&redis);
+    let before = redis.script_calls();
     let (ok, degraded) = burst(&bases(&fleet), "d", "alice", 2 * LIMIT as usize).await;
-    let calls = script_calls(&redis) - before;
+    let calls = redis.script_calls() - before;
     let logs = || fleet.iter().map(Sluice::log).collect::<Vec<_>>().join("\n---\n");
     assert_eq!(degraded, 0, "decisions left to the failure policy:\n{}", logs());
     assert!(u64::from(ok) <= LIMIT, "{ok} admitted for a limit of {LIMIT}");

@@ -542,7 +542,7 @@ impl Limiter {
                 }
             }
         }
-        if g.grants.iter().any(Option::is_some) {
+        if g.granted() {
             return Ok((self.evaluate_granted(g, now).await?, Source::Store));
         }
         let decisions = match mode {
@@ -565,9 +565,9 @@ impl Limiter {
         let mut spent = Vec::new();
         let mut refused = false;
         let mut out = Leftovers::default();
-        for (i, (op, grants)) in g.ops.iter().zip(&g.grants).enumerate() {
-            let Some(grants) = grants else { continue };
-            let d = match self.spend(g.tag, op, *grants, now, &mut out).await {
+        for (i, op) in g.ops.iter().enumerate() {
+            let Some(grants) = g.grants_of(i) else { continue };
+            let d = match self.spend(g.tag, op, grants, now, &mut out).await {
                 Ok(d) => d,
                 Err(e) => {
                     self.settle_later(out, now);
@@ -582,7 +582,7 @@ impl Limiter {
             decisions[i] = d;
         }
         self.settle_later(out, now);
-        let rest: Vec<usize> = (0..g.ops.len()).filter(|&i| g.grants[i].is_none()).collect();
+        let rest: Vec<usize> = (0..g.ops.len()).filter(|&i| g.grants_of(i).is_none()).collect();
         if !rest.is_empty() {
             let ops: Vec<Op> = rest.iter().map(|&i| g.ops[i]).collect();
             // a refused request charges nothing: the others only report
@@ -618,8 +618,8 @@ impl Limiter {
         now: Millis,
         out: &mut Leftovers,
     ) -> Result<Decision, StoreError> {
-        let mut turn = None;
-        let ask = loop {
+        let (mut turn, mut granted) = (None, None);
+        loop {
             match self.grants.take(tag, op, grants, now, out) {
                 Take::Spent(d, refresh) => {
                     if let Some(ask) = refresh {
@@ -630,28 +630,19 @@ impl Limiter {
                 Take::Refused(d) => return Ok(d),
                 // one request at a time asks for a key; the others then find its units
                 Take::Short(_) if turn.is_none() => turn = Some(self.grants.turn(tag, op.key).await),
-                Take::Short(ask) => break ask,
+                Take::Short(_) if let Some(g) = &granted => return Ok(self.grants.refusal(tag, op, g, now)),
+                Take::Short(ask) => granted = Some(self.grants.ask_store(&*self.store, tag, ask, now, out).await?),
             }
-        };
-        self.grants.stats().store_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let granted = self.store.grant(tag, ask, now).await?;
-        self.grants.add(tag, &ask, &granted, now, out);
-        Ok(match self.grants.take(tag, op, grants, now, out) {
-            Take::Spent(d, _) => d,
-            _ => self.grants.refusal(tag, op, &granted, now),
-        })
+        }
     }
 
     /// Asks for a grant in the background.
     fn refresh(&self, tag: Tag, ask: crate::store::GrantAsk) {
         let (store, ledger, clock) = (self.store.clone(), self.grants.clone(), self.clock.clone());
         tokio::spawn(async move {
-            ledger.stats().store_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let now = clock.now();
-            match store.grant(tag, ask, now).await {
-                Ok(granted) => {
-                    let mut out = Leftovers::default();
-                    ledger.add(tag, &ask, &granted, now, &mut out);
+            let (now, mut out) = (clock.now(), Leftovers::default());
+            match ledger.ask_store(&*store, tag, ask, now, &mut out).await {
+                Ok(_) => {
                     let _ = ledger.settle(&*store, out, now).await;
                 }
                 Err(_) => ledger.refresh_failed(tag, ask.key),

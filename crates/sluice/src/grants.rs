@@ -189,23 +189,17 @@ impl Ledger {
     /// Grants of another limit or a passed window are dropped first (into `out`).
     pub(crate) fn take(&self, tag: Tag, op: &Op, grants: Grants, now: Millis, out: &mut Leftovers) -> Take {
         let mut shard = self.shard(tag);
-        if let Some(h) = shard.get(&(tag, op.key))
-            && (h.limit != op.limit || now >= h.window)
-        {
-            let h = shard.remove(&(tag, op.key)).expect("just found");
-            self.drop_held(tag, op.key, h, now, out);
-        }
-        let held = shard.get_mut(&(tag, op.key));
-        let Some(h) = held.filter(|h| h.left() >= op.cost) else {
-            if let Some(h) = shard.get_mut(&(tag, op.key))
-                && h.store_remaining + h.left() < op.cost
-                && now.saturating_sub(h.asked_at) < grants.refresh
-            {
+        self.drop_if(&mut shard, tag, op.key, now, out, |h| h.limit != op.limit || now >= h.window);
+        let first = grants.max.unwrap_or(u64::MAX).min(op.cost.max(1) * 16);
+        let Some(h) = shard.get_mut(&(tag, op.key)) else {
+            return Take::Short(self.ask(op, op.cost, first));
+        };
+        if h.left() < op.cost {
+            if h.store_remaining + h.left() < op.cost && now.saturating_sub(h.asked_at) < grants.refresh {
                 return Take::Refused(h.decision(0, false, now));
             }
-            let want = grants.max.unwrap_or(u64::MAX).min(op.cost.max(1) * 16);
-            return Take::Short(self.ask(op, op.cost, want));
-        };
+            return Take::Short(self.ask(op, op.cost, first));
+        }
         h.spend(op.cost);
         h.spent += op.cost;
         h.used_at = now;
@@ -215,10 +209,27 @@ impl Ledger {
             // the key's rate over the time since the last grant, for `refresh` ms
             let rate = h.spent as f64 / now.saturating_sub(h.since).max(1) as f64;
             let want = (rate * grants.refresh as f64).ceil() as u64;
-            (op.key, want.clamp(1, grants.max.unwrap_or(u64::MAX)))
+            self.ask(op, 1, want.clamp(1, grants.max.unwrap_or(u64::MAX)))
         });
         self.stats.local.fetch_add(1, Relaxed);
-        Take::Spent(d, refresh.map(|(_, want)| self.ask(op, 1, want)))
+        Take::Spent(d, refresh)
+    }
+
+    /// Removes the grants held for `key` of `tag` when `stale` says so, into `out`.
+    fn drop_if(
+        &self,
+        shard: &mut Shard,
+        tag: Tag,
+        key: u64,
+        now: Millis,
+        out: &mut Leftovers,
+        stale: impl Fn(&Held) -> bool,
+    ) {
+        if shard.get(&(tag, key)).is_some_and(stale)
+            && let Some(h) = shard.remove(&(tag, key))
+        {
+            self.drop_held(tag, key, &h, now, out);
+        }
     }
 
     /// Waits for the turn to ask the store for a grant for `key` of `tag`; held until
@@ -232,19 +243,29 @@ impl Ledger {
         GrantAsk { key: op.key, limit: op.limit, need, want: want.max(need), id: self.next_id.fetch_add(1, Relaxed) }
     }
 
-    /// Adds what the store granted for `ask`; returns the refusal to report when it
-    /// granted nothing and nothing is held.
-    pub(crate) fn add(&self, tag: Tag, ask: &GrantAsk, g: &Granted, now: Millis, out: &mut Leftovers) {
+    /// Asks `store` for the grant `ask` and adds what it grants (grants of another
+    /// limit or window held for the key are dropped, into `out`).
+    pub(crate) async fn ask_store(
+        &self,
+        store: &dyn Store,
+        tag: Tag,
+        ask: GrantAsk,
+        now: Millis,
+        out: &mut Leftovers,
+    ) -> Result<Granted, StoreError> {
+        self.stats.store_calls.fetch_add(1, Relaxed);
+        let granted = store.grant(tag, ask, now).await?;
+        self.add(tag, &ask, &granted, now, out);
+        Ok(granted)
+    }
+
+    /// Adds what the store granted for `ask`.
+    fn add(&self, tag: Tag, ask: &GrantAsk, g: &Granted, now: Millis, out: &mut Leftovers) {
         self.stats.taken.fetch_add(u64::from(g.units > 0), Relaxed);
         self.stats.units.fetch_add(g.units, Relaxed);
         let mut shard = self.shard(tag);
         let window = g.decision.reset_at;
-        if let Some(h) = shard.get(&(tag, ask.key))
-            && (h.limit != ask.limit || h.window != window)
-        {
-            let h = shard.remove(&(tag, ask.key)).expect("just found");
-            self.drop_held(tag, ask.key, h, now, out);
-        }
+        self.drop_if(&mut shard, tag, ask.key, now, out, |h| h.limit != ask.limit || h.window != window);
         let h = shard.entry((tag, ask.key)).or_insert_with(|| Held {
             limit: ask.limit,
             window,
@@ -309,16 +330,13 @@ impl Ledger {
     pub(crate) fn sweep(&self, generation: u64, now: Millis, out: &mut Leftovers) {
         let moved = self.generation.swap(generation, Relaxed) != generation;
         for shard in self.shards.iter() {
-            let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
-            let gone: Vec<(Tag, u64)> = shard
-                .iter()
-                .filter(|(_, h)| moved || now >= h.window || now.saturating_sub(h.used_at) >= IDLE)
-                .map(|(k, _)| *k)
-                .collect();
-            for (tag, key) in gone {
-                let h = shard.remove(&(tag, key)).expect("just listed");
-                self.drop_held(tag, key, h, now, out);
-            }
+            shard.lock().unwrap_or_else(|p| p.into_inner()).retain(|&(tag, key), h| {
+                let keep = !moved && now < h.window && now.saturating_sub(h.used_at) < IDLE;
+                if !keep {
+                    self.drop_held(tag, key, h, now, out);
+                }
+                keep
+            });
         }
     }
 
@@ -327,14 +345,14 @@ impl Ledger {
         for shard in self.shards.iter() {
             let held: Vec<_> = shard.lock().unwrap_or_else(|p| p.into_inner()).drain().collect();
             for ((tag, key), h) in held {
-                self.drop_held(tag, key, h, now, out);
+                self.drop_held(tag, key, &h, now, out);
             }
         }
     }
 
     /// Counts `h`'s units as given back or lapsed.
-    fn drop_held(&self, tag: Tag, key: u64, h: Held, now: Millis, out: &mut Leftovers) {
-        for (id, unspent) in h.parts.into_iter().filter(|&(_, u)| u > 0) {
+    fn drop_held(&self, tag: Tag, key: u64, h: &Held, now: Millis, out: &mut Leftovers) {
+        for &(id, unspent) in h.parts.iter().filter(|&&(_, u)| u > 0) {
             if now >= h.window {
                 out.expired += unspent;
             } else {

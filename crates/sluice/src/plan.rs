@@ -59,8 +59,38 @@ pub(crate) struct Group {
     pub failures: Vec<Failure>,
     /// Each op's `(descriptor, policy)` slot in the verdict.
     pub slots: Vec<(usize, usize)>,
-    /// Each op's quota grants, when it is decided from grants (a charging mode).
-    pub grants: Vec<Option<Grants>>,
+    /// Each op's quota grants, when it is decided from grants (a charging mode); empty
+    /// (no allocation) while no op of the group is (see [`Group::grants_of`]).
+    grants: Vec<Option<Grants>>,
+}
+
+impl Group {
+    fn new(tag: Tag) -> Self {
+        Self { tag, ops: Vec::new(), failures: Vec::new(), slots: Vec::new(), grants: Vec::new() }
+    }
+
+    /// Adds one op with its failure policy, verdict slot and grants.
+    fn push(&mut self, op: Op, failure: Failure, slot: (usize, usize), grants: Option<Grants>) {
+        if grants.is_some() && self.grants.is_empty() {
+            self.grants.resize(self.ops.len(), None);
+        }
+        if grants.is_some() || !self.grants.is_empty() {
+            self.grants.push(grants);
+        }
+        self.ops.push(op);
+        self.failures.push(failure);
+        self.slots.push(slot);
+    }
+
+    /// Whether an op of the group is decided from quota grants.
+    pub fn granted(&self) -> bool {
+        !self.grants.is_empty()
+    }
+
+    /// The quota grants of op `i`, if it is decided from them.
+    pub fn grants_of(&self, i: usize) -> Option<Grants> {
+        self.grants.get(i).copied().flatten()
+    }
 }
 
 /// A request, planned.
@@ -202,23 +232,17 @@ impl Plan<'_> {
             metric: p.metric.clone(),
             anonymous: p.anonymous,
         });
-        match self.groups.iter_mut().find(|g| g.tag == tag) {
-            Some(g) if !g.ops.iter().any(|o| o.key == op.key) => {
-                g.ops.push(op);
-                g.failures.push(p.failure);
-                g.slots.push(slot);
-                g.grants.push(grants);
+        let first = self.groups.iter().position(|g| g.tag == tag);
+        let g = match first.filter(|&i| !self.groups[i].ops.iter().any(|o| o.key == op.key)) {
+            Some(i) => &mut self.groups[i],
+            // a new tag, or the same state twice in one request (two identical
+            // descriptors): a separate call keeps each op's decision its own
+            None => {
+                self.groups.push(Group::new(tag));
+                self.groups.last_mut().expect("just pushed")
             }
-            // the same state twice in one request (two identical descriptors): a separate
-            // call keeps each op's decision its own
-            _ => self.groups.push(Group {
-                tag,
-                ops: vec![op],
-                failures: vec![p.failure],
-                slots: vec![slot],
-                grants: vec![grants],
-            }),
-        }
+        };
+        g.push(op, p.failure, slot, grants);
     }
 }
 

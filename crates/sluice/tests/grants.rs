@@ -129,16 +129,22 @@ fn route() -> Request {
     Request::new("api").descriptor([("route", "r")])
 }
 
+/// Two instances over one memory store under one manual clock, with `route` limited
+/// to `limit` a minute under `grants`.
+fn two_instances(grants: &str, limit: u64) -> (Limiter, Limiter, Arc<ManualClock>) {
+    let window = serde_json::json!({"name": "w", "fixed_window": {"limit": limit, "window": "1m"}});
+    let rules = Arc::new(one_route(grants, window).unwrap());
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(1_000));
+    let clock = Arc::new(ManualClock::new(sluice::store::conformance::t0()));
+    let a = Limiter::new(rules.clone(), store.clone(), clock.clone());
+    (a, Limiter::new(rules, store, clock.clone()), clock)
+}
+
 /// On one instance the remaining reported never rises within a window; two instances
 /// together admit exactly the limit when both keep asking.
 #[tokio::test]
 async fn remaining_never_rises_and_the_fleet_admits_exactly_the_limit() {
-    let window = serde_json::json!({"name": "w", "fixed_window": {"limit": 20, "window": "1m"}});
-    let rules = Arc::new(one_route(r#""auto""#, window).unwrap());
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(1_000));
-    let clock = Arc::new(ManualClock::new(sluice::store::conformance::t0()));
-    let a = Limiter::new(rules.clone(), store.clone(), clock.clone());
-    let b = Limiter::new(rules, store.clone(), clock.clone());
+    let (a, b, _) = two_instances(r#""auto""#, 20);
     let (mut admitted, mut last) = (0, [u64::MAX; 2]);
     for i in 0..60 {
         let (who, limiter) = if i % 2 == 0 { (0, &a) } else { (1, &b) };
@@ -157,12 +163,7 @@ async fn remaining_never_rises_and_the_fleet_admits_exactly_the_limit() {
 /// overrides' watch (250 ms) and a sweep: the next decision starts the fresh window.
 #[tokio::test]
 async fn a_reset_elsewhere_revokes_the_grants_held() {
-    let window = serde_json::json!({"name": "w", "fixed_window": {"limit": 100, "window": "1m"}});
-    let rules = Arc::new(one_route(r#"{"max": 50}"#, window).unwrap());
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(1_000));
-    let clock = Arc::new(ManualClock::new(sluice::store::conformance::t0()));
-    let a = Limiter::new(rules.clone(), store.clone(), clock.clone());
-    let b = Limiter::new(rules, store.clone(), clock.clone());
+    let (a, b, clock) = two_instances(r#"{"max": 50}"#, 100);
     a.overrides().watch(std::time::Duration::from_millis(50));
     for _ in 0..10 {
         assert!(a.check(&route()).await.unwrap().allowed());

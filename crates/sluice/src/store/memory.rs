@@ -223,13 +223,16 @@ impl MemoryStore {
         shard.map.get(&slot(tag, key)).map(|e| e.state.clone())
     }
 
-    /// A fixed window's state and its grant book, normalized to `now`.
-    fn window(shard: &Shard, at: Slot, limit: Limit, now: Millis) -> Result<(WindowState, GrantBook), StoreError> {
-        let state = shard.map.get(&at).map(|e| e.state.clone());
-        let State::Window(s) = limit.normalize(state, now) else {
+    /// A fixed window's state and its grant book, normalized to `now`, and its limit.
+    fn window(shard: &Shard, at: Slot, limit: Limit, now: Millis) -> Result<(WindowState, GrantBook, u64), StoreError> {
+        let Limit::FixedWindow { limit: quota, window, aligned } = limit else {
             return Err(StoreError::protocol(format!("grants take fixed windows, not {}", limit.algorithm())));
         };
-        Ok((s, shard.books.get(&at).cloned().unwrap_or_default()))
+        let s = match shard.map.get(&at).map(|e| &e.state) {
+            Some(State::Window(s)) => algo::fixed_window::normalize(*s, window, aligned, now),
+            _ => algo::fixed_window::fresh(window, aligned, now),
+        };
+        Ok((s, shard.books.get(&at).cloned().unwrap_or_default(), quota))
     }
 
     /// Stores a granted window and its book.
@@ -304,15 +307,12 @@ impl Store for MemoryStore {
     }
 
     async fn grant(&self, tag: Tag, ask: GrantAsk, now: Millis) -> Result<Granted, StoreError> {
-        let Limit::FixedWindow { limit, .. } = ask.limit else {
-            return Err(StoreError::protocol(format!("grants take fixed windows, not {}", ask.limit.algorithm())));
-        };
         let mut shard = self.shard(tag);
         let at = slot(tag, ask.key);
+        let (s, book, limit) = Self::window(&shard, at, ask.limit, now)?;
         if !shard.map.contains_key(&at) {
             self.make_room(&mut shard, 1, now)?;
         }
-        let (s, book) = Self::window(&shard, at, ask.limit, now)?;
         let (granted, s, book) = grant::grant(s, book, limit, ask.need, ask.want, ask.id, now);
         Self::put_window(&mut shard, at, s, book);
         Ok(granted)
@@ -324,7 +324,7 @@ impl Store for MemoryStore {
         if !shard.map.contains_key(&at) {
             return Ok(0);
         }
-        let (s, book) = Self::window(&shard, at, back.limit, now)?;
+        let (s, book, _) = Self::window(&shard, at, back.limit, now)?;
         let (units, s, book) = grant::give_back(s, book, back.id, back.unspent, back.window);
         Self::put_window(&mut shard, at, s, book);
         Ok(units)

@@ -220,17 +220,19 @@ fn decisions(v: Value, n: usize) -> Result<Vec<Decision>, StoreError> {
     if ints.len() != n * 6 {
         return Err(StoreError::protocol(format!("script answered {} numbers for {n} ops", ints.len())));
     }
-    Ok(ints
-        .chunks_exact(6)
-        .map(|d| Decision {
-            allowed: d[0] == 1,
-            limit: d[1] as u64,
-            used: d[2] as u64,
-            remaining: d[3] as u64,
-            reset_at: d[4] as u64,
-            retry_after: (d[5] >= 0).then_some(d[5] as u64),
-        })
-        .collect())
+    Ok(ints.chunks_exact(6).map(decision).collect())
+}
+
+/// One decision of a script's reply: its 6 integers (see `lua/apply.lua`).
+fn decision(d: &[i64]) -> Decision {
+    Decision {
+        allowed: d[0] == 1,
+        limit: d[1] as u64,
+        used: d[2] as u64,
+        remaining: d[3] as u64,
+        reset_at: d[4] as u64,
+        retry_after: (d[5] >= 0).then_some(d[5] as u64),
+    }
 }
 
 /// One client's apply call: its ops, where their states live, and `now`.
@@ -846,11 +848,13 @@ impl Store for RedisStore {
         let reply = self.writer.write(&self.writer.scripts.grant, &[&at.key], fill).await?;
         let ints: Vec<i64> =
             redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("grant reply: {e}")).because(e))?;
-        let [units, ref decision @ .., holders] = ints[..] else {
+        let [units, ref d @ .., holders] = ints[..] else {
             return Err(StoreError::protocol(format!("grant answered {} numbers", ints.len())));
         };
-        let decision = decisions(Value::Array(decision.iter().map(|&i| Value::Int(i)).collect()), 1)?[0];
-        Ok(Granted { units: units as u64, decision, holders: holders as u64 })
+        if d.len() != 6 {
+            return Err(StoreError::protocol(format!("grant answered {} numbers", ints.len())));
+        }
+        Ok(Granted { units: units as u64, decision: decision(d), holders: holders as u64 })
     }
 
     async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
