@@ -640,12 +640,12 @@ impl Limiter {
     fn refresh(&self, tag: Tag, ask: crate::store::GrantAsk) {
         let (store, ledger, clock) = (self.store.clone(), self.grants.clone(), self.clock.clone());
         tokio::spawn(async move {
-            let (now, mut out) = (clock.now(), Leftovers::default());
+            let (now, mut out, key) = (clock.now(), Leftovers::default(), ask.key);
             match ledger.ask_store(&*store, tag, ask, now, &mut out).await {
                 Ok(_) => {
                     let _ = ledger.settle(&*store, out, now).await;
                 }
-                Err(_) => ledger.refresh_failed(tag, ask.key),
+                Err(_) => ledger.refresh_failed(tag, key),
             }
         });
     }

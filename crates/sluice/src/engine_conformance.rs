@@ -73,7 +73,7 @@ macro_rules! conformance_suite {
             all_or_nothing, shadow_does_not_block, cost_zero_charges_nothing, peek_never_charges,
             token_bucket_burst_and_refill, sliding_window_weighs_previous, concurrency_leases, refunds,
             tags_and_keys_are_independent, sequence_matches_model, reset_forgets_state, reset_forgets_every_kind,
-            registry_is_versioned, grants_are_shares_given_back_once);
+            registry_is_versioned, grants_are_shares_given_back_once, bucket_grants_hold_the_refill_back);
     };
     (@tests $name:ident, $make:expr; $($check:ident),*) => {
         mod $name {

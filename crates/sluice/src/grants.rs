@@ -13,7 +13,7 @@
 //! another (an override or a reload changed it), when the overrides' generation moves
 //! (a reset anywhere in the fleet), and when a key sits idle; all of it within a second.
 
-use crate::algo::grant::Granted;
+use crate::algo::grant::{BUCKET_TTL, Granted};
 use crate::algo::{Decision, Limit, Op};
 use crate::config::Grants;
 use crate::store::{GiveBack, GrantAsk, Store, StoreError};
@@ -31,13 +31,18 @@ pub const IDLE: Millis = 500;
 struct Held {
     /// The limit the grants were taken under: a decision under another revokes them.
     limit: Limit,
-    /// The window they were taken from (its reset).
+    /// A fixed window's: the window they were taken from (its reset). A token bucket's
+    /// grants lapse one by one instead (0 here).
     window: Millis,
-    /// Unspent units per grant, oldest first: `(id, units left)`.
-    parts: Vec<(u64, u64)>,
-    /// The window's remaining at the latest grant, after it.
+    /// Unspent units per grant, oldest first: `(id, units left, lapses at)`.
+    parts: Vec<(u64, u64, Millis)>,
+    /// Grants spent to the last unit: closed at the store by the next grant call.
+    spent_ids: Vec<u64>,
+    /// The state's remaining at the latest grant, after it, and its reset then.
     store_remaining: u64,
-    /// The least remaining reported in this window: what is reported never goes up.
+    reset_at: Millis,
+    /// The least remaining reported (in this window; for a bucket, since its latest
+    /// grant): what is reported never goes up meanwhile.
     reported: u64,
     /// The size of the latest grant; the next is asked for at a quarter of it left.
     last_units: u64,
@@ -54,18 +59,27 @@ struct Held {
 
 impl Held {
     fn left(&self) -> u64 {
-        self.parts.iter().map(|&(_, u)| u).sum()
+        self.parts.iter().map(|&(_, u, _)| u).sum()
+    }
+
+    fn bucket(&self) -> bool {
+        matches!(self.limit, Limit::TokenBucket { .. })
     }
 
     /// Spends `cost` from the oldest grants first; the caller checked it is there.
     fn spend(&mut self, cost: u64) {
         let mut cost = cost;
-        for (_, left) in self.parts.iter_mut() {
+        for (_, left, _) in self.parts.iter_mut() {
             let take = cost.min(*left);
             *left -= take;
             cost -= take;
         }
-        self.parts.retain(|&(_, left)| left > 0);
+        for &(id, left, _) in self.parts.iter() {
+            if left == 0 {
+                self.spent_ids.push(id);
+            }
+        }
+        self.parts.retain(|&(_, left, _)| left > 0);
     }
 
     /// The decision of a request that spent `cost`, or of a refusal. What is left is the
@@ -76,8 +90,25 @@ impl Held {
         let limit = self.limit.capacity();
         let remaining = (self.store_remaining + self.left()).min(self.reported.saturating_sub(cost)).min(limit);
         self.reported = remaining;
-        let (remaining, retry_after) = if allowed { (remaining, None) } else { (0, Some(self.window - now)) };
-        Decision { allowed, limit, used: limit - remaining, remaining, reset_at: self.window, retry_after }
+        let retry_after = match self.limit {
+            _ if allowed => None,
+            // a bucket: when one more request's units have come in
+            Limit::TokenBucket { rate, per, .. } => Some((cost.max(1) * per).div_ceil(rate)),
+            _ => Some(self.window.saturating_sub(now)),
+        };
+        let remaining = if allowed { remaining } else { 0 };
+        Decision { allowed, limit, used: limit - remaining, remaining, reset_at: self.reset_at, retry_after }
+    }
+
+    /// Moves the units of grants lapsed by `now` (a bucket's) into `out.expired`.
+    fn lapse(&mut self, now: Millis, out: &mut Leftovers) {
+        self.parts.retain(|&(_, left, lapses)| {
+            let live = lapses > now;
+            if !live {
+                out.expired += left;
+            }
+            live
+        });
     }
 }
 
@@ -189,16 +220,17 @@ impl Ledger {
     /// Grants of another limit or a passed window are dropped first (into `out`).
     pub(crate) fn take(&self, tag: Tag, op: &Op, grants: Grants, now: Millis, out: &mut Leftovers) -> Take {
         let mut shard = self.shard(tag);
-        self.drop_if(&mut shard, tag, op.key, now, out, |h| h.limit != op.limit || now >= h.window);
+        self.drop_if(&mut shard, tag, op.key, now, out, |h| h.limit != op.limit || (!h.bucket() && now >= h.window));
         let first = grants.max.unwrap_or(u64::MAX).min(op.cost.max(1) * 16);
         let Some(h) = shard.get_mut(&(tag, op.key)) else {
-            return Take::Short(self.ask(op, op.cost, first));
+            return Take::Short(self.ask(op, op.cost, first, Vec::new()));
         };
+        h.lapse(now, out);
         if h.left() < op.cost {
             if h.store_remaining + h.left() < op.cost && now.saturating_sub(h.asked_at) < grants.refresh {
                 return Take::Refused(h.decision(0, false, now));
             }
-            return Take::Short(self.ask(op, op.cost, first));
+            return Take::Short(self.ask(op, op.cost, first, std::mem::take(&mut h.spent_ids)));
         }
         h.spend(op.cost);
         h.spent += op.cost;
@@ -209,7 +241,7 @@ impl Ledger {
             // the key's rate over the time since the last grant, for `refresh` ms
             let rate = h.spent as f64 / now.saturating_sub(h.since).max(1) as f64;
             let want = (rate * grants.refresh as f64).ceil() as u64;
-            self.ask(op, 1, want.clamp(1, grants.max.unwrap_or(u64::MAX)))
+            self.ask(op, 1, want.clamp(1, grants.max.unwrap_or(u64::MAX)), std::mem::take(&mut h.spent_ids))
         });
         self.stats.local.fetch_add(1, Relaxed);
         Take::Spent(d, refresh)
@@ -239,8 +271,10 @@ impl Ledger {
         self.turns[slot as usize % TURNS].lock().await
     }
 
-    fn ask(&self, op: &Op, need: u64, want: u64) -> GrantAsk {
-        GrantAsk { key: op.key, limit: op.limit, need, want: want.max(need), id: self.next_id.fetch_add(1, Relaxed) }
+    /// A grant to ask for, closing the spent grants `close`.
+    fn ask(&self, op: &Op, need: u64, want: u64, close: Vec<u64>) -> GrantAsk {
+        let id = self.next_id.fetch_add(1, Relaxed);
+        GrantAsk { key: op.key, limit: op.limit, need, want: want.max(need), id, close }
     }
 
     /// Asks `store` for the grant `ask` and adds what it grants (grants of another
@@ -254,7 +288,7 @@ impl Ledger {
         out: &mut Leftovers,
     ) -> Result<Granted, StoreError> {
         self.stats.store_calls.fetch_add(1, Relaxed);
-        let granted = store.grant(tag, ask, now).await?;
+        let granted = store.grant(tag, ask.clone(), now).await?;
         self.add(tag, &ask, &granted, now, out);
         Ok(granted)
     }
@@ -264,13 +298,20 @@ impl Ledger {
         self.stats.taken.fetch_add(u64::from(g.units > 0), Relaxed);
         self.stats.units.fetch_add(g.units, Relaxed);
         let mut shard = self.shard(tag);
-        let window = g.decision.reset_at;
+        let bucket = matches!(ask.limit, Limit::TokenBucket { .. });
+        // a fixed window's grants belong to the window; a bucket's lapse one by one
+        let (window, lapses) = match bucket {
+            true => (0, now + BUCKET_TTL),
+            false => (g.decision.reset_at, g.decision.reset_at),
+        };
         self.drop_if(&mut shard, tag, ask.key, now, out, |h| h.limit != ask.limit || h.window != window);
         let h = shard.entry((tag, ask.key)).or_insert_with(|| Held {
             limit: ask.limit,
             window,
             parts: Vec::new(),
+            spent_ids: Vec::new(),
             store_remaining: g.decision.remaining,
+            reset_at: g.decision.reset_at,
             reported: u64::MAX,
             last_units: 0,
             spent: 0,
@@ -281,9 +322,14 @@ impl Ledger {
         });
         h.refreshing = false;
         h.asked_at = now;
-        h.store_remaining = h.store_remaining.min(g.decision.remaining);
+        h.reset_at = g.decision.reset_at;
+        // a window's remaining only falls; a bucket's refills, so each grant restarts it
+        h.store_remaining = if bucket { g.decision.remaining } else { h.store_remaining.min(g.decision.remaining) };
+        if bucket {
+            h.reported = u64::MAX;
+        }
         if g.units > 0 {
-            h.parts.push((ask.id, g.units));
+            h.parts.push((ask.id, g.units, lapses));
             h.last_units = g.units;
             h.spent = 0;
             h.since = now;
@@ -294,7 +340,7 @@ impl Ledger {
     /// instance sees it.
     pub(crate) fn refusal(&self, tag: Tag, op: &Op, g: &Granted, now: Millis) -> Decision {
         let mut shard = self.shard(tag);
-        match shard.get_mut(&(tag, op.key)).filter(|h| h.window == g.decision.reset_at) {
+        match shard.get_mut(&(tag, op.key)).filter(|h| h.bucket() || h.window == g.decision.reset_at) {
             Some(h) => h.decision(0, false, now),
             None => {
                 Decision { allowed: false, remaining: 0, retry_after: Some(g.decision.reset_at - now), ..g.decision }
@@ -303,14 +349,16 @@ impl Ledger {
     }
 
     /// Puts units spent by a request that was refused elsewhere (or refunded) back into
-    /// the grants of `window`; false when this instance holds none for it any more.
+    /// the grants held (a fixed window's: of `window`); false when this instance holds
+    /// none for it any more.
     pub(crate) fn put_back(&self, tag: Tag, key: u64, limit: &Limit, cost: u64, window: Millis) -> bool {
         let mut shard = self.shard(tag);
-        let Some(h) = shard.get_mut(&(tag, key)).filter(|h| h.limit == *limit && h.window == window) else {
+        let held = |h: &&mut Held| h.limit == *limit && (h.bucket() || h.window == window);
+        let Some(h) = shard.get_mut(&(tag, key)).filter(held) else {
             return false;
         };
         match h.parts.last_mut() {
-            Some((_, left)) => *left += cost,
+            Some((_, left, _)) => *left += cost,
             // every grant spent: the unit goes to the store instead
             None => return false,
         }
@@ -331,7 +379,8 @@ impl Ledger {
         let moved = self.generation.swap(generation, Relaxed) != generation;
         for shard in self.shards.iter() {
             shard.lock().unwrap_or_else(|p| p.into_inner()).retain(|&(tag, key), h| {
-                let keep = !moved && now < h.window && now.saturating_sub(h.used_at) < IDLE;
+                h.lapse(now, out);
+                let keep = !moved && (h.bucket() || now < h.window) && now.saturating_sub(h.used_at) < IDLE;
                 if !keep {
                     self.drop_held(tag, key, h, now, out);
                 }
@@ -352,11 +401,11 @@ impl Ledger {
 
     /// Counts `h`'s units as given back or lapsed.
     fn drop_held(&self, tag: Tag, key: u64, h: &Held, now: Millis, out: &mut Leftovers) {
-        for &(id, unspent) in h.parts.iter().filter(|&&(_, u)| u > 0) {
-            if now >= h.window {
+        for &(id, unspent, lapses) in h.parts.iter().filter(|&&(_, u, _)| u > 0) {
+            if now >= lapses {
                 out.expired += unspent;
             } else {
-                out.give_back.push((tag, GiveBack { key, limit: h.limit, id, unspent, window: h.window }));
+                out.give_back.push((tag, GiveBack { key, limit: h.limit, id, unspent, window: lapses }));
             }
         }
     }

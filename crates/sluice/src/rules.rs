@@ -362,10 +362,7 @@ fn metric_label(c: &DescriptorConfig, steps: &[Step]) -> Option<MetricLabel> {
 fn grants_for(c: &DescriptorConfig, limit: &Limit) -> Result<Option<Grants>, String> {
     let Some(grants) = c.grants else { return Ok(None) };
     match limit {
-        Limit::FixedWindow { .. } => Ok(Some(grants)),
-        Limit::TokenBucket { .. } => Err("`grants` does not take token_bucket limits yet (only fixed_window): \
-             remove `grants` from this rule or make the limit a fixed_window"
-            .into()),
+        Limit::FixedWindow { .. } | Limit::TokenBucket { .. } => Ok(Some(grants)),
         Limit::SlidingWindow { .. } => Err("`grants` cannot keep a sliding_window exact (its count weighs the \
              previous window, which a grant taken earlier cannot know): use a fixed_window"
             .into()),

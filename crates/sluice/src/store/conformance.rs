@@ -271,7 +271,7 @@ pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
     let t0 = t0();
     let t = fresh_tag();
     let l = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
-    let ask = |id, need, want| GrantAsk { key: 1, limit: l, need, want, id };
+    let ask = |id, need, want| GrantAsk { key: 1, limit: l, need, want, id, close: Vec::new() };
     if !s.grants() {
         assert!(s.grant(t, ask(1, 1, 10), t0).await.is_err(), "a store taking no grants must refuse one");
         return;
@@ -300,6 +300,54 @@ pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
     assert_eq!((g.units, g.holders, g.decision.reset_at), (50, 1, t0 + 120_004));
 }
 
+/// Quota grants on a token bucket (`algo::grant::bucket_grant`): units held by open
+/// grants count as in the bucket for its refill; a give-back counts once and never fills
+/// past the burst; a spent grant named by the next ask, or one that lapsed, no longer
+/// holds the refill back.
+pub async fn bucket_grants_hold_the_refill_back(s: &dyn Store) {
+    use crate::algo::grant::{BUCKET_TTL, SKEW};
+    if !s.grants() {
+        return;
+    }
+    let t0 = t0();
+    let t = fresh_tag();
+    // 10 tokens a second, burst 20
+    let l = Limit::TokenBucket { rate: 10, per: 1_000, burst: 20 };
+    let ask = |id, want, close: &[u64]| GrantAsk { key: 1, limit: l, need: 1, want, id, close: close.to_vec() };
+    let g = s.grant(t, ask(1, 100, &[]), t0).await.unwrap();
+    assert_eq!((g.units, g.holders, g.decision.remaining), (10, 1, 10), "half of a full bucket");
+    // 900 ms later a bucket would hold 19; the 10 units held keep it at 10
+    let g = s.grant(t, ask(2, 1, &[]), t0 + 900).await.unwrap();
+    assert_eq!((g.units, g.holders, g.decision.remaining), (1, 2, 9), "the refill is held back by what is held");
+    let back = |id, unspent| GiveBack { key: 1, limit: l, id, unspent, window: 0 };
+    assert_eq!(s.give_back(t, back(1, 10), t0 + 901).await.unwrap(), 10);
+    assert_eq!(s.give_back(t, back(1, 10), t0 + 902).await.unwrap(), 0, "twice: once");
+    // grant 2 spent and closed by the next ask: only grant 3 holds the refill back
+    let g = s.grant(t, ask(3, 1, &[2]), t0 + 903).await.unwrap();
+    assert_eq!((g.units, g.holders, g.decision.remaining), (1, 1, 18));
+    let g = s.grant(t, ask(4, 1, &[]), t0 + 2_000).await.unwrap();
+    assert_eq!((g.units, g.holders, g.decision.remaining), (1, 2, 18), "refilled to the burst less 3's unit");
+    // grant 3 lapses SKEW after its holder stopped spending it
+    let lapsed = t0 + 903 + BUCKET_TTL + SKEW;
+    let g = s.grant(t, ask(5, 1, &[4]), lapsed).await.unwrap();
+    assert_eq!((g.units, g.holders), (1, 1), "3 lapsed, 4 closed: only 5 is open");
+    assert_eq!(s.give_back(t, back(3, 1), lapsed + 1).await.unwrap(), 0, "a lapsed grant gives nothing back");
+    // grant after grant at one moment: never more than the bucket holds
+    let t = fresh_tag();
+    let mut granted = 0;
+    for id in 1..100 {
+        granted += s.grant(t, ask(id, 3, &[]), t0).await.unwrap().units;
+    }
+    assert_eq!(granted, 20, "a full bucket hands out its burst, no more");
+    // a refund (a 304's, say) fills a bucket with grants open only up to the burst less
+    // the units they hold
+    let t = fresh_tag();
+    assert_eq!(s.grant(t, ask(1, 100, &[]), t0).await.unwrap().units, 10);
+    s.refund(t, &[Refund { key: 1, limit: l, cost: 15, window: 0 }], t0 + 1).await.unwrap();
+    let g = s.grant(t, ask(2, 100, &[]), t0 + 2).await.unwrap();
+    assert_eq!((g.units, g.decision.remaining), (2, 8), "refunded past what the open grant holds");
+}
+
 /// Grants from many tasks at once never hand out more than the window holds.
 pub async fn concurrent_grants_never_pass_the_limit(s: Arc<dyn Store>) {
     if !s.grants() {
@@ -311,7 +359,7 @@ pub async fn concurrent_grants_never_pass_the_limit(s: Arc<dyn Store>) {
     let tasks: Vec<_> = (0..200u64)
         .map(|id| {
             let s = s.clone();
-            let ask = GrantAsk { key: 1, limit: l, need: 1, want: 37, id };
+            let ask = GrantAsk { key: 1, limit: l, need: 1, want: 37, id, close: Vec::new() };
             tokio::spawn(async move { s.grant(t, ask, t0 + id % 5).await.unwrap().units })
         })
         .collect();
@@ -323,7 +371,12 @@ pub async fn concurrent_grants_never_pass_the_limit(s: Arc<dyn Store>) {
     assert_eq!(used, granted, "the window counts exactly what was granted");
     // the rest, asked for one by one until nothing is left: no unit twice, none lost
     for id in 200.. {
-        match s.grant(t, GrantAsk { key: 1, limit: l, need: 1, want: 37, id }, t0 + 11).await.unwrap().units {
+        match s
+            .grant(t, GrantAsk { key: 1, limit: l, need: 1, want: 37, id, close: Vec::new() }, t0 + 11)
+            .await
+            .unwrap()
+            .units
+        {
             0 => break,
             units => granted += units,
         }

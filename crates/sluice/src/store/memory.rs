@@ -12,9 +12,9 @@
 //! fail-closed refuses it) while every client already held keeps its exact count. Room
 //! comes back as windows end; [`MemoryStats::full`] counts the calls that found none.
 
-use super::{GiveBack, GrantAsk, LocalRegistry, Refund, RegistryOp, RegistryReply, Store, StoreError};
+use super::{GiveBack, GrantAsk, LocalRegistry, Refund, RegistryOp, RegistryReply, Store, StoreError, no_grants_for};
 use crate::algo::grant::{self, GrantBook, Granted};
-use crate::algo::{self, ConcurrencyState, Decision, Lease, Limit, Op, State, WindowState};
+use crate::algo::{self, ConcurrencyState, Decision, Lease, Limit, Op, State};
 use crate::tag::Tag;
 use crate::time::Millis;
 use async_trait::async_trait;
@@ -155,7 +155,7 @@ impl MemoryStore {
     fn collect_shard(&self, shard: &mut Shard, now: Millis) {
         let before = shard.map.len();
         shard.map.retain(|_, e| e.expires_at > now);
-        shard.books.retain(|_, b| b.window > now);
+        shard.books.retain(|_, b| b.expires() + grant::SKEW > now);
         shard.next_collect = now + 1000;
         self.stats.collected.fetch_add((before - shard.map.len()) as u64, Ordering::Relaxed);
     }
@@ -223,22 +223,21 @@ impl MemoryStore {
         shard.map.get(&slot(tag, key)).map(|e| e.state.clone())
     }
 
-    /// A fixed window's state and its grant book, normalized to `now`, and its limit.
-    fn window(shard: &Shard, at: Slot, limit: Limit, now: Millis) -> Result<(WindowState, GrantBook, u64), StoreError> {
-        let Limit::FixedWindow { limit: quota, window, aligned } = limit else {
-            return Err(StoreError::protocol(format!("grants take fixed windows, not {}", limit.algorithm())));
-        };
-        let s = match shard.map.get(&at).map(|e| &e.state) {
-            Some(State::Window(s)) => algo::fixed_window::normalize(*s, window, aligned, now),
-            _ => algo::fixed_window::fresh(window, aligned, now),
-        };
-        Ok((s, shard.books.get(&at).cloned().unwrap_or_default(), quota))
+    /// A granted state and its book, as stored (fresh when there is none).
+    fn granted(shard: &Shard, at: Slot, limit: &Limit, now: Millis) -> (State, GrantBook) {
+        let state = shard.map.get(&at).map_or_else(|| limit.fresh(now), |e| e.state.clone());
+        (state, shard.books.get(&at).cloned().unwrap_or_default())
     }
 
-    /// Stores a granted window and its book.
-    fn put_window(shard: &mut Shard, at: Slot, s: WindowState, book: GrantBook) {
-        shard.map.insert(at, Entry { state: State::Window(s), expires_at: s.resets_at });
-        shard.books.insert(at, book);
+    /// Stores a granted state and its book (the book may outlive the state: a token
+    /// bucket's grants lapse after it is full).
+    fn put_granted(shard: &mut Shard, at: Slot, limit: &Limit, state: State, book: GrantBook) {
+        let expires_at = limit.expires_at(&state);
+        shard.map.insert(at, Entry { state, expires_at });
+        match book.open.is_empty() {
+            true => shard.books.remove(&at),
+            false => shard.books.insert(at, book),
+        };
     }
 }
 
@@ -286,7 +285,14 @@ impl Store for MemoryStore {
             let Some(state) = Self::get(&shard, tag, r.key) else {
                 continue;
             };
-            if let Some(state) = r.limit.refund(state, r.cost, r.window, now) {
+            // a token bucket's open grants hold its refill back (algo::grant)
+            let refunded = match (r.limit, state, shard.books.get(&slot(tag, r.key))) {
+                (Limit::TokenBucket { rate, per, burst }, State::Bucket(s), Some(book)) => {
+                    Some(State::Bucket(grant::bucket_refund(s, book, (rate, per, burst), r.cost, now)))
+                }
+                (limit, state, _) => limit.refund(state, r.cost, r.window, now),
+            };
+            if let Some(state) = refunded {
                 Self::replace(&mut shard, slot(tag, r.key), r.limit, state);
             }
         }
@@ -309,24 +315,47 @@ impl Store for MemoryStore {
     async fn grant(&self, tag: Tag, ask: GrantAsk, now: Millis) -> Result<Granted, StoreError> {
         let mut shard = self.shard(tag);
         let at = slot(tag, ask.key);
-        let (s, book, limit) = Self::window(&shard, at, ask.limit, now)?;
         if !shard.map.contains_key(&at) {
             self.make_room(&mut shard, 1, now)?;
         }
-        let (granted, s, book) = grant::grant(s, book, limit, ask.need, ask.want, ask.id, now);
-        Self::put_window(&mut shard, at, s, book);
+        let (state, book) = Self::granted(&shard, at, &ask.limit, now);
+        let a = grant::Ask { need: ask.need, want: ask.want, id: ask.id, close: &ask.close };
+        let (granted, state, book) = match (ask.limit, state) {
+            (Limit::FixedWindow { limit, window, aligned }, State::Window(s)) => {
+                let s = algo::fixed_window::normalize(s, window, aligned, now);
+                let (g, s, book) = grant::grant(s, book, limit, &a, now);
+                (g, State::Window(s), book)
+            }
+            (Limit::TokenBucket { rate, per, burst }, State::Bucket(s)) => {
+                let (g, s, book) = grant::bucket_grant(s, book, (rate, per, burst), &a, now);
+                (g, State::Bucket(s), book)
+            }
+            (limit, _) => return Err(no_grants_for(&limit)),
+        };
+        Self::put_granted(&mut shard, at, &ask.limit, state, book);
         Ok(granted)
     }
 
     async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
         let mut shard = self.shard(tag);
         let at = slot(tag, back.key);
-        if !shard.map.contains_key(&at) {
+        if !shard.books.contains_key(&at) {
             return Ok(0);
         }
-        let (s, book, _) = Self::window(&shard, at, back.limit, now)?;
-        let (units, s, book) = grant::give_back(s, book, back.id, back.unspent, back.window);
-        Self::put_window(&mut shard, at, s, book);
+        let (state, book) = Self::granted(&shard, at, &back.limit, now);
+        let (units, state, book) = match (back.limit, state) {
+            (Limit::FixedWindow { window, aligned, .. }, State::Window(s)) => {
+                let s = algo::fixed_window::normalize(s, window, aligned, now);
+                let (units, s, book) = grant::give_back(s, book, back.id, back.unspent, back.window);
+                (units, State::Window(s), book)
+            }
+            (Limit::TokenBucket { rate, per, burst }, State::Bucket(s)) => {
+                let (units, s, book) = grant::bucket_give_back(s, book, (rate, per, burst), back.id, back.unspent, now);
+                (units, State::Bucket(s), book)
+            }
+            (limit, _) => return Err(no_grants_for(&limit)),
+        };
+        Self::put_granted(&mut shard, at, &back.limit, state, book);
         Ok(units)
     }
 

@@ -44,18 +44,20 @@ pub struct Refund {
 }
 
 /// A grant to take (see [`crate::algo::grant`]): up to `want` units, at least `need`,
-/// of the fixed-window state `key`, recorded as grant `id`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// of the fixed-window or token-bucket state `key`, recorded as grant `id`; the grants
+/// in `close` (this instance's, of the same state) are spent.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GrantAsk {
     pub key: u64,
     pub limit: Limit,
     pub need: u64,
     pub want: u64,
     pub id: u64,
+    pub close: Vec<u64>,
 }
 
-/// Unspent units of grant `id`, taken from state `key` in the window that resets at
-/// `window`, to give back.
+/// Unspent units of grant `id`, taken from state `key` (a fixed window: in the window
+/// that resets at `window`), to give back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GiveBack {
     pub key: u64,
@@ -254,8 +256,8 @@ pub trait Store: Send + Sync + 'static {
         false
     }
 
-    /// Grants units of a fixed window to this instance (see [`crate::algo::grant`]),
-    /// atomically: the window is charged at once.
+    /// Grants units of a fixed window or a token bucket to this instance (see
+    /// [`crate::algo::grant`]), atomically: the units are taken from the state at once.
     async fn grant(&self, tag: Tag, ask: GrantAsk, now: Millis) -> Result<Granted, StoreError> {
         let _ = (tag, ask, now);
         Err(StoreError::protocol(no_grants_reason(self.kind())))
@@ -299,6 +301,11 @@ pub(crate) fn no_registry_reason(kind: &str) -> String {
     format!(
         "the {kind} store keeps no overrides; use a memory or redis store (a migrating store keeps them on a side that can)"
     )
+}
+
+/// The error of a grant asked for on a limit grants do not take.
+pub(crate) fn no_grants_for(limit: &Limit) -> StoreError {
+    StoreError::protocol(format!("grants take fixed windows and token buckets, not {}", limit.algorithm()))
 }
 
 /// Why a store of `kind` takes no grants.

@@ -105,13 +105,18 @@ impl Kind {
         (Kind::Concurrency, "CONCURRENCY"),
     ];
 
-    /// The Lua line that names every algorithm's number, and the most grants a book
-    /// holds (`algo::grant::MAX_OPEN`).
+    /// The Lua line that names every algorithm's number, and the grants' constants
+    /// (`algo::grant`: the most grants a book holds, a bucket grant's time to live and
+    /// the skew the store allows it).
     fn prelude() -> String {
+        use crate::algo::grant::{BUCKET_TTL, MAX_OPEN, SKEW};
         let names: Vec<&str> = Self::ALL.iter().map(|(_, n)| *n).collect();
         let numbers: Vec<String> = Self::ALL.iter().map(|(k, _)| (*k as u8).to_string()).collect();
-        let max_open = crate::algo::grant::MAX_OPEN;
-        format!("local {}, MAX_OPEN = {}, {max_open}\n", names.join(", "), numbers.join(", "))
+        format!(
+            "local {}, MAX_OPEN, BUCKET_TTL, SKEW = {}, {MAX_OPEN}, {BUCKET_TTL}, {SKEW}\n",
+            names.join(", "),
+            numbers.join(", ")
+        )
     }
 }
 
@@ -843,7 +848,7 @@ impl Store for RedisStore {
         let at = Location::of(tag, ask.key, &ask.limit, self.writer.options.buckets);
         let fill = |cmd: &mut Cmd| {
             cmd.arg(now).arg(GRACE_MS).arg(policy(&ask.limit, false)).arg(&at.field);
-            cmd.arg(ask.need).arg(ask.want).arg(ask.id);
+            cmd.arg(ask.need).arg(ask.want).arg(ask.id).arg(&ask.close);
         };
         let reply = self.writer.write(&self.writer.scripts.grant, &[&at.key], fill).await?;
         let ints: Vec<i64> =

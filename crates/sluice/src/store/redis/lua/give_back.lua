@@ -1,26 +1,32 @@
 -- give_back: gives back the unspent units of one grant, once (twin of
--- algo::grant::give_back): the grant is closed, and a second give-back finds nothing.
+-- algo::grant::give_back and bucket_give_back): the grant is closed, and a second
+-- give-back finds nothing.
 -- KEYS[1]   the state's bucket
 -- ARGV      now, grace, the policy, the state's field, the grant's id (decimal),
---           unspent, window (the reset of the window it was taken from)
+--           unspent, window (a fixed window's: the reset of the window it was taken from)
 -- Reply     the units given back
 local now, grace = int(ARGV[1]), int(ARGV[2])
 local p = policy(ARGV[3])
 local kind, p1, p2, p3 = p[1], p[2], p[3], p[4]
-if kind ~= FIXED_WINDOW then error('sluice: grants take fixed windows only') end
 local key, field, id, unspent, window = KEYS[1], ARGV[4], ARGV[5], int(ARGV[6]), int(ARGV[7])
-local lu, lr = load(kind, key, field, p2, now)
-if lu == nil then return 0 end
-local u, r = normalize(kind, lu, lr, nil, p1, p2, p3, now)
-if r ~= window then return 0 end
-local open = book_load(key, field, r)
-for i = 1, #open, 2 do
+local open = book_load(key, field)
+if #open == 0 then return 0 end
+local lx, ly = load(kind, key, field, p2, now)
+local x, y, skew
+x, y, open, skew = granted_normalize(kind, lx, ly, open, {}, p1, p2, p3, now)
+if kind == FIXED_WINDOW and (lx == nil or y ~= window) then return 0 end
+for i = 1, #open, 3 do
   if open[i] == id then
-    local back = min(min(unspent, int(open[i + 1])), u)
-    table.remove(open, i)
-    table.remove(open, i)
-    book_store(key, field, r, open)
-    store(kind, key, field, u - back, r, nil, p1, p2, p3, now, grace, lu, lr, nil, nil)
+    local back = min(unspent, open[i + 1])
+    for _ = 1, 3 do table.remove(open, i) end
+    if kind == FIXED_WINDOW then
+      back = min(back, x)
+      x = x - back
+    else
+      x = min(x + back * p2, max(p3 - book_units(open), 0) * p2)
+    end
+    store(kind, key, field, x, y, nil, p1, p2, p3, now, grace, lx, ly, nil, nil)
+    book_store(key, field, open, skew, grace)
     return back
   end
 end

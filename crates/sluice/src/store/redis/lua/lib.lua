@@ -347,10 +347,11 @@ local function store(kind, key, field, x, y, z, p1, p2, p3, now, grace, lx, ly, 
   redis.call('PEXPIREAT', key, at, 'GT')
 end
 
--- Quota grants (algo::grant) on fixed windows: the grants open in a window live in the
--- field beside its state, `field .. '~'` (a field name never has '~'), as
--- "window:id:units:id:units...", the window first so that pruning reads it as the
--- moment the book stops mattering. Ids are kept as text (a u64 is not exact in Lua).
+-- Quota grants (algo::grant) on fixed windows and token buckets: the grants open on a
+-- state live in the field beside it, `field .. '~'` (a field name never has '~'), as
+-- "e:id:units:expires:id:units:expires...", e the moment the book stops mattering (its
+-- last grant's lapse, plus SKEW for a token bucket's) so that pruning reads it. Ids are
+-- kept as text (a u64 is not exact in Lua). A book is a flat list id, units, expires.
 
 -- grant::size
 local function grant_size(remaining, open, need, want)
@@ -359,25 +360,72 @@ local function grant_size(remaining, open, need, want)
   return min(max(min(want, share), need), remaining)
 end
 
--- The open grants of the window `r` (GrantBook::of_window): a flat list id, units, ...
-local function book_load(key, field, r)
+-- The open grants of a state, as stored.
+local function book_load(key, field)
   local open = {}
   local v = redis.call('HGET', key, field .. '~')
   if not v then return open end
-  local window, rest = string.match(v, '^(%d+)(.*)$')
-  if window == nil or int(window) ~= r then return open end
-  for id, units in string.gmatch(rest, ':(%d+):(%d+)') do
+  for id, units, e in string.gmatch(v, ':(%d+):(%d+):(%d+)') do
     open[#open + 1] = id
-    open[#open + 1] = units
+    open[#open + 1] = int(units)
+    open[#open + 1] = int(e)
   end
   return open
 end
 
--- Writes the open grants of window `r` back (none: the field goes).
-local function book_store(key, field, r, open)
+-- GrantBook::units
+local function book_units(open)
+  local n = 0
+  for i = 2, #open, 3 do n = n + open[i] end
+  return n
+end
+
+-- The grants of `open` that stay: not named in `closing` (a set of ids), and of window
+-- `window` (GrantBook::of_window) or, without one, not lapsed before `lapsed`
+-- (grant::bucket_normalize).
+local function book_keep(open, closing, window, lapsed)
+  local kept = {}
+  for i = 1, #open, 3 do
+    local e = open[i + 2]
+    local live = (window ~= nil and e == window) or (window == nil and e > lapsed)
+    if live and not closing[open[i]] then
+      kept[#kept + 1] = open[i]
+      kept[#kept + 1] = open[i + 1]
+      kept[#kept + 1] = e
+    end
+  end
+  return kept
+end
+
+-- Writes a book back (none: the field goes), after its state (whose write gave the
+-- bucket its TTL); the bucket lives `grace` past the book.
+local function book_store(key, field, open, skew, grace)
   if #open == 0 then
     redis.call('HDEL', key, field .. '~')
     return
   end
-  redis.call('HSET', key, field .. '~', num(r) .. ':' .. table.concat(open, ':'))
+  local e, parts = 0, {}
+  for i = 1, #open, 3 do
+    e = max(e, open[i + 2])
+    parts[#parts + 1] = open[i] .. ':' .. num(open[i + 1]) .. ':' .. num(open[i + 2])
+  end
+  e = e + skew
+  redis.call('HSET', key, field .. '~', num(e) .. ':' .. table.concat(parts, ':'))
+  redis.call('PEXPIREAT', key, num(e + grace), 'GT')
+end
+
+-- A granted state with its book, brought to `now`: a fixed window's grants of its
+-- current window; a token bucket refilled up to its burst less the units of open
+-- grants, then the lapsed grants dropped (grant::bucket_normalize). Returns x, y, the
+-- book (without the grants in `closing`), and the skew its expiry is kept for.
+local function granted_normalize(kind, lx, ly, open, closing, p1, p2, p3, now)
+  if kind == FIXED_WINDOW then
+    local x, y = fixed_window_normalize(lx, ly, p2, p3, now)
+    return x, y, book_keep(open, closing, y, nil), 0
+  end
+  if kind == TOKEN_BUCKET then
+    local x, y = token_bucket_normalize(lx, ly, p1, p2, max(p3 - book_units(open), 0), now)
+    return x, y, book_keep(open, closing, nil, now - SKEW), SKEW
+  end
+  error('sluice: grants take fixed windows and token buckets only')
 end

@@ -1,5 +1,6 @@
--- refund: gives back charges (twin of algo::Limit::refund), never above the limit and
--- never into a later window than the one charged.
+-- refund: gives back charges (twin of algo::Limit::refund; a token bucket with open
+-- quota grants: of algo::grant::bucket_refund), never above the limit and never into a
+-- later window than the one charged.
 -- KEYS[i]   where refund i's state lives (as apply's)
 -- ARGV[1]   now, ms since the epoch
 -- ARGV[2]   grace, ms (as apply's)
@@ -16,7 +17,16 @@ for i = 1, #KEYS do
   local lx, ly, lz = load(kind, KEYS[i], field, p2, now)
   if lx ~= nil and kind ~= CONCURRENCY then
     local x, y, z = normalize(kind, lx, ly, lz, p1, p2, p3, now)
-    local nx, ny, nz = refund(kind, x, y, z, p1, p2, p3, cost, window)
+    local nx, ny, nz
+    local open = kind == TOKEN_BUCKET and book_load(KEYS[i], field) or {}
+    if #open > 0 then
+      -- grant::bucket_refund: open grants hold the refill back
+      local cap = max(p3 - book_units(open), 0)
+      x, y = token_bucket_normalize(lx, ly, p1, p2, cap, now)
+      nx, ny = token_bucket_refund(x, y, p2, cap, cost)
+    else
+      nx, ny, nz = refund(kind, x, y, z, p1, p2, p3, cost, window)
+    end
     if nx ~= nil then
       store(kind, KEYS[i], field, nx, ny, nz, p1, p2, p3, now, grace, lx, ly, lz, nil)
       changed = changed + 1
