@@ -141,9 +141,10 @@ fn store(
             resilient(RedisStore::new(url, replicas, options(connection)?)?, tuning)
         }
         StoreConfig::RedisSentinel(c) => resilient(sentinel(c)?, tuning),
-        StoreConfig::RedisCluster { nodes, read_from_replicas, timeout, retries, tls: files, buckets } => {
+        StoreConfig::RedisCluster { nodes, read_from_replicas, timeout, retries, tls: files, buckets, grant_acks } => {
             let options = RedisOptions {
                 timeout: timeout.to_std(),
+                grant_acks: Some(*grant_acks),
                 cluster_retries: *retries,
                 tls: tls(files.as_ref())?,
                 buckets: buckets.0,
@@ -198,6 +199,7 @@ fn options(c: &RedisConnectionConfig) -> Result<RedisOptions, BuildError> {
     Ok(RedisOptions {
         timeout: c.timeout.to_std(),
         replica_acks: c.replica_acks,
+        grant_acks: c.grant_acks,
         tls: tls(c.tls.as_ref())?,
         buckets: c.buckets.0,
         ..RedisOptions::default()

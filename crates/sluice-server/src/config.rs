@@ -165,6 +165,10 @@ pub enum StoreConfig {
         /// Certificates for `rediss://` node URLs.
         #[serde(default)]
         tls: Option<TlsConfig>,
+        /// Replicas of the owning primary that must acknowledge a quota grant before it
+        /// is spent (0 by default: set 1 when the primaries have replicas).
+        #[serde(default)]
+        grant_acks: u32,
     },
     /// GitHub's old backend: fixed windows only, and a cache that evicts (see
     /// docs/operations.md). For migrating away from, with `migrating`.
@@ -247,6 +251,9 @@ pub struct RedisConnectionConfig {
     /// Replicas that must acknowledge each write (`WAIT`) before it counts; 0 does not
     /// wait. See docs/operations.md.
     pub replica_acks: u32,
+    /// Replicas that must acknowledge a quota grant before it is spent (unset: 1 with
+    /// `replicas` listed or Sentinel, else 0). See docs/configuration.md, quota grants.
+    pub grant_acks: Option<u32>,
     /// Certificates for `rediss://` URLs.
     pub tls: Option<TlsConfig>,
     /// How many bucket hashes client states share (1 to 16,777,216); about the number of
@@ -257,7 +264,7 @@ pub struct RedisConnectionConfig {
 
 impl Default for RedisConnectionConfig {
     fn default() -> Self {
-        Self { timeout: Duration(1_000), replica_acks: 0, tls: None, buckets: Buckets::default() }
+        Self { timeout: Duration(1_000), replica_acks: 0, grant_acks: None, tls: None, buckets: Buckets::default() }
     }
 }
 

@@ -1,22 +1,45 @@
-//! Quota grants end to end: real `sluice serve` processes sharing one real Redis, a rule
-//! with `grants: auto`. However the requests spread over the instances, and whatever
-//! happens to an instance, no more than the limit is admitted; what an instance did not
-//! spend goes back when it stops.
+//! Quota grants end to end: real `sluice serve` processes sharing one real Redis, a
+//! Redis Cluster of six nodes, or a primary behind Sentinels; a rule with `grants: auto`.
+//! However the requests spread over the instances, and whatever happens to an instance
+//! or to a primary, no more than the limit is admitted; what an instance did not spend
+//! goes back when it stops.
 
 mod common;
 
 use common::{Sluice, burst, header, heavy, num, start_with};
-use sluice_testkit::RedisServer;
-use std::time::Duration;
+use sluice_testkit::{RedisCluster, RedisSentinels, RedisServer};
+use std::time::{Duration, Instant};
 
 const LIMIT: u64 = 3_000;
+/// Requests before an instance or a primary is lost: half the limit, so that half of it
+/// is still to be granted after.
+const HALF: usize = LIMIT as usize / 2;
+
+/// `n` instances with `store` (a `store:` section, and any other) and the granted rule.
+fn fleet_on(store: &str, n: usize) -> Vec<Sluice> {
+    let rule = format!(
+        "  - domain: d\n    descriptors:\n      - key: user\n        grants: auto\n        rate_limit: {{name: hourly, unit: hour, requests_per_unit: {LIMIT}}}\n"
+    );
+    (0..n).map(|_| start_with(store, &rule)).collect()
+}
 
 fn fleet(redis: &RedisServer, n: usize) -> Vec<Sluice> {
-    let store = format!("store:\n  kind: redis\n  url: {}\n", redis.url());
-    let rule = format!(
-        "  - domain: d\n    descriptors:\n      - key: user\n        grants: auto\n        rate_limit: {{unit: hour, requests_per_unit: {LIMIT}}}\n"
+    fleet_on(&format!("store:\n  kind: redis\n  url: {}\n", redis.url()), n)
+}
+
+/// Four instances on a six-node cluster, grants acknowledged by a replica; a store
+/// failure refuses (what fails open would be admitted past any bound).
+fn cluster_fleet(cluster: &RedisCluster) -> Vec<Sluice> {
+    let nodes: Vec<String> = cluster.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let store = format!(
+        "limiter:\n  failure: closed\nstore:\n  kind: redis_cluster\n  nodes: [{}]\n  grant_acks: 1\n",
+        nodes.join(", ")
     );
-    (0..n).map(|_| start_with(&store, &rule)).collect()
+    fleet_on(&store, 4)
+}
+
+fn logs(fleet: &[Sluice]) -> String {
+    fleet.iter().map(Sluice::log).collect::<Vec<_>>().join("\n---\n")
 }
 
 fn bases(fleet: &[Sluice]) -> Vec<String> {
@@ -33,12 +56,103 @@ async fn four_instances_admit_at_most_the_limit() {
     let before = redis.script_calls();
     let (ok, degraded) = burst(&bases(&fleet), "d", "alice", 2 * LIMIT as usize).await;
     let calls = redis.script_calls() - before;
-    let logs = || fleet.iter().map(Sluice::log).collect::<Vec<_>>().join("\n---\n");
-    assert_eq!(degraded, 0, "decisions left to the failure policy:\n{}", logs());
+    assert_eq!(degraded, 0, "decisions left to the failure policy:\n{}", logs(&fleet));
     assert!(u64::from(ok) <= LIMIT, "{ok} admitted for a limit of {LIMIT}");
     assert!(u64::from(ok) >= LIMIT * 9 / 10, "only {ok} of {LIMIT} admitted");
     println!("admitted {ok} of {LIMIT}; {calls} store calls for {} decisions", 2 * LIMIT);
     assert!(calls < LIMIT, "{calls} store calls for {} decisions: grants are not saving calls", 2 * LIMIT);
+    // counted per rule: the decisions answered in process and the store calls they saved
+    let metrics = reqwest::get(format!("{}/metrics", fleet[0].base)).await.unwrap().text().await.unwrap();
+    let series = |name: &str| {
+        let prefix = format!("{name}{{domain=\"d\",policy=\"hourly\"}} ");
+        metrics.lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.parse::<f64>().ok())
+    };
+    let local = series("sluice_grant_decisions_local_total").expect("local decisions per rule");
+    let store_calls = series("sluice_grant_store_calls_total").expect("store calls per rule");
+    assert!(local > 0.0 && store_calls > 0.0 && store_calls < local, "{metrics}");
+    assert!(metrics.contains("sluice_grant_units_total{domain=\"d\",policy=\"hourly\",kind=\"granted\"}"), "{metrics}");
+}
+
+/// The same on a six-node Redis Cluster: 6,000 requests over four instances, at most the
+/// limit admitted; then with an instance killed -9 halfway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_four_instances_admit_at_most_the_limit() {
+    let _heavy = heavy().await;
+    let cluster = RedisCluster::start();
+    let mut fleet = cluster_fleet(&cluster);
+    let (ok, degraded) = burst(&bases(&fleet), "d", "alice", 2 * LIMIT as usize).await;
+    assert_eq!(degraded, 0, "decisions left to the failure policy:\n{}", logs(&fleet));
+    assert!(u64::from(ok) <= LIMIT && u64::from(ok) >= LIMIT * 9 / 10, "{ok} admitted for a limit of {LIMIT}");
+    let (first, _) = burst(&bases(&fleet), "d", "bob", HALF).await;
+    fleet[0].process.kill();
+    let (second, _) = burst(&bases(&fleet[1..]), "d", "bob", 2 * LIMIT as usize - HALF).await;
+    let admitted = u64::from(first + second);
+    assert!(admitted <= LIMIT, "{admitted} admitted for a limit of {LIMIT} with an instance killed -9");
+    println!("cluster: admitted {ok} of {LIMIT}; {admitted} with an instance killed -9 halfway");
+}
+
+/// Half the limit's requests, then `failover` (which returns once it is done), then the
+/// rest of twice the limit: at most the limit admitted across it, and most of it.
+async fn across(fleet: &[Sluice], user: &str, what: &str, failover: impl FnOnce()) {
+    let (first, _) = burst(&bases(fleet), "d", user, HALF).await;
+    failover();
+    let (second, _) = burst(&bases(fleet), "d", user, 2 * LIMIT as usize - HALF).await;
+    let admitted = u64::from(first + second);
+    assert!(admitted <= LIMIT, "{admitted} admitted for a limit of {LIMIT} across {what}:\n{}", logs(fleet));
+    assert!(admitted >= LIMIT * 8 / 10, "only {admitted} admitted across {what}:\n{}", logs(fleet));
+    println!("{what}: {first} admitted before, {second} after, {admitted} of {LIMIT}");
+}
+
+/// A primary of the cluster killed halfway: the grants it had were acknowledged by its
+/// replica before they were spent, so the promoted replica does not grant them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_primary_failing_over_halfway_costs_units_never_the_bound() {
+    let _heavy = heavy().await;
+    let mut cluster = RedisCluster::start();
+    let fleet = cluster_fleet(&cluster);
+    across(&fleet, "carol", "a cluster failover", || {
+        // the primary that holds carol's state (a bucket hash `s:{...}`)
+        let holds = |i: &usize| !cluster.nodes[*i].command("KEYS s:*").unwrap().trim().is_empty();
+        let victim = cluster.primaries().into_iter().find(holds).expect("a primary holds the state");
+        cluster.nodes[victim].kill();
+        cluster.wait_promotion(Duration::from_secs(20));
+    })
+    .await;
+}
+
+/// One Redis primary and two replicas behind Sentinels, the primary killed halfway:
+/// grants wait for a replica, so the promoted one holds every unit granted and the bound
+/// holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_failing_over_behind_sentinels_costs_units_never_the_bound() {
+    let _heavy = heavy().await;
+    let set = RedisSentinels::start(2, 3, 1_000);
+    let sentinels: Vec<String> = set.addrs().iter().map(|a| format!("\"{a}\"")).collect();
+    let store = format!(
+        "limiter:\n  failure: closed\nstore:\n  kind: redis_sentinel\n  sentinels: [{}]\n  master_name: {}\n",
+        sentinels.join(", "),
+        RedisSentinels::MASTER
+    );
+    let fleet = fleet_on(&store, 4);
+    across(&fleet, "dave", "a Sentinel failover", || {
+        let old = set.primary_port().expect("a primary");
+        let killed = Instant::now();
+        set.server(old).expect("the primary's server").signal("-KILL");
+        let waited = |what: &str| assert!(killed.elapsed() < Duration::from_secs(30), "{what}");
+        while set.primary_port().is_none_or(|p| p == old) {
+            waited("no replica was promoted");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // the other replica follows the new primary (grants wait for it), and the
+        // instances follow the promotion
+        let new = set.primary_port().expect("a primary");
+        while !set.server(new).unwrap().command("INFO replication").unwrap().contains("connected_slaves:1") {
+            waited("the other replica never followed the new primary");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    })
+    .await;
 }
 
 /// One instance killed -9 halfway: its unspent units are lost (admitted less), never
@@ -48,10 +162,10 @@ async fn an_instance_killed_halfway_costs_units_never_the_bound() {
     let _heavy = heavy().await;
     let redis = RedisServer::start();
     let mut fleet = fleet(&redis, 4);
-    let (first, d1) = burst(&bases(&fleet), "d", "bob", LIMIT as usize).await;
+    let (first, d1) = burst(&bases(&fleet), "d", "bob", HALF).await;
     fleet[0].process.kill();
     let rest = bases(&fleet[1..]);
-    let (second, d2) = burst(&rest, "d", "bob", LIMIT as usize).await;
+    let (second, d2) = burst(&rest, "d", "bob", 2 * LIMIT as usize - HALF).await;
     assert_eq!(d1 + d2, 0, "decisions left to the failure policy");
     let admitted = u64::from(first + second);
     assert!(admitted <= LIMIT, "{admitted} admitted for a limit of {LIMIT}");

@@ -622,6 +622,19 @@ impl RedisCluster {
         }
     }
 
+    /// Waits, after a primary was killed, until a replica took its place (three
+    /// primaries answer) and the cluster is ok; returns how long the promotion took.
+    pub fn wait_promotion(&self, timeout: Duration) -> Duration {
+        let started = Instant::now();
+        while self.primaries().len() < 3 {
+            assert!(started.elapsed() < timeout, "no replica was promoted within {timeout:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let promoted = started.elapsed();
+        self.wait_ok(timeout);
+        promoted
+    }
+
     /// A node's cluster id.
     pub fn node_id(&self, i: usize) -> String {
         let reply = self.nodes[i].command("CLUSTER MYID").unwrap_or_default();

@@ -8,8 +8,8 @@
 //! fails is decided by its policies' failure policy (invariant 7).
 
 use crate::algo::{Decision, Lease, Limit, Op};
-use crate::config::{Failure, Grants};
-use crate::grants::{Ledger, Leftovers, Take};
+use crate::config::Failure;
+use crate::grants::{GrantRule, Ledger, Leftovers, Take};
 use crate::near_cache::NearCache;
 use crate::overrides::{Override, OverrideError, Overrides};
 use crate::plan::{Group, Mode, Plan, plan, unevaluated};
@@ -566,8 +566,8 @@ impl Limiter {
         let mut refused = false;
         let mut out = Leftovers::default();
         for (i, op) in g.ops.iter().enumerate() {
-            let Some(grants) = g.grants_of(i) else { continue };
-            let d = match self.spend(g.tag, op, grants, now, &mut out).await {
+            let Some(rule) = g.grants_of(i) else { continue };
+            let d = match self.spend(g.tag, op, rule, now, &mut out).await {
                 Ok(d) => d,
                 Err(e) => {
                     self.settle_later(out, now);
@@ -614,16 +614,16 @@ impl Limiter {
         &self,
         tag: Tag,
         op: &Op,
-        grants: Grants,
+        rule: &Arc<GrantRule>,
         now: Millis,
         out: &mut Leftovers,
     ) -> Result<Decision, StoreError> {
         let (mut turn, mut granted) = (None, None);
         loop {
-            match self.grants.take(tag, op, grants, now, out) {
+            match self.grants.take(tag, op, rule, now, out) {
                 Take::Spent(d, refresh) => {
                     if let Some(ask) = refresh {
-                        self.refresh(tag, ask);
+                        self.refresh(tag, ask, rule.clone());
                     }
                     return Ok(d);
                 }
@@ -631,17 +631,19 @@ impl Limiter {
                 // one request at a time asks for a key; the others then find its units
                 Take::Short(_) if turn.is_none() => turn = Some(self.grants.turn(tag, op.key).await),
                 Take::Short(_) if let Some(g) = &granted => return Ok(self.grants.refusal(tag, op, g, now)),
-                Take::Short(ask) => granted = Some(self.grants.ask_store(&*self.store, tag, ask, now, out).await?),
+                Take::Short(ask) => {
+                    granted = Some(self.grants.ask_store(&*self.store, tag, ask, rule, now, out).await?)
+                }
             }
         }
     }
 
     /// Asks for a grant in the background.
-    fn refresh(&self, tag: Tag, ask: crate::store::GrantAsk) {
+    fn refresh(&self, tag: Tag, ask: crate::store::GrantAsk, rule: Arc<GrantRule>) {
         let (store, ledger, clock) = (self.store.clone(), self.grants.clone(), self.clock.clone());
         tokio::spawn(async move {
             let (now, mut out, key) = (clock.now(), Leftovers::default(), ask.key);
-            match ledger.ask_store(&*store, tag, ask, now, &mut out).await {
+            match ledger.ask_store(&*store, tag, ask, &rule, now, &mut out).await {
                 Ok(_) => {
                     let _ = ledger.settle(&*store, out, now).await;
                 }

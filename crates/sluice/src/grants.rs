@@ -18,17 +18,28 @@ use crate::algo::{Decision, Limit, Op};
 use crate::config::Grants;
 use crate::store::{GiveBack, GrantAsk, Store, StoreError};
 use crate::tag::Tag;
+use crate::telemetry::GrantCounters;
 use crate::time::Millis;
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 
 /// A key idle this long gives its grants back: its units may serve another instance.
 pub const IDLE: Millis = 500;
 
+/// A rule's quota grants: its settings, and its counters (`sluice_grant*`, by domain
+/// and policy).
+#[derive(Debug)]
+pub(crate) struct GrantRule {
+    pub grants: Grants,
+    pub counters: GrantCounters,
+}
+
 /// What the grants of one key on this instance look like.
 #[derive(Debug)]
 struct Held {
+    /// The rule they serve (its counters).
+    rule: Arc<GrantRule>,
     /// The limit the grants were taken under: a decision under another revokes them.
     limit: Limit,
     /// A fixed window's: the window they were taken from (its reset). A token bucket's
@@ -100,15 +111,17 @@ impl Held {
         Decision { allowed, limit, used: limit - remaining, remaining, reset_at: self.reset_at, retry_after }
     }
 
-    /// Moves the units of grants lapsed by `now` (a bucket's) into `out.expired`.
+    /// Drops the grants lapsed by `now` (a bucket's), counting their units as expired.
     fn lapse(&mut self, now: Millis, out: &mut Leftovers) {
+        let mut expired = 0;
         self.parts.retain(|&(_, left, lapses)| {
             let live = lapses > now;
             if !live {
-                out.expired += left;
+                expired += left;
             }
             live
         });
+        out.expire(&self.rule, expired);
     }
 }
 
@@ -127,8 +140,18 @@ pub(crate) enum Take {
 /// Grants to give back (revoked) and units that lapsed unspent with their window.
 #[derive(Debug, Default)]
 pub(crate) struct Leftovers {
-    pub give_back: Vec<(Tag, GiveBack)>,
+    pub give_back: Vec<(Tag, GiveBack, Arc<GrantRule>)>,
     pub expired: u64,
+}
+
+impl Leftovers {
+    /// Counts `units` of `rule` as lapsed unspent.
+    fn expire(&mut self, rule: &GrantRule, units: u64) {
+        if units > 0 {
+            self.expired += units;
+            rule.counters.expired.increment(units);
+        }
+    }
 }
 
 /// Counts an operator watches (`sluice_grant_*`).
@@ -194,22 +217,12 @@ impl Ledger {
         self.shards.iter().map(shard).sum()
     }
 
-    /// Publishes the counters as metrics (`sluice_grant*`), once a grant was ever taken
-    /// (an instance without grants exports none of these series).
+    /// Publishes the units held (`sluice_grant_units_held`), once a grant was ever
+    /// taken; the rest of `sluice_grant*` is counted per rule as it happens.
     pub fn publish(&self) {
-        use crate::telemetry::names;
-        use metrics::{counter, gauge};
-        let s = &self.stats;
-        if s.taken.load(Relaxed) == 0 {
-            return;
+        if self.stats.taken.load(Relaxed) > 0 {
+            metrics::gauge!(crate::telemetry::names::GRANT_UNITS_HELD).set(self.held_units() as f64);
         }
-        counter!(names::GRANTS_TAKEN).absolute(s.taken.load(Relaxed));
-        for (kind, n) in [("granted", &s.units), ("returned", &s.returned), ("expired", &s.expired)] {
-            counter!(names::GRANT_UNITS, "kind" => kind).absolute(n.load(Relaxed));
-        }
-        counter!(names::GRANT_LOCAL).absolute(s.local.load(Relaxed));
-        counter!(names::GRANT_STORE_CALLS).absolute(s.store_calls.load(Relaxed));
-        gauge!(names::GRANT_UNITS_HELD).set(self.held_units() as f64);
     }
 
     fn shard(&self, tag: Tag) -> std::sync::MutexGuard<'_, Shard> {
@@ -218,7 +231,8 @@ impl Ledger {
 
     /// Spends `op.cost` from the grants held for it, or says which grant to ask for.
     /// Grants of another limit or a passed window are dropped first (into `out`).
-    pub(crate) fn take(&self, tag: Tag, op: &Op, grants: Grants, now: Millis, out: &mut Leftovers) -> Take {
+    pub(crate) fn take(&self, tag: Tag, op: &Op, rule: &GrantRule, now: Millis, out: &mut Leftovers) -> Take {
+        let grants = rule.grants;
         let mut shard = self.shard(tag);
         self.drop_if(&mut shard, tag, op.key, now, out, |h| h.limit != op.limit || (!h.bucket() && now >= h.window));
         let first = grants.max.unwrap_or(u64::MAX).min(op.cost.max(1) * 16);
@@ -244,6 +258,7 @@ impl Ledger {
             self.ask(op, 1, want.clamp(1, grants.max.unwrap_or(u64::MAX)), std::mem::take(&mut h.spent_ids))
         });
         self.stats.local.fetch_add(1, Relaxed);
+        rule.counters.local.increment(1);
         Take::Spent(d, refresh)
     }
 
@@ -284,19 +299,23 @@ impl Ledger {
         store: &dyn Store,
         tag: Tag,
         ask: GrantAsk,
+        rule: &Arc<GrantRule>,
         now: Millis,
         out: &mut Leftovers,
     ) -> Result<Granted, StoreError> {
         self.stats.store_calls.fetch_add(1, Relaxed);
+        rule.counters.store_calls.increment(1);
         let granted = store.grant(tag, ask.clone(), now).await?;
-        self.add(tag, &ask, &granted, now, out);
+        self.add(tag, &ask, &granted, rule, now, out);
         Ok(granted)
     }
 
     /// Adds what the store granted for `ask`.
-    fn add(&self, tag: Tag, ask: &GrantAsk, g: &Granted, now: Millis, out: &mut Leftovers) {
+    fn add(&self, tag: Tag, ask: &GrantAsk, g: &Granted, rule: &Arc<GrantRule>, now: Millis, out: &mut Leftovers) {
         self.stats.taken.fetch_add(u64::from(g.units > 0), Relaxed);
         self.stats.units.fetch_add(g.units, Relaxed);
+        rule.counters.taken.increment(u64::from(g.units > 0));
+        rule.counters.granted.increment(g.units);
         let mut shard = self.shard(tag);
         let bucket = matches!(ask.limit, Limit::TokenBucket { .. });
         // a fixed window's grants belong to the window; a bucket's lapse one by one
@@ -306,6 +325,7 @@ impl Ledger {
         };
         self.drop_if(&mut shard, tag, ask.key, now, out, |h| h.limit != ask.limit || h.window != window);
         let h = shard.entry((tag, ask.key)).or_insert_with(|| Held {
+            rule: rule.clone(),
             limit: ask.limit,
             window,
             parts: Vec::new(),
@@ -403,9 +423,10 @@ impl Ledger {
     fn drop_held(&self, tag: Tag, key: u64, h: &Held, now: Millis, out: &mut Leftovers) {
         for &(id, unspent, lapses) in h.parts.iter().filter(|&&(_, u, _)| u > 0) {
             if now >= lapses {
-                out.expired += unspent;
+                out.expire(&h.rule, unspent);
             } else {
-                out.give_back.push((tag, GiveBack { key, limit: h.limit, id, unspent, window: lapses }));
+                let back = GiveBack { key, limit: h.limit, id, unspent, window: lapses };
+                out.give_back.push((tag, back, h.rule.clone()));
             }
         }
     }
@@ -414,11 +435,13 @@ impl Ledger {
     pub(crate) async fn settle(&self, store: &dyn Store, leftovers: Leftovers, now: Millis) -> Result<(), StoreError> {
         self.stats.expired.fetch_add(leftovers.expired, Relaxed);
         let mut result = Ok(());
-        for (tag, back) in leftovers.give_back {
+        for (tag, back, rule) in leftovers.give_back {
             self.stats.store_calls.fetch_add(1, Relaxed);
+            rule.counters.store_calls.increment(1);
             match store.give_back(tag, back, now).await {
                 Ok(units) => {
                     self.stats.returned.fetch_add(units, Relaxed);
+                    rule.counters.returned.increment(units);
                 }
                 // lost in flight: the units stay charged until the window ends (an
                 // under-admission, never an over-admission)
@@ -437,6 +460,10 @@ mod tests {
     const L: Limit = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
     const OP: Op = Op { key: 1, limit: L, cost: 1, lease: None, shadow: false };
 
+    fn rule() -> Arc<GrantRule> {
+        Arc::new(GrantRule { grants: Grants::AUTO, counters: GrantCounters::new("d", "p") })
+    }
+
     fn granted(units: u64, remaining: u64) -> Granted {
         let decision = Decision {
             allowed: true,
@@ -451,14 +478,14 @@ mod tests {
 
     #[test]
     fn spends_locally_asks_ahead_and_never_reports_more_left() {
-        let ledger = Ledger::default();
+        let (ledger, r) = (Ledger::default(), rule());
         let mut out = Leftovers::default();
-        let Take::Short(ask) = ledger.take(Tag(1), &OP, Grants::AUTO, 0, &mut out) else { panic!("nothing held") };
-        ledger.add(Tag(1), &ask, &granted(8, 92), 0, &mut out);
+        let Take::Short(ask) = ledger.take(Tag(1), &OP, &r, 0, &mut out) else { panic!("nothing held") };
+        ledger.add(Tag(1), &ask, &granted(8, 92), &r, 0, &mut out);
         let mut reported = Vec::new();
         let mut asked = None;
         for t in 1..=6 {
-            match ledger.take(Tag(1), &OP, Grants::AUTO, t, &mut out) {
+            match ledger.take(Tag(1), &OP, &r, t, &mut out) {
                 Take::Spent(d, refresh) => {
                     reported.push(d.remaining);
                     asked = asked.or(refresh);
@@ -468,33 +495,33 @@ mod tests {
         }
         assert_eq!(reported, [99, 98, 97, 96, 95, 94]);
         let ask = asked.expect("a refresh asked for at a quarter left");
-        assert_eq!(ledger.take(Tag(1), &OP, Grants::AUTO, 7, &mut out).remaining(), Some(93));
+        assert_eq!(ledger.take(Tag(1), &OP, &r, 7, &mut out).remaining(), Some(93));
         // another instance gave units back: the store's remaining went up, the report does not
-        ledger.add(Tag(1), &ask, &granted(10, 90), 8, &mut out);
-        assert_eq!(ledger.take(Tag(1), &OP, Grants::AUTO, 9, &mut out).remaining(), Some(92));
+        ledger.add(Tag(1), &ask, &granted(10, 90), &r, 8, &mut out);
+        assert_eq!(ledger.take(Tag(1), &OP, &r, 9, &mut out).remaining(), Some(92));
         assert!(ledger.put_back(Tag(1), 1, &L, 1, 60_000));
-        assert_eq!(ledger.take(Tag(1), &OP, Grants::AUTO, 10, &mut out).remaining(), Some(91));
+        assert_eq!(ledger.take(Tag(1), &OP, &r, 10, &mut out).remaining(), Some(91));
         assert!(out.give_back.is_empty() && out.expired == 0);
     }
 
     #[test]
     fn another_limit_or_a_generation_revokes_and_a_window_end_expires() {
-        let ledger = Ledger::default();
+        let (ledger, r) = (Ledger::default(), rule());
         let mut out = Leftovers::default();
-        let Take::Short(ask) = ledger.take(Tag(1), &OP, Grants::AUTO, 0, &mut out) else { panic!() };
-        ledger.add(Tag(1), &ask, &granted(8, 92), 0, &mut out);
+        let Take::Short(ask) = ledger.take(Tag(1), &OP, &r, 0, &mut out) else { panic!() };
+        ledger.add(Tag(1), &ask, &granted(8, 92), &r, 0, &mut out);
         let other = Op { limit: Limit::FixedWindow { limit: 50, window: 60_000, aligned: false }, ..OP };
-        assert!(matches!(ledger.take(Tag(1), &other, Grants::AUTO, 1, &mut out), Take::Short(_)));
+        assert!(matches!(ledger.take(Tag(1), &other, &r, 1, &mut out), Take::Short(_)));
         assert_eq!(out.give_back.len(), 1);
         assert_eq!(out.give_back[0].1.unspent, 8);
         let mut out = Leftovers::default();
-        ledger.add(Tag(2), &ask, &granted(8, 92), 1, &mut out);
+        ledger.add(Tag(2), &ask, &granted(8, 92), &r, 1, &mut out);
         ledger.sweep(0, 2, &mut out);
         assert!(out.give_back.is_empty(), "same generation, not idle: kept");
         ledger.sweep(1, 3, &mut out);
         assert_eq!(out.give_back.len(), 1, "a new generation revokes");
         let mut out = Leftovers::default();
-        ledger.add(Tag(3), &ask, &granted(8, 92), 4, &mut out);
+        ledger.add(Tag(3), &ask, &granted(8, 92), &r, 4, &mut out);
         ledger.sweep(1, 60_000, &mut out);
         assert_eq!((out.give_back.len(), out.expired), (0, 8), "a window that ended: lapsed, not given back");
     }

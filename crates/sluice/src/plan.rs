@@ -8,7 +8,8 @@
 //! that the engine fills with the store's decisions.
 
 use crate::algo::{Decision, Lease, Limit, Op};
-use crate::config::{Failure, Grants};
+use crate::config::Failure;
+use crate::grants::GrantRule;
 use crate::overrides::{Override, OverrideSet};
 use crate::request::{Descriptor, Request, RequestError, validate};
 use crate::rules::{Domain, Node, Policy, Rules};
@@ -61,7 +62,7 @@ pub(crate) struct Group {
     pub slots: Vec<(usize, usize)>,
     /// Each op's quota grants, when it is decided from grants (a charging mode); empty
     /// (no allocation) while no op of the group is (see [`Group::grants_of`]).
-    grants: Vec<Option<Grants>>,
+    grants: Vec<Option<Arc<GrantRule>>>,
 }
 
 impl Group {
@@ -70,7 +71,7 @@ impl Group {
     }
 
     /// Adds one op with its failure policy, verdict slot and grants.
-    fn push(&mut self, op: Op, failure: Failure, slot: (usize, usize), grants: Option<Grants>) {
+    fn push(&mut self, op: Op, failure: Failure, slot: (usize, usize), grants: Option<Arc<GrantRule>>) {
         if grants.is_some() && self.grants.is_empty() {
             self.grants.resize(self.ops.len(), None);
         }
@@ -88,8 +89,8 @@ impl Group {
     }
 
     /// The quota grants of op `i`, if it is decided from them.
-    pub fn grants_of(&self, i: usize) -> Option<Grants> {
-        self.grants.get(i).copied().flatten()
+    pub fn grants_of(&self, i: usize) -> Option<&Arc<GrantRule>> {
+        self.grants.get(i).and_then(Option::as_ref)
     }
 }
 
@@ -160,7 +161,7 @@ pub(crate) fn plan<'r>(
         for p in policies.iter().filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name)) {
             let o = candidates.find(&p.name, now);
             let op = op_for(rules, p, o.map(|o| &**o), &entries, cost, lease, di, req.lenient)?;
-            let grants = p.grants.filter(|_| mode.charges());
+            let grants = p.grants.clone().filter(|_| mode.charges());
             plan.add(tag, op, p, o.cloned(), di, grants);
         }
     }
@@ -218,7 +219,15 @@ fn op_for(
 impl Plan<'_> {
     /// Adds `op` (of policy `p` under override `o`, descriptor `di`) to its tag's group,
     /// and its slot to the verdict.
-    fn add(&mut self, tag: Tag, op: Op, p: &Policy, o: Option<Arc<Override>>, di: usize, grants: Option<Grants>) {
+    fn add(
+        &mut self,
+        tag: Tag,
+        op: Op,
+        p: &Policy,
+        o: Option<Arc<Override>>,
+        di: usize,
+        grants: Option<Arc<GrantRule>>,
+    ) {
         let verdict = &mut self.descriptors[di];
         let slot = (di, verdict.policies.len());
         verdict.policies.push(PolicyDecision {

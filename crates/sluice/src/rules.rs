@@ -9,9 +9,10 @@
 //! falls off the tree matches nothing and is allowed.
 
 use crate::algo::Limit;
-use crate::config::{DescriptorConfig, DomainConfig, Failure, Grants, LimiterConfig};
+use crate::config::{DescriptorConfig, DomainConfig, Failure, LimiterConfig};
+use crate::grants::GrantRule;
 use crate::tag::{Tag, Tagger};
-use crate::telemetry::{DomainCounters, PolicyCounters};
+use crate::telemetry::{DomainCounters, GrantCounters, PolicyCounters};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -33,7 +34,7 @@ pub(crate) struct Policy {
     /// Named by Sluice, not by the config (a `rate_limit` without `name`).
     pub anonymous: bool,
     /// Decided from quota grants (`grants:` on its rule).
-    pub grants: Option<Grants>,
+    pub grants: Option<Arc<GrantRule>>,
 }
 
 /// How the `descriptor` label of `sluice_decisions_detailed_total` is written for a
@@ -357,12 +358,19 @@ fn metric_label(c: &DescriptorConfig, steps: &[Step]) -> Option<MetricLabel> {
     steps.iter().any(|s| s.by_value).then(|| label(&|s| s.by_value))
 }
 
-/// The grants a limit of rule `c` takes: those of `grants:` on the rule, for the
-/// algorithms grants keep exact.
-fn grants_for(c: &DescriptorConfig, limit: &Limit) -> Result<Option<Grants>, String> {
+/// The grants policy `policy` (of `domain`) of rule `c` takes: those of `grants:` on the
+/// rule, for the algorithms grants keep exact, with the policy's grant counters.
+fn grants_for(
+    c: &DescriptorConfig,
+    domain: &str,
+    policy: &str,
+    limit: &Limit,
+) -> Result<Option<Arc<GrantRule>>, String> {
     let Some(grants) = c.grants else { return Ok(None) };
     match limit {
-        Limit::FixedWindow { .. } | Limit::TokenBucket { .. } => Ok(Some(grants)),
+        Limit::FixedWindow { .. } | Limit::TokenBucket { .. } => {
+            Ok(Some(Arc::new(GrantRule { grants, counters: GrantCounters::new(domain, policy) })))
+        }
         Limit::SlidingWindow { .. } => Err("`grants` cannot keep a sliding_window exact (its count weighs the \
              previous window, which a grant taken earlier cannot know): use a fixed_window"
             .into()),
@@ -421,7 +429,7 @@ fn add(
             )),
             metric: own.metric.clone(),
             anonymous: false,
-            grants: grants_for(c, &limit).map_err(at)?,
+            grants: grants_for(c, inherited.domain, &p.name.0, &limit).map_err(at)?,
         });
     }
     if node.unlimited && !node.policies.is_empty() {
@@ -469,6 +477,7 @@ fn node(
         let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
         let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&names));
         let counters = Arc::new(PolicyCounters::new(inherited.domain, &name, own.shadow, inherited.lists()));
+        let grants = grants_for(c, inherited.domain, &name, &limit).map_err(err)?;
         node.policies.push(Policy {
             name: name.into(),
             limit,
@@ -477,7 +486,7 @@ fn node(
             counters,
             metric: own.metric.clone(),
             anonymous: rl.name.is_none(),
-            grants: grants_for(c, &limit).map_err(err)?,
+            grants,
         });
     }
     Ok(node)

@@ -134,6 +134,38 @@ impl PolicyCounters {
     }
 }
 
+/// The counters of one policy's quota grants (`sluice_grant*{domain, policy}`),
+/// registered when a rule with `grants:` is compiled: six series a granted policy.
+pub(crate) struct GrantCounters {
+    pub taken: Counter,
+    pub granted: Counter,
+    pub returned: Counter,
+    pub expired: Counter,
+    pub local: Counter,
+    pub store_calls: Counter,
+}
+
+impl fmt::Debug for GrantCounters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("GrantCounters")
+    }
+}
+
+impl GrantCounters {
+    pub(crate) fn new(domain: &str, policy: &str) -> Self {
+        let (d, p) = (domain.to_string(), policy.to_string());
+        let units = |kind| counter!(names::GRANT_UNITS, "domain" => d.clone(), "policy" => p.clone(), "kind" => kind);
+        Self {
+            taken: counter!(names::GRANTS_TAKEN, "domain" => d.clone(), "policy" => p.clone()),
+            granted: units("granted"),
+            returned: units("returned"),
+            expired: units("expired"),
+            local: counter!(names::GRANT_LOCAL, "domain" => d.clone(), "policy" => p.clone()),
+            store_calls: counter!(names::GRANT_STORE_CALLS, "domain" => d, "policy" => p),
+        }
+    }
+}
+
 /// A domain's counters of decisions made by the failure policy, and of leases.
 pub(crate) struct DomainCounters {
     fail_open: Counter,

@@ -256,3 +256,44 @@ fn grants_on_limits_they_cannot_keep_exact_are_refused() {
         assert!(e.contains("grants") && e.contains(says), "{e}");
     }
 }
+
+/// Admitted per window when demand is past the limit, with demand spread over four
+/// instances by `shares` (per 100 requests, instance i gets shares[i]).
+async fn utilisation(shares: [u64; 4], windows: u64) -> Vec<u64> {
+    const LIMIT: u64 = 1_000;
+    let window = serde_json::json!({"name": "w", "fixed_window": {"limit": LIMIT, "window": "1s"}});
+    let rules = Arc::new(one_route(r#""auto""#, window).unwrap());
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(1_000));
+    let clock = Arc::new(ManualClock::new(sluice::store::conformance::t0()));
+    let fleet: Vec<Limiter> = (0..4).map(|_| Limiter::new(rules.clone(), store.clone(), clock.clone())).collect();
+    let mut admitted: HashMap<u64, u64> = HashMap::new();
+    // twice the limit a window, a request every 0.5 ms, in the order the shares give
+    let order: Vec<usize> = (0..4).flat_map(|i| std::iter::repeat_n(i, shares[i] as usize)).collect();
+    for n in 0..windows * 2 * LIMIT {
+        let v = fleet[order[n as usize % order.len()]].check(&route()).await.unwrap();
+        if v.allowed() {
+            *admitted.entry(v.binding().unwrap().decision.reset_at).or_default() += 1;
+        }
+        tokio::task::yield_now().await;
+        if n % 2 == 1 {
+            clock.advance(1);
+        }
+    }
+    let mut per_window: Vec<(u64, u64)> = admitted.into_iter().collect();
+    per_window.sort();
+    // the first and last windows are partly outside the run
+    per_window[1..per_window.len() - 1].iter().map(|w| w.1).collect()
+}
+
+/// Grants leave little of a window unused when demand is past it: at least 97% admitted
+/// with demand spread evenly over four instances, at least 90% with 80% of it on one.
+#[tokio::test]
+async fn windows_are_used_nearly_in_full_when_demand_exceeds_them() {
+    for (shares, least) in [([25, 25, 25, 25], 970), ([80, 7, 7, 6], 900)] {
+        let windows = utilisation(shares, 12).await;
+        assert!(windows.len() >= 10, "{windows:?}");
+        assert!(windows.iter().all(|&n| n <= 1_000), "past the limit: {windows:?}");
+        assert!(windows.iter().all(|&n| n >= least), "shares {shares:?}: a window used less than {least}: {windows:?}");
+        println!("shares {shares:?}: admitted per window {windows:?}");
+    }
+}

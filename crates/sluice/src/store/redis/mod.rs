@@ -380,6 +380,20 @@ impl Conn {
         }
     }
 
+    /// Sends `cmd` (one without keys, such as `WAIT`) where `key` lives: on a Cluster, to
+    /// the primary that owns its slot; elsewhere, as [`Conn::query`].
+    async fn query_at(&self, cmd: &Cmd, key: &str) -> Result<Value, RedisError> {
+        use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
+        match self {
+            Conn::Cluster(link) => {
+                let route = Route::with_slot(Slot::for_key(key), SlotAddr::Master);
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+                link.get().await?.route_command(cmd.clone(), routing).await
+            }
+            _ => self.query(cmd).await,
+        }
+    }
+
     /// Runs `script` on `keys`, with the arguments `fill` appends; on NOSCRIPT sends the
     /// source instead of the SHA.
     async fn run(
@@ -529,6 +543,11 @@ pub struct RedisOptions {
     /// reads from replicas see every earlier write, at the price of a second round trip.
     /// Not used with Redis Cluster.
     pub replica_acks: u32,
+    /// Replicas that must acknowledge a quota grant (`WAIT`) before its units are spent,
+    /// so that a failover cannot grant them again. None: 1 where the store knows of
+    /// replicas (`replicas` listed, Sentinel), 0 elsewhere (on a Cluster whose primaries
+    /// have replicas, set 1). At least `replica_acks`.
+    pub grant_acks: Option<u32>,
     /// Redis Cluster: how many times a call is retried after MOVED, ASK, TRYAGAIN,
     /// CLUSTERDOWN or a dead node, with waits of 2, 4, 8 ... ms (at most 50).
     pub cluster_retries: u32,
@@ -545,6 +564,7 @@ impl Default for RedisOptions {
         Self {
             timeout: Duration::from_secs(1),
             replica_acks: 0,
+            grant_acks: None,
             cluster_retries: 6,
             tls: None,
             buckets: DEFAULT_BUCKETS,
@@ -557,20 +577,32 @@ pub(crate) struct Writer {
     conn: Conn,
     scripts: Scripts,
     options: RedisOptions,
-    /// Writes short of `replica_acks` are logged at most this often, with how many.
+    /// Replicas a grant waits for (`grant_acks`, resolved).
+    grant_acks: u32,
+    /// Writes short of their replica acknowledgements are logged at most this often,
+    /// with how many.
     short_acks: crate::time::Throttle,
     short_since: AtomicUsize,
 }
+
+/// The longest a quota grant waits for its replica acknowledgements: past it (a replica
+/// down, or none left after a failover) the grant is spent anyway, and logged, rather
+/// than fail the decisions waiting for it (`limiter.deadline` is 100 ms by default).
+const GRANT_ACK_WAIT: Duration = Duration::from_millis(50);
 
 /// How often writes short of their replica acknowledgements are summed up in the log.
 const SHORT_ACKS_LOG_EVERY: Millis = 5_000;
 
 impl Writer {
-    fn new(conn: Conn, options: RedisOptions) -> Self {
+    /// A writer on `conn`; `replicas`: whether the store knows of replicas (the default
+    /// of `grant_acks`).
+    fn new(conn: Conn, options: RedisOptions, replicas: bool) -> Self {
+        let grant_acks = options.grant_acks.unwrap_or(u32::from(replicas)).max(options.replica_acks);
         Self {
             conn,
             scripts: Scripts::new(),
             options,
+            grant_acks,
             short_acks: Default::default(),
             short_since: AtomicUsize::new(0),
         }
@@ -578,25 +610,35 @@ impl Writer {
 
     /// Runs a writing script on the primary, then waits for `replica_acks` replicas.
     async fn write(&self, script: &Script, keys: &[&str], fill: impl Fn(&mut Cmd)) -> Result<Value, StoreError> {
+        self.write_acked(script, keys, fill, self.options.replica_acks, self.options.timeout).await
+    }
+
+    /// Runs a writing script on the primary, then waits (`WAIT`, at most `wait`) for
+    /// `acks` replicas to hold it: on a Cluster, of the node that owns `keys[0]`. Fewer
+    /// acknowledgements than asked are logged (summed up every 5 s), not an error.
+    async fn write_acked(
+        &self,
+        script: &Script,
+        keys: &[&str],
+        fill: impl Fn(&mut Cmd),
+        acks: u32,
+        wait: Duration,
+    ) -> Result<Value, StoreError> {
         let reply = self.conn.run(script, false, keys, fill).await.map_err(store_error)?;
-        if self.options.replica_acks > 0 {
-            let mut wait = redis::cmd("WAIT");
-            wait.arg(self.options.replica_acks).arg(self.options.timeout.as_millis() as u64);
-            let acked: i64 = redis::from_redis_value(self.conn.query(&wait).await.map_err(store_error)?)
-                .map_err(|e| StoreError::protocol(format!("WAIT reply: {e}")).because(e))?;
-            if acked < i64::from(self.options.replica_acks) {
-                // once per write would be a line per request while a replica is down
-                let writes = self.short_since.fetch_add(1, Ordering::Relaxed) + 1;
-                let now = crate::time::Clock::now(&crate::time::SystemClock);
-                if self.short_acks.due(now, SHORT_ACKS_LOG_EVERY) {
-                    self.short_since.fetch_sub(writes, Ordering::Relaxed);
-                    tracing::warn!(
-                        acked,
-                        wanted = self.options.replica_acks,
-                        writes,
-                        "fewer redis replicas acknowledged writes than asked"
-                    );
-                }
+        if acks == 0 {
+            return Ok(reply);
+        }
+        let mut cmd = redis::cmd("WAIT");
+        cmd.arg(acks).arg(wait.as_millis() as u64);
+        let acked: i64 = redis::from_redis_value(self.conn.query_at(&cmd, keys[0]).await.map_err(store_error)?)
+            .map_err(|e| StoreError::protocol(format!("WAIT reply: {e}")).because(e))?;
+        if acked < i64::from(acks) {
+            // once per write would be a line per request while a replica is down
+            let writes = self.short_since.fetch_add(1, Ordering::Relaxed) + 1;
+            let now = crate::time::Clock::now(&crate::time::SystemClock);
+            if self.short_acks.due(now, SHORT_ACKS_LOG_EVERY) {
+                self.short_since.fetch_sub(writes, Ordering::Relaxed);
+                tracing::warn!(acked, wanted = acks, writes, "fewer redis replicas acknowledged writes than asked");
             }
         }
         Ok(reply)
@@ -641,7 +683,7 @@ impl RedisStore {
                 }))
             })
             .collect::<Result<Vec<_>, StoreError>>()?;
-        let writer = Arc::new(Writer::new(Conn::open(url, &options)?, options));
+        let writer = Arc::new(Writer::new(Conn::open(url, &options)?, options, !replicas.is_empty()));
         let batcher = batch::Batcher::start(writer.clone());
         let store = Self { writer, batcher, replicas, next: AtomicUsize::new(0) };
         store.watch_replicas();
@@ -658,7 +700,7 @@ impl RedisStore {
         }
         let conn = Conn::open_cluster(nodes, &options, read_from_replicas)?;
         let options = RedisOptions { replica_acks: 0, ..options };
-        let writer = Arc::new(Writer::new(conn, options));
+        let writer = Arc::new(Writer::new(conn, options, false));
         let store = Self { writer, batcher: None, replicas: Vec::new(), next: AtomicUsize::new(0) };
         store.warm_up();
         Ok(store)
@@ -680,7 +722,7 @@ impl RedisStore {
             })],
             false => Vec::new(),
         };
-        let writer = Arc::new(Writer::new(Conn::Sentinel(link(Role::Primary)), options));
+        let writer = Arc::new(Writer::new(Conn::Sentinel(link(Role::Primary)), options, true));
         let batcher = batch::Batcher::start(writer.clone());
         let store = Self { writer, batcher, replicas, next: AtomicUsize::new(0) };
         store.watch_replicas();
@@ -850,7 +892,9 @@ impl Store for RedisStore {
             cmd.arg(now).arg(GRACE_MS).arg(policy(&ask.limit, false)).arg(&at.field);
             cmd.arg(ask.need).arg(ask.want).arg(ask.id).arg(&ask.close);
         };
-        let reply = self.writer.write(&self.writer.scripts.grant, &[&at.key], fill).await?;
+        // durable before it is spent: a failover must not grant the same units again
+        let (script, acks) = (&self.writer.scripts.grant, self.writer.grant_acks);
+        let reply = self.writer.write_acked(script, &[&at.key], fill, acks, GRANT_ACK_WAIT).await?;
         let ints: Vec<i64> =
             redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("grant reply: {e}")).because(e))?;
         let [units, ref d @ .., holders] = ints[..] else {
