@@ -420,8 +420,13 @@ impl Limiter {
         }
         if self.sweep.due(now, SWEEP_EVERY) {
             let mut out = Leftovers::default();
-            self.grants.sweep(self.overrides.generation(), now, &mut out);
-            self.settle_later(out, now);
+            if self.grants.sweep(self.overrides.generation(), now, &mut out) {
+                // revoked: the units go back before this request asks for new ones (its
+                // grant call would find them still charged)
+                let _ = self.grants.settle(&*self.store, out, now).await;
+            } else {
+                self.settle_later(out, now);
+            }
         }
         let results = futures_util::future::join_all(groups.iter().map(|g| self.evaluate(g, mode, now))).await;
         let mut tally = Tally::default();
@@ -632,6 +637,11 @@ impl Limiter {
                 Take::Short(_) if turn.is_none() => turn = Some(self.grants.turn(tag, op.key).await),
                 Take::Short(_) if let Some(g) = &granted => return Ok(self.grants.refusal(tag, op, g, now)),
                 Take::Short(ask) => {
+                    // grants of a limit this one replaced go back first: the store counts
+                    // them until then
+                    if !out.give_back.is_empty() {
+                        let _ = self.grants.settle(&*self.store, std::mem::take(out), now).await;
+                    }
                     granted = Some(self.grants.ask_store(&*self.store, tag, ask, rule, now, out).await?)
                 }
             }

@@ -394,8 +394,9 @@ impl Ledger {
     }
 
     /// Drops every grant when the overrides' generation moved (a reset somewhere in the
-    /// fleet, an override changed), and those of keys idle for [`IDLE`].
-    pub(crate) fn sweep(&self, generation: u64, now: Millis, out: &mut Leftovers) {
+    /// fleet, an override changed), and those of keys idle for [`IDLE`]. Whether it
+    /// moved.
+    pub(crate) fn sweep(&self, generation: u64, now: Millis, out: &mut Leftovers) -> bool {
         let moved = self.generation.swap(generation, Relaxed) != generation;
         for shard in self.shards.iter() {
             shard.lock().unwrap_or_else(|p| p.into_inner()).retain(|&(tag, key), h| {
@@ -407,6 +408,7 @@ impl Ledger {
                 keep
             });
         }
+        moved
     }
 
     /// Every grant held, to give back (at shutdown).

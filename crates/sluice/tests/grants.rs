@@ -30,6 +30,11 @@ fn window() -> serde_json::Value {
     serde_json::json!({"name": "route", "fixed_window": {"limit": ROUTE_LIMIT, "window": "1s"}})
 }
 
+/// Demand on a window: three users (past their limits too), about 30 units a window.
+const WINDOWED: (u64, u64) = (3, WINDOW / 2);
+/// Demand on a bucket: thirty users, about 75 units a second.
+const BUCKETED: (u64, u64) = (30, WINDOW / 5);
+
 /// 40 a second, burst 20: it refills within a grant's life.
 const BUCKET: (u64, u64, u64) = (40, 1_000, 20);
 
@@ -49,9 +54,15 @@ struct Seen {
     crashes: u64,
 }
 
-/// Drives `instances` limiters over `store` through `windows` windows of random demand
-/// from `users` users.
-async fn drive(store: Arc<dyn Store>, route: serde_json::Value, users: u64, windows: u64, seed: u64) -> Seen {
+/// Drives four limiters over `store` through `windows` windows of random demand from
+/// `users` users: bursts of requests, the clock moved on by up to `step` ms after each.
+async fn drive(
+    store: Arc<dyn Store>,
+    route: serde_json::Value,
+    (users, step): (u64, u64),
+    windows: u64,
+    seed: u64,
+) -> Seen {
     let instances = 4;
     let clock = ManualClock::new(sluice::store::conformance::t0());
     let rules = Arc::new(rules(route));
@@ -86,7 +97,7 @@ async fn drive(store: Arc<dyn Store>, route: serde_json::Value, users: u64, wind
             }
             tokio::task::yield_now().await;
         }
-        clock.advance(rng.next(WINDOW / 5));
+        clock.advance(rng.next(step));
     }
     seen
 }
@@ -115,9 +126,10 @@ fn check(seen: &Seen, windows: u64) {
 #[test]
 fn no_window_admits_past_its_limit_on_the_memory_store() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let windows = 110_000;
-    let seen = rt.block_on(drive(Arc::new(MemoryStore::new(100_000)), window(), 3, windows, 0x5eed));
+    let windows = 130_000;
+    let seen = rt.block_on(drive(Arc::new(MemoryStore::new(100_000)), window(), WINDOWED, windows, 0x5eed));
     check(&seen, windows);
+    assert!(seen.route.len() >= 100_000, "only {} windows saw an admission", seen.route.len());
     println!("{} decisions, {} windows, {} crashes", seen.decisions, seen.route.len(), seen.crashes);
 }
 
@@ -128,7 +140,7 @@ fn no_window_admits_past_its_limit_on_redis() {
     let windows = 1_500;
     let seen = rt.block_on(async {
         let store: Arc<dyn Store> = Arc::new(RedisStore::new(&redis.url(), &[], RedisOptions::default()).unwrap());
-        drive(store, window(), 3, windows, 0xbeef).await
+        drive(store, window(), WINDOWED, windows, 0xbeef).await
     });
     check(&seen, windows);
 }
@@ -160,7 +172,7 @@ fn check_bucket(seen: &Seen) {
 #[test]
 fn no_bucket_admits_past_its_rate_and_burst_on_the_memory_store() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let seen = rt.block_on(drive(Arc::new(MemoryStore::new(100_000)), bucket(), 30, 20_000, 0xb0b));
+    let seen = rt.block_on(drive(Arc::new(MemoryStore::new(100_000)), bucket(), BUCKETED, 20_000, 0xb0b));
     check_bucket(&seen);
     println!("{} decisions, {} admitted, {} crashes", seen.decisions, seen.admitted.len(), seen.crashes);
 }
@@ -171,7 +183,7 @@ fn no_bucket_admits_past_its_rate_and_burst_on_redis() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let seen = rt.block_on(async {
         let store: Arc<dyn Store> = Arc::new(RedisStore::new(&redis.url(), &[], RedisOptions::default()).unwrap());
-        drive(store, bucket(), 30, 1_000, 0xcafe).await
+        drive(store, bucket(), BUCKETED, 1_000, 0xcafe).await
     });
     check_bucket(&seen);
 }
@@ -296,4 +308,82 @@ async fn windows_are_used_nearly_in_full_when_demand_exceeds_them() {
         assert!(windows.iter().all(|&n| n >= least), "shares {shares:?}: a window used less than {least}: {windows:?}");
         println!("shares {shares:?}: admitted per window {windows:?}");
     }
+}
+
+/// An override lowering the limit, set on another instance, reaches the grants this one
+/// holds within a second: its next decisions are under the new limit, and the units it
+/// held go back.
+#[tokio::test]
+async fn an_override_elsewhere_revokes_the_grants_held() {
+    let (a, b, clock) = two_instances(r#"{"max": 50}"#, 100);
+    a.overrides().watch(std::time::Duration::from_millis(50));
+    for _ in 0..10 {
+        assert!(a.check(&route()).await.unwrap().allowed());
+    }
+    let low = sluice::Override {
+        id: "low".into(),
+        domain: "api".into(),
+        entries: vec![sluice::Entry { key: "route".into(), value: "r".into() }],
+        limit: 12,
+        policy: None,
+        window: None,
+        rate: None,
+        expires_at_ms: None,
+        reason: "test".into(),
+        set_at_ms: 0,
+        set_by: String::new(),
+    };
+    b.set_override(low).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    clock.advance(300);
+    let mut admitted = 0;
+    for _ in 0..20 {
+        let v = a.check(&route()).await.unwrap();
+        assert_eq!(v.binding().unwrap().decision.limit, 12, "still deciding under the old limit");
+        admitted += u64::from(v.allowed());
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(admitted, 2, "12 a window, 10 of them used before the override");
+    let returned = a.grants().stats().returned.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(returned > 0, "the grants held under the old limit were not given back");
+}
+
+/// A reload that changes the limit hands the grants to the new rules, which give the old
+/// ones back at their next decision and decide under the new limit.
+#[tokio::test]
+async fn a_reload_revokes_the_grants_of_a_changed_limit() {
+    let (a, _, clock) = two_instances(r#"{"max": 50}"#, 100);
+    for _ in 0..10 {
+        assert!(a.check(&route()).await.unwrap().allowed());
+    }
+    let window = serde_json::json!({"name": "w", "fixed_window": {"limit": 15, "window": "1m"}});
+    let rules = Arc::new(one_route(r#"{"max": 50}"#, window).unwrap());
+    let reloaded = Limiter::new(rules, a.store().clone(), clock.clone()).with_grants(a.grants().clone());
+    let mut admitted = 0;
+    for _ in 0..20 {
+        let v = reloaded.check(&route()).await.unwrap();
+        assert_eq!(v.binding().unwrap().decision.limit, 15);
+        admitted += u64::from(v.allowed());
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(admitted, 5, "15 a window, 10 used before the reload");
+}
+
+/// A granted rule in shadow mode admits everything and reports what it would have
+/// refused, as any shadow rule does.
+#[tokio::test]
+async fn a_granted_rule_in_shadow_mode_refuses_nothing() {
+    let config = serde_json::json!({"domains": [{"domain": "api", "descriptors": [
+        {"key": "route", "grants": "auto", "shadow_mode": true,
+         "policies": [{"name": "w", "fixed_window": {"limit": 3, "window": "1m"}}]},
+    ]}]});
+    let rules = Arc::new(serde_json::from_value::<RulesConfig>(config).unwrap().compile().unwrap());
+    let limiter = Limiter::new(rules, Arc::new(MemoryStore::new(100)), Arc::new(ManualClock::new(0)));
+    let mut would = 0;
+    for _ in 0..5 {
+        let v = limiter.check(&route()).await.unwrap();
+        assert!(v.allowed(), "a shadow rule refused");
+        would += v.shadow_denials().count();
+    }
+    assert_eq!(would, 2, "3 a minute: the 4th and 5th would have been refused");
 }
