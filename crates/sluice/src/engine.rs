@@ -9,12 +9,12 @@
 
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::config::Failure;
-use crate::grants::{GrantRule, Ledger, Leftovers, Take};
+use crate::grants::{Ledger, Leftovers, Take};
 use crate::near_cache::NearCache;
 use crate::overrides::{Override, OverrideError, Overrides};
 use crate::plan::{Group, Mode, Plan, plan, unevaluated};
 use crate::request::{Request, RequestError};
-use crate::rules::{Domain, Rules};
+use crate::rules::{Domain, GrantRule, Rules};
 use crate::store::{Refund, Store, StoreError};
 use crate::tag::Tag;
 use crate::telemetry;

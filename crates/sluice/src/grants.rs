@@ -15,10 +15,9 @@
 
 use crate::algo::grant::{BUCKET_TTL, Granted};
 use crate::algo::{Decision, Limit, Op};
-use crate::config::Grants;
+use crate::rules::GrantRule;
 use crate::store::{GiveBack, GrantAsk, Store, StoreError};
 use crate::tag::Tag;
-use crate::telemetry::GrantCounters;
 use crate::time::Millis;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -26,14 +25,6 @@ use std::sync::{Arc, Mutex};
 
 /// A key idle this long gives its grants back: its units may serve another instance.
 pub const IDLE: Millis = 500;
-
-/// A rule's quota grants: its settings, and its counters (`sluice_grant*`, by domain
-/// and policy).
-#[derive(Debug)]
-pub(crate) struct GrantRule {
-    pub grants: Grants,
-    pub counters: GrantCounters,
-}
 
 /// What the grants of one key on this instance look like.
 #[derive(Debug)]
@@ -458,6 +449,8 @@ impl Ledger {
 mod tests {
     use super::*;
     use crate::algo::grant::Granted;
+    use crate::config::Grants;
+    use crate::telemetry::GrantCounters;
 
     const L: Limit = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
     const OP: Op = Op { key: 1, limit: L, cost: 1, lease: None, shadow: false };

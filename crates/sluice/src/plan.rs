@@ -9,10 +9,9 @@
 
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::config::Failure;
-use crate::grants::GrantRule;
 use crate::overrides::{Override, OverrideSet};
 use crate::request::{Descriptor, Request, RequestError, validate};
-use crate::rules::{Domain, Node, Policy, Rules};
+use crate::rules::{Domain, GrantRule, Node, Policy, Rules};
 use crate::tag::Tag;
 use crate::time::Millis;
 use crate::verdict::{Code, DescriptorVerdict, PolicyDecision, Source};

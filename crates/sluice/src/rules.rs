@@ -9,8 +9,7 @@
 //! falls off the tree matches nothing and is allowed.
 
 use crate::algo::Limit;
-use crate::config::{DescriptorConfig, DomainConfig, Failure, LimiterConfig};
-use crate::grants::GrantRule;
+use crate::config::{DescriptorConfig, DomainConfig, Failure, Grants, LimiterConfig};
 use crate::tag::{Tag, Tagger};
 use crate::telemetry::{DomainCounters, GrantCounters, PolicyCounters};
 use std::collections::HashMap;
@@ -35,6 +34,14 @@ pub(crate) struct Policy {
     pub anonymous: bool,
     /// Decided from quota grants (`grants:` on its rule).
     pub grants: Option<Arc<GrantRule>>,
+}
+
+/// A policy's quota grants (`grants:` on its rule): its settings, and its counters
+/// (`sluice_grant*`, by domain and policy).
+#[derive(Debug)]
+pub(crate) struct GrantRule {
+    pub grants: Grants,
+    pub counters: GrantCounters,
 }
 
 /// How the `descriptor` label of `sluice_decisions_detailed_total` is written for a
