@@ -376,6 +376,7 @@ impl Limiter {
             }
             let ops: Vec<Op> = chosen.iter().map(|(op, _)| *op).collect();
             self.store.reset(g.tag, &ops, now).await?;
+            self.grants.forget(g.tag, ops.iter().map(|o| o.key));
             if let Some(cache) = &self.near_cache {
                 cache.forget(g.tag, ops.iter().map(|o| o.key));
             }
@@ -572,7 +573,7 @@ impl Limiter {
         let mut out = Leftovers::default();
         for (i, op) in g.ops.iter().enumerate() {
             let Some(rule) = g.grants_of(i) else { continue };
-            let d = match self.spend(g.tag, op, rule, now, &mut out).await {
+            let d = match self.spend(g.tag, op, rule, &mut out).await {
                 Ok(d) => d,
                 Err(e) => {
                     self.settle_later(out, now);
@@ -620,11 +621,13 @@ impl Limiter {
         tag: Tag,
         op: &Op,
         rule: &Arc<GrantRule>,
-        now: Millis,
         out: &mut Leftovers,
     ) -> Result<Decision, StoreError> {
         let (mut turn, mut granted) = (None, None);
         loop {
+            // the time now, not when the request came in: a grant's units lapse, and
+            // waiting for a turn or the store takes time
+            let now = self.clock.now();
             match self.grants.take(tag, op, rule, now, out) {
                 Take::Spent(d, refresh) => {
                     if let Some(ask) = refresh {
@@ -685,8 +688,9 @@ impl Limiter {
         let mut refunds = Vec::new();
         for &i in spent {
             let (op, d) = (&g.ops[i], &mut decisions[i]);
-            if !self.grants.put_back(g.tag, op.key, &op.limit, op.cost, d.reset_at) {
-                refunds.push(refund_of(op, op.cost, d.reset_at));
+            let rest = self.grants.put_back(g.tag, op.key, &op.limit, op.cost, d.reset_at);
+            if rest > 0 {
+                refunds.push(refund_of(op, rest, d.reset_at));
             }
             d.used = d.used.saturating_sub(op.cost);
             d.remaining = d.remaining.saturating_add(op.cost).min(d.limit);
@@ -732,9 +736,11 @@ impl Limiter {
         let mut by_tag: Vec<(Tag, Vec<Refund>)> = Vec::new();
         for &(tag, refund) in charges {
             // units spent from a grant this instance still holds go back into it
-            if self.grants.put_back(tag, refund.key, &refund.limit, refund.cost, refund.window) {
+            let cost = self.grants.put_back(tag, refund.key, &refund.limit, refund.cost, refund.window);
+            if cost == 0 {
                 continue;
             }
+            let refund = Refund { cost, ..refund };
             match by_tag.iter_mut().find(|(t, _)| *t == tag) {
                 Some((_, refunds)) => refunds.push(refund),
                 None => by_tag.push((tag, vec![refund])),

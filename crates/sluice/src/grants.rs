@@ -36,8 +36,8 @@ struct Held {
     /// A fixed window's: the window they were taken from (its reset). A token bucket's
     /// grants lapse one by one instead (0 here).
     window: Millis,
-    /// Unspent units per grant, oldest first: `(id, units left, lapses at)`.
-    parts: Vec<(u64, u64, Millis)>,
+    /// The grants held, oldest first.
+    parts: Vec<Part>,
     /// Grants spent to the last unit: closed at the store by the next grant call.
     spent_ids: Vec<u64>,
     /// The state's remaining at the latest grant, after it, and its reset then.
@@ -59,9 +59,19 @@ struct Held {
     used_at: Millis,
 }
 
+/// One grant held: its id, the units it holds unspent and it was granted, and when it
+/// lapses.
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    id: u64,
+    left: u64,
+    granted: u64,
+    lapses: Millis,
+}
+
 impl Held {
     fn left(&self) -> u64 {
-        self.parts.iter().map(|&(_, u, _)| u).sum()
+        self.parts.iter().map(|p| p.left).sum()
     }
 
     fn bucket(&self) -> bool {
@@ -71,17 +81,15 @@ impl Held {
     /// Spends `cost` from the oldest grants first; the caller checked it is there.
     fn spend(&mut self, cost: u64) {
         let mut cost = cost;
-        for (_, left, _) in self.parts.iter_mut() {
-            let take = cost.min(*left);
-            *left -= take;
+        for p in self.parts.iter_mut() {
+            let take = cost.min(p.left);
+            p.left -= take;
             cost -= take;
         }
-        for &(id, left, _) in self.parts.iter() {
-            if left == 0 {
-                self.spent_ids.push(id);
-            }
+        for p in self.parts.iter().filter(|p| p.left == 0) {
+            self.spent_ids.push(p.id);
         }
-        self.parts.retain(|&(_, left, _)| left > 0);
+        self.parts.retain(|p| p.left > 0);
     }
 
     /// The decision of a request that spent `cost`, or of a refusal. What is left is the
@@ -105,10 +113,10 @@ impl Held {
     /// Drops the grants lapsed by `now` (a bucket's), counting their units as expired.
     fn lapse(&mut self, now: Millis, out: &mut Leftovers) {
         let mut expired = 0;
-        self.parts.retain(|&(_, left, lapses)| {
-            let live = lapses > now;
+        self.parts.retain(|p| {
+            let live = p.lapses > now;
             if !live {
-                expired += left;
+                expired += p.left;
             }
             live
         });
@@ -178,13 +186,19 @@ pub struct Ledger {
 }
 
 const SHARDS: usize = 16;
+/// Give-backs sent at once by [`Ledger::settle`].
+const SETTLE_AT_ONCE: usize = 32;
 const TURNS: usize = 256;
 
 impl Default for Ledger {
     fn default() -> Self {
+        // ids only need to differ between the instances holding one state's grants; if
+        // the OS has no randomness to give, the process id and the time still differ
         let mut seed = [0u8; 8];
-        // ids only need to differ between the instances holding one window's grants
-        let _ = getrandom::fill(&mut seed);
+        if getrandom::fill(&mut seed).is_err() {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            seed = (u64::from(std::process::id()) << 32 ^ now.as_nanos() as u64).to_le_bytes();
+        }
         Self {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             turns: (0..TURNS).map(|_| tokio::sync::Mutex::new(())).collect(),
@@ -228,14 +242,14 @@ impl Ledger {
         self.drop_if(&mut shard, tag, op.key, now, out, |h| h.limit != op.limit || (!h.bucket() && now >= h.window));
         let first = grants.max.unwrap_or(u64::MAX).min(op.cost.max(1) * 16);
         let Some(h) = shard.get_mut(&(tag, op.key)) else {
-            return Take::Short(self.ask(op, op.cost, first, Vec::new()));
+            return Take::Short(self.ask(op, op.cost, first));
         };
         h.lapse(now, out);
         if h.left() < op.cost {
             if h.store_remaining + h.left() < op.cost && now.saturating_sub(h.asked_at) < grants.refresh {
                 return Take::Refused(h.decision(0, false, now));
             }
-            return Take::Short(self.ask(op, op.cost, first, std::mem::take(&mut h.spent_ids)));
+            return Take::Short(self.ask(op, op.cost, first));
         }
         h.spend(op.cost);
         h.spent += op.cost;
@@ -246,7 +260,7 @@ impl Ledger {
             // the key's rate over the time since the last grant, for `refresh` ms
             let rate = h.spent as f64 / now.saturating_sub(h.since).max(1) as f64;
             let want = (rate * grants.refresh as f64).ceil() as u64;
-            self.ask(op, 1, want.clamp(1, grants.max.unwrap_or(u64::MAX)), std::mem::take(&mut h.spent_ids))
+            self.ask(op, 1, want.clamp(1, grants.max.unwrap_or(u64::MAX)))
         });
         self.stats.local.fetch_add(1, Relaxed);
         rule.counters.local.increment(1);
@@ -277,10 +291,10 @@ impl Ledger {
         self.turns[slot as usize % TURNS].lock().await
     }
 
-    /// A grant to ask for, closing the spent grants `close`.
-    fn ask(&self, op: &Op, need: u64, want: u64, close: Vec<u64>) -> GrantAsk {
+    /// A grant to ask for (the spent grants it closes are added when it is sent).
+    fn ask(&self, op: &Op, need: u64, want: u64) -> GrantAsk {
         let id = self.next_id.fetch_add(1, Relaxed);
-        GrantAsk { key: op.key, limit: op.limit, need, want: want.max(need), id, close }
+        GrantAsk { key: op.key, limit: op.limit, need, want: want.max(need), id, close: Vec::new() }
     }
 
     /// Asks `store` for the grant `ask` and adds what it grants (grants of another
@@ -289,14 +303,26 @@ impl Ledger {
         &self,
         store: &dyn Store,
         tag: Tag,
-        ask: GrantAsk,
+        mut ask: GrantAsk,
         rule: &Arc<GrantRule>,
         now: Millis,
         out: &mut Leftovers,
     ) -> Result<Granted, StoreError> {
         self.stats.store_calls.fetch_add(1, Relaxed);
         rule.counters.store_calls.increment(1);
-        let granted = store.grant(tag, ask.clone(), now).await?;
+        // the grants spent since the last call are closed by this one (kept if it fails)
+        if let Some(h) = self.shard(tag).get_mut(&(tag, ask.key)).filter(|h| h.limit == ask.limit) {
+            ask.close = std::mem::take(&mut h.spent_ids);
+        }
+        let granted = match store.grant(tag, ask.clone(), now).await {
+            Ok(granted) => granted,
+            Err(e) => {
+                if let Some(h) = self.shard(tag).get_mut(&(tag, ask.key)).filter(|h| h.limit == ask.limit) {
+                    h.spent_ids.extend(ask.close);
+                }
+                return Err(e);
+            }
+        };
         self.add(tag, &ask, &granted, rule, now, out);
         Ok(granted)
     }
@@ -314,6 +340,11 @@ impl Ledger {
             true => (0, now + BUCKET_TTL),
             false => (g.decision.reset_at, g.decision.reset_at),
         };
+        // a late answer from a window older than the one held: its units lapsed with it
+        if shard.get(&(tag, ask.key)).is_some_and(|h| h.limit == ask.limit && h.window > window) {
+            out.expire(rule, g.units);
+            return;
+        }
         self.drop_if(&mut shard, tag, ask.key, now, out, |h| h.limit != ask.limit || h.window != window);
         let h = shard.entry((tag, ask.key)).or_insert_with(|| Held {
             rule: rule.clone(),
@@ -340,7 +371,7 @@ impl Ledger {
             h.reported = u64::MAX;
         }
         if g.units > 0 {
-            h.parts.push((ask.id, g.units, lapses));
+            h.parts.push(Part { id: ask.id, left: g.units, granted: g.units, lapses });
             h.last_units = g.units;
             h.spent = 0;
             h.since = now;
@@ -354,27 +385,40 @@ impl Ledger {
         match shard.get_mut(&(tag, op.key)).filter(|h| h.bucket() || h.window == g.decision.reset_at) {
             Some(h) => h.decision(0, false, now),
             None => {
-                Decision { allowed: false, remaining: 0, retry_after: Some(g.decision.reset_at - now), ..g.decision }
+                let retry_after = Some(g.decision.reset_at.saturating_sub(now));
+                Decision { allowed: false, remaining: 0, retry_after, ..g.decision }
             }
         }
     }
 
     /// Puts units spent by a request that was refused elsewhere (or refunded) back into
-    /// the grants held (a fixed window's: of `window`); false when this instance holds
-    /// none for it any more.
-    pub(crate) fn put_back(&self, tag: Tag, key: u64, limit: &Limit, cost: u64, window: Millis) -> bool {
+    /// the grants held (a fixed window's: of `window`), newest first, never past what a
+    /// grant was granted (a unit spent from a grant since closed at the store must not
+    /// come back into another: the store counts only what it granted). Returns the
+    /// units it could not put back, for the store.
+    pub(crate) fn put_back(&self, tag: Tag, key: u64, limit: &Limit, cost: u64, window: Millis) -> u64 {
         let mut shard = self.shard(tag);
         let held = |h: &&mut Held| h.limit == *limit && (h.bucket() || h.window == window);
         let Some(h) = shard.get_mut(&(tag, key)).filter(held) else {
-            return false;
+            return cost;
         };
-        match h.parts.last_mut() {
-            Some((_, left, _)) => *left += cost,
-            // every grant spent: the unit goes to the store instead
-            None => return false,
+        let mut rest = cost;
+        for p in h.parts.iter_mut().rev() {
+            let back = rest.min(p.granted - p.left);
+            p.left += back;
+            rest -= back;
         }
-        h.spent = h.spent.saturating_sub(cost);
-        true
+        h.spent = h.spent.saturating_sub(cost - rest);
+        rest
+    }
+
+    /// Forgets the grants held for `keys` of `tag` (a reset deleted their state and its
+    /// book at the store: there is nothing to give back, and they must not be spent).
+    pub(crate) fn forget(&self, tag: Tag, keys: impl Iterator<Item = u64>) {
+        let mut shard = self.shard(tag);
+        for key in keys {
+            shard.remove(&(tag, key));
+        }
     }
 
     /// A grant asked for in the background failed: the next decision may ask again.
@@ -414,11 +458,11 @@ impl Ledger {
 
     /// Counts `h`'s units as given back or lapsed.
     fn drop_held(&self, tag: Tag, key: u64, h: &Held, now: Millis, out: &mut Leftovers) {
-        for &(id, unspent, lapses) in h.parts.iter().filter(|&&(_, u, _)| u > 0) {
-            if now >= lapses {
-                out.expire(&h.rule, unspent);
+        for p in h.parts.iter().filter(|p| p.left > 0) {
+            if now >= p.lapses {
+                out.expire(&h.rule, p.left);
             } else {
-                let back = GiveBack { key, limit: h.limit, id, unspent, window: lapses };
+                let back = GiveBack { key, limit: h.limit, id: p.id, unspent: p.left, window: p.lapses };
                 out.give_back.push((tag, back, h.rule.clone()));
             }
         }
@@ -427,18 +471,24 @@ impl Ledger {
     /// Gives `leftovers` back to `store` and counts them.
     pub(crate) async fn settle(&self, store: &dyn Store, leftovers: Leftovers, now: Millis) -> Result<(), StoreError> {
         self.stats.expired.fetch_add(leftovers.expired, Relaxed);
-        let mut result = Ok(());
-        for (tag, back, rule) in leftovers.give_back {
+        let give_back = |(tag, back, rule): (Tag, GiveBack, Arc<GrantRule>)| async move {
             self.stats.store_calls.fetch_add(1, Relaxed);
             rule.counters.store_calls.increment(1);
-            match store.give_back(tag, back, now).await {
-                Ok(units) => {
-                    self.stats.returned.fetch_add(units, Relaxed);
-                    rule.counters.returned.increment(units);
-                }
-                // lost in flight: the units stay charged until the window ends (an
-                // under-admission, never an over-admission)
-                Err(e) => result = Err(e),
+            let units = store.give_back(tag, back, now).await?;
+            self.stats.returned.fetch_add(units, Relaxed);
+            rule.counters.returned.increment(units);
+            Ok::<(), StoreError>(())
+        };
+        // a few dozen at a time (a revocation gives back every key held): one after
+        // another, thousands of keys would take thousands of round trips
+        let mut result = Ok(());
+        let mut backs = leftovers.give_back.into_iter().peekable();
+        while backs.peek().is_some() {
+            let batch: Vec<_> = backs.by_ref().take(SETTLE_AT_ONCE).map(give_back).collect();
+            // one lost in flight leaves its units charged until the window ends (an
+            // under-admission, never an over-admission)
+            for r in futures_util::future::join_all(batch).await {
+                result = result.and(r);
             }
         }
         result
@@ -494,8 +544,10 @@ mod tests {
         // another instance gave units back: the store's remaining went up, the report does not
         ledger.add(Tag(1), &ask, &granted(10, 90), &r, 8, &mut out);
         assert_eq!(ledger.take(Tag(1), &OP, &r, 9, &mut out).remaining(), Some(92));
-        assert!(ledger.put_back(Tag(1), 1, &L, 1, 60_000));
+        // that unit came from the first grant, spent and to be closed: it goes to the store
+        assert_eq!(ledger.put_back(Tag(1), 1, &L, 1, 60_000), 1);
         assert_eq!(ledger.take(Tag(1), &OP, &r, 10, &mut out).remaining(), Some(91));
+        assert_eq!(ledger.put_back(Tag(1), 1, &L, 1, 60_000), 0, "this one came from the second");
         assert!(out.give_back.is_empty() && out.expired == 0);
     }
 
@@ -519,6 +571,24 @@ mod tests {
         ledger.add(Tag(3), &ask, &granted(8, 92), &r, 4, &mut out);
         ledger.sweep(1, 60_000, &mut out);
         assert_eq!((out.give_back.len(), out.expired), (0, 8), "a window that ended: lapsed, not given back");
+    }
+
+    /// A unit spent from a grant since closed (all its units spent) cannot go back into
+    /// another grant past what that one was granted: the store counts only grants.
+    #[test]
+    fn a_unit_put_back_never_fills_a_grant_past_its_size() {
+        let (ledger, r) = (Ledger::default(), rule());
+        let mut out = Leftovers::default();
+        let Take::Short(a) = ledger.take(Tag(1), &OP, &r, 0, &mut out) else { panic!() };
+        ledger.add(Tag(1), &a, &granted(2, 98), &r, 0, &mut out);
+        for t in 1..=2 {
+            assert!(matches!(ledger.take(Tag(1), &OP, &r, t, &mut out), Take::Spent(..)));
+        }
+        let b = GrantAsk { id: a.id + 1, ..a.clone() };
+        ledger.add(Tag(1), &b, &granted(3, 95), &r, 3, &mut out);
+        assert!(matches!(ledger.take(Tag(1), &OP, &r, 4, &mut out), Take::Spent(..)));
+        assert_eq!(ledger.put_back(Tag(1), 1, &L, 2, 60_000), 1, "one unit fits grant b, one goes to the store");
+        assert_eq!(ledger.held_units(), 3);
     }
 
     impl Take {

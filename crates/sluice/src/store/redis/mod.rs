@@ -608,6 +608,17 @@ impl Writer {
         }
     }
 
+    /// The writer quota grants go through: one on a connection of its own (`open`) when
+    /// they wait for replicas, else this one.
+    fn for_grants(self: &Arc<Self>, open: impl FnOnce() -> Result<Conn, StoreError>) -> Result<Arc<Self>, StoreError> {
+        if self.grant_acks == 0 {
+            return Ok(self.clone());
+        }
+        let mut granter = Writer::new(open()?, self.options.clone(), false);
+        granter.grant_acks = self.grant_acks;
+        Ok(Arc::new(granter))
+    }
+
     /// Runs a writing script on the primary, then waits for `replica_acks` replicas.
     async fn write(&self, script: &Script, keys: &[&str], fill: impl Fn(&mut Cmd)) -> Result<Value, StoreError> {
         self.write_acked(script, keys, fill, self.options.replica_acks, self.options.timeout).await
@@ -664,6 +675,10 @@ impl Writer {
 /// cluster each goes alone (one script runs on one slot's keys).
 pub struct RedisStore {
     writer: Arc<Writer>,
+    /// What quota grants are written through: a connection of their own when they wait
+    /// for replicas (`WAIT` holds up every call sent after it on its connection), else
+    /// `writer`.
+    granter: Arc<Writer>,
     batcher: Option<batch::Batcher>,
     replicas: Vec<Arc<Replica>>,
     next: AtomicUsize,
@@ -683,9 +698,10 @@ impl RedisStore {
                 }))
             })
             .collect::<Result<Vec<_>, StoreError>>()?;
-        let writer = Arc::new(Writer::new(Conn::open(url, &options)?, options, !replicas.is_empty()));
+        let writer = Arc::new(Writer::new(Conn::open(url, &options)?, options.clone(), !replicas.is_empty()));
+        let granter = writer.for_grants(|| Conn::open(url, &options))?;
         let batcher = batch::Batcher::start(writer.clone());
-        let store = Self { writer, batcher, replicas, next: AtomicUsize::new(0) };
+        let store = Self { writer, granter, batcher, replicas, next: AtomicUsize::new(0) };
         store.watch_replicas();
         store.warm_up();
         Ok(store)
@@ -700,8 +716,9 @@ impl RedisStore {
         }
         let conn = Conn::open_cluster(nodes, &options, read_from_replicas)?;
         let options = RedisOptions { replica_acks: 0, ..options };
-        let writer = Arc::new(Writer::new(conn, options, false));
-        let store = Self { writer, batcher: None, replicas: Vec::new(), next: AtomicUsize::new(0) };
+        let writer = Arc::new(Writer::new(conn, options.clone(), false));
+        let granter = writer.for_grants(|| Conn::open_cluster(nodes, &options, read_from_replicas))?;
+        let store = Self { writer, granter, batcher: None, replicas: Vec::new(), next: AtomicUsize::new(0) };
         store.warm_up();
         Ok(store)
     }
@@ -722,9 +739,10 @@ impl RedisStore {
             })],
             false => Vec::new(),
         };
-        let writer = Arc::new(Writer::new(Conn::Sentinel(link(Role::Primary)), options, true));
+        let writer = Arc::new(Writer::new(Conn::Sentinel(link(Role::Primary)), options.clone(), true));
+        let granter = writer.for_grants(|| Ok(Conn::Sentinel(link(Role::Primary))))?;
         let batcher = batch::Batcher::start(writer.clone());
-        let store = Self { writer, batcher, replicas, next: AtomicUsize::new(0) };
+        let store = Self { writer, granter, batcher, replicas, next: AtomicUsize::new(0) };
         store.watch_replicas();
         store.warm_up();
         Ok(store)
@@ -893,8 +911,8 @@ impl Store for RedisStore {
             cmd.arg(ask.need).arg(ask.want).arg(ask.id).arg(&ask.close);
         };
         // durable before it is spent: a failover must not grant the same units again
-        let (script, acks) = (&self.writer.scripts.grant, self.writer.grant_acks);
-        let reply = self.writer.write_acked(script, &[&at.key], fill, acks, GRANT_ACK_WAIT).await?;
+        let (script, acks) = (&self.granter.scripts.grant, self.granter.grant_acks);
+        let reply = self.granter.write_acked(script, &[&at.key], fill, acks, GRANT_ACK_WAIT).await?;
         let ints: Vec<i64> =
             redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("grant reply: {e}")).because(e))?;
         let [units, ref d @ .., holders] = ints[..] else {
