@@ -639,12 +639,17 @@ impl Limiter {
                 // one request at a time asks for a key; the others then find its units
                 Take::Short(_) if turn.is_none() => turn = Some(self.grants.turn(tag, op.key).await),
                 Take::Short(_) if let Some(g) = &granted => return Ok(self.grants.refusal(tag, op, g, now)),
-                Take::Short(ask) => {
+                Take::Short(mut ask) => {
                     // grants of a limit this one replaced go back first: the store counts
                     // them until then
                     if !out.give_back.is_empty() {
                         let _ = self.grants.settle(&*self.store, std::mem::take(out), now).await;
                     }
+                    // enough for the requests waiting behind this one too (a burst on a
+                    // key costs a grant call, not one a few requests), within `max`
+                    let waiting = turn.as_ref().map_or(0, |(_, waiting)| *waiting);
+                    let burst = op.cost.saturating_mul(waiting + 1).min(rule.grants.max.unwrap_or(u64::MAX));
+                    ask.want = ask.want.max(burst);
                     granted = Some(self.grants.ask_store(&*self.store, tag, ask, rule, now, out).await?)
                 }
             }

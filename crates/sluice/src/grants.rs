@@ -178,7 +178,7 @@ pub struct Ledger {
     /// Turns to ask the store for a grant, by key (hashed into these slots): of the
     /// requests that find too few units at once, one asks and the others wait for its
     /// answer, instead of a grant call each.
-    turns: Box<[tokio::sync::Mutex<()>]>,
+    turns: Box<[Turn]>,
     /// Grant ids: random high bits per instance, a counter below.
     next_id: AtomicU64,
     generation: AtomicU64,
@@ -186,6 +186,13 @@ pub struct Ledger {
 }
 
 const SHARDS: usize = 16;
+
+/// A turn to ask the store for a grant, and how many requests wait for it.
+#[derive(Default)]
+struct Turn {
+    lock: tokio::sync::Mutex<()>,
+    waiting: AtomicU64,
+}
 /// Give-backs sent at once by [`Ledger::settle`].
 const SETTLE_AT_ONCE: usize = 32;
 const TURNS: usize = 256;
@@ -201,7 +208,7 @@ impl Default for Ledger {
         }
         Self {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-            turns: (0..TURNS).map(|_| tokio::sync::Mutex::new(())).collect(),
+            turns: (0..TURNS).map(|_| Turn::default()).collect(),
             next_id: AtomicU64::new(u64::from_le_bytes(seed) & !0xffff_ffff),
             generation: AtomicU64::new(0),
             stats: GrantStats::default(),
@@ -285,10 +292,15 @@ impl Ledger {
     }
 
     /// Waits for the turn to ask the store for a grant for `key` of `tag`; held until
-    /// the answer is added.
-    pub(crate) async fn turn(&self, tag: Tag, key: u64) -> tokio::sync::MutexGuard<'_, ()> {
+    /// the answer is added. Also returns how many requests were waiting for that turn
+    /// when it came: a grant for them all is asked for at once.
+    pub(crate) async fn turn(&self, tag: Tag, key: u64) -> (tokio::sync::MutexGuard<'_, ()>, u64) {
         let slot = (tag.0 as u64 ^ key).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56;
-        self.turns[slot as usize % TURNS].lock().await
+        let turn = &self.turns[slot as usize % TURNS];
+        turn.waiting.fetch_add(1, Relaxed);
+        let guard = turn.lock.lock().await;
+        let waiting = turn.waiting.fetch_sub(1, Relaxed) - 1;
+        (guard, waiting)
     }
 
     /// A grant to ask for (the spent grants it closes are added when it is sent).
