@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{Sluice, burst, header, heavy, num, start_with};
+use common::{Sluice, burst, header, heavy, hit, num, start_with};
 use sluice_testkit::{RedisCluster, RedisSentinels, RedisServer};
 use std::time::{Duration, Instant};
 
@@ -96,6 +96,18 @@ async fn on_a_cluster_four_instances_admit_at_most_the_limit() {
 async fn across(fleet: &[Sluice], user: &str, what: &str, failover: impl FnOnce()) {
     let (first, _) = burst(&bases(fleet), "d", user, HALF).await;
     failover();
+    // every instance decides from the store again (a cluster client finds the new
+    // primary on its first calls after the promotion): probed with another client
+    let client = reqwest::Client::new();
+    let since = Instant::now();
+    for s in fleet {
+        while !header(&hit(&client, &s.base, "d", &[("user", &format!("{user}-probe"))]).await, "x-sluice-degraded")
+            .is_empty()
+        {
+            assert!(since.elapsed() < Duration::from_secs(20), "still degraded after {what}:\n{}", logs(fleet));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
     let (second, _) = burst(&bases(fleet), "d", user, 2 * LIMIT as usize - HALF).await;
     let admitted = u64::from(first + second);
     assert!(admitted <= LIMIT, "{admitted} admitted for a limit of {LIMIT} across {what}:\n{}", logs(fleet));
