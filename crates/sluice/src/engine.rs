@@ -672,7 +672,7 @@ impl Limiter {
 
     /// Gives back, in the background, grants revoked and counts units lapsed.
     fn settle_later(&self, out: Leftovers, now: Millis) {
-        if out.give_back.is_empty() && out.expired == 0 {
+        if out.give_back.is_empty() {
             return;
         }
         let (store, ledger) = (self.store.clone(), self.grants.clone());

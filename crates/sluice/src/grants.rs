@@ -140,6 +140,7 @@ pub(crate) enum Take {
 #[derive(Debug, Default)]
 pub(crate) struct Leftovers {
     pub give_back: Vec<(Tag, GiveBack, Arc<GrantRule>)>,
+    /// Units that lapsed (already counted in their rule's metrics as they lapsed).
     pub expired: u64,
 }
 
@@ -153,20 +154,16 @@ impl Leftovers {
     }
 }
 
-/// Counts an operator watches (`sluice_grant_*`).
+/// This instance's totals over every rule (the metrics count them per rule, in
+/// `GrantCounters`).
 #[derive(Debug, Default)]
 pub struct GrantStats {
-    /// Grants taken, and units they held.
+    /// Grants taken.
     pub taken: AtomicU64,
-    pub units: AtomicU64,
-    /// Units given back, and units that lapsed unspent with their window (the
-    /// under-admission grants cost).
+    /// Units given back.
     pub returned: AtomicU64,
-    pub expired: AtomicU64,
     /// Decisions answered from a grant without a store call.
     pub local: AtomicU64,
-    /// Store calls made for grants (taking and giving back).
-    pub store_calls: AtomicU64,
 }
 
 /// One shard of the ledger: the grants held, by client tag and state key.
@@ -320,7 +317,6 @@ impl Ledger {
         now: Millis,
         out: &mut Leftovers,
     ) -> Result<Granted, StoreError> {
-        self.stats.store_calls.fetch_add(1, Relaxed);
         rule.counters.store_calls.increment(1);
         // the grants spent since the last call are closed by this one (kept if it fails)
         if let Some(h) = self.shard(tag).get_mut(&(tag, ask.key)).filter(|h| h.limit == ask.limit) {
@@ -342,7 +338,6 @@ impl Ledger {
     /// Adds what the store granted for `ask`.
     fn add(&self, tag: Tag, ask: &GrantAsk, g: &Granted, rule: &Arc<GrantRule>, now: Millis, out: &mut Leftovers) {
         self.stats.taken.fetch_add(u64::from(g.units > 0), Relaxed);
-        self.stats.units.fetch_add(g.units, Relaxed);
         rule.counters.taken.increment(u64::from(g.units > 0));
         rule.counters.granted.increment(g.units);
         let mut shard = self.shard(tag);
@@ -482,9 +477,7 @@ impl Ledger {
 
     /// Gives `leftovers` back to `store` and counts them.
     pub(crate) async fn settle(&self, store: &dyn Store, leftovers: Leftovers, now: Millis) -> Result<(), StoreError> {
-        self.stats.expired.fetch_add(leftovers.expired, Relaxed);
         let give_back = |(tag, back, rule): (Tag, GiveBack, Arc<GrantRule>)| async move {
-            self.stats.store_calls.fetch_add(1, Relaxed);
             rule.counters.store_calls.increment(1);
             let units = store.give_back(tag, back, now).await?;
             self.stats.returned.fetch_add(units, Relaxed);
@@ -533,12 +526,20 @@ mod tests {
         Granted { units, decision, holders: 1 }
     }
 
+    /// A ledger holding one grant of `units` for `tag`, the store having `remaining`
+    /// left after it; the ask it was taken with.
+    fn holding(ledger: &Ledger, r: &Arc<GrantRule>, tag: Tag, units: u64, remaining: u64) -> GrantAsk {
+        let mut out = Leftovers::default();
+        let Take::Short(ask) = ledger.take(tag, &OP, r, 0, &mut out) else { panic!("nothing held") };
+        ledger.add(tag, &ask, &granted(units, remaining), r, 0, &mut out);
+        ask
+    }
+
     #[test]
     fn spends_locally_asks_ahead_and_never_reports_more_left() {
         let (ledger, r) = (Ledger::default(), rule());
+        holding(&ledger, &r, Tag(1), 8, 92);
         let mut out = Leftovers::default();
-        let Take::Short(ask) = ledger.take(Tag(1), &OP, &r, 0, &mut out) else { panic!("nothing held") };
-        ledger.add(Tag(1), &ask, &granted(8, 92), &r, 0, &mut out);
         let mut reported = Vec::new();
         let mut asked = None;
         for t in 1..=6 {
@@ -566,9 +567,8 @@ mod tests {
     #[test]
     fn another_limit_or_a_generation_revokes_and_a_window_end_expires() {
         let (ledger, r) = (Ledger::default(), rule());
+        let ask = holding(&ledger, &r, Tag(1), 8, 92);
         let mut out = Leftovers::default();
-        let Take::Short(ask) = ledger.take(Tag(1), &OP, &r, 0, &mut out) else { panic!() };
-        ledger.add(Tag(1), &ask, &granted(8, 92), &r, 0, &mut out);
         let other = Op { limit: Limit::FixedWindow { limit: 50, window: 60_000, aligned: false }, ..OP };
         assert!(matches!(ledger.take(Tag(1), &other, &r, 1, &mut out), Take::Short(_)));
         assert_eq!(out.give_back.len(), 1);
@@ -590,9 +590,8 @@ mod tests {
     #[test]
     fn a_unit_put_back_never_fills_a_grant_past_its_size() {
         let (ledger, r) = (Ledger::default(), rule());
+        let a = holding(&ledger, &r, Tag(1), 2, 98);
         let mut out = Leftovers::default();
-        let Take::Short(a) = ledger.take(Tag(1), &OP, &r, 0, &mut out) else { panic!() };
-        ledger.add(Tag(1), &a, &granted(2, 98), &r, 0, &mut out);
         for t in 1..=2 {
             assert!(matches!(ledger.take(Tag(1), &OP, &r, t, &mut out), Take::Spent(..)));
         }

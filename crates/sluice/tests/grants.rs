@@ -231,15 +231,22 @@ async fn remaining_never_rises_and_the_fleet_admits_exactly_the_limit() {
     assert!(a.grants().stats().local.load(std::sync::atomic::Ordering::Relaxed) > 0, "no decision was local");
 }
 
-/// A reset anywhere revokes the grants every instance holds for the client within the
-/// overrides' watch (250 ms) and a sweep: the next decision starts the fresh window.
-#[tokio::test]
-async fn a_reset_elsewhere_revokes_the_grants_held() {
-    let (a, b, clock) = two_instances(r#"{"max": 50}"#, 100);
+/// Two instances as [`two_instances`], the first watching the overrides and having
+/// admitted ten requests from grants it holds.
+async fn ten_admitted_on_a(grants: &str, limit: u64) -> (Limiter, Limiter, Arc<ManualClock>) {
+    let (a, b, clock) = two_instances(grants, limit);
     a.overrides().watch(std::time::Duration::from_millis(50));
     for _ in 0..10 {
         assert!(a.check(&route()).await.unwrap().allowed());
     }
+    (a, b, clock)
+}
+
+/// A reset anywhere revokes the grants every instance holds for the client within the
+/// overrides' watch (250 ms) and a sweep: the next decision starts the fresh window.
+#[tokio::test]
+async fn a_reset_elsewhere_revokes_the_grants_held() {
+    let (a, b, clock) = ten_admitted_on_a(r#"{"max": 50}"#, 100).await;
     let before = a.check(&route()).await.unwrap().binding().unwrap().decision;
     assert_eq!(before.used, 11);
     b.reset(&route(), None).await.unwrap();
@@ -315,11 +322,7 @@ async fn windows_are_used_nearly_in_full_when_demand_exceeds_them() {
 /// held go back.
 #[tokio::test]
 async fn an_override_elsewhere_revokes_the_grants_held() {
-    let (a, b, clock) = two_instances(r#"{"max": 50}"#, 100);
-    a.overrides().watch(std::time::Duration::from_millis(50));
-    for _ in 0..10 {
-        assert!(a.check(&route()).await.unwrap().allowed());
-    }
+    let (a, b, clock) = ten_admitted_on_a(r#"{"max": 50}"#, 100).await;
     let low = sluice::Override {
         id: "low".into(),
         domain: "api".into(),

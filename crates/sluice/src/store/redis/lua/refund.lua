@@ -16,15 +16,15 @@ for i = 1, #KEYS do
   local cost, window, field = int(ARGV[b + 2]), int(ARGV[b + 3]), ARGV[b + 4]
   local lx, ly, lz = load(kind, KEYS[i], field, p2, now)
   if lx ~= nil and kind ~= CONCURRENCY then
-    local x, y, z = normalize(kind, lx, ly, lz, p1, p2, p3, now)
     local nx, ny, nz
     local open = kind == TOKEN_BUCKET and book_load(KEYS[i], field) or {}
     if #open > 0 then
       -- grant::bucket_refund: open grants hold the refill back
       local cap = max(p3 - book_units(open), 0)
-      x, y = token_bucket_normalize(lx, ly, p1, p2, cap, now)
+      local x, y = token_bucket_normalize(lx, ly, p1, p2, cap, now)
       nx, ny = token_bucket_refund(x, y, p2, cap, cost)
     else
+      local x, y, z = normalize(kind, lx, ly, lz, p1, p2, p3, now)
       nx, ny, nz = refund(kind, x, y, z, p1, p2, p3, cost, window)
     end
     if nx ~= nil then
