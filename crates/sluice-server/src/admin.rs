@@ -26,6 +26,7 @@ pub fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
         .route("/v1/overrides/{id}", get(get_override).put(put_override).delete(delete_override))
         .route("/v1/admin/clients", get(inspect).delete(reset))
         .route("/v1/admin/top", get(top))
+        .route("/v1/admin/rlqs", get(rlqs))
         .merge(ui_routes(&state))
         .route_layer(axum::middleware::from_fn_with_state(state, require_token))
 }
@@ -313,6 +314,12 @@ async fn reset(State(state): Shared, query: Result<Query<Vec<(String, String)>>,
 }
 
 /// `GET /v1/admin/migration`: the migrating store's percentage.
+/// The Envoy RLQS streams open on this instance: each bucket's share, its pieces and
+/// the assignment last sent.
+async fn rlqs(State(state): Shared) -> Response {
+    axum::Json(state.rlqs.view()).into_response()
+}
+
 async fn migration(State(state): Shared) -> Response {
     match &*state.migration.load() {
         Some(m) => axum::Json(json!({"percent": m.percent()})).into_response(),

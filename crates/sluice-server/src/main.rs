@@ -19,6 +19,7 @@ mod otel;
 mod otlp;
 mod ratelimit_env;
 mod reload;
+mod rlqs;
 mod rls;
 mod serve;
 mod shed;

@@ -8,6 +8,7 @@ use crate::listen::Bounds;
 use crate::load::{ConfigError, DEFAULT_CONFIG, Loaded, load_file, load_str};
 use crate::rls::Rls;
 use crate::state::{AppState, Metrics};
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use sluice::config::DEFAULT_KEY_SECRET;
 use std::net::SocketAddr;
@@ -259,6 +260,7 @@ async fn grpc_thread(
         Err(e) => return tracing::error!(error = %e, "the gRPC listener cannot be used"),
     };
     let tls = state.tls.clone();
+    let rlqs = crate::rlqs::Rlqs { state: state.clone(), stop: stop.clone() };
     let stopped = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
@@ -269,7 +271,8 @@ async fn grpc_thread(
         .max_concurrent_streams(Some(1_024))
         // a call that takes longer than a request head may is answered DEADLINE_EXCEEDED
         .timeout(ping)
-        .add_service(Rls { state });
+        .add_service(Rls { state })
+        .add_service(RateLimitQuotaServiceServer::new(rlqs));
     let served = match tls {
         Some(tls) => router.serve_with_incoming_shutdown(crate::tls::incoming(listener, tls, ping), stopped).await,
         None => {

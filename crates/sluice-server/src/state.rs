@@ -39,6 +39,8 @@ pub struct AppState {
     pub tracer: Option<Arc<crate::otel::Tracer>>,
     /// `server.ui`: the samples the live page shows, when on (set at start).
     pub ui: Option<Arc<crate::ui::History>>,
+    /// The Envoy RLQS streams open here.
+    pub rlqs: crate::rlqs::Streams,
 }
 
 /// What `/metrics` renders: the recorder's metrics and the standard process metrics
@@ -77,6 +79,7 @@ impl AppState {
             metrics,
             tracer: None,
             ui: None,
+            rlqs: Default::default(),
         }
     }
 

