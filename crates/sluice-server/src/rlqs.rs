@@ -105,7 +105,7 @@ impl RateLimitQuotaService for Rlqs {
 struct Bucket {
     id: BucketId,
     share: Share,
-    /// Why it gets no share, once logged.
+    /// It gets no share, and why was logged.
     refused: bool,
 }
 
@@ -118,7 +118,7 @@ struct Stream {
     buckets: HashMap<Vec<(String, String)>, Bucket>,
 }
 
-/// How long a store failure keeps a bucket's ticks quiet in the log.
+/// How often a stream logs that the store failed its shares, at most.
 const LOG_EVERY: Millis = 10_000;
 
 impl Stream {
@@ -196,6 +196,7 @@ impl Stream {
             Some(_) => {}
             None => {
                 let engine = self.state.engine.load();
+                // a bucket of no entries matches no rule: this only asks for the domain
                 if let Err(e @ QuotaError::UnknownDomain { .. }) = engine.limiter.quota_target(&report.domain, &[]) {
                     return Err(Status::not_found(e.to_string()));
                 }
@@ -268,9 +269,7 @@ impl Stream {
                         None
                     }
                 },
-                Err(QuotaError::Unlimited) => {
-                    Some(Assignment::AllowAll { ttl: sluice::quota::REPORT_INTERVAL / 1_000 + 2 })
-                }
+                Err(QuotaError::Unlimited) => Some(bucket.share.allow_all(now)),
                 Err(e) if bucket.share.assignment.is_some() => {
                     // it had a share: its rule is gone (a reload); the Envoy drops it
                     tracing::info!(domain = %domain, bucket = ?key, reason = %e, "RLQS: the bucket is abandoned");

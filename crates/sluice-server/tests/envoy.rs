@@ -9,14 +9,38 @@ mod common;
 mod envoy_kit;
 
 use common::start_with;
-use envoy_kit::{Envoy, envoy, grpc_cluster};
+use envoy_kit::{Envoy, bootstrap, grpc_cluster};
 use sluice_testkit::{Process, TempDir};
 use std::time::Duration;
 
-/// Envoy's config; `sluice_tls` is the `transport_socket` of the cluster that reaches
-/// Sluice (empty: plain TCP); with `otel`, the port of an OTLP collector, Envoy traces
-/// every request with OpenTelemetry and sends its spans there.
-fn bootstrap(listen: u16, admin: u16, up: u16, grpc: u16, sluice_tls: &str, otel: Option<u16>) -> String {
+/// The route's rate limit actions: descriptors from request headers.
+const RATE_LIMITS: &str = r#"                  rate_limits:
+                  - actions:
+                    - request_headers: {header_name: x-user, descriptor_key: user}
+                  - actions:
+                    - request_headers: {header_name: x-tenant, descriptor_key: tenant}
+                    - request_headers: {header_name: ":path", descriptor_key: path}
+"#;
+
+/// Envoy's rate limit filter, calling the `sluice` cluster.
+const RATELIMIT_FILTER: &str = r#"          - name: envoy.filters.http.ratelimit
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+              domain: api
+              failure_mode_deny: false
+              timeout: 1s
+              rate_limit_service:
+                transport_api_version: V3
+                grpc_service: {envoy_grpc: {cluster_name: sluice}}
+"#;
+
+/// Starts Envoy in front of an upstream, calling Sluice's gRPC service at `grpc`;
+/// `sluice_tls` is the `transport_socket` of the cluster that reaches Sluice (empty:
+/// plain TCP); with `otel`, the port of an OTLP collector, Envoy traces every request
+/// with OpenTelemetry and sends its spans there. Returns it (and its directory) and the
+/// port it listens on.
+async fn start_envoy(grpc: &str, sluice_tls: &str, otel: Option<u16>) -> ((Process, TempDir), u16) {
+    let grpc: u16 = grpc.rsplit(':').next().unwrap().parse().unwrap();
     let (tracing, otel_cluster) = match otel {
         None => (String::new(), String::new()),
         Some(port) => (
@@ -33,61 +57,8 @@ fn bootstrap(listen: u16, admin: u16, up: u16, grpc: u16, sluice_tls: &str, otel
             grpc_cluster("otel", &[port], ""),
         ),
     };
-    let sluice = grpc_cluster("sluice", &[grpc], sluice_tls);
-    format!(
-        r#"admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}}}
-static_resources:
-  listeners:
-  - name: main
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {listen}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: ingress
-{tracing}          route_config:
-            name: local
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                route:
-                  cluster: upstream
-                  rate_limits:
-                  - actions:
-                    - request_headers: {{header_name: x-user, descriptor_key: user}}
-                  - actions:
-                    - request_headers: {{header_name: x-tenant, descriptor_key: tenant}}
-                    - request_headers: {{header_name: ":path", descriptor_key: path}}
-          http_filters:
-          - name: envoy.filters.http.ratelimit
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
-              domain: api
-              failure_mode_deny: false
-              timeout: 1s
-              rate_limit_service:
-                transport_api_version: V3
-                grpc_service: {{envoy_grpc: {{cluster_name: sluice}}}}
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: upstream
-    type: STATIC
-    connect_timeout: 1s
-    load_assignment: {{cluster_name: upstream, endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {up}}}}}}}}}]}}]}}
-{sluice}{otel_cluster}"#
-    )
-}
-
-/// Starts Envoy in front of an upstream, calling Sluice's gRPC service at `grpc`;
-/// returns it (and its directory) and the port it listens on.
-async fn start_envoy(_envoy: &str, grpc: &str, sluice_tls: &str, otel: Option<u16>) -> ((Process, TempDir), u16) {
-    let grpc: u16 = grpc.rsplit(':').next().unwrap().parse().unwrap();
-    let e = Envoy::start(|up| bootstrap(0, 0, up, grpc, sluice_tls, otel)).await;
+    let clusters = grpc_cluster("sluice", &[grpc], sluice_tls) + &otel_cluster;
+    let e = Envoy::start(|up| bootstrap(up, &tracing, RATE_LIMITS, RATELIMIT_FILTER, &clusters)).await;
     ((e.process, e.dir), e.port)
 }
 
@@ -95,7 +66,6 @@ async fn start_envoy(_envoy: &str, grpc: &str, sluice_tls: &str, otel: Option<u1
 /// and verifying Sluice's certificate against the test CA.
 #[tokio::test]
 async fn through_a_real_envoy_over_mutual_tls() {
-    let envoy = envoy();
     let certs = TempDir::new("sluice-envoy-certs");
     sluice_testkit::make_certs(certs.path(), "ca", &["server", "envoy"]);
     let f = |name: &str| certs.path().join(name).display().to_string();
@@ -122,7 +92,7 @@ async fn through_a_real_envoy_over_mutual_tls() {
         f("envoy.key"),
         f("ca.crt")
     );
-    let (envoy_process, listen) = start_envoy(&envoy, &sluice.grpc, &tls, None).await;
+    let (envoy_process, listen) = start_envoy(&sluice.grpc, &tls, None).await;
     let client = reqwest::Client::new();
     let mut statuses = Vec::new();
     for _ in 0..5 {
@@ -135,10 +105,9 @@ async fn through_a_real_envoy_over_mutual_tls() {
 
 #[tokio::test]
 async fn through_a_real_envoy() {
-    let envoy = envoy();
     let domains = "  - domain: api\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 5}\n      - key: user\n        value: vip\n        rate_limit: {unit: minute, requests_per_unit: 8}\n      - key: tenant\n        descriptors:\n          - key: path\n            rate_limit: {unit: minute, requests_per_unit: 2}\n";
     let sluice = start_with("", domains);
-    let (_envoy, listen) = start_envoy(&envoy, &sluice.grpc, "", None).await;
+    let (_envoy, listen) = start_envoy(&sluice.grpc, "", None).await;
     let client = reqwest::Client::new();
     let get = |path: &'static str, headers: Vec<(&'static str, &'static str)>| {
         let mut r = client.get(format!("http://127.0.0.1:{listen}{path}"));
@@ -183,7 +152,6 @@ async fn through_a_real_envoy() {
 /// only the caller's sampled flag can have recorded it.)
 #[tokio::test]
 async fn envoys_trace_continues_through_sluice() {
-    let envoy = envoy();
     let (collector, endpoint) = collector::Collector::start().await;
     let otlp = format!("telemetry:\n  otlp: {{endpoint: '{endpoint}', sampling_ratio: 0}}\n");
     let sluice = start_with(
@@ -191,7 +159,7 @@ async fn envoys_trace_continues_through_sluice() {
         "  - domain: api\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 5}\n",
     );
     let port: u16 = endpoint.rsplit(':').next().unwrap().parse().unwrap();
-    let (envoy_process, listen) = start_envoy(&envoy, &sluice.grpc, "", Some(port)).await;
+    let (envoy_process, listen) = start_envoy(&sluice.grpc, "", Some(port)).await;
     let client = reqwest::Client::new();
     let r = client.get(format!("http://127.0.0.1:{listen}/x")).header("x-user", "ivan").send().await.unwrap();
     assert_eq!(r.status(), 200);
@@ -226,7 +194,6 @@ async fn envoys_trace_continues_through_sluice() {
 /// their response headers), answers a real Envoy.
 #[tokio::test]
 async fn their_environment_alone_answers_a_real_envoy() {
-    let envoy = envoy();
     let dir = TempDir::new("sluice-env");
     let socket = dir.path().join("redis.sock").display().to_string();
     let _redis = sluice_testkit::RedisServer::start_with(&["--unixsocket", &socket, "--unixsocketperm", "700"]);
@@ -255,7 +222,7 @@ async fn their_environment_alone_answers_a_real_envoy() {
     }
     let (_sluice, _http, grpc) = common::spawn_command(cmd, dir.path());
     let log = || std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
-    let (_envoy, listen) = start_envoy(&envoy, &grpc, "", None).await;
+    let (_envoy, listen) = start_envoy(&grpc, "", None).await;
     let client = reqwest::Client::new();
     let mut answers = Vec::new();
     for _ in 0..3 {

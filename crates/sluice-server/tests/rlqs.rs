@@ -12,7 +12,7 @@ mod common;
 mod envoy_kit;
 
 use common::{Sluice, heavy, start_with};
-use envoy_kit::{Envoy, grpc_cluster, now_ms};
+use envoy_kit::{Envoy, bootstrap, grpc_cluster, now_ms};
 use serde_json::Value;
 use sluice_testkit::RedisServer;
 use std::collections::HashMap;
@@ -38,36 +38,13 @@ fn sections(redis: &RedisServer) -> String {
     format!("  admin_token: {TOKEN}\nstore:\n  kind: redis\n  url: {}\n", redis.url())
 }
 
-/// An Envoy whose every request is bucket {name: hot}, reported to the `sluice`
-/// cluster (every instance: a broken stream reconnects to another); requests without an
-/// assignment, or after it lapsed, are denied.
-fn bootstrap(up: u16, sluice: &[u16]) -> String {
-    let cluster = grpc_cluster("sluice", sluice, "");
-    format!(
-        r#"admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}}}
-static_resources:
-  listeners:
-  - name: main
-    address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: ingress
-          route_config:
-            name: local
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                route: {{cluster: upstream}}
-          http_filters:
-          - name: envoy.filters.http.rate_limit_quota
+/// The `rate_limit_quota` filter: every request is bucket {name: hot} of domain `edge`,
+/// reported to the `sluice` cluster; requests without an assignment, or after it
+/// lapsed, are denied.
+const RLQS_FILTER: &str = r#"          - name: envoy.filters.http.rate_limit_quota
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaFilterConfig
-              rlqs_server: {{envoy_grpc: {{cluster_name: sluice}}}}
+              rlqs_server: {envoy_grpc: {cluster_name: sluice}}
               domain: edge
               bucket_matchers:
                 on_no_match:
@@ -77,23 +54,16 @@ static_resources:
                       "@type": type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaBucketSettings
                       bucket_id_builder:
                         bucket_id_builder:
-                          name: {{string_value: hot}}
+                          name: {string_value: hot}
                       reporting_interval: 5s
-                      no_assignment_behavior: {{fallback_rate_limit: {{blanket_rule: DENY_ALL}}}}
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: upstream
-    type: STATIC
-    connect_timeout: 1s
-    load_assignment: {{cluster_name: upstream, endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {up}}}}}}}}}]}}]}}
-{cluster}"#
-    )
-}
+                      no_assignment_behavior: {fallback_rate_limit: {blanket_rule: DENY_ALL}}
+"#;
 
+/// An Envoy with the RLQS filter, its `sluice` cluster every instance (a broken stream
+/// reconnects to another).
 async fn start_envoy(sluice: &[u16]) -> Envoy {
-    Envoy::start(|up| bootstrap(up, sluice)).await
+    let cluster = grpc_cluster("sluice", sluice, "");
+    Envoy::start(|up| bootstrap(up, "", "", RLQS_FILTER, &cluster)).await
 }
 
 /// Sends `DRIVE` requests a second to `port` while `on`, each on its own task.

@@ -156,8 +156,6 @@ pub struct Tick {
     /// Units held for a window now over (or a state left) and not reported admitted:
     /// the under-admission shares cost.
     pub unspent: u64,
-    /// Units given back (a changed limit).
-    pub returned: u64,
 }
 
 /// One Envoy's share of one bucket.
@@ -210,11 +208,6 @@ impl Share {
         self.pieces.iter().map(Piece::bound).sum()
     }
 
-    /// Whether the Envoy's bucket is possibly still in force at `now`.
-    pub fn in_force(&self, now: Millis) -> bool {
-        self.pieces.last().is_some_and(|p| p.until > now)
-    }
-
     /// Ends the piece in force: replaced by what is sent `now`, it admits only until that
     /// arrives.
     fn truncate(&mut self, now: Millis) {
@@ -242,17 +235,28 @@ impl Share {
         self.restart(0, 0)
     }
 
+    /// How long an assignment should last: the report interval (as measured) and
+    /// [`OUTLIVE`], in ms.
+    fn ttl_wanted(&self) -> Millis {
+        (if self.interval == 0 { REPORT_INTERVAL } else { self.interval }) + OUTLIVE
+    }
+
+    /// Allows everything (an `unlimited` rule, a shadow-mode policy): no grant is held.
+    pub fn allow_all(&mut self, now: Millis) -> Assignment {
+        let a = Assignment::AllowAll { ttl: self.ttl_wanted() / 1_000 };
+        (self.assignment, self.sent) = (Some(a), now);
+        a
+    }
+
     /// Brings the share up to date at `now`: takes what the next assignment needs from
     /// the store, and says what to send.
     pub async fn tick(&mut self, limiter: &Limiter, target: &QuotaTarget, now: Millis) -> Result<Tick, StoreError> {
         let mut tick = Tick::default();
-        let interval = if self.interval == 0 { REPORT_INTERVAL } else { self.interval };
-        let ttl_wanted = interval + OUTLIVE;
         if target.shadow {
-            tick.assignment = Some(Assignment::AllowAll { ttl: ttl_wanted / 1_000 });
-            (self.assignment, self.sent) = (tick.assignment, now);
+            tick.assignment = Some(self.allow_all(now));
             return Ok(tick);
         }
+        let ttl_wanted = self.ttl_wanted();
         if !matches!(target.limit, Limit::FixedWindow { .. }) {
             return Err(StoreError::protocol("RLQS shares fixed windows only"));
         }
@@ -284,7 +288,7 @@ impl Share {
             // a share its demand sets is no holder of the window: closing its grant
             // leaves the fair parts to the shares that want more (and gives back what
             // the pieces cannot admit)
-            tick.returned += self.give_back(limiter, now).await?;
+            self.give_back(limiter, now).await?;
         }
         Ok(tick)
     }
@@ -307,7 +311,7 @@ impl Share {
             self.state = Some(state);
         } else if self.limit != Some(target.limit) || self.generation != target.generation {
             self.truncate(now);
-            tick.returned = self.give_back(limiter, now).await?;
+            self.give_back(limiter, now).await?;
         }
         (self.limit, self.generation) = (Some(target.limit), target.generation);
         let g = self.grant(limiter, target, 0, 0, now).await?;
@@ -392,16 +396,16 @@ impl Share {
 
     /// Gives back what is held past what the pieces may admit, through the open grant,
     /// and closes it.
-    async fn give_back(&mut self, limiter: &Limiter, now: Millis) -> Result<u64, StoreError> {
+    async fn give_back(&mut self, limiter: &Limiter, now: Millis) -> Result<(), StoreError> {
         let surplus = self.held.saturating_sub(self.committed());
         let (Some((tag, key)), Some(limit), Some((id, units))) = (self.state, self.limit, self.grant) else {
-            return Ok(0);
+            return Ok(());
         };
         let back = GiveBack { key, limit, id, unspent: surplus.min(units), window: self.window };
         let returned = limiter.store().give_back(tag, back, now).await?;
         self.held -= returned;
         self.grant = None;
-        Ok(returned)
+        Ok(())
     }
 }
 

