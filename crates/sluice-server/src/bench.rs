@@ -354,7 +354,9 @@ fn rls_request(args: &Args, i: u64) -> RateLimitRequest {
 
 fn http_request(args: &Args, addr: &str, i: u64) -> Vec<u8> {
     match args.endpoint {
-        Endpoint::Readyz => format!("GET /readyz HTTP/1.1\r\nHost: {addr}\r\n\r\n").into_bytes(),
+        Endpoint::Readyz | Endpoint::Root => {
+            format!("GET {} HTTP/1.1\r\nHost: {addr}\r\n\r\n", args.endpoint.path()).into_bytes()
+        }
         Endpoint::Ratelimit => {
             let body = format!(
                 r#"{{"domain":"{}","descriptors":[{{"entries":[{{"key":"{}","value":"client-{}"}}]}}]}}"#,
@@ -545,6 +547,10 @@ pub enum Endpoint {
     /// serves decisions; the ceiling. (`/healthz` is answered at the front door, one
     /// request per connection, as probes come.)
     Readyz,
+    /// `GET /`: a proxy in front of an upstream, such as Envoy with its rate limit
+    /// filter (`scripts/bench-envoy`); give `--metrics` the address of Sluice's HTTP
+    /// listener to read Sluice's CPU per request.
+    Root,
 }
 
 impl Endpoint {
@@ -552,6 +558,7 @@ impl Endpoint {
         match self {
             Endpoint::Ratelimit => "/v1/ratelimit",
             Endpoint::Readyz => "/readyz",
+            Endpoint::Root => "/",
         }
     }
 }
