@@ -531,6 +531,16 @@ impl RedisSentinels {
         })
     }
 
+    /// The port of the primary every Sentinel names, when they all name the same one.
+    pub fn agreed_primary_port(&self) -> Option<u16> {
+        let named: Vec<Option<u16>> = self
+            .sentinels
+            .iter()
+            .map(|s| s.cli(&["SENTINEL", "GET-MASTER-ADDR-BY-NAME", Self::MASTER]).lines().nth(1)?.trim().parse().ok())
+            .collect();
+        named.iter().all(|p| *p == named[0]).then_some(named[0]).flatten()
+    }
+
     /// The server (primary or replica) on `port`.
     pub fn server(&self, port: u16) -> Option<&RedisServer> {
         std::iter::once(&self.primary).chain(&self.replicas).find(|r| r.port() == port)
