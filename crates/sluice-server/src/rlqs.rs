@@ -6,7 +6,8 @@
 //! Each stream is one Envoy; the filter's `domain` names the Sluice domain, and each
 //! bucket id (a map) the entries of a descriptor, arranged to walk the domain's rules
 //! (`Limiter::quota_target`). Each bucket's share is a [`sluice::quota::Share`]: on every
-//! report, and when its window restarts, the share takes what its next assignment may
+//! report, when its window restarts, and when the window's last piece is sent again to
+//! last to the window's end ([`Share::due`]), the share takes what its next assignment may
 //! admit from the shared window as a grant, then the assignment is sent. A bucket that
 //! matches no limit is sent nothing (the filter's `no_assignment_behavior` stands; the
 //! reason is logged once); one whose rule went away by a reload is sent an
@@ -136,7 +137,7 @@ impl Stream {
     ) {
         let failures = sluice::time::Throttle::default();
         loop {
-            let wake = self.next_window();
+            let wake = self.next_due();
             let sleep = tokio::time::sleep(wake);
             let actions = tokio::select! {
                 message = inbound.message() => match message {
@@ -164,11 +165,12 @@ impl Stream {
         self.close();
     }
 
-    /// Until the earliest window of a bucket restarts (a minute when none is held).
-    fn next_window(&self) -> std::time::Duration {
+    /// Until a bucket's share is due to tick without a report (a minute when none is):
+    /// its window's last piece sent again, or its window restarted.
+    fn next_due(&self) -> std::time::Duration {
         let now = self.engine_now();
-        let next = self.buckets.values().map(|b| b.share.window).filter(|&w| w > 0).min();
-        // a little past the end, so the store sees the window over
+        let next = self.buckets.values().map(|b| b.share.due()).filter(|&w| w > 0).min();
+        // a little past it, so the store sees a window over
         let ms = next.map_or(60_000, |w| w.saturating_sub(now) + 5);
         std::time::Duration::from_millis(ms)
     }
@@ -230,13 +232,14 @@ impl Stream {
         Ok(self.tick(&keys, failures).await)
     }
 
-    /// The buckets whose window is over, brought into the next one.
+    /// The buckets due ([`Share::due`]): their window's last piece sent again, or their
+    /// window over and the bucket brought into the next one.
     async fn tick_due(&mut self, failures: &sluice::time::Throttle) -> Vec<BucketAction> {
         let now = self.engine_now();
         let due: Vec<_> = self
             .buckets
             .iter()
-            .filter(|(_, b)| b.share.window > 0 && b.share.window <= now)
+            .filter(|(_, b)| b.share.due() > 0 && b.share.due() <= now)
             .map(|(k, _)| k.clone())
             .collect();
         self.tick(&due, failures).await

@@ -20,11 +20,14 @@
 //!   `committed <= held`, taking the difference as a grant, and sends a smaller share (or
 //!   DENY_ALL) when the store has less left.
 //! - a piece never outlives the window: its TTL ends [`MARGIN`] before the window does,
-//!   and the next window's assignment is sent when it starts.
+//!   and the next window's assignment is sent when it starts. A TTL is whole seconds,
+//!   so the window's last piece is sent again when the window's end is a whole number
+//!   of seconds away ([`Share::due`]), to last to it.
 //!
 //! Shares follow demand: a bucket reported busy gets what it asked for plus a quarter,
-//! at most a fair part (one of the window's open grants) of the pace at which what is
-//! left of the window can be spent by its end; an idle one drifts to [`FLOOR`].
+//! at most a fair part of the pace at which the window can be spent by its end (a part,
+//! one of the window's open grants, of what the store has left, and what the share
+//! itself holds for the time left); an idle one drifts to [`FLOOR`].
 
 use crate::Limiter;
 use crate::algo::Limit;
@@ -52,6 +55,10 @@ pub const OUTLIVE: Millis = 2_000;
 
 /// The report interval assumed until one is measured (Envoy reports every 5 s).
 pub const REPORT_INTERVAL: Millis = 5_000;
+
+/// How long before its window ends a piece cut short by the window's end is sent again
+/// to last to it ([`Share::due`]): room for the timer and the store call before it.
+pub const SLOP: Millis = 50;
 
 /// The least rate offered a bucket that is still reported: one request a second.
 pub const FLOOR: u64 = 1;
@@ -116,6 +123,11 @@ impl Piece {
         self.depth + (self.rate * self.until.saturating_sub(self.start)).div_ceil(1_000)
     }
 
+    /// The piece replaced by one sent `now`: it admits only until that arrives.
+    fn ending(&self, now: Millis) -> Piece {
+        Piece { until: self.until.min(now + MARGIN), expires: self.expires.min(now), ..*self }
+    }
+
     /// Whether the Envoy surely still holds it when an assignment sent `now` arrives.
     fn alive(&self, now: Millis) -> bool {
         self.expires > now + MARGIN
@@ -123,12 +135,13 @@ impl Piece {
 }
 
 /// The rate to offer: the demand reported plus a quarter (and one), at most a fair part
-/// of the pace at which `remaining` can be spent in `time_left` ms by `holders`, at
-/// least [`FLOOR`]. Without a report yet, the fair part. Also whether the demand, not the
-/// fair part, set it.
-pub fn rate_for(demand: Option<f64>, remaining: u64, time_left: Millis, holders: u64) -> (u64, bool) {
-    let pace = remaining as f64 * 1_000.0 / time_left.max(FILL) as f64;
-    let fair = (pace / holders.max(1) as f64).ceil() as u64;
+/// of the pace at which the window can be spent in `time_left` ms: a `holders`th of what
+/// the store has `remaining`, and the units the share holds for the time left (`own`).
+/// At least [`FLOOR`]. Without a report yet, the fair part. Also whether the demand,
+/// not the fair part, set it.
+pub fn rate_for(demand: Option<f64>, remaining: u64, own: u64, time_left: Millis, holders: u64) -> (u64, bool) {
+    let units = remaining as f64 / holders.max(1) as f64 + own as f64;
+    let fair = (units * 1_000.0 / time_left.max(FILL) as f64).ceil() as u64;
     let wanted = demand.map_or(u64::MAX, |d| (d * 1.25).ceil() as u64 + 1);
     (wanted.min(fair).clamp(FLOOR, u64::from(u32::MAX)), wanted < fair)
 }
@@ -191,6 +204,10 @@ pub struct Share {
     /// The assignment last sent, and when.
     pub assignment: Option<Assignment>,
     pub sent: Millis,
+    /// When to send the piece in force again so that it lasts to the window's end (0:
+    /// no need).
+    #[serde(skip)]
+    top_up: Millis,
 }
 
 impl Share {
@@ -212,8 +229,7 @@ impl Share {
     /// arrives.
     fn truncate(&mut self, now: Millis) {
         if let Some(p) = self.pieces.last_mut().filter(|p| p.until > now) {
-            p.until = now + MARGIN;
-            p.expires = p.expires.min(now);
+            *p = p.ending(now);
         }
     }
 
@@ -241,6 +257,30 @@ impl Share {
         (if self.interval == 0 { REPORT_INTERVAL } else { self.interval }) + OUTLIVE
     }
 
+    /// When the share should tick without a report (0: never): to send the window's last
+    /// piece again, or when its window ends, for the next window's.
+    ///
+    /// A TTL is whole seconds, so a piece cut by the window's end lapses up to a second
+    /// before the window does, and what the window has left for that second would not
+    /// be admitted. Sent again when the window's end is a whole number of seconds (and
+    /// [`SLOP`]) away, the same settings keep the Envoy's bucket and last to the end.
+    pub fn due(&self) -> Millis {
+        match self.top_up {
+            0 => self.window,
+            t => t.min(self.window),
+        }
+    }
+
+    /// Sets when to send the piece in force again, near the window's end `cap`: from
+    /// then, a whole number of seconds lasts to [`SLOP`] before it.
+    fn schedule_top_up(&mut self, now: Millis, cap: Millis) {
+        let to_end = cap.saturating_sub(now + SLOP);
+        let in_force = self.pieces.last().filter(|p| p.alive(now)).map_or(0, |p| p.expires);
+        if to_end >= 1_000 && cap - SLOP > in_force + SLOP {
+            self.top_up = now + to_end % 1_000;
+        }
+    }
+
     /// Allows everything (an `unlimited` rule, a shadow-mode policy): no grant is held.
     pub fn allow_all(&mut self, now: Millis) -> Assignment {
         let a = Assignment::AllowAll { ttl: self.ttl_wanted() / 1_000 };
@@ -252,6 +292,7 @@ impl Share {
     /// the store, and says what to send.
     pub async fn tick(&mut self, limiter: &Limiter, target: &QuotaTarget, now: Millis) -> Result<Tick, StoreError> {
         let mut tick = Tick::default();
+        self.top_up = 0;
         if target.shadow {
             tick.assignment = Some(self.allow_all(now));
             return Ok(tick);
@@ -263,7 +304,9 @@ impl Share {
         self.catch_up(limiter, target, now, &mut tick).await?;
         let cap = self.window.saturating_sub(MARGIN);
         let ttl = ((now + ttl_wanted).min(cap).saturating_sub(now)) / 1_000;
-        if ttl == 0 {
+        let in_force = self.pieces.last().filter(|p| p.alive(now)).map_or(0, |p| p.expires);
+        if ttl == 0 || in_force >= now + ttl * 1_000 {
+            // the window's end leaves no piece longer than the one in force
             return Ok(tick);
         }
         let by_demand = self.plan(now, ttl, cap);
@@ -284,6 +327,9 @@ impl Share {
         }
         tick.assignment = Some(self.fit(now, ttl));
         (self.assignment, self.sent) = (tick.assignment, now);
+        if now + ttl_wanted > cap {
+            self.schedule_top_up(now, cap);
+        }
         if by_demand && self.grant.is_some() {
             // a share its demand sets is no holder of the window: closing its grant
             // leaves the fair parts to the shares that want more (and gives back what
@@ -327,10 +373,12 @@ impl Share {
     /// piece in force. Returns whether the demand, not a fair part, set the rate.
     fn plan(&mut self, now: Millis, ttl: u64, cap: Millis) -> bool {
         let (expires, until) = (now + ttl * 1_000, now + ttl * 1_000 + MARGIN);
-        let spare = self.held.saturating_sub(self.committed());
-        let holders = self.holders + u64::from(self.grant.is_none());
-        let (mut rate, by_demand) = rate_for(self.demand, self.remaining + spare, cap.saturating_sub(now), holders);
         let last = self.pieces.last().copied().filter(|p| p.alive(now));
+        // the units held and not committed, and what the piece in force commits past the
+        // moment a new one would replace it
+        let own = self.held.saturating_sub(self.committed()) + last.map_or(0, |p| p.bound() - p.ending(now).bound());
+        let holders = self.holders + u64::from(self.grant.is_none());
+        let (mut rate, by_demand) = rate_for(self.demand, self.remaining, own, cap.saturating_sub(now), holders);
         if let Some(p) = last.filter(|p| p.rate.abs_diff(rate) * 5 <= p.rate) {
             rate = p.rate;
         }
@@ -423,13 +471,15 @@ mod tests {
     #[test]
     fn the_rate_follows_demand_within_a_fair_part_of_the_pace() {
         // 600 left over 60 s by 2 holders: 5 a second each
-        assert_eq!(rate_for(None, 600, 60_000, 2), (5, false));
-        assert_eq!(rate_for(Some(100.0), 600, 60_000, 2), (5, false));
+        assert_eq!(rate_for(None, 600, 0, 60_000, 2), (5, false));
+        assert_eq!(rate_for(Some(100.0), 600, 0, 60_000, 2), (5, false));
+        // and what a share holds for the time left is its own: 300 / 2 + 150 over 60 s
+        assert_eq!(rate_for(None, 300, 150, 60_000, 2), (5, false));
         // a quiet Envoy gets its demand and a quarter, plus one
-        assert_eq!(rate_for(Some(2.0), 600, 60_000, 2), (4, true));
+        assert_eq!(rate_for(Some(2.0), 600, 0, 60_000, 2), (4, true));
         // an idle one the floor, and so does one when nothing is left
-        assert_eq!(rate_for(Some(0.0), 600, 60_000, 1), (1, true));
-        assert_eq!(rate_for(Some(50.0), 0, 60_000, 1), (FLOOR, false));
+        assert_eq!(rate_for(Some(0.0), 600, 0, 60_000, 1), (1, true));
+        assert_eq!(rate_for(Some(50.0), 0, 0, 60_000, 1), (FLOOR, false));
     }
 
     #[test]
