@@ -305,8 +305,12 @@ impl Share {
         let cap = self.window.saturating_sub(MARGIN);
         let ttl = ((now + ttl_wanted).min(cap).saturating_sub(now)) / 1_000;
         let in_force = self.pieces.last().filter(|p| p.alive(now)).map_or(0, |p| p.expires);
+        let near_end = now + ttl_wanted > cap;
         if ttl == 0 || in_force >= now + ttl * 1_000 {
-            // the window's end leaves no piece longer than the one in force
+            // the window's end leaves no piece longer than the one in force (for now)
+            if near_end {
+                self.schedule_top_up(now, cap);
+            }
             return Ok(tick);
         }
         let by_demand = self.plan(now, ttl, cap);
@@ -327,7 +331,7 @@ impl Share {
         }
         tick.assignment = Some(self.fit(now, ttl));
         (self.assignment, self.sent) = (tick.assignment, now);
-        if now + ttl_wanted > cap {
+        if near_end {
             self.schedule_top_up(now, cap);
         }
         if by_demand && self.grant.is_some() {

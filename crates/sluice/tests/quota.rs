@@ -49,7 +49,6 @@ async fn the_windows_last_piece_is_sent_again_to_last_to_its_end() {
     let pieces = share.pieces.len();
     let top_up = share.due();
     assert_eq!(top_up, end - MARGIN - 3_000 - SLOP, "sent again when a whole 3 s and SLOP are left");
-
     // then, the same settings (the Envoy keeps its bucket) for 3 s more from then
     clock.set(top_up);
     let tick = share.tick(&limiter, &target(&limiter), top_up).await.unwrap();
@@ -65,4 +64,28 @@ async fn the_windows_last_piece_is_sent_again_to_last_to_its_end() {
     clock.set(end - 1_500);
     assert_eq!(report(&mut share, &limiter, 50).await, None, "a shorter piece is not sent");
     assert_eq!(*share.pieces.last().unwrap(), last, "the piece in force stands");
+}
+
+#[tokio::test]
+async fn a_report_that_cannot_send_a_longer_piece_leaves_it_due_again() {
+    let clock = ManualClock::new(sluice::store::conformance::t0());
+    let limiter = limiter(&clock);
+    let mut share = Share::default();
+    report(&mut share, &limiter, 0).await;
+    let end = share.window;
+    clock.set(end - 3_700);
+    report(&mut share, &limiter, 50).await;
+    let in_force = share.pieces.last().unwrap().expires;
+    assert_eq!(in_force, end - 700);
+    // its tick to send it again did not come (late, or the store failed); a report 2.8 s
+    // before the end could send 2 s, which lapse sooner than the piece in force
+    clock.set(end - 2_800);
+    assert_eq!(report(&mut share, &limiter, 50).await, None, "a shorter piece is not sent");
+    assert_eq!(share.pieces.last().unwrap().expires, in_force, "the piece in force stands");
+    let due = share.due();
+    assert_eq!(due, end - MARGIN - 2_000 - SLOP, "and is due again when 2 s and SLOP are left");
+    clock.set(due);
+    let tick = share.tick(&limiter, &target(&limiter), due).await.unwrap();
+    assert!(matches!(tick.assignment, Some(Assignment::TokenBucket { ttl: 2, .. })), "{tick:?}");
+    assert_eq!(share.pieces.last().unwrap().expires, end - MARGIN - SLOP);
 }
