@@ -288,11 +288,7 @@ impl Stream {
                 }
             };
             let Some(assignment) = assignment else { continue };
-            let kind = match assignment {
-                Assignment::TokenBucket { .. } => "token_bucket",
-                Assignment::DenyAll { .. } => "deny_all",
-                Assignment::AllowAll { .. } => "allow_all",
-            };
+            let kind = assignment.kind();
             metrics::counter!(names::ASSIGNMENTS, "domain" => domain.clone(), "action" => kind).increment(1);
             actions.push(action(bucket.id.clone(), assignment));
         }

@@ -428,14 +428,12 @@ impl Limiter {
         let order = d.arrange(entries).ok_or(QuotaError::NoRule)?;
         let req = Request::new(domain).descriptor(order.iter().map(|&i| entries[i]));
         let now = self.clock.now();
-        let Plan { descriptors, groups, .. } =
-            plan(&self.rules, &self.overrides.current(), &req, Mode::Peek, None, now)?;
-        let mut ops = groups.iter().flat_map(|g| g.ops.iter().zip(&g.slots).map(move |(op, slot)| (g.tag, op, slot)));
-        let Some((tag, op, &(di, pi))) = ops.next() else { return Err(QuotaError::Unlimited) };
+        let Plan { groups, .. } = plan(&self.rules, &self.overrides.current(), &req, Mode::Peek, None, now)?;
+        let mut ops = groups.iter().flat_map(|g| g.ops.iter().map(move |op| (g.tag, op)));
+        let Some((tag, op)) = ops.next() else { return Err(QuotaError::Unlimited) };
         if ops.next().is_some() {
             return Err(QuotaError::NotOneFixedWindow("it has more than one limit".into()));
         }
-        let policy = descriptors[di].policies[pi].name.clone();
         match op.limit {
             Limit::FixedWindow { window, .. } if window >= quota::MIN_WINDOW => {}
             Limit::FixedWindow { .. } => {
@@ -447,7 +445,7 @@ impl Limiter {
             other => return Err(QuotaError::NotOneFixedWindow(format!("its limit is a {}", other.algorithm()))),
         }
         let generation = self.overrides.generation();
-        Ok(QuotaTarget { tag, key: op.key, limit: op.limit, policy, shadow: op.shadow, generation })
+        Ok(QuotaTarget { tag, key: op.key, limit: op.limit, shadow: op.shadow, generation })
     }
 
     /// Plans a request, evaluates every group, and makes the verdict.

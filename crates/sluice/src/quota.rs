@@ -36,7 +36,6 @@ use crate::request::RequestError;
 use crate::store::{GiveBack, GrantAsk, StoreError};
 use crate::tag::Tag;
 use crate::time::Millis;
-use std::sync::Arc;
 
 /// The shortest window shared: shorter than a report interval and the time an
 /// assignment outlives it, an assignment could not fit in one.
@@ -72,7 +71,6 @@ pub struct QuotaTarget {
     pub tag: Tag,
     pub key: u64,
     pub limit: Limit,
-    pub policy: Arc<str>,
     /// A shadow-mode policy: the bucket is allowed everything.
     pub shadow: bool,
     /// The overrides' generation when resolved (it moves on a reset anywhere).
@@ -104,6 +102,17 @@ pub enum Assignment {
     DenyAll { ttl: u64 },
     /// Allow every request for `ttl` seconds (an unlimited rule, a shadow-mode policy).
     AllowAll { ttl: u64 },
+}
+
+impl Assignment {
+    /// Its kind, as the admin view and the metrics name it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Assignment::TokenBucket { .. } => "token_bucket",
+            Assignment::DenyAll { .. } => "deny_all",
+            Assignment::AllowAll { .. } => "allow_all",
+        }
+    }
 }
 
 /// One token bucket as an Envoy holds it: sent at `start`, lapsing at `expires` at the
@@ -225,6 +234,11 @@ impl Share {
         self.pieces.iter().map(Piece::bound).sum()
     }
 
+    /// The last piece, if the Envoy surely still holds it when what is sent `now` arrives.
+    fn in_force(&self, now: Millis) -> Option<Piece> {
+        self.pieces.last().copied().filter(|p| p.alive(now))
+    }
+
     /// Ends the piece in force: replaced by what is sent `now`, it admits only until that
     /// arrives.
     fn truncate(&mut self, now: Millis) {
@@ -275,7 +289,7 @@ impl Share {
     /// then, a whole number of seconds lasts to [`SLOP`] before it.
     fn schedule_top_up(&mut self, now: Millis, cap: Millis) {
         let to_end = cap.saturating_sub(now + SLOP);
-        let in_force = self.pieces.last().filter(|p| p.alive(now)).map_or(0, |p| p.expires);
+        let in_force = self.in_force(now).map_or(0, |p| p.expires);
         if to_end >= 1_000 && cap - SLOP > in_force + SLOP {
             self.top_up = now + to_end % 1_000;
         }
@@ -304,7 +318,7 @@ impl Share {
         self.catch_up(limiter, target, now, &mut tick).await?;
         let cap = self.window.saturating_sub(MARGIN);
         let ttl = ((now + ttl_wanted).min(cap).saturating_sub(now)) / 1_000;
-        let in_force = self.pieces.last().filter(|p| p.alive(now)).map_or(0, |p| p.expires);
+        let in_force = self.in_force(now).map_or(0, |p| p.expires);
         let near_end = now + ttl_wanted > cap;
         if ttl == 0 || in_force >= now + ttl * 1_000 {
             // the window's end leaves no piece longer than the one in force (for now)
@@ -377,7 +391,7 @@ impl Share {
     /// piece in force. Returns whether the demand, not a fair part, set the rate.
     fn plan(&mut self, now: Millis, ttl: u64, cap: Millis) -> bool {
         let (expires, until) = (now + ttl * 1_000, now + ttl * 1_000 + MARGIN);
-        let last = self.pieces.last().copied().filter(|p| p.alive(now));
+        let last = self.in_force(now);
         // the units held and not committed, and what the piece in force commits past the
         // moment a new one would replace it
         let own = self.held.saturating_sub(self.committed()) + last.map_or(0, |p| p.bound() - p.ending(now).bound());
