@@ -15,7 +15,7 @@ local grace = int(ARGV[1])
 local reply, out = {}, 0
 
 -- What pass 1 found for op i of the call being applied (reused by every call).
-local P, LX, LY, LZ, X, Y, Z, NX, NY, NZ, D = {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
+local P, LX, LY, LZ, LE, X, Y, Z, NX, NY, NZ, D = {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}
 
 -- One call: `n` ops whose keys follow KEYS[k] and values ARGV[a]; appends its decisions.
 local function apply(k, a, n, now)
@@ -24,14 +24,14 @@ local function apply(k, a, n, now)
   for i = 1, n do
     local p, key, arg = policy(ARGV[a + 3 * i - 2]), KEYS[k + i], ARGV[a + 3 * i]
     local kind, p1, p2, p3 = p[1], p[2], p[3], p[4]
-    local lx, ly, lz = load(kind, key, arg, p2, now)
+    local lx, ly, lz, le = load(kind, key, arg, p2, now)
     local x, y, z = normalize(kind, lx, ly, lz, p1, p2, p3, now)
     local held = kind == CONCURRENCY and concurrency_held(key, arg, p2, now)
     local d = 6 * i
     D[d - 5], D[d - 4], D[d - 3], D[d - 2], D[d - 1], D[d], NX[i], NY[i], NZ[i] =
       charge(kind, x, y, z, p1, p2, p3, int(ARGV[a + 3 * i - 1]), arg, held, now)
     if D[d - 5] == 0 and not p[5] then refused = true end
-    P[i], LX[i], LY[i], LZ[i], X[i], Y[i], Z[i] = p, lx, ly, lz, x, y, z
+    P[i], LX[i], LY[i], LZ[i], LE[i], X[i], Y[i], Z[i] = p, lx, ly, lz, le, x, y, z
   end
   -- pass 2: keep the charges, or report the uncharged state; write back
   for i = 1, n do
@@ -45,7 +45,7 @@ local function apply(k, a, n, now)
     elseif NX[i] ~= nil then
       D[d - 5], D[d - 4], D[d - 3], D[d - 2], D[d - 1], D[d] = charge(kind, x, y, z, p1, p2, p3, 0, '', false, now)
     end
-    store(kind, key, arg, x, y, z, p1, p2, p3, now, grace, LX[i], LY[i], LZ[i], add)
+    store(kind, key, arg, x, y, z, p1, p2, p3, now, grace, LX[i], LY[i], LZ[i], LE[i], add)
     for j = d - 5, d do
       out = out + 1
       reply[out] = D[j]

@@ -12,7 +12,7 @@ local kind, p1, p2, p3 = p[1], p[2], p[3], p[4]
 local key, field, need, want, id = KEYS[1], ARGV[4], int(ARGV[5]), int(ARGV[6]), ARGV[7]
 local closing = {}
 for i = 8, #ARGV do closing[ARGV[i]] = true end
-local lx, ly = load(kind, key, field, p2, now)
+local lx, ly, _, le = load(kind, key, field, p2, now)
 local x, y, open, skew = granted_normalize(kind, lx, ly, book_load(key, field), closing, p1, p2, p3, now)
 local n = #open / 3
 local units, expires = 0, y
@@ -30,7 +30,7 @@ if units > 0 then
   open[#open + 1] = expires
   if kind == FIXED_WINDOW then x = x + units else x = x - units * p2 end
 end
-store(kind, key, field, x, y, nil, p1, p2, p3, now, grace, lx, ly, nil, nil)
+store(kind, key, field, x, y, nil, p1, p2, p3, now, grace, lx, ly, nil, le, nil)
 book_store(key, field, open, skew, grace)
 local a, l, used, rem, reset, retry = charge(kind, x, y, nil, p1, p2, p3, 0, '', false, now)
 return {units, a, l, used, rem, reset, retry, #open / 3}

@@ -14,7 +14,7 @@ for i = 1, #KEYS do
   local p = policy(ARGV[b + 1])
   local kind, p1, p2, p3 = p[1], p[2], p[3], p[4]
   local cost, window, field = int(ARGV[b + 2]), int(ARGV[b + 3]), ARGV[b + 4]
-  local lx, ly, lz = load(kind, KEYS[i], field, p2, now)
+  local lx, ly, lz, le = load(kind, KEYS[i], field, p2, now)
   if lx ~= nil and kind ~= CONCURRENCY then
     local nx, ny, nz
     local open = kind == TOKEN_BUCKET and book_load(KEYS[i], field) or {}
@@ -28,7 +28,7 @@ for i = 1, #KEYS do
       nx, ny, nz = refund(kind, x, y, z, p1, p2, p3, cost, window)
     end
     if nx ~= nil then
-      store(kind, KEYS[i], field, nx, ny, nz, p1, p2, p3, now, grace, lx, ly, lz, nil)
+      store(kind, KEYS[i], field, nx, ny, nz, p1, p2, p3, now, grace, lx, ly, lz, le, nil)
       changed = changed + 1
     end
   end
