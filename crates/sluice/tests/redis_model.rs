@@ -63,20 +63,44 @@ fn decide_alike(rt: &tokio::runtime::Runtime, store: &RedisStore) {
 /// would: random rounds of concurrent calls (several clients, all algorithms, shadow
 /// ops, leases) go through a batching store on one Redis and one by one through
 /// another, under one clock; every decision and every stored byte (fields, sorted sets,
-/// expiry times) must match.
+/// expiry times) must match. Run with the calls made on the runtime that started the
+/// store, and on another thread's single-threaded runtime (as the gRPC threads make
+/// them), whose calls are queued and batched on that thread.
 #[test]
 fn a_batch_decides_and_stores_as_calls_one_by_one() {
+    batches_decide_as_calls_one_by_one(false);
+}
+
+#[test]
+fn a_batch_of_another_threads_calls_decides_and_stores_as_calls_one_by_one() {
+    batches_decide_as_calls_one_by_one(true);
+}
+
+/// A multi-threaded runtime, and a store on `url` started on one of its threads: calls
+/// made elsewhere on a single-threaded runtime are another thread's.
+fn store_on_another_thread(url: &str, options: RedisOptions) -> (tokio::runtime::Runtime, RedisStore) {
+    let home = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let url = url.to_string();
+    let store = home.block_on(home.spawn(async move { RedisStore::new(&url, &[], options).unwrap() })).unwrap();
+    (home, store)
+}
+
+fn batches_decide_as_calls_one_by_one(on_another_thread: bool) {
     let (a, b) = (RedisServer::start(), RedisServer::start());
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let (batched, alone) = rt.block_on(async {
-        let options = RedisOptions { buckets: 4, ..RedisOptions::default() };
-        let batched = RedisStore::new(&a.url(), &[], options.clone()).unwrap();
-        (batched, RedisStore::new(&b.url(), &[], options).unwrap().one_by_one())
-    });
+    let options = RedisOptions { buckets: 4, ..RedisOptions::default() };
+    let (_home, batched) = match on_another_thread {
+        true => {
+            let (home, store) = store_on_another_thread(&a.url(), options.clone());
+            (Some(home), store)
+        }
+        false => (None, rt.block_on(async { RedisStore::new(&a.url(), &[], options.clone()).unwrap() })),
+    };
+    let alone = rt.block_on(async { RedisStore::new(&b.url(), &[], options).unwrap().one_by_one() });
     let ops = prop::collection::btree_map(0..LIMITS.len() as u64, (0u64..4, prop::bool::weighted(0.2), 0u128..4), 1..4)
         .prop_map(|m| m.into_iter().map(|(k, (c, s, l))| op_on(k, c, s, l)).collect::<Vec<Op>>());
     let round = (prop_oneof![Just(0u64), 0u64..50, 0u64..2_500], prop::collection::vec((0u128..5, ops), 1..12));
-    let mut runner = TestRunner::new(Config { cases: 64, ..Config::default() });
+    let mut runner = TestRunner::new(Config { cases: 32, ..Config::default() });
     runner
         .run(&prop::collection::vec(round, 1..20), |rounds| {
             for r in [&a, &b] {
@@ -106,6 +130,51 @@ fn a_batch_decides_and_stores_as_calls_one_by_one() {
             Ok(())
         })
         .unwrap();
+}
+
+/// Another thread's queue has a task on that thread, which ends when the store is
+/// dropped: then no task holds the store's connection, and it closes.
+#[test]
+fn another_threads_queue_ends_with_the_store() {
+    let redis = RedisServer::start();
+    let (home, store) = store_on_another_thread(&redis.url(), RedisOptions::default());
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let tag = sluice::tag::Tag(7);
+    let op = op_on(0, 1, false, 0);
+    let calls = 16;
+    let script_calls = redis.script_calls();
+    let answers = rt.block_on(futures_util::future::join_all(
+        (0..calls).map(|_| store.apply(tag, std::slice::from_ref(&op), conformance::t0())),
+    ));
+    let used: Vec<u64> = answers.iter().map(|a| a.as_ref().expect("decided")[0].used).collect();
+    let cap = LIMITS[0].capacity();
+    assert_eq!(used, (1..=calls).map(|n| n.min(cap)).collect::<Vec<u64>>(), "decided one after another, in order");
+    assert!(redis.script_calls() - script_calls < calls, "batched on this thread");
+    assert!(connections_to(redis.port()) > 0, "the store is connected");
+    drop(store);
+    // the task notices when this thread's runtime next runs; the connection then closes
+    rt.block_on(async {
+        for _ in 0..100 {
+            if connections_to(redis.port()) == 0 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        panic!("the store's connection is still open");
+    });
+    drop(home);
+}
+
+/// Connections open to `port` on 127.0.0.1 (client sides, established), from
+/// /proc/net/tcp: those of the store (a command of the test harness closes its own
+/// before it returns).
+fn connections_to(port: u16) -> usize {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp (Linux)");
+    let remote = format!("0100007F:{port:04X}");
+    tcp.lines()
+        .skip(1)
+        .filter(|l| l.split_whitespace().nth(2) == Some(remote.as_str()) && l.split_whitespace().nth(3) == Some("01"))
+        .count()
 }
 
 /// Every key of a Redis server with its value and absolute expiry, sorted.
