@@ -236,12 +236,8 @@ impl Stream {
     /// window over and the bucket brought into the next one.
     async fn tick_due(&mut self, failures: &sluice::time::Throttle) -> Vec<BucketAction> {
         let now = self.engine_now();
-        let due: Vec<_> = self
-            .buckets
-            .iter()
-            .filter(|(_, b)| b.share.due() > 0 && b.share.due() <= now)
-            .map(|(k, _)| k.clone())
-            .collect();
+        let due: Vec<_> =
+            self.buckets.iter().filter(|(_, b)| (1..=now).contains(&b.share.due())).map(|(k, _)| k.clone()).collect();
         self.tick(&due, failures).await
     }
 

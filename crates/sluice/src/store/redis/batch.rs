@@ -56,8 +56,7 @@ pub(super) struct Batcher {
     /// The thread that started the store.
     home: std::thread::ThreadId,
     /// Dropped with the store: ends the tasks of other threads' queues.
-    _alive: watch::Sender<()>,
-    alive: watch::Receiver<()>,
+    alive: watch::Sender<()>,
 }
 
 thread_local! {
@@ -72,15 +71,13 @@ impl Batcher {
     pub fn start(writer: Arc<Writer>) -> Option<Self> {
         tokio::runtime::Handle::try_current().ok()?;
         let (queue, calls) = mpsc::unbounded_channel();
-        let (alive_tx, alive) = watch::channel(());
         tokio::spawn(drain(writer.clone(), calls, None));
         Some(Self {
             queue,
             writer,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             home: std::thread::current().id(),
-            _alive: alive_tx,
-            alive,
+            alive: watch::Sender::new(()),
         })
     }
 
@@ -112,7 +109,7 @@ impl Batcher {
         }
         queues.retain(|(_, q)| !q.is_closed());
         let (queue, calls) = mpsc::unbounded_channel();
-        tokio::spawn(drain(self.writer.clone(), calls, Some(self.alive.clone())));
+        tokio::spawn(drain(self.writer.clone(), calls, Some(self.alive.subscribe())));
         queues.push((self.id, queue));
         &queues[queues.len() - 1].1
     }
