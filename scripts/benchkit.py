@@ -81,7 +81,24 @@ class Processes:
         self.wait(p, port)
         return port
 
-    def stop_all(self):
+    def sluice(self, binary, name, config, env=None):
+        """`binary serve` on `config` (YAML text; its `server.http` and `server.grpc` may
+        be port 0), once both listeners are bound: (process, HTTP "host:port", gRPC port),
+        read from its ready file."""
+        path, ready = os.path.join(self.tmp, name + ".yaml"), os.path.join(self.tmp, name + ".ready")
+        with open(path, "w") as f:
+            f.write(config)
+        p = self.spawn([binary, "serve", "--config", path, "--ready-file", ready], name, env)
+        while not (os.path.exists(ready) and open(ready).read().strip()):
+            if p.poll() is not None:
+                log = open(os.path.join(self.tmp, name + ".log")).read()
+                self.die("%s exited with %s before listening:\n%s" % (name, p.returncode, log))
+            time.sleep(0.05)
+        text = open(ready).read()
+        return p, re.search(r"http=(\S+)", text).group(1), int(re.search(r"grpc=\S+:(\d+)", text).group(1))
+
+    def stop(self):
+        """Stops every process started so far (the directory stays)."""
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.terminate()
@@ -90,6 +107,10 @@ class Processes:
                 except subprocess.TimeoutExpired:
                     p.kill()
         self.procs.clear()
+
+    def stop_all(self):
+        """Stops every process and removes the directory."""
+        self.stop()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def die(self, msg):
