@@ -90,10 +90,12 @@ impl RequestJson {
     }
 }
 
+/// The response to a decision. It borrows the verdict's names: a response is written
+/// once, right after it is made.
 #[derive(Debug, Serialize)]
-pub struct ResponseJson {
-    pub overall_code: String,
-    pub statuses: Vec<StatusJson>,
+pub struct ResponseJson<'a> {
+    pub overall_code: &'static str,
+    pub statuses: Vec<StatusJson<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_id: Option<String>,
     /// `fail-open` or `fail-closed` when the store could not answer and the failure
@@ -102,30 +104,30 @@ pub struct ResponseJson {
     pub degraded: Option<&'static str>,
     /// Policies in shadow mode that would have refused this request.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub shadow_denials: Vec<String>,
+    pub shadow_denials: Vec<&'a str>,
 }
 
 #[derive(Debug, Serialize)]
-pub struct StatusJson {
-    pub code: String,
+pub struct StatusJson<'a> {
+    pub code: &'static str,
     /// Whether a rule (or a request `limit`) matched this descriptor. An unmatched
     /// descriptor is allowed, as Envoy's service allows it.
     pub matched: bool,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub unlimited: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub current_limit: Option<CurrentLimitJson>,
+    pub current_limit: Option<CurrentLimitJson<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub limit_remaining: Option<u64>,
     /// Protobuf's JSON duration, e.g. `"42s"`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub duration_until_reset: Option<String>,
-    pub policies: Vec<PolicyJson>,
+    pub policies: Vec<PolicyJson<'a>>,
 }
 
 #[derive(Debug, Serialize)]
-pub struct CurrentLimitJson {
-    pub name: String,
+pub struct CurrentLimitJson<'a> {
+    pub name: &'a str,
     pub requests_per_unit: u64,
     /// Envoy's unit when the period is exactly one; otherwise absent (see `period_ms`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -134,8 +136,8 @@ pub struct CurrentLimitJson {
 }
 
 #[derive(Debug, Serialize)]
-pub struct PolicyJson {
-    pub name: String,
+pub struct PolicyJson<'a> {
+    pub name: &'a str,
     pub algorithm: &'static str,
     pub allowed: bool,
     pub shadow: bool,
@@ -153,10 +155,10 @@ pub struct PolicyJson {
     pub source: &'static str,
 }
 
-fn policy_json(p: &PolicyDecision) -> PolicyJson {
+fn policy_json(p: &PolicyDecision) -> PolicyJson<'_> {
     let d = &p.decision;
     PolicyJson {
-        name: p.name.to_string(),
+        name: &p.name,
         algorithm: p.limit.algorithm(),
         allowed: d.allowed,
         shadow: p.shadow,
@@ -175,14 +177,14 @@ fn policy_json(p: &PolicyDecision) -> PolicyJson {
     }
 }
 
-fn status_json(d: &DescriptorVerdict, now: u64) -> StatusJson {
+fn status_json(d: &DescriptorVerdict, now: u64) -> StatusJson<'_> {
     let binding = d.binding().map(|i| &d.policies[i]);
     StatusJson {
-        code: d.code.to_string(),
+        code: d.code.as_str(),
         matched: d.matched,
         unlimited: d.unlimited,
         current_limit: binding.map(|p| CurrentLimitJson {
-            name: p.name.to_string(),
+            name: &p.name,
             requests_per_unit: p.limit.capacity(),
             unit: match p.limit {
                 Limit::FixedWindow { window, .. } => Unit::from_millis(window).map(Unit::envoy_name),
@@ -197,13 +199,13 @@ fn status_json(d: &DescriptorVerdict, now: u64) -> StatusJson {
 }
 
 /// The response body for a verdict.
-pub fn response_json(v: &Verdict) -> ResponseJson {
+pub fn response_json(v: &Verdict) -> ResponseJson<'_> {
     let overall = if v.allowed() { Code::Ok } else { Code::OverLimit };
     ResponseJson {
-        overall_code: overall.to_string(),
+        overall_code: overall.as_str(),
         statuses: v.descriptors.iter().map(|d| status_json(d, v.now)).collect(),
         lease_id: v.lease.as_ref().map(|l| l.to_string()),
         degraded: v.degraded.map(|f| f.header_value()),
-        shadow_denials: v.shadow_denials().map(|p| p.name.to_string()).collect(),
+        shadow_denials: v.shadow_denials().map(|p| &*p.name).collect(),
     }
 }

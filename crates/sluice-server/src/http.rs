@@ -103,15 +103,30 @@ pub(crate) async fn read_body(state: &AppState, headers: &HeaderMap, body: Body)
 /// the settings of the engine that decided, not whatever a reload has put in
 /// force since.
 fn verdict_response(engine: &Engine, v: &Verdict, status: StatusCode) -> Response {
-    let mut resp = (status, axum::Json(response_json(v))).into_response();
+    // written once into a buffer that holds a one-descriptor answer (a growing buffer
+    // copies what it holds at each step)
+    let mut body = Vec::with_capacity(RESPONSE_BYTES);
+    if let Err(e) = serde_json::to_writer(&mut body, &response_json(v)) {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "unwritable", format!("the answer could not be written: {e}"));
+    }
+    let rendered = headers::render(v, &engine.headers);
+    let mut resp = Response::new(Body::from(body));
+    *resp.status_mut() = status;
     let h = resp.headers_mut();
-    for (name, value) in headers::render(v, &engine.headers) {
-        if let Ok(value) = HeaderValue::from_str(&value) {
+    h.reserve(rendered.len() + 1);
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    for (name, value) in rendered {
+        // the rendered text becomes the header's bytes, uncopied
+        if let Ok(value) = HeaderValue::try_from(value) {
             h.insert(HeaderName::from_static(name), value);
         }
     }
     resp
 }
+
+/// Room for the JSON answer to a request of one descriptor with one policy (about 400
+/// bytes) and for longer names.
+const RESPONSE_BYTES: usize = 640;
 
 /// The HTTP status of a verdict: the API's one mapping of the engine's outcome.
 fn code(v: &Verdict) -> StatusCode {

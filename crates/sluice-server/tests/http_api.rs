@@ -30,6 +30,22 @@ async fn fifty_per_minute_with_one_stable_reset() {
             assert_eq!(r.status(), 200, "request {i}");
             assert_eq!(num(&r, "x-ratelimit-remaining"), 49 - i);
             assert_eq!(num(&r, "x-ratelimit-used"), i + 1);
+            if i == 0 {
+                // the answer's shape: its type, the codes and the rule's name where a
+                // client reads them
+                assert_eq!(header(&r, "content-type"), "application/json");
+                assert_eq!(header(&r, "x-ratelimit-resource"), "user");
+                let json: serde_json::Value = r.json().await.unwrap();
+                assert_eq!(json["overall_code"], "OK");
+                let status = &json["statuses"][0];
+                assert_eq!(status["code"], "OK");
+                assert_eq!(status["current_limit"]["name"], "user");
+                assert_eq!(status["current_limit"]["unit"], "MINUTE");
+                assert_eq!(status["duration_until_reset"].as_str().map(|d| d.ends_with('s')), Some(true));
+                assert_eq!(status["policies"][0]["name"], "user");
+                assert_eq!(status["policies"][0]["source"], "store");
+                assert!(json.get("shadow_denials").is_none(), "no shadow policy refused: {json}");
+            }
         } else {
             assert_eq!(r.status(), 429, "request {i}");
             assert_eq!(num(&r, "x-ratelimit-remaining"), 0, "a 429 says remaining 0");

@@ -34,12 +34,19 @@ pub enum Code {
     OverLimit,
 }
 
-impl fmt::Display for Code {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl Code {
+    /// Envoy's name for the code.
+    pub fn as_str(self) -> &'static str {
+        match self {
             Code::Ok => "OK",
             Code::OverLimit => "OVER_LIMIT",
-        })
+        }
+    }
+}
+
+impl fmt::Display for Code {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
