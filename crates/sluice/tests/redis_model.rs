@@ -240,3 +240,32 @@ fn a_failed_call_in_a_batch_answers_its_error_and_no_other() {
     let failed = answers[1].as_ref().expect_err("the call on a string fails");
     assert!(failed.to_string().contains("WRONGTYPE"), "{failed}");
 }
+
+/// A token bucket retuned by a reload (a new rate, the same state) and then asked at
+/// cost 0 writes back its refilled state with the expiry the new rate gives: the stored
+/// expiry text is reused only when it equals the new one. Redis then decides as the
+/// memory store does, which runs the pure algorithm.
+#[test]
+fn a_retuned_token_bucket_stores_the_expiry_its_new_rate_gives() {
+    use sluice::algo::Limit;
+    use sluice::store::MemoryStore;
+    use sluice::tag::Tag;
+    let redis = RedisServer::start();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let store = rt.block_on(async { RedisStore::new(&redis.url(), &[], RedisOptions::default()).unwrap() });
+    let memory = MemoryStore::new(1_000);
+    let (tag, t0) = (Tag(42), 1_800_000_000_000u64);
+    let bucket = |rate| Op {
+        key: 0,
+        limit: Limit::TokenBucket { rate, per: 1_000, burst: 10 },
+        cost: 0,
+        lease: None,
+        shadow: false,
+    };
+    let steps = [(Op { cost: 4, ..bucket(1) }, t0), (bucket(2), t0 + 300), (Op { cost: 1, ..bucket(2) }, t0 + 600)];
+    for (i, (op, now)) in steps.iter().enumerate() {
+        let (got, want) =
+            rt.block_on(async { (store.apply(tag, &[*op], *now).await, memory.apply(tag, &[*op], *now).await) });
+        assert_eq!(got.unwrap(), want.unwrap(), "step {i}: Redis and the model differ");
+    }
+}
