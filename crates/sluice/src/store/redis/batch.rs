@@ -55,7 +55,7 @@ pub(super) struct Batcher {
     id: u64,
     /// The thread that started the store.
     home: std::thread::ThreadId,
-    /// Dropped with the store: ends the tasks of other threads' queues.
+    /// Dropped with the store: ends the task of every queue.
     alive: watch::Sender<()>,
 }
 
@@ -69,15 +69,16 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 impl Batcher {
     /// Starts the node's task; None outside a Tokio runtime (calls then go one by one).
     pub fn start(writer: Arc<Writer>) -> Option<Self> {
-        tokio::runtime::Handle::try_current().ok()?;
+        Handle::try_current().ok()?;
         let (queue, calls) = mpsc::unbounded_channel();
-        tokio::spawn(drain(writer.clone(), calls, None));
+        let alive = watch::Sender::new(());
+        tokio::spawn(drain(writer.clone(), calls, alive.subscribe()));
         Some(Self {
             queue,
             writer,
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             home: std::thread::current().id(),
-            alive: watch::Sender::new(()),
+            alive,
         })
     }
 
@@ -109,27 +110,20 @@ impl Batcher {
         }
         queues.retain(|(_, q)| !q.is_closed());
         let (queue, calls) = mpsc::unbounded_channel();
-        tokio::spawn(drain(self.writer.clone(), calls, Some(self.alive.subscribe())));
+        tokio::spawn(drain(self.writer.clone(), calls, self.alive.subscribe()));
         queues.push((self.id, queue));
         &queues[queues.len() - 1].1
     }
 }
 
-/// Sends what is queued, at most [`IN_FLIGHT`] batches at a time, until the queue is
-/// dropped or, with `alive`, the store is.
-async fn drain(
-    writer: Arc<Writer>,
-    mut calls: mpsc::UnboundedReceiver<Pending>,
-    mut alive: Option<watch::Receiver<()>>,
-) {
+/// Sends what is queued, at most [`IN_FLIGHT`] batches at a time, until the store is
+/// dropped (`alive` then changes).
+async fn drain(writer: Arc<Writer>, mut calls: mpsc::UnboundedReceiver<Pending>, mut alive: watch::Receiver<()>) {
     let wire = Arc::new(Semaphore::new(IN_FLIGHT));
     loop {
-        let first = match &mut alive {
-            None => calls.recv().await,
-            Some(alive) => tokio::select! {
-                p = calls.recv() => p,
-                _ = alive.changed() => None,
-            },
+        let first = tokio::select! {
+            p = calls.recv() => p,
+            _ = alive.changed() => None,
         };
         let Some(first) = first else { return };
         let Ok(permit) = wire.clone().acquire_owned().await else { return };
