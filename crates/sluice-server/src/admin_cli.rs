@@ -123,7 +123,7 @@ fn entry(s: &str) -> Result<(String, String), String> {
 /// Why an admin command failed.
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
-    #[error("no admin token: set SLUICE_ADMIN_TOKEN or pass --token-file")]
+    #[error("no admin token: set SLUICE_ADMIN_TOKEN or pass --token-file (an empty one is no token)")]
     NoToken,
     #[error("cannot read --token-file {path}: {source}")]
     TokenFile { path: String, source: std::io::Error },
@@ -144,6 +144,9 @@ pub async fn run(args: Args) -> Result<(), AdminError> {
             .to_string(),
         None => std::env::var("SLUICE_ADMIN_TOKEN").map_err(|_| AdminError::NoToken)?,
     };
+    if token.trim().is_empty() {
+        return Err(AdminError::NoToken);
+    }
     let client = Http { server: args.server.trim_end_matches('/').to_string(), token };
     let (method, path, body) = request(&args.command);
     let answer = client.call(method, &path, body).await?;

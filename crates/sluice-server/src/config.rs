@@ -71,14 +71,18 @@ pub struct ServerConfig {
     /// loopback default; required when a listener is not on loopback.
     pub api_tokens: Vec<String>,
     /// A request head must arrive within this; a keep-alive connection that sends no
-    /// next request is closed after it too (HTTP). gRPC: the HTTP/2 keep-alive ping
-    /// must be answered within it.
+    /// next request is closed after it too (HTTP). gRPC: a connection's first call must
+    /// open within it, and the HTTP/2 keep-alive ping must be answered within it.
     pub header_timeout: Duration,
     /// A request body must arrive within this (HTTP; 408 after it).
     pub body_timeout: Duration,
-    /// Connections served as usual at once (HTTP). Past it a connection gets one
-    /// request and is closed, so a health probe still gets through.
+    /// Connections open at once, on each listener. HTTP: past it a connection gets one
+    /// request and is closed, so a health probe still gets through. gRPC: past it a
+    /// connection is closed at once (`grpc_listen.rs`).
     pub max_connections: usize,
+    /// A gRPC connection with no call open for this long is closed (a first call must
+    /// come within `header_timeout`).
+    pub grpc_idle_timeout: Duration,
     /// How long a stopping server (SIGTERM, SIGINT) waits for requests in flight before
     /// it drops their connections and exits.
     pub shutdown_grace: Duration,
@@ -115,6 +119,7 @@ impl Default for ServerConfig {
             header_timeout: Duration(10_000),
             body_timeout: Duration(10_000),
             max_connections: 4_096,
+            grpc_idle_timeout: Duration(600_000),
             shutdown_grace: Duration(10_000),
             tls: None,
             ui: false,

@@ -33,7 +33,7 @@ fn settings() -> ProptestConfig {
 /// A server's config with every kind of rule, a migrating store (for the admin body) and
 /// an admin token.
 const CONFIG: &str = r#"
-server: {admin_token: admin}
+server: {admin_token: admin-0123456789abcdef}
 store: {kind: migrating, from: {kind: memory}, to: {kind: memory}, percent: 0}
 domains:
   - domain: d

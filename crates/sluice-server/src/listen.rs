@@ -400,11 +400,11 @@ async fn give_back_memory(closed: Arc<AtomicUsize>) {
 
 /// A log line that may be written at most every 10 s.
 #[derive(Default)]
-struct Sometimes(sluice::time::Throttle);
+pub struct Sometimes(sluice::time::Throttle);
 
 impl Sometimes {
     /// Whether the line may be written now (and if so, not again for 10 s).
-    fn due(&self) -> bool {
+    pub fn due(&self) -> bool {
         self.0.due(sluice::time::Clock::now(&sluice::time::SystemClock), 10_000)
     }
 }

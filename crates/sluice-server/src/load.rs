@@ -176,6 +176,11 @@ fn compile(config: Config, text: &str, file: &str) -> Result<Loaded, ConfigError
         at: locate(text, &e.anchors),
         message: e.to_string(),
     })?;
+    crate::checks::server(&config.server).map_err(|e| ConfigError {
+        file: file.to_string(),
+        at: locate(text, &e.anchors),
+        message: e.message,
+    })?;
     Ok(Loaded { config, rules })
 }
 

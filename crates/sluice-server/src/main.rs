@@ -6,11 +6,13 @@ mod alloc;
 mod api;
 mod bench;
 mod build;
+mod checks;
 mod cli;
 mod config;
 mod envoy_http;
 #[cfg(test)]
 mod fuzz;
+mod grpc_listen;
 mod http;
 mod listen;
 mod load;

@@ -206,6 +206,7 @@ fn needs_restart(new_config: &Config, old_config: &Config) -> Vec<&'static str> 
         ("server.header_timeout", new.header_timeout != old.header_timeout),
         ("server.body_timeout", new.body_timeout != old.body_timeout),
         ("server.max_connections", new.max_connections != old.max_connections),
+        ("server.grpc_idle_timeout", new.grpc_idle_timeout != old.grpc_idle_timeout),
         ("server.shutdown_grace", new.shutdown_grace != old.shutdown_grace),
         ("server.tls (on or off)", new.tls.is_some() != old.tls.is_some()),
     ] {

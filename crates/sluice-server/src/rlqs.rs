@@ -93,7 +93,12 @@ impl RateLimitQuotaService for Rlqs {
         if !self.state.api_token_matches(given) {
             return Err(Status::unauthenticated("send metadata authorization: Bearer <one of server.api_tokens>"));
         }
-        let peer = request.remote_addr().map(|a| a.to_string()).unwrap_or_default();
+        let peer = request
+            .extensions()
+            .get::<crate::grpc_listen::Peer>()
+            .and_then(|p| p.addr)
+            .map(|a| a.to_string())
+            .unwrap_or_default();
         let (tx, rx) = mpsc::channel(16);
         let stream = Stream::new(self.state.clone(), peer);
         tokio::spawn(stream.run(request.into_inner(), tx, self.stop.clone()));

@@ -70,10 +70,6 @@ pub enum ServeError {
     Telemetry(String),
     #[error("{0}")]
     Env(String),
-    #[error(
-        "server.ui is on but server.admin_token is not set: the page shows clients and overrides, so it is served only behind the admin token"
-    )]
-    UiWithoutToken,
 }
 
 /// Runs the service.
@@ -156,9 +152,6 @@ async fn state_of(
     metrics: Metrics,
     tls: Option<Arc<crate::tls::Tls>>,
 ) -> Result<AppState, ServeError> {
-    if config.server.ui && config.server.admin_token.is_none() {
-        return Err(ServeError::UiWithoutToken);
-    }
     let mut state = AppState::new(build(config, rules)?, &config.server, Some(metrics), tls);
     state.ui = config.server.ui.then(Default::default);
     state.tracer =
@@ -217,10 +210,15 @@ fn serve_grpc(
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<tokio::task::JoinHandle<()>, ServeError> {
     let listener = listener.into_std().map_err(ServeError::Io)?;
+    let gate = crate::grpc_listen::Gate::new(crate::grpc_listen::Bounds {
+        max_connections: server.max_connections,
+        first_call: server.header_timeout.to_std(),
+        idle: server.grpc_idle_timeout.to_std(),
+    });
     let mut ended = Vec::new();
     for i in 0..grpc_threads(server) {
         let (listener, state, stop) = (listener.try_clone().map_err(ServeError::Io)?, state.clone(), stop.clone());
-        let ping = server.header_timeout.to_std();
+        let (ping, gate) = (server.header_timeout.to_std(), gate.clone());
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .on_thread_park(crate::alloc::on_park)
@@ -230,7 +228,7 @@ fn serve_grpc(
         std::thread::Builder::new()
             .name(format!("sluice-grpc-{i}"))
             .spawn(move || {
-                runtime.block_on(grpc_thread(listener, state, ping, stop));
+                runtime.block_on(grpc_thread(listener, gate, state, ping, stop));
                 let _ = done.send(());
             })
             .map_err(ServeError::Io)?;
@@ -248,9 +246,11 @@ fn grpc_threads(server: &ServerConfig) -> usize {
     server.grpc_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1)
 }
 
-/// One gRPC thread's server, on the shared socket, until `stop`.
+/// One gRPC thread's server, on the shared socket, until `stop`; its connections are
+/// bounded as `grpc_listen.rs` says.
 async fn grpc_thread(
     listener: std::net::TcpListener,
+    gate: Arc<crate::grpc_listen::Gate>,
     state: Arc<AppState>,
     ping: std::time::Duration,
     mut stop: tokio::sync::watch::Receiver<bool>,
@@ -265,6 +265,7 @@ async fn grpc_thread(
         let _ = stop.wait_for(|s| *s).await;
     };
     let router = tonic::transport::Server::builder()
+        .layer(crate::grpc_listen::CountCallsLayer)
         // a peer that stops answering HTTP/2 pings is gone: close its connection
         .http2_keepalive_interval(Some(ping))
         .http2_keepalive_timeout(Some(ping))
@@ -274,12 +275,10 @@ async fn grpc_thread(
         .add_service(Rls { state })
         .add_service(RateLimitQuotaServiceServer::new(rlqs));
     let served = match tls {
-        Some(tls) => router.serve_with_incoming_shutdown(crate::tls::incoming(listener, tls, ping), stopped).await,
-        None => {
-            // no Nagle: a small reply held back for a delayed ACK costs every call ~40 ms
-            let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-            router.serve_with_incoming_shutdown(incoming, stopped).await
+        Some(tls) => {
+            router.serve_with_incoming_shutdown(crate::tls::incoming(listener, gate, tls, ping), stopped).await
         }
+        None => router.serve_with_incoming_shutdown(crate::grpc_listen::plain(listener, gate), stopped).await,
     };
     if let Err(e) = served {
         tracing::error!(error = %e, "the gRPC server stopped");
@@ -301,12 +300,13 @@ fn room_for_connections(max_connections: usize) {
                 limit = raised;
             }
         }
-        let needed = max_connections as u64 + 256;
+        // HTTP and gRPC each have `max_connections`
+        let needed = 2 * max_connections as u64 + 256;
         if got && limit.rlim_cur < needed {
             tracing::warn!(
                 open_files = limit.rlim_cur,
                 max_connections,
-                "server.max_connections (plus 256 for the store and the rest) does not fit under the open-file limit; raise `ulimit -n` or lower it"
+                "twice server.max_connections (HTTP and gRPC each), plus 256 for the store and the rest, does not fit under the open-file limit; raise `ulimit -n` or lower it"
             );
         }
     }

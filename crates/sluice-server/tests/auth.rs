@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 
 #[tokio::test]
 async fn the_data_plane_needs_one_of_the_tokens() {
-    let s = common::start_with("  api_tokens: [old-token, new-token]\n", &common::rule(10));
+    let s = common::start_with("  api_tokens: [old-token-0123456789, new-token-0123456789]\n", &common::rule(10));
     let client = reqwest::Client::new();
     let body = common::body("d", &[("user", "a")]);
     let post = |path: &str, token: Option<&str>| {
@@ -31,7 +31,7 @@ async fn the_data_plane_needs_one_of_the_tokens() {
     let r = client.delete(format!("{}/v1/leases/{}", s.base, "0".repeat(80))).send().await.unwrap();
     assert_eq!(r.status(), 401, "so does a release");
     // either token, so one can be rotated out while the other serves
-    for token in ["old-token", "new-token"] {
+    for token in ["old-token-0123456789", "new-token-0123456789"] {
         let r = post("/v1/ratelimit", Some(token)).send().await.unwrap();
         assert_eq!(r.status(), 200, "{token}");
     }
@@ -41,7 +41,7 @@ async fn the_data_plane_needs_one_of_the_tokens() {
 
 #[tokio::test]
 async fn envoys_calls_need_one_of_the_tokens_in_metadata() {
-    let s = common::start_with("  api_tokens: [envoy-token]\n", &common::rule(10));
+    let s = common::start_with("  api_tokens: [envoy-token-0123456789]\n", &common::rule(10));
     let mut rls = RateLimitServiceClient::connect(format!("http://{}", s.grpc)).await.unwrap();
     let request = || RateLimitRequest {
         domain: "d".into(),
@@ -54,7 +54,7 @@ async fn envoys_calls_need_one_of_the_tokens_in_metadata() {
     let e = rls.should_rate_limit(request()).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
     let mut with = tonic::Request::new(request());
-    with.metadata_mut().insert("authorization", "Bearer envoy-token".parse().unwrap());
+    with.metadata_mut().insert("authorization", "Bearer envoy-token-0123456789".parse().unwrap());
     assert!(rls.should_rate_limit(with).await.is_ok());
 }
 
@@ -63,4 +63,29 @@ async fn without_tokens_the_loopback_default_is_open() {
     let s = common::start(&common::rule(10));
     let r = common::hit(&reqwest::Client::new(), &s.base, "d", &[("user", "open")]).await;
     assert_eq!(r.status(), 200);
+}
+
+/// An empty, blank or short token is no credential: `config check` refuses it with the
+/// reason and the place, and so does `serve` (which then never opens the admin API or
+/// the data plane to requests that send none).
+#[test]
+fn empty_and_short_tokens_are_refused_by_check_and_serve() {
+    for (section, says) in [
+        ("  admin_token: \"\"\n", "server.admin_token is empty"),
+        ("  admin_token: \"   \"\n", "server.admin_token is empty"),
+        ("  admin_token: admin\n", "server.admin_token is 5 bytes"),
+        ("  api_tokens: [\"\"]\n", "server.api_tokens[0] is empty"),
+        ("  api_tokens: [a-long-enough-token-1, short]\n", "server.api_tokens[1] is 5 bytes"),
+    ] {
+        let dir = sluice_testkit::TempDir::new("sluice-token");
+        let file = dir.path().join("sluice.yaml");
+        std::fs::write(&file, format!("{}{section}domains:\n{}", common::SERVER, common::rule(10))).unwrap();
+        let check = std::process::Command::new(common::bin()).args(["config", "check"]).arg(&file).output().unwrap();
+        let err = String::from_utf8_lossy(&check.stderr);
+        assert!(!check.status.success() && err.contains(says), "check of {section:?}: {err}");
+        assert!(err.contains("sluice.yaml:4:"), "the place is named: {err}");
+        let serve = std::process::Command::new(common::bin()).arg("serve").arg("--config").arg(&file).output().unwrap();
+        let err = String::from_utf8_lossy(&serve.stderr);
+        assert!(!serve.status.success() && err.contains(says), "serve of {section:?}: {err}");
+    }
 }

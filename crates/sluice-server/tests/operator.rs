@@ -99,13 +99,20 @@ async fn a_reload_that_drops_a_domain_names_it() {
 /// `log.level` filters by target and a reload that changes it is in force at once.
 #[tokio::test]
 async fn json_logs_and_a_reloaded_level() {
-    let sections = |level: &str| format!("  admin_token: tok-9d2\nlog:\n  format: json\n  level: \"{level}\"\n");
+    let sections =
+        |level: &str| format!("  admin_token: tok-9d2-0123456789ab\nlog:\n  format: json\n  level: \"{level}\"\n");
     let domains =
         "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 5}\n";
     let s = common::start_with(&sections("warn,sluice::audit=info"), domains);
     let c = reqwest::Client::new();
     let body = serde_json::json!({"domain": "d", "entries": [{"key": "user", "value": "a"}], "limit": 9, "reason": "ticket 12"});
-    let r = c.put(format!("{}/v1/overrides/raise-a", s.base)).bearer_auth("tok-9d2").json(&body).send().await.unwrap();
+    let r = c
+        .put(format!("{}/v1/overrides/raise-a", s.base))
+        .bearer_auth("tok-9d2-0123456789ab")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     let lines = |log: String| -> Vec<serde_json::Value> {
         log.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect()

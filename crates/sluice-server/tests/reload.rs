@@ -141,7 +141,7 @@ async fn a_reload_moves_the_migration_percentage() {
     let at = |percent: u8| {
         config(100).replace(
             "domains:",
-            &format!("  admin_token: t\nstore:\n  kind: migrating\n  percent: {percent}\n  from: {{kind: memory}}\n  to: {{kind: memory}}\ndomains:"),
+            &format!("  admin_token: t-0123456789abcdef\nstore:\n  kind: migrating\n  percent: {percent}\n  from: {{kind: memory}}\n  to: {{kind: memory}}\ndomains:"),
         )
     };
     std::fs::write(&file, at(10)).unwrap();
@@ -149,7 +149,8 @@ async fn a_reload_moves_the_migration_percentage() {
     let base = format!("http://{http}");
     let client = reqwest::Client::new();
     let percent = || async {
-        let r = client.get(format!("{base}/v1/admin/migration")).bearer_auth("t").send().await.unwrap();
+        let r =
+            client.get(format!("{base}/v1/admin/migration")).bearer_auth("t-0123456789abcdef").send().await.unwrap();
         r.json::<serde_json::Value>().await.unwrap()["percent"].as_u64().unwrap()
     };
     assert_eq!(percent().await, 10);

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 const LIMIT: u64 = 1_200;
 const WINDOW: u64 = 60_000;
-const TOKEN: &str = "rlqs-admin";
+const TOKEN: &str = "rlqs-admin-0123456789";
 /// Requests a second each Envoy is driven at: twice the limit's rate each.
 const DRIVE: u64 = 40;
 /// What the upstreams may see past the limit in a window (the issue allows 2%).

@@ -9,7 +9,7 @@ use serde_json::Value;
 use sluice_testkit::{TempDir, require};
 use std::process::Command;
 
-const TOKEN: &str = "ui-7d1e-secret";
+const TOKEN: &str = "ui-7d1e-secret-0123";
 const DOMAINS: &str = "  - domain: api\n    descriptors:\n      - key: user\n        rate_limit: {name: hourly, unit: hour, requests_per_unit: 5}\n";
 
 /// Runs headless Chromium on `url` with `args` (its JavaScript given 4 s of virtual time).

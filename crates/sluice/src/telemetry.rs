@@ -34,6 +34,9 @@ pub mod names {
     pub const SHED: &str = "sluice_shed_total";
     pub const SHED_AMOUNT: &str = "sluice_shed_amount";
     pub const HTTP_OVER_LIMIT: &str = "sluice_http_connections_over_limit_total";
+    pub const GRPC_CONNECTIONS: &str = "sluice_grpc_connections";
+    pub const GRPC_OVER_LIMIT: &str = "sluice_grpc_connections_over_limit_total";
+    pub const GRPC_CLOSED: &str = "sluice_grpc_connections_closed_total";
     pub const ADMIN_ACTIONS: &str = "sluice_admin_actions_total";
     pub const OVERRIDES: &str = "sluice_overrides";
     pub const GRANTS_TAKEN: &str = "sluice_grants_taken_total";

@@ -1,0 +1,105 @@
+//! The checks of a config that need no network, beyond what parsing and compiling the
+//! rules already check: `sluice config check` and `sluice serve` both run them (through
+//! `load::compile`), so a file the check passes is one `serve` takes.
+
+use crate::config::ServerConfig;
+
+/// The shortest credential accepted: 16 bytes, 128 bits when drawn at random (as
+/// `openssl rand -hex 16` gives 32 characters). A shorter one can be guessed online, and
+/// an empty one is no credential at all (it matched requests that sent none).
+pub const MIN_TOKEN_BYTES: usize = 16;
+
+/// A check that failed: what is wrong and how to mend it, and the words that lead to
+/// where it is in the file.
+#[derive(Debug)]
+pub struct CheckError {
+    pub anchors: Vec<String>,
+    pub message: String,
+}
+
+impl CheckError {
+    fn at(anchors: &[&str], message: String) -> Self {
+        Self { anchors: anchors.iter().map(|a| a.to_string()).collect(), message }
+    }
+}
+
+/// The `server` section's checks.
+pub fn server(server: &ServerConfig) -> Result<(), CheckError> {
+    if let Some(token) = &server.admin_token {
+        token_ok(token)
+            .map_err(|why| CheckError::at(&["server", "admin_token"], format!("server.admin_token {why}")))?;
+    }
+    for (i, token) in server.api_tokens.iter().enumerate() {
+        token_ok(token)
+            .map_err(|why| CheckError::at(&["server", "api_tokens"], format!("server.api_tokens[{i}] {why}")))?;
+    }
+    if server.ui && server.admin_token.is_none() {
+        return Err(CheckError::at(
+            &["server", "ui"],
+            "server.ui is on but server.admin_token is not set: the page shows clients and overrides, so it is \
+             served only behind the admin token; set server.admin_token (or ui: false)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Why `token` cannot be a credential, in words that end the sentence "server.X ...".
+pub fn token_ok(token: &str) -> Result<(), String> {
+    let fix = format!("use at least {MIN_TOKEN_BYTES} random bytes, e.g. the output of `openssl rand -hex 16`");
+    if token.trim().is_empty() {
+        return Err(format!("is empty or only white space, which would let in requests that send no token; {fix}"));
+    }
+    if token.trim() != token {
+        return Err(format!(
+            "starts or ends with white space, which no `Authorization` header can carry; remove it ({fix})"
+        ));
+    }
+    if token.len() < MIN_TOKEN_BYTES {
+        return Err(format!("is {} bytes, too short to resist guessing; {fix}", token.len()));
+    }
+    if token.bytes().any(|b| !(0x21..=0x7e).contains(&b)) {
+        return Err(format!("holds a character an HTTP header cannot carry (only visible ASCII, no spaces); {fix}"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(admin: Option<&str>, api: &[&str], ui: bool) -> ServerConfig {
+        ServerConfig {
+            admin_token: admin.map(str::to_string),
+            api_tokens: api.iter().map(|t| t.to_string()).collect(),
+            ui,
+            ..ServerConfig::default()
+        }
+    }
+
+    #[test]
+    fn empty_blank_and_short_tokens_are_refused_with_the_reason() {
+        for (token, says) in [
+            ("", "empty"),
+            ("   ", "empty"),
+            ("\t\n", "empty"),
+            ("short", "5 bytes"),
+            (" 0123456789abcdef", "white space"),
+            ("0123456789abcdef\n", "white space"),
+            ("0123456789 abcdef", "visible ASCII"),
+        ] {
+            let e = server(&with(Some(token), &[], false)).unwrap_err();
+            assert!(e.message.starts_with("server.admin_token ") && e.message.contains(says), "{token:?}: {e:?}");
+            assert!(e.message.contains("openssl rand"), "{e:?}");
+            let e = server(&with(None, &["0123456789abcdef", token], false)).unwrap_err();
+            assert!(e.message.starts_with("server.api_tokens[1] ") && e.message.contains(says), "{token:?}: {e:?}");
+        }
+        assert!(server(&with(Some("0123456789abcdef"), &["fedcba9876543210"], true)).is_ok());
+    }
+
+    #[test]
+    fn the_live_page_needs_the_admin_token() {
+        let e = server(&with(None, &[], true)).unwrap_err();
+        assert!(e.message.contains("server.admin_token is not set"), "{e:?}");
+    }
+}
