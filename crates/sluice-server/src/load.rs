@@ -185,7 +185,7 @@ fn compile(config: Config, text: &str, file: &str) -> Result<Loaded, ConfigError
 }
 
 /// The `*.yaml` and `*.yml` files of a `domains_from` directory, by name.
-fn domain_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, ConfigError> {
+pub fn domain_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, ConfigError> {
     let entries = std::fs::read_dir(dir).map_err(|e| ConfigError {
         file: dir.display().to_string(),
         at: None,
@@ -199,22 +199,6 @@ fn domain_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, ConfigError> {
         .collect();
     files.sort();
     Ok(files)
-}
-
-/// Everything a config is made of, for the reload watcher to compare: the file, and the
-/// names and bytes of its domain files.
-pub fn fingerprint(path: &Path) -> Option<Vec<u8>> {
-    let mut out = std::fs::read(path).ok()?;
-    if let Ok(config) = serde_norway::from_slice::<Config>(&out)
-        && let Some(dir) = config.domains_from
-    {
-        let dir = path.parent().unwrap_or(Path::new(".")).join(dir);
-        for f in domain_files(&dir).ok()? {
-            out.extend(f.display().to_string().bytes());
-            out.extend(std::fs::read(&f).ok()?);
-        }
-    }
-    Some(out)
 }
 
 fn read(path: &Path) -> Result<String, ConfigError> {

@@ -86,7 +86,7 @@ pub async fn serve(mut args: Args) -> Result<(), ServeError> {
     // what the reload watcher compares against: the bytes that gave this config
     // (taken before the TLS files are read, so a change from here on is seen)
     let loaded_bytes =
-        args.config.as_deref().and_then(|path| crate::reload::watched(path, &config)).unwrap_or_default();
+        args.config.as_deref().and_then(|path| crate::reload::watched(path, &config).ok()).unwrap_or_default();
     warn_if_default_secret(&config);
     let tls = config.server.tls.as_ref().map(crate::tls::Tls::load).transpose()?.map(Arc::new);
     let state = Arc::new(state_of(&config, rules, metrics, tls.clone()).await?);
