@@ -93,6 +93,30 @@ pub struct ServerConfig {
     /// Threads serving gRPC, each a single-threaded runtime of its own (default: one a
     /// core). A connection stays on the thread that accepted it.
     pub grpc_threads: Option<usize>,
+    /// Envoy's Rate Limit Quota Service streams' bounds.
+    pub rlqs: RlqsBounds,
+}
+
+/// `server.rlqs`: how much RLQS streams may hold on this instance (`rlqs.rs`). A stream
+/// or report past a bound ends with `RESOURCE_EXHAUSTED` naming it.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RlqsBounds {
+    /// Streams open at once.
+    pub max_streams: usize,
+    /// Streams open at once from one peer address: a peer cannot open streams to starve
+    /// the others of a bucket's fair part.
+    pub max_streams_per_peer: usize,
+    /// Buckets one stream may report.
+    pub max_buckets_per_stream: usize,
+    /// Buckets held by every stream together.
+    pub max_buckets: usize,
+}
+
+impl Default for RlqsBounds {
+    fn default() -> Self {
+        Self { max_streams: 4_096, max_streams_per_peer: 64, max_buckets_per_stream: 1_000, max_buckets: 100_000 }
+    }
 }
 
 /// `server.tls`: the listeners' certificate, and the CA whose client certificates are
@@ -124,6 +148,7 @@ impl Default for ServerConfig {
             tls: None,
             ui: false,
             grpc_threads: None,
+            rlqs: RlqsBounds::default(),
         }
     }
 }

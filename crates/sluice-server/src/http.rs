@@ -294,14 +294,20 @@ async fn data_plane_token(
     if state.api_token_matches(given) { next.run(request).await } else { unauthorized_for("one of server.api_tokens") }
 }
 
-/// `GET /metrics`: Prometheus text (docs/operations.md lists every metric).
+/// `GET /metrics`: Prometheus text (docs/operations.md lists every metric). Rendered on
+/// a blocking thread, one scrape at a time: a scrape of a large config takes seconds
+/// (100,000 domains: 63 MB), and it ran on the thread that answers `/healthz` (the
+/// front door, `listen.rs`), which waited behind it.
 async fn metrics(State(state): Shared) -> Response {
-    match &state.metrics {
-        Some(h) => {
-            state.engine.load().limiter.grants().publish();
-            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], h.render()).into_response()
-        }
-        None => error(StatusCode::NOT_FOUND, "no_metrics", "metrics are not recorded in this process".into()),
+    let Some(m) = &state.metrics else {
+        return error(StatusCode::NOT_FOUND, "no_metrics", "metrics are not recorded in this process".into());
+    };
+    let _turn = m.turn.lock().await;
+    state.engine.load().limiter.grants().publish();
+    let rendering = state.clone();
+    match tokio::task::spawn_blocking(move || rendering.metrics.as_ref().map(crate::state::Metrics::render)).await {
+        Ok(Some(text)) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
+        _ => error(StatusCode::INTERNAL_SERVER_ERROR, "metrics_failed", "the metrics could not be rendered".into()),
     }
 }
 

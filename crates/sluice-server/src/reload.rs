@@ -306,6 +306,7 @@ fn needs_restart(new_config: &Config, old_config: &Config) -> Vec<&'static str> 
         ("server.body_timeout", new.body_timeout != old.body_timeout),
         ("server.max_connections", new.max_connections != old.max_connections),
         ("server.grpc_idle_timeout", new.grpc_idle_timeout != old.grpc_idle_timeout),
+        ("server.rlqs", new.rlqs != old.rlqs),
         ("server.shutdown_grace", new.shutdown_grace != old.shutdown_grace),
         ("server.tls (on or off)", new.tls.is_some() != old.tls.is_some()),
     ] {

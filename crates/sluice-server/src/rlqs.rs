@@ -13,6 +13,7 @@
 //! reason is logged once); one whose rule went away by a reload is sent an
 //! `AbandonAction`. An unknown domain ends the stream with `NOT_FOUND`.
 
+use crate::config::RlqsBounds;
 use crate::state::AppState;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
@@ -28,6 +29,7 @@ use envoy_types::pb::google::protobuf::{Duration as PbDuration, UInt32Value};
 use sluice::quota::{Assignment, QuotaError, Share};
 use sluice::time::Millis;
 use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
@@ -55,14 +57,36 @@ pub struct Rlqs {
     pub stop: tokio::sync::watch::Receiver<bool>,
 }
 
-/// The streams open on this instance, as `GET /v1/admin/rlqs` shows them.
-#[derive(Default)]
+/// The streams open on this instance, as `GET /v1/admin/rlqs` shows them, and what they
+/// hold against `server.rlqs`'s bounds.
 pub struct Streams {
     open: Mutex<BTreeMap<u64, serde_json::Value>>,
     next: AtomicU64,
+    bounds: RlqsBounds,
+    /// How long a stream may take to send its first report.
+    first_report: std::time::Duration,
+    held: Mutex<Held>,
 }
 
+/// What every stream holds together.
+#[derive(Default)]
+struct Held {
+    streams: usize,
+    by_peer: HashMap<Option<IpAddr>, usize>,
+    buckets: usize,
+    /// Streams holding each bucket (domain, entries) whose share [contends](Share::contends):
+    /// how many a fair part is split in.
+    contending: HashMap<(String, BucketKey), u64>,
+}
+
+/// A bucket id's entries, sorted.
+type BucketKey = Vec<(String, String)>;
+
 impl Streams {
+    pub fn new(bounds: RlqsBounds, first_report: std::time::Duration) -> Self {
+        Self { open: Default::default(), next: AtomicU64::new(0), bounds, first_report, held: Default::default() }
+    }
+
     /// Every open stream: its domain, peer and buckets with their shares.
     pub fn view(&self) -> serde_json::Value {
         let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
@@ -75,6 +99,98 @@ impl Streams {
 
     fn remove(&self, id: u64) {
         self.open.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A new stream from `peer`, within the bounds; [`Streams::close_stream`] ends it.
+    fn open_stream(&self, peer: Option<IpAddr>) -> Result<(), Status> {
+        let mut held = self.held();
+        let b = &self.bounds;
+        if held.streams >= b.max_streams {
+            return Err(Status::resource_exhausted(format!(
+                "this instance serves server.rlqs.max_streams ({}) RLQS streams already; try another instance",
+                b.max_streams
+            )));
+        }
+        let from_peer = held.by_peer.entry(peer).or_default();
+        if *from_peer >= b.max_streams_per_peer {
+            return Err(Status::resource_exhausted(format!(
+                "this peer has server.rlqs.max_streams_per_peer ({}) RLQS streams open already",
+                b.max_streams_per_peer
+            )));
+        }
+        *from_peer += 1;
+        held.streams += 1;
+        Ok(())
+    }
+
+    fn close_stream(&self, peer: Option<IpAddr>) {
+        let mut held = self.held();
+        held.streams -= 1;
+        if let Some(n) = held.by_peer.get_mut(&peer) {
+            *n -= 1;
+            if *n == 0 {
+                held.by_peer.remove(&peer);
+            }
+        }
+    }
+
+    /// Takes `new` buckets of `domain` for a stream holding `has`: all, or none when a
+    /// bound would be passed.
+    fn add_buckets(&self, domain: &str, has: usize, new: &[&BucketKey]) -> Result<(), Status> {
+        let b = &self.bounds;
+        if has + new.len() > b.max_buckets_per_stream {
+            return Err(Status::resource_exhausted(format!(
+                "the stream would hold {} buckets, more than server.rlqs.max_buckets_per_stream ({})",
+                has + new.len(),
+                b.max_buckets_per_stream
+            )));
+        }
+        let mut held = self.held();
+        if held.buckets + new.len() > b.max_buckets {
+            return Err(Status::resource_exhausted(format!(
+                "this instance holds server.rlqs.max_buckets ({}) RLQS buckets already; try another instance",
+                b.max_buckets
+            )));
+        }
+        held.buckets += new.len();
+        for key in new {
+            // a new share contends until its demand is known
+            *held.contending.entry((domain.to_string(), (*key).clone())).or_default() += 1;
+        }
+        Ok(())
+    }
+
+    /// A share of the bucket started or stopped contending (or went, when `from` was true
+    /// and `to` is false).
+    fn contends(&self, domain: &str, key: &[(String, String)], from: bool, to: bool) {
+        if from == to {
+            return;
+        }
+        let mut held = self.held();
+        let k = (domain.to_string(), key.to_vec());
+        let n = held.contending.entry(k.clone()).or_default();
+        if to {
+            *n += 1;
+        } else {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.contending.remove(&k);
+            }
+        }
+    }
+
+    fn remove_bucket(&self, domain: &str, key: &[(String, String)], contending: bool) {
+        self.contends(domain, key, contending, false);
+        self.held().buckets -= 1;
+    }
+
+    /// How many streams of this instance hold the bucket and contend for a fair part.
+    fn contenders(&self, domain: &str, key: &BucketKey) -> u64 {
+        self.held().contending.get(&(domain.to_string(), key.clone())).copied().unwrap_or(1)
     }
 }
 
@@ -93,15 +209,11 @@ impl RateLimitQuotaService for Rlqs {
         if !self.state.api_token_matches(given) {
             return Err(Status::unauthenticated("send metadata authorization: Bearer <one of server.api_tokens>"));
         }
-        let peer = request
-            .extensions()
-            .get::<crate::grpc_listen::Peer>()
-            .and_then(|p| p.addr)
-            .map(|a| a.to_string())
-            .unwrap_or_default();
+        let peer = request.extensions().get::<crate::grpc_listen::Peer>().and_then(|p| p.addr);
+        self.state.rlqs.open_stream(peer.map(|a| a.ip()))?;
         let (tx, rx) = mpsc::channel(16);
-        let stream = Stream::new(self.state.clone(), peer);
-        tokio::spawn(stream.run(request.into_inner(), tx, self.stop.clone()));
+        let stream = Stream::new(self.state.clone(), peer, tx);
+        tokio::spawn(stream.run(request.into_inner(), self.stop.clone()));
         let out = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
         Ok(Response::new(Box::pin(out)))
     }
@@ -119,51 +231,78 @@ struct Bucket {
 struct Stream {
     state: Arc<AppState>,
     id: u64,
-    peer: String,
+    peer: Option<std::net::SocketAddr>,
     domain: Option<String>,
-    buckets: HashMap<Vec<(String, String)>, Bucket>,
+    buckets: HashMap<BucketKey, Bucket>,
+    out: Outbound,
 }
 
 /// How often a stream logs that the store failed its shares, at most.
 const LOG_EVERY: Millis = 10_000;
 
+/// The most a report counts of a bucket's requests (allowed, denied), and of its time:
+/// an Envoy reports every few seconds, so more is a broken or hostile client, and
+/// counted as it was it wrapped the counters and overflowed the assignment's TTL.
+const MOST_REQUESTS: u64 = u32::MAX as u64;
+const MOST_SECONDS: i64 = 3_600;
+
+/// What a report says of one bucket.
+struct Usage {
+    key: BucketKey,
+    id: BucketId,
+    allowed: u64,
+    denied: u64,
+    elapsed: u64,
+}
+
 impl Stream {
-    fn new(state: Arc<AppState>, peer: String) -> Self {
+    fn new(state: Arc<AppState>, peer: Option<std::net::SocketAddr>, out: Outbound) -> Self {
         let id = state.rlqs.next.fetch_add(1, Relaxed);
-        Self { state, id, peer, domain: None, buckets: HashMap::new() }
+        // counted from its opening, under no domain until its first report names one
+        metrics::gauge!(names::STREAMS, "domain" => "").increment(1.0);
+        Self { state, id, peer, domain: None, buckets: HashMap::new(), out }
     }
 
-    /// Serves the stream until the Envoy ends it, it breaks, or the server stops.
+    /// Serves the stream until the Envoy ends it, it breaks, or the server stops; one
+    /// that sends no report within `server.header_timeout` is ended.
     async fn run(
         mut self,
         mut inbound: Streaming<RateLimitQuotaUsageReports>,
-        tx: Outbound,
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) {
         let failures = sluice::time::Throttle::default();
+        let first_report = tokio::time::sleep(self.state.rlqs.first_report);
+        tokio::pin!(first_report);
         loop {
             let wake = self.next_due();
             let sleep = tokio::time::sleep(wake);
             let actions = tokio::select! {
                 message = inbound.message() => match message {
                     Ok(Some(report)) => self.report(report, &failures).await,
-                    Ok(None) | Err(_) => break,
+                    Ok(None) => break,
+                    Err(e) if e.code() == tonic::Code::Cancelled => break,
+                    Err(e) => Err(Status::invalid_argument(format!("the usage report could not be read: {}", e.message()))),
                 },
                 _ = sleep => Ok(self.tick_due(&failures).await),
+                () = &mut first_report, if self.domain.is_none() => Err(Status::deadline_exceeded(format!(
+                    "no usage report within {:?} of the stream's start (server.header_timeout)",
+                    self.state.rlqs.first_report
+                ))),
                 _ = async { let _ = stop.wait_for(|s| *s).await; } => {
-                    let _ = tx.send(Err(Status::unavailable("the server is stopping; reconnect to another instance"))).await;
-                    break;
+                    Err(Status::unavailable("the server is stopping; reconnect to another instance"))
                 }
             };
             let actions = match actions {
                 Ok(actions) => actions,
                 Err(status) => {
-                    let _ = tx.send(Err(status)).await;
+                    let _ = self.out.send(Err(status)).await;
                     break;
                 }
             };
             self.publish();
-            if !actions.is_empty() && tx.send(Ok(RateLimitQuotaResponse { bucket_action: actions })).await.is_err() {
+            if !actions.is_empty()
+                && self.out.send(Ok(RateLimitQuotaResponse { bucket_action: actions })).await.is_err()
+            {
                 break;
             }
         }
@@ -207,23 +346,40 @@ impl Stream {
                 if let Err(e @ QuotaError::UnknownDomain { .. }) = engine.limiter.quota_target(&report.domain, &[]) {
                     return Err(Status::not_found(e.to_string()));
                 }
+                metrics::gauge!(names::STREAMS, "domain" => "").decrement(1.0);
                 metrics::gauge!(names::STREAMS, "domain" => report.domain.clone()).increment(1.0);
                 self.domain = Some(report.domain.clone());
             }
         }
         let domain = report.domain;
         metrics::counter!(names::REPORTS, "domain" => domain.clone()).increment(1);
-        let mut keys = Vec::with_capacity(report.bucket_quota_usages.len());
-        for usage in report.bucket_quota_usages {
-            let Some(id) = usage.bucket_id.filter(|b| !b.bucket.is_empty()) else { continue };
-            let mut key: Vec<(String, String)> = id.bucket.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-            key.sort();
-            let elapsed = usage.time_elapsed.map_or(0, |d| d.seconds.max(0) as u64);
-            let (allowed, denied) = (usage.num_requests_allowed, usage.num_requests_denied);
+        let usages: Vec<Usage> = report
+            .bucket_quota_usages
+            .into_iter()
+            .filter_map(|usage| {
+                let id = usage.bucket_id.filter(|b| !b.bucket.is_empty())?;
+                let mut key: BucketKey = id.bucket.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                key.sort();
+                let elapsed = usage.time_elapsed.map_or(0, |d| d.seconds.clamp(0, MOST_SECONDS) as u64);
+                let (allowed, denied) =
+                    (usage.num_requests_allowed.min(MOST_REQUESTS), usage.num_requests_denied.min(MOST_REQUESTS));
+                Some(Usage { key, id, allowed, denied, elapsed })
+            })
+            .collect();
+        // the buckets new to the stream, taken against the bounds before any work
+        let mut new: Vec<&BucketKey> =
+            usages.iter().map(|u| &u.key).filter(|k| !self.buckets.contains_key(*k)).collect();
+        new.sort();
+        new.dedup();
+        self.state.rlqs.add_buckets(&domain, self.buckets.len(), &new)?;
+        if !new.is_empty() {
+            metrics::gauge!(names::BUCKETS, "domain" => domain.clone()).increment(new.len() as f64);
+        }
+        let mut keys = Vec::with_capacity(usages.len());
+        for Usage { key, id, allowed, denied, elapsed } in usages {
             metrics::counter!(names::REPORTED, "domain" => domain.clone(), "outcome" => "allowed").increment(allowed);
             metrics::counter!(names::REPORTED, "domain" => domain.clone(), "outcome" => "denied").increment(denied);
             let bucket = self.buckets.entry(key.clone()).or_insert_with(|| {
-                metrics::gauge!(names::BUCKETS, "domain" => domain.clone()).increment(1.0);
                 if elapsed > 0 {
                     // a bucket the Envoy had before this stream: its last share was held
                     // elsewhere (an instance gone), and lapses there unspent
@@ -253,7 +409,14 @@ impl Stream {
         let limiter = &engine.limiter;
         let mut actions = Vec::new();
         for key in keys {
+            if self.out.is_closed() {
+                // the Envoy is gone: nothing it would read is worth a store call
+                break;
+            }
+            let peers = self.state.rlqs.contenders(&domain, key);
             let Some(bucket) = self.buckets.get_mut(key) else { continue };
+            bucket.share.set_peers(peers);
+            let contended = bucket.share.contends();
             let entries: Vec<(&str, &str)> = key.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
             let now = limiter.now();
             let assignment = match limiter.quota_target(&domain, &entries) {
@@ -288,6 +451,7 @@ impl Stream {
                     None
                 }
             };
+            self.state.rlqs.contends(&domain, key, contended, bucket.share.contends());
             let Some(assignment) = assignment else { continue };
             let kind = assignment.kind();
             metrics::counter!(names::ASSIGNMENTS, "domain" => domain.clone(), "action" => kind).increment(1);
@@ -299,6 +463,7 @@ impl Stream {
     /// Forgets bucket `key` (its share lapses), and the action that tells its Envoy to.
     fn abandon(&mut self, key: &[(String, String)], domain: &str) -> BucketAction {
         let mut bucket = self.buckets.remove(key).expect("the bucket abandoned is held");
+        self.state.rlqs.remove_bucket(domain, key, bucket.share.contends());
         metrics::counter!(names::UNSPENT, "domain" => domain.to_string()).increment(bucket.share.close());
         metrics::counter!(names::ASSIGNMENTS, "domain" => domain.to_string(), "action" => "abandon").increment(1);
         metrics::gauge!(names::BUCKETS, "domain" => domain.to_string()).decrement(1.0);
@@ -315,14 +480,22 @@ impl Stream {
             .values()
             .map(|b| serde_json::json!({ "bucket": b.id.bucket, "share": b.share, "committed": b.share.committed() }))
             .collect();
-        let view = serde_json::json!({ "id": self.id, "peer": self.peer, "domain": self.domain, "buckets": buckets });
+        let peer = self.peer.map(|p| p.to_string()).unwrap_or_default();
+        let view = serde_json::json!({ "id": self.id, "peer": peer, "domain": self.domain, "buckets": buckets });
         self.state.rlqs.set(self.id, view);
     }
 
     /// The stream is over: its shares lapse.
     fn close(mut self) {
         self.state.rlqs.remove(self.id);
-        let Some(domain) = self.domain.take() else { return };
+        self.state.rlqs.close_stream(self.peer.map(|p| p.ip()));
+        let Some(domain) = self.domain.take() else {
+            metrics::gauge!(names::STREAMS, "domain" => "").decrement(1.0);
+            return;
+        };
+        for (key, bucket) in &self.buckets {
+            self.state.rlqs.remove_bucket(&domain, key, bucket.share.contends());
+        }
         let unspent: u64 = self.buckets.values_mut().map(|b| b.share.close()).sum();
         metrics::counter!(names::UNSPENT, "domain" => domain.clone()).increment(unspent);
         metrics::gauge!(names::BUCKETS, "domain" => domain.clone()).decrement(self.buckets.len() as f64);

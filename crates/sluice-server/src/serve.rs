@@ -241,6 +241,10 @@ fn serve_grpc(
     }))
 }
 
+/// The largest RLQS message read: about 20 times a report of
+/// `server.rlqs.max_buckets_per_stream` (1,000) buckets of short ids.
+const RLQS_MESSAGE_BYTES: usize = 1 << 20;
+
 /// `server.grpc_threads`, or one a core.
 fn grpc_threads(server: &ServerConfig) -> usize {
     server.grpc_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1)
@@ -273,7 +277,9 @@ async fn grpc_thread(
         // a call that takes longer than a request head may is answered DEADLINE_EXCEEDED
         .timeout(ping)
         .add_service(Rls { state })
-        .add_service(RateLimitQuotaServiceServer::new(rlqs));
+        // a report of the most buckets a stream may hold fits many times over; one of
+        // 100,000 (2.4 MB) is refused as it arrives
+        .add_service(RateLimitQuotaServiceServer::new(rlqs).max_decoding_message_size(RLQS_MESSAGE_BYTES));
     let served = match tls {
         Some(tls) => {
             router.serve_with_incoming_shutdown(crate::tls::incoming(listener, gate, tls, ping), stopped).await
@@ -334,7 +340,7 @@ fn install_metrics() -> Result<Metrics, ServeError> {
     });
     let process = metrics_process::Collector::default();
     process.describe();
-    Ok(Metrics { recorder: handle, process })
+    Ok(Metrics { recorder: handle, process, turn: Default::default() })
 }
 
 /// A shared store with the default key secret: clients could predict their tags.

@@ -49,6 +49,9 @@ pub struct AppState {
 pub struct Metrics {
     pub recorder: metrics_exporter_prometheus::PrometheusHandle,
     pub process: metrics_process::Collector,
+    /// One scrape renders at a time: a large config's scrape is seconds of a core and
+    /// tens of MB, and `/metrics` needs no credential.
+    pub turn: tokio::sync::Mutex<()>,
 }
 
 impl Metrics {
@@ -79,7 +82,7 @@ impl AppState {
             metrics,
             tracer: None,
             ui: None,
-            rlqs: Default::default(),
+            rlqs: crate::rlqs::Streams::new(server.rlqs, server.header_timeout.to_std()),
         }
     }
 

@@ -368,12 +368,7 @@ async fn an_unchanged_large_config_costs_no_cpu() {
     }
     std::fs::write(&file, &text).unwrap();
     let (server, _http, _) = common::spawn(&file, dir.path());
-    let cpu = || {
-        let stat = std::fs::read_to_string(format!("/proc/{}/stat", server.pid())).unwrap();
-        let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
-        // utime and stime, the 14th and 15th fields (12th and 13th after the name)
-        fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
-    };
+    let cpu = || common::cpu_ticks(server.pid());
     // past the first look (which reads the files once)
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     let before = cpu();

@@ -58,42 +58,6 @@ async fn should_rate_limit_shares_the_http_engine() {
     assert!(e.message().contains("unknown domain ''"), "{}", e.message());
 }
 
-/// A codec that sends and receives raw bytes, to send what no generated client would.
-#[derive(Debug, Clone, Copy, Default)]
-struct Raw;
-
-impl tonic::codec::Codec for Raw {
-    type Encode = Vec<u8>;
-    type Decode = Vec<u8>;
-    type Encoder = Raw;
-    type Decoder = Raw;
-    fn encoder(&mut self) -> Raw {
-        Raw
-    }
-    fn decoder(&mut self) -> Raw {
-        Raw
-    }
-}
-
-impl tonic::codec::Encoder for Raw {
-    type Item = Vec<u8>;
-    type Error = tonic::Status;
-    fn encode(&mut self, item: Vec<u8>, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
-        bytes::BufMut::put_slice(dst, &item);
-        Ok(())
-    }
-}
-
-impl tonic::codec::Decoder for Raw {
-    type Item = Vec<u8>;
-    type Error = tonic::Status;
-    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
-        let v = bytes::Buf::chunk(src).to_vec();
-        bytes::Buf::advance(src, v.len());
-        Ok(Some(v))
-    }
-}
-
 /// A message that does not decode is INVALID_ARGUMENT (INTERNAL would tell Envoy the
 /// server is broken), and so is a unary call carrying two messages (it used to be
 /// answered OK from the first); one good message still works.
@@ -110,22 +74,22 @@ async fn malformed_calls_are_invalid_arguments() {
     let good = request("d", "raw").encode_to_vec();
 
     grpc.ready().await.unwrap();
-    let ok = grpc.unary(tonic::Request::new(good.clone()), path.clone(), Raw).await;
+    let ok = grpc.unary(tonic::Request::new(good.clone()), path.clone(), common::Raw).await;
     assert!(ok.is_ok(), "{ok:?}");
 
     grpc.ready().await.unwrap();
-    let garbage = grpc.unary(tonic::Request::new(vec![0xff, 0xff, 0xff, 0x01]), path.clone(), Raw).await;
+    let garbage = grpc.unary(tonic::Request::new(vec![0xff, 0xff, 0xff, 0x01]), path.clone(), common::Raw).await;
     let e = garbage.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
 
     grpc.ready().await.unwrap();
     let two = futures_util::stream::iter(vec![good.clone(), good]);
-    let e = grpc.client_streaming(tonic::Request::new(two), path, Raw).await.unwrap_err();
+    let e = grpc.client_streaming(tonic::Request::new(two), path, common::Raw).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("exactly one message"), "{e:?}");
 
     grpc.ready().await.unwrap();
     let other = http::uri::PathAndQuery::from_static("/envoy.service.ratelimit.v3.RateLimitService/Other");
-    let e = grpc.unary(tonic::Request::new(request("d", "raw").encode_to_vec()), other, Raw).await.unwrap_err();
+    let e = grpc.unary(tonic::Request::new(request("d", "raw").encode_to_vec()), other, common::Raw).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unimplemented, "{e:?}");
 }

@@ -103,11 +103,20 @@ pub struct RequestBounds {
     pub key_bytes: usize,
     /// Longest entry value, in bytes.
     pub value_bytes: usize,
+    /// Whether a descriptor may carry its own `limit` (Envoy's `limit` override action,
+    /// envoyproxy/ratelimit's `RateLimitOverride`): whoever may call the data plane may
+    /// then set any client's limit. False refuses such a descriptor.
+    pub limits: bool,
+    /// The most requests a unit a descriptor's own `limit` may ask for; a larger one is
+    /// lowered to it. None: as sent.
+    pub limit_per_unit: Option<u64>,
 }
 
 impl RequestBounds {
-    /// 64 descriptors of 16 entries, keys of 256 bytes, values of 1 KiB.
-    pub const DEFAULT: Self = Self { descriptors: 64, entries: 16, key_bytes: 256, value_bytes: 1024 };
+    /// 64 descriptors of 16 entries, keys of 256 bytes, values of 1 KiB; a descriptor's
+    /// own limit taken as sent.
+    pub const DEFAULT: Self =
+        Self { descriptors: 64, entries: 16, key_bytes: 256, value_bytes: 1024, limits: true, limit_per_unit: None };
 }
 
 impl Default for RequestBounds {

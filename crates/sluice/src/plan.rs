@@ -167,13 +167,19 @@ pub(crate) fn plan<'r>(
     Ok(plan)
 }
 
-/// The policy of a limit that came with the request (Envoy's descriptor `limit`).
+/// The name of a limit that came with the request, as headers, metrics and the top
+/// lists call it.
+pub const REQUEST_LIMIT: &str = "request_limit";
+
+/// The policy of a limit that came with the request (Envoy's descriptor `limit`),
+/// lowered to `limiter.request_bounds.limit_per_unit`.
 fn request_policy(rules: &Rules, domain: &Domain, d: &Descriptor, di: usize) -> Result<Policy, RequestError> {
     let o = d.limit.expect("called for descriptors with a limit");
-    let limit = Limit::FixedWindow { limit: o.requests_per_unit, window: o.unit.millis(), aligned: false };
+    let most = rules.request_bounds.limit_per_unit.unwrap_or(u64::MAX);
+    let limit = Limit::FixedWindow { limit: o.requests_per_unit.min(most), window: o.unit.millis(), aligned: false };
     limit.validate().map_err(|source| RequestError::BadLimit { descriptor: di, source })?;
     Ok(Policy {
-        name: "override".into(),
+        name: REQUEST_LIMIT.into(),
         limit,
         shadow: false,
         failure: rules.default_failure,

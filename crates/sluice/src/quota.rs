@@ -217,6 +217,17 @@ pub struct Share {
     /// no need).
     #[serde(skip)]
     top_up: Millis,
+    /// Shares of the same bucket the caller serves that want more than their demand
+    /// (this one included): a fair part is never more than this share of what is left,
+    /// even before the others hold grants (at a window's start the store knows of none,
+    /// and the first shares to tick took the window between them: 7 of 2,000 streams
+    /// got it all).
+    #[serde(skip)]
+    peers: u64,
+    /// Whether the last tick's rate was set by the demand reported, not a fair part:
+    /// such a share leaves the fair parts to the others ([`Share::contends`]).
+    #[serde(skip)]
+    by_demand: bool,
 }
 
 impl Share {
@@ -225,8 +236,20 @@ impl Share {
         self.allowed = self.allowed.saturating_add(allowed);
         if elapsed_secs > 0 {
             self.demand = Some(allowed.saturating_add(denied) as f64 / elapsed_secs as f64);
-            self.interval = (elapsed_secs * 1_000).clamp(FILL, 60_000);
+            self.interval = elapsed_secs.saturating_mul(1_000).clamp(FILL, 60_000);
         }
+    }
+
+    /// Says how many shares of this bucket the caller serves that [contend](Self::contends),
+    /// this one included (see the field).
+    pub fn set_peers(&mut self, peers: u64) {
+        self.peers = peers;
+    }
+
+    /// Whether the share wants a fair part: its last rate was not set by the demand
+    /// reported (a new share, or one whose demand is more than a fair part).
+    pub fn contends(&self) -> bool {
+        !self.by_demand
     }
 
     /// The most the pieces of this window admit.
@@ -328,6 +351,7 @@ impl Share {
             return Ok(tick);
         }
         let by_demand = self.plan(now, ttl, cap);
+        self.by_demand = by_demand;
         let need = self.committed().saturating_sub(self.held);
         if need > 0 {
             let mut g = self.grant(limiter, target, need, need, now).await?;
@@ -395,7 +419,7 @@ impl Share {
         // the units held and not committed, and what the piece in force commits past the
         // moment a new one would replace it
         let own = self.held.saturating_sub(self.committed()) + last.map_or(0, |p| p.bound() - p.ending(now).bound());
-        let holders = self.holders + u64::from(self.grant.is_none());
+        let holders = (self.holders + u64::from(self.grant.is_none())).max(self.peers);
         let (mut rate, by_demand) = rate_for(self.demand, self.remaining, own, cap.saturating_sub(now), holders);
         if let Some(p) = last.filter(|p| p.rate.abs_diff(rate) * 5 <= p.rate) {
             rate = p.rate;

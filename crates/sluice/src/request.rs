@@ -104,6 +104,10 @@ pub enum RequestError {
          so it could never be admitted; send a cost of at most {capacity}"
     )]
     CostAboveCapacity { descriptor: usize, cost: u64, policy: String, capacity: u64 },
+    #[error(
+        "descriptors[{0}] carries its own limit, which this server does not take (limiter.request_bounds.limits: false)"
+    )]
+    LimitRefused(usize),
     #[error("descriptors[{descriptor}].limit: {source}")]
     BadLimit {
         descriptor: usize,
@@ -123,7 +127,7 @@ impl RequestError {
             RequestError::TooManyDescriptors { .. } | RequestError::TooManyEntries { .. } => "too_many_descriptors",
             RequestError::TooLong { .. } | RequestError::EmptyKey { .. } => "bad_entry",
             RequestError::CostAboveCapacity { .. } => "cost_above_capacity",
-            RequestError::BadLimit { .. } => "bad_limit",
+            RequestError::BadLimit { .. } | RequestError::LimitRefused(_) => "bad_limit",
             RequestError::BadLeaseId(_) => "bad_lease_id",
         }
     }
@@ -154,6 +158,9 @@ pub(crate) fn validate(req: &Request, bounds: &RequestBounds) -> Result<(), Requ
                     return Err(RequestError::TooLong { descriptor: di, entry: ei, field, len, max });
                 }
             }
+        }
+        if d.limit.is_some() && !bounds.limits {
+            return Err(RequestError::LimitRefused(di));
         }
         let cost = d.hits_addend.or(req.hits_addend).unwrap_or(1);
         if cost > MAX_EXACT {

@@ -266,7 +266,7 @@ impl Rules {
                 }
             }
         }
-        by_name.entry("override").or_default().extend(d.override_counters.top.as_ref());
+        by_name.entry(crate::plan::REQUEST_LIMIT).or_default().extend(d.override_counters.top.as_ref());
         for p in all {
             by_name.entry(&p.name).or_default().extend(p.counters.top.as_ref());
         }
@@ -331,7 +331,12 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
         client_key: d.client_key.clone(),
         root,
         counters: DomainCounters::new(&d.domain.0),
-        override_counters: Arc::new(PolicyCounters::new(&d.domain.0, "override", false, inherited.lists())),
+        override_counters: Arc::new(PolicyCounters::new(
+            &d.domain.0,
+            crate::plan::REQUEST_LIMIT,
+            false,
+            inherited.lists(),
+        )),
     })
 }
 

@@ -363,3 +363,35 @@ async fn shadow_mode_is_a_rules_own() {
     assert!(!v.allowed(), "the nested rule is enforced");
     assert!(!v.descriptors[0].policies[0].anonymous);
 }
+
+/// A descriptor's own `limit` (Envoy's override action) is taken as sent by default,
+/// named `request_limit`; `request_bounds.limit_per_unit` lowers it, and
+/// `request_bounds.limits: false` refuses it.
+#[tokio::test]
+async fn request_limits_can_be_capped_or_refused() {
+    let with = |bounds: &str| {
+        let domains = user_per_minute(5);
+        let limiter = format!(r#"{{"limiter":{{"request_bounds":{{{bounds}}}}},{}"#, &domains[1..]);
+        limiter
+    };
+    let mut r = req("d", &[&[("user", "big")]]);
+    r.descriptors[0].limit =
+        Some(sluice::LimitOverride { requests_per_unit: u64::from(u32::MAX), unit: sluice::config::Unit::Second });
+    let (l, _) = limiter(&with(""));
+    let v = l.check(&r).await.unwrap();
+    let p = v.binding().unwrap();
+    assert_eq!((&*p.name, p.decision.limit), ("request_limit", u64::from(u32::MAX)));
+    let (l, _) = limiter(&with(r#""limit_per_unit":100"#));
+    let v = l.check(&r).await.unwrap();
+    assert_eq!(v.binding().unwrap().decision.limit, 100, "lowered to the cap");
+    let (l, _) = limiter(&with(r#""limits":false"#));
+    match l.check(&r).await {
+        Err(CheckError::Request(e @ RequestError::LimitRefused(0))) => {
+            assert!(e.to_string().contains("limiter.request_bounds.limits"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // without a limit of its own, the same descriptor is decided by the config
+    r.descriptors[0].limit = None;
+    assert_eq!(l.check(&r).await.unwrap().binding().unwrap().decision.limit, 5);
+}

@@ -184,3 +184,57 @@ pub fn rss_of(pid: u32) -> u64 {
     let kb = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap();
     kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
 }
+
+/// A codec that sends and receives raw bytes, to send what no generated client would.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Raw;
+
+impl tonic::codec::Codec for Raw {
+    type Encode = Vec<u8>;
+    type Decode = Vec<u8>;
+    type Encoder = Raw;
+    type Decoder = Raw;
+    fn encoder(&mut self) -> Raw {
+        Raw
+    }
+    fn decoder(&mut self) -> Raw {
+        Raw
+    }
+}
+
+impl tonic::codec::Encoder for Raw {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn encode(&mut self, item: Vec<u8>, dst: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        bytes::BufMut::put_slice(dst, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Decoder for Raw {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+    fn decode(&mut self, src: &mut tonic::codec::DecodeBuf<'_>) -> Result<Option<Vec<u8>>, tonic::Status> {
+        let v = bytes::Buf::chunk(src).to_vec();
+        bytes::Buf::advance(src, v.len());
+        Ok(Some(v))
+    }
+}
+
+/// `n` domains `d0` .. `d{n-1}`, each with one rule (`user`, `limit` an hour), as the
+/// `domains:` section of a config: a large config.
+pub fn many_domains(n: usize, limit: u64) -> String {
+    (0..n)
+        .map(|i| {
+            format!("  - domain: d{i}\n    descriptors:\n      - key: user\n        rate_limit: {{unit: hour, requests_per_unit: {limit}}}\n")
+        })
+        .collect()
+}
+
+/// The CPU time process `pid` has used, in clock ticks (1/100 s): user and system.
+pub fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+    // utime and stime, the 14th and 15th fields (12th and 13th after the name)
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
