@@ -7,7 +7,9 @@ use serde::{Deserialize, Deserializer, Serialize};
 use sluice::algo::Limit;
 use sluice::config::Unit;
 use sluice::time::ceil_secs;
-use sluice::{Code, Descriptor, DescriptorVerdict, Entry, LimitOverride, PolicyDecision, Request, Source, Verdict};
+use sluice::{
+    Code, Descriptor, DescriptorVerdict, Entry, LimitOverride, Outcome, PolicyDecision, Request, Source, Verdict,
+};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -200,7 +202,11 @@ fn status_json(d: &DescriptorVerdict, now: u64) -> StatusJson<'_> {
 
 /// The response body for a verdict.
 pub fn response_json(v: &Verdict) -> ResponseJson<'_> {
-    let overall = if v.allowed() { Code::Ok } else { Code::OverLimit };
+    let overall = match v.outcome {
+        Outcome::Allowed => Code::Ok,
+        Outcome::OverLimit => Code::OverLimit,
+        Outcome::Unavailable => Code::Unavailable,
+    };
     ResponseJson {
         overall_code: overall.as_str(),
         statuses: v.descriptors.iter().map(|d| status_json(d, v.now)).collect(),

@@ -207,7 +207,7 @@ fn options(c: &RedisConnectionConfig) -> Result<RedisOptions, BuildError> {
 }
 
 /// Reads the TLS files a store names.
-fn tls(files: Option<&TlsConfig>) -> Result<Option<Tls>, BuildError> {
+pub fn tls(files: Option<&TlsConfig>) -> Result<Option<Tls>, BuildError> {
     let Some(f) = files else { return Ok(None) };
     let read = |what: &'static str, p: &std::path::Path| {
         std::fs::read(p).map_err(|source| BuildError::TlsFile { what, path: p.display().to_string(), source })

@@ -2,7 +2,11 @@
 //! rules already check: `sluice config check` and `sluice serve` both run them (through
 //! `load::compile`), so a file the check passes is one `serve` takes.
 
-use crate::config::ServerConfig;
+use crate::build::{BuildError, supports, tls};
+use crate::config::{ServerConfig, StoreConfig};
+use sluice::rules::Rules;
+use sluice::store::MemcachedStore;
+use sluice::store::redis::check_url;
 
 /// The shortest credential accepted: 16 bytes, 128 bits when drawn at random (as
 /// `openssl rand -hex 16` gives 32 characters). A shorter one can be guessed online, and
@@ -40,6 +44,65 @@ pub fn server(server: &ServerConfig) -> Result<(), CheckError> {
              served only behind the admin token; set server.admin_token (or ui: false)"
                 .into(),
         ));
+    }
+    Ok(())
+}
+
+/// The `store` section's checks, against the rules it must run: what building the store
+/// would refuse, found without connecting to it (addresses that do not parse, TLS files
+/// that cannot be read, rules the store cannot run, a percentage past 100). Whether the
+/// store answers, and runs a Redis new enough, only `serve` can tell (`/readyz`).
+pub fn store(store: &StoreConfig, rules: &Rules) -> Result<(), CheckError> {
+    let at = |key: &str, e: &dyn std::fmt::Display| CheckError::at(&["store", key], e.to_string());
+    supports(store, rules).map_err(|e| at("kind", &e))?;
+    let urls = |key: &str, urls: &mut dyn Iterator<Item = &String>| {
+        for u in urls {
+            check_url(u).map_err(|_| {
+                let fix = "write redis://HOST:PORT (rediss:// for TLS, redis+unix:///PATH for a socket)";
+                CheckError::at(&["store", key, u], format!("store.{key}: not a Redis URL; {fix}"))
+            })?;
+        }
+        Ok(())
+    };
+    match store {
+        StoreConfig::Memory { .. } => {}
+        StoreConfig::Redis { url, replicas, connection } => {
+            urls("url", &mut std::iter::once(url))?;
+            urls("replicas", &mut replicas.iter())?;
+            tls(connection.tls.as_ref()).map_err(|e| at("tls", &e))?;
+        }
+        StoreConfig::RedisSentinel(c) => {
+            tls(c.connection.tls.as_ref()).map_err(|e| at("tls", &e))?;
+            if c.sentinels.is_empty() {
+                return Err(at("sentinels", &"store.sentinels is empty: list at least one Sentinel host:port"));
+            }
+        }
+        StoreConfig::RedisCluster { nodes, tls: files, .. } => {
+            if nodes.is_empty() {
+                return Err(at("nodes", &"store.nodes is empty: list at least one cluster node"));
+            }
+            urls("nodes", &mut nodes.iter())?;
+            tls(files.as_ref()).map_err(|e| at("tls", &e))?;
+        }
+        StoreConfig::RedisSharded { shards, connection } => {
+            if shards.is_empty() {
+                return Err(at("shards", &BuildError::NoShards));
+            }
+            for shard in shards {
+                urls("shards", &mut std::iter::once(&shard.primary).chain(&shard.replicas))?;
+            }
+            tls(connection.tls.as_ref()).map_err(|e| at("tls", &e))?;
+        }
+        StoreConfig::Memcached { servers, timeout } => {
+            MemcachedStore::new(servers, timeout.to_std()).map_err(|e| at("servers", &e))?;
+        }
+        StoreConfig::Migrating { from, to, percent } => {
+            if *percent > 100 {
+                return Err(at("percent", &BuildError::Percent(*percent)));
+            }
+            self::store(from, rules)?;
+            self::store(to, rules)?;
+        }
     }
     Ok(())
 }

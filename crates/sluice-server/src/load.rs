@@ -36,10 +36,16 @@ pub struct Loaded {
     pub rules: Rules,
 }
 
-/// `sluice config check FILE`: loads the file, or says where it is wrong.
+/// `sluice config check FILE`: loads the file and runs every check `serve` runs that
+/// needs no network, or says where it is wrong. What only the store can say (that it
+/// answers, that a Redis is new enough) is checked by `serve`, and shown by `/readyz`.
 pub fn check(file: &Path) -> Result<(), ConfigError> {
-    load_file(file)?;
-    println!("{}: ok", file.display());
+    let loaded = load_file(file)?;
+    let store = match loaded.config.store {
+        crate::config::StoreConfig::Memory { .. } => String::new(),
+        _ => " (the store is not contacted: that it answers, and runs Redis 7.0 or newer, `sluice serve` checks at start and `/readyz` shows)".into(),
+    };
+    println!("{}: ok{store}", file.display());
     Ok(())
 }
 
@@ -176,11 +182,8 @@ fn compile(config: Config, text: &str, file: &str) -> Result<Loaded, ConfigError
         at: locate(text, &e.anchors),
         message: e.to_string(),
     })?;
-    crate::checks::server(&config.server).map_err(|e| ConfigError {
-        file: file.to_string(),
-        at: locate(text, &e.anchors),
-        message: e.message,
-    })?;
+    let checked = crate::checks::server(&config.server).and_then(|()| crate::checks::store(&config.store, &rules));
+    checked.map_err(|e| ConfigError { file: file.to_string(), at: locate(text, &e.anchors), message: e.message })?;
     Ok(Loaded { config, rules })
 }
 
@@ -218,7 +221,48 @@ pub fn load_str(text: &str, file: &str) -> Result<Loaded, ConfigError> {
 /// config (YAML itself calls it no document at all).
 fn parse_config(text: &str, file: &str) -> Result<Config, ConfigError> {
     let blank = text.lines().all(|l| l.trim().is_empty() || l.trim_start().starts_with('#'));
-    if blank { Ok(Config::default()) } else { parse(text, file) }
+    if blank {
+        return Ok(Config::default());
+    }
+    // an error the YAML library could not place (inside a section of several kinds, such
+    // as `store`, it names the file's start) is placed at its section's key, and named
+    parse(text, file).map_err(|e| match e.at {
+        Some(at) if at != (1, 1) => e,
+        _ => section_error(text, file).unwrap_or(e),
+    })
+}
+
+/// `msg` with what to write instead, where the library's words do not say.
+fn with_fix(mut msg: String) -> String {
+    if msg.contains("socket address") {
+        msg += "; write IP:PORT, e.g. 127.0.0.1:9000, or [::]:9000 for every address (a host name such as localhost is not taken)";
+    }
+    msg
+}
+
+/// The error of the section that does not parse, named (`store: missing field `url``)
+/// and placed at its key: an error inside a section of several kinds (`store`,
+/// `telemetry`) is placed by the YAML library at the start of the file, without a path.
+fn section_error(text: &str, file: &str) -> Option<ConfigError> {
+    let doc: serde_norway::Value = serde_norway::from_str(text).ok()?;
+    for (key, value) in doc.as_mapping()? {
+        let key = key.as_str()?;
+        let err = |e: serde_norway::Error| with_fix(without_position(e.to_string()));
+        let message = match key {
+            "server" => serde_norway::from_value::<crate::config::ServerConfig>(value.clone()).err().map(err),
+            "store" => serde_norway::from_value::<crate::config::StoreConfig>(value.clone()).err().map(err),
+            "limiter" => serde_norway::from_value::<LimiterConfig>(value.clone()).err().map(err),
+            "telemetry" => serde_norway::from_value::<crate::otel::TelemetryConfig>(value.clone()).err().map(err),
+            "log" => serde_norway::from_value::<crate::logs::LogConfig>(value.clone()).err().map(err),
+            _ => None,
+        };
+        if let Some(message) = message {
+            let at = locate(text, &[key.to_string()]);
+            let fix = missing_field_fix(&message).map_or(String::new(), |f| format!("; {f}"));
+            return Some(ConfigError { file: file.to_string(), at, message: format!("{key}: {message}{fix}") });
+        }
+    }
+    None
 }
 
 /// YAML into `T`, with errors at file:line:col.
@@ -227,7 +271,7 @@ fn parse<T: serde::de::DeserializeOwned>(text: &str, file: &str) -> Result<T, Co
     serde_norway::from_str(text).map_err(|e| {
         // the library writes "at line L column C" into its message; the position goes in
         // front instead
-        let msg = without_position(e.to_string());
+        let msg = with_fix(without_position(e.to_string()));
         // A value that fails its own check (a unit, a duration, a name) is reported at
         // the start of the mapping holding it; our messages quote the value in
         // backticks, so look for it from there.
@@ -238,6 +282,25 @@ fn parse<T: serde::de::DeserializeOwned>(text: &str, file: &str) -> Result<T, Co
                 .map_or(within(text, l.line(), l.column()), |i| position(text, i))
         });
         err(at, msg)
+    })
+}
+
+/// What to write for a field a store kind requires, when `message` says it is missing.
+fn missing_field_fix(message: &str) -> Option<&'static str> {
+    let field = message.strip_prefix("missing field `")?.split('`').next()?;
+    Some(match field {
+        "url" => "add `url: redis://HOST:PORT`",
+        "nodes" => "add `nodes: [redis://HOST:PORT, ...]` (any nodes of the cluster)",
+        "servers" => "add `servers: [HOST:PORT, ...]`",
+        "sentinels" => "add `sentinels: [HOST:PORT, ...]`",
+        "master_name" => "add `master_name:` the name the Sentinels monitor",
+        "shards" => "add `shards: [{primary: redis://HOST:PORT}, ...]`",
+        "from" | "to" => {
+            "a migrating store needs `from:` and `to:`, each a store (`{kind: memcached, servers: [...]}`)"
+        }
+        "percent" => "add `percent: 0` (the share of clients on `to`)",
+        "kind" => "add `kind:` memory, redis, redis_sentinel, redis_cluster, redis_sharded, memcached or migrating",
+        _ => return None,
     })
 }
 

@@ -224,7 +224,6 @@ async fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Confi
         _ => None,
     };
     if same_store(&config.store, &current.store) {
-        build::supports(&config.store, &rules)?;
         if let (StoreConfig::Migrating { percent, .. }, Some(m)) = (&config.store, &*state.migration.load()) {
             if *percent != m.percent() {
                 tracing::info!(from = m.percent(), to = percent, "config reload: migration percentage changed");

@@ -98,7 +98,10 @@ fn response(v: &Verdict, engine: &crate::state::Engine, req: &Request) -> RateLi
             DescriptorStatus {
                 code: match d.code {
                     sluice::Code::Ok => Code::Ok,
-                    sluice::Code::OverLimit => Code::OverLimit,
+                    // a descriptor refused by a fail-closed policy beside one over its limit
+                    // (a request refused only so is answered UNAVAILABLE): Envoy has no
+                    // code for it, and x-sluice-degraded says why
+                    sluice::Code::OverLimit | sluice::Code::Unavailable => Code::OverLimit,
                 } as i32,
                 current_limit: binding.map(|p| RateLimit {
                     // a limit the config did not name is reported without one, as theirs

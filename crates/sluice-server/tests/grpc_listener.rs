@@ -4,8 +4,6 @@
 
 mod common;
 
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::RateLimitQuotaUsageReports;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_client::RateLimitQuotaServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
@@ -14,19 +12,7 @@ use std::io::Read;
 use std::time::{Duration, Instant};
 
 fn request(user: &str) -> RateLimitRequest {
-    RateLimitRequest {
-        domain: "d".into(),
-        descriptors: vec![RateLimitDescriptor {
-            entries: vec![Entry { key: "user".into(), value: user.into() }],
-            ..Default::default()
-        }],
-        hits_addend: 1,
-    }
-}
-
-/// The value of the series `name` (with its labels, as written) in a scrape, 0 if absent.
-fn series(scrape: &str, name: &str) -> f64 {
-    scrape.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
+    common::rls_request("d", &[("user", user)])
 }
 
 /// Opens N connections to HOST:PORT that send nothing, prints `opened K`, then reads
@@ -136,13 +122,16 @@ async fn idle_connections_cannot_exhaust_the_grpc_port() {
     .unwrap();
     let scrape = common::metrics(&reqwest::Client::new(), &s.base).await;
     assert_eq!(closed, opened, "idle connections closed within 3.5 s of the last one opened:\n{scrape}");
-    assert!(series(&scrape, "sluice_grpc_connections_over_limit_total") > 0.0, "{scrape}");
-    assert!(series(&scrape, "sluice_grpc_connections_closed_total{reason=\"first_call\"}") >= 3_000.0, "{scrape}");
+    assert!(common::series(&scrape, "sluice_grpc_connections_over_limit_total") > 0.0, "{scrape}");
+    assert!(
+        common::series(&scrape, "sluice_grpc_connections_closed_total{reason=\"first_call\"}") >= 3_000.0,
+        "{scrape}"
+    );
     assert!(s.log().contains("gRPC connection limit reached"), "{}", s.log());
     // the connection in use outlived the deadline, and now only it is open
     envoy.should_rate_limit(request("after")).await.expect("the busy connection is still served");
     let scrape = common::metrics(&reqwest::Client::new(), &s.base).await;
-    assert_eq!(series(&scrape, "sluice_grpc_connections"), 1.0, "{scrape}");
+    assert_eq!(common::series(&scrape, "sluice_grpc_connections"), 1.0, "{scrape}");
 }
 
 /// A connection with no call open for `grpc_idle_timeout` is closed, and a call in
@@ -163,8 +152,8 @@ async fn a_connection_without_calls_is_closed_at_the_idle_timeout() {
     });
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     let scrape = common::metrics(&client, &s.base).await;
-    assert_eq!(series(&scrape, "sluice_grpc_connections_closed_total{reason=\"idle\"}"), 1.0, "{scrape}");
-    assert_eq!(series(&scrape, "sluice_grpc_connections"), 1.0, "the stream's connection stays: {scrape}");
+    assert_eq!(common::series(&scrape, "sluice_grpc_connections_closed_total{reason=\"idle\"}"), 1.0, "{scrape}");
+    assert_eq!(common::series(&scrape, "sluice_grpc_connections"), 1.0, "the stream's connection stays: {scrape}");
     assert!(!stream.is_finished(), "the stream was ended");
     stream.abort();
     // the closed one is opened again by the client, and served

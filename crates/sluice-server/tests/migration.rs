@@ -104,3 +104,38 @@ async fn memcached_to_redis_at_0_50_100_and_back() {
     let m = common::metrics(&client, &s.base).await;
     assert!(m.contains("sluice_admin_actions_total{action=\"migration_percent\"} 4"), "{m}");
 }
+
+/// A client refused on the old backend and moved by a new percentage starts afresh on
+/// the new one at its next request: the refusal the near-cache remembered was the old
+/// backend's. (It was answered 429 from the near-cache while the new backend held
+/// nothing, until the old window ended.)
+#[tokio::test]
+async fn a_moved_client_is_not_refused_from_the_near_cache() {
+    let (memcached, redis) = (MemcachedServer::start(), RedisServer::start());
+    let sections = format!(
+        "  admin_token: {TOKEN}\nstore:\n  kind: migrating\n  percent: 0\n  from: {{kind: memcached, servers: [\"{}\"]}}\n  to: {{kind: redis, url: \"{}\"}}\n",
+        memcached.addr(),
+        redis.url()
+    );
+    let s = start_with(
+        &sections,
+        "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 3}\n",
+    );
+    let client = reqwest::Client::new();
+    let statuses = |n: usize| {
+        let (client, base) = (client.clone(), s.base.clone());
+        async move {
+            let mut out = Vec::new();
+            for _ in 0..n {
+                out.push(common::hit(&client, &base, "d", &[("user", "m1")]).await.status().as_u16());
+            }
+            out
+        }
+    };
+    assert_eq!(statuses(5).await, [200, 200, 200, 429, 429]);
+    set_percent(&client, &s.base, 100).await;
+    assert_eq!(statuses(4).await, [200, 200, 200, 429], "afresh on the new backend");
+    set_percent(&client, &s.base, 0).await;
+    // back on the old backend, whose window still holds the three
+    assert_eq!(statuses(1).await, [429]);
+}

@@ -56,6 +56,49 @@ fn a_config_without_domains_is_refused() {
     }
 }
 
+/// What `serve` refuses without touching the network, `config check` refuses too, with
+/// the same words: a store that cannot run the rules, the live page without a token, a
+/// Redis URL without its scheme; and each error says what to write instead.
+#[test]
+fn config_check_refuses_what_serve_refuses() {
+    let dir = TempDir::new("sluice-check");
+    let rule = "domains:\n  - domain: d\n    descriptors:\n      - key: user\n";
+    let fixed = "        rate_limit: {unit: hour, requests_per_unit: 5}\n";
+    let bucket = "        policies: [{name: b, token_bucket: {rate: 1, per: 1s, burst: 5}}]\n";
+    let granted = "        policies: [{name: f, fixed_window: {limit: 5, window: 1h}, grants: auto}]\n";
+    let memcached = "store: {kind: memcached, servers: [\"127.0.0.1:11211\"]}\n";
+    for (name, text, says) in [
+        ("memcached-bucket", format!("{memcached}{rule}{bucket}"), "store memcached runs fixed windows only"),
+        ("memcached-grants", format!("{memcached}{rule}{granted}"), "grants"),
+        ("ui", format!("server: {{ui: true}}\n{rule}{fixed}"), "set server.admin_token"),
+        ("url", format!("store: {{kind: redis, url: 127.0.0.1:6379}}\n{rule}{fixed}"), "write redis://HOST:PORT"),
+        (
+            "no-url",
+            format!("store: {{kind: redis}}\n{rule}{fixed}"),
+            "store: missing field `url`; add `url: redis://HOST:PORT`",
+        ),
+        ("http", format!("server: {{http: \"9000\"}}\n{rule}{fixed}"), "write IP:PORT, e.g. 127.0.0.1:9000"),
+    ] {
+        let file = dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&file, &text).unwrap();
+        let mut said = Vec::new();
+        for args in [&["config", "check"][..], &["serve", "--config"][..]] {
+            let out = std::process::Command::new(bin()).args(args).arg(&file).output().unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+            assert!(!out.status.success(), "{name}: `sluice {}` accepted it", args.join(" "));
+            assert!(stderr.contains(says) && stderr.contains(&format!("{name}.yaml:")), "{name}: {stderr}");
+            said.push(stderr.lines().find(|l| l.contains(says)).unwrap_or_default().to_string());
+        }
+        assert!(said[1].contains(said[0].trim_start_matches("error: ")), "{name}: check and serve differ: {said:?}");
+    }
+    // and a file it passes says what it could not check
+    let file = dir.path().join("ok.yaml");
+    std::fs::write(&file, format!("store: {{kind: redis, url: \"redis://127.0.0.1:1\"}}\n{rule}{fixed}")).unwrap();
+    let out = std::process::Command::new(bin()).args(["config", "check"]).arg(&file).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("the store is not contacted"), "{stdout}");
+}
+
 /// A reload of an emptied file is refused (the domains keep serving), and a file an
 /// editor truncates and then writes is read whole: none of ten such edits is refused.
 #[tokio::test]

@@ -181,6 +181,24 @@ async fn fail_closed_refuses_with_503() {
     assert_eq!(header(&r, "retry-after"), "1");
     let json: serde_json::Value = r.json().await.unwrap();
     assert_eq!(json["degraded"], "fail-closed");
+    // one account of it: refused as unavailable, not over a limit, in the body's every
+    // code (it said OVER_LIMIT overall and OK inside)
+    assert_eq!(
+        (&json["overall_code"], &json["statuses"][0]["code"], &json["statuses"][0]["policies"][0]["source"]),
+        (&"UNAVAILABLE".into(), &"UNAVAILABLE".into(), &"degraded".into()),
+        "{json}"
+    );
+    // Envoy's answer says the same: the call is UNAVAILABLE (Envoy's failure_mode_deny
+    // then decides, as for a rate limit service that cannot answer)
+    let mut rls =
+        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
+            format!("http://{}", s.grpc),
+        )
+        .await
+        .unwrap();
+    let e = rls.should_rate_limit(common::rls_request("d", &[("user", "c")])).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("fail-closed"), "{e:?}");
 }
 
 /// Redis unreachable at start: sluice starts anyway (`/healthz` 200, `/readyz` 503) and

@@ -57,11 +57,6 @@ async fn ends(answers: &mut Streaming<RateLimitQuotaResponse>, limit: Duration) 
     end.await.expect("the stream did not end")
 }
 
-/// The value of a series, as written in a scrape.
-fn series(scrape: &str, name: &str) -> f64 {
-    scrape.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
-}
-
 /// A report past `max_buckets_per_stream`, or past the instance's `max_buckets`, ends its
 /// stream with RESOURCE_EXHAUSTED naming the bound, before any store call; a report of
 /// 100,000 buckets (2.4 MB) is refused as it arrives, without the memory or the
@@ -85,7 +80,7 @@ async fn reports_past_the_bucket_bounds_are_refused() {
     assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
     assert!(e.message().contains("server.rlqs.max_buckets (150)"), "{e:?}");
     let scrape = common::metrics(&reqwest::Client::new(), &s.base).await;
-    assert_eq!(series(&scrape, "sluice_rlqs_buckets{domain=\"edge\"}"), 100.0, "{scrape}");
+    assert_eq!(common::series(&scrape, "sluice_rlqs_buckets{domain=\"edge\"}"), 100.0, "{scrape}");
     // 100,000 buckets in one message
     let rss = common::rss_of(s.process.pid());
     let (tx3, mut a3) = open(&mut c).await;
@@ -111,7 +106,7 @@ async fn silent_streams_are_counted_and_ended() {
         open_streams.push(open(&mut c).await);
     }
     let scrape = common::metrics(&reqwest::Client::new(), &s.base).await;
-    assert_eq!(series(&scrape, "sluice_rlqs_streams{domain=\"\"}"), 40.0, "{scrape}");
+    assert_eq!(common::series(&scrape, "sluice_rlqs_streams{domain=\"\"}"), 40.0, "{scrape}");
     let (_tx, rx) = mpsc::channel::<RateLimitQuotaUsageReports>(1);
     let reports = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
     let e = c.stream_rate_limit_quotas(reports).await.expect_err("a 41st stream from one peer");
@@ -122,7 +117,7 @@ async fn silent_streams_are_counted_and_ended() {
         assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
     }
     let scrape = common::metrics(&reqwest::Client::new(), &s.base).await;
-    assert_eq!(series(&scrape, "sluice_rlqs_streams{domain=\"\"}"), 0.0, "{scrape}");
+    assert_eq!(common::series(&scrape, "sluice_rlqs_streams{domain=\"\"}"), 0.0, "{scrape}");
     // their places are free again
     let (tx, mut answers) = open(&mut c).await;
     tx.send(report(["hot".to_string()], 1, 1)).await.unwrap();
@@ -165,7 +160,7 @@ async fn malformed_and_absurd_reports() {
         assert!((1..=10).contains(&ttl), "a TTL of {ttl} s");
     }
     let scrape = common::metrics(&reqwest::Client::new(), &s.base).await;
-    let reported = series(&scrape, "sluice_rlqs_requests_reported_total{domain=\"edge\",outcome=\"allowed\"}");
+    let reported = common::series(&scrape, "sluice_rlqs_requests_reported_total{domain=\"edge\",outcome=\"allowed\"}");
     assert_eq!(reported, 2.0 * f64::from(u32::MAX), "{scrape}");
 }
 

@@ -455,7 +455,7 @@ impl Limiter {
         let Plan { domain, mut descriptors, groups } =
             plan(&self.rules, &self.overrides.current(), req, mode, lease, now)?;
         if let Some(cache) = &self.near_cache {
-            cache.sync(self.overrides.generation());
+            cache.sync(self.overrides.generation(), self.store.routing());
         }
         if self.sweep.due(now, SWEEP_EVERY) {
             let mut out = Leftovers::default();
@@ -834,13 +834,18 @@ struct Tally {
     degraded: Option<Failure>,
 }
 
-/// Marks each descriptor refused by an enforced policy, and says what the request gets.
+/// Marks each descriptor refused by an enforced policy (over its limit), or by a
+/// fail-closed policy whose store did not answer (unavailable), and says what the
+/// request gets.
 fn outcome(allowed: bool, descriptors: &mut [DescriptorVerdict]) -> Outcome {
     let mut over_limit = false;
     for d in descriptors {
-        if d.policies.iter().any(|p| !p.shadow && !p.decision.allowed && p.source != Source::Degraded) {
+        let refused = |p: &&crate::PolicyDecision| !p.shadow && !p.decision.allowed;
+        if d.policies.iter().filter(refused).any(|p| p.source != Source::Degraded) {
             d.code = Code::OverLimit;
             over_limit = true;
+        } else if d.policies.iter().any(|p| refused(&p)) {
+            d.code = Code::Unavailable;
         }
     }
     match (allowed, over_limit) {

@@ -34,6 +34,8 @@ pub struct NearCache {
     hits: AtomicU64,
     /// The generation of the overrides the entries were cached under (see [`NearCache::sync`]).
     generation: AtomicU64,
+    /// The store's routing the entries were cached under.
+    routing: AtomicU64,
 }
 
 impl NearCache {
@@ -44,6 +46,7 @@ impl NearCache {
             per_shard: capacity.div_ceil(SHARDS).max(1),
             hits: AtomicU64::new(0),
             generation: AtomicU64::new(0),
+            routing: AtomicU64::new(0),
         }
     }
 
@@ -88,13 +91,16 @@ impl NearCache {
     }
 
     /// Drops every entry when `generation` (of [`crate::overrides::Overrides`]) moved: a
-    /// client reset, or overrides changed, on some instance of the fleet. Costs one atomic
-    /// load when nothing moved.
-    pub fn sync(&self, generation: u64) {
-        if self.generation.load(Ordering::Acquire) == generation {
+    /// client reset, or overrides changed, on some instance of the fleet; or when
+    /// `routing` (the store's [`crate::store::Store::routing`]) moved: clients moved to
+    /// another backend, which holds none of the counts the entries came from. Costs two
+    /// atomic loads when nothing moved.
+    pub fn sync(&self, generation: u64, routing: u64) {
+        if self.generation.load(Ordering::Acquire) == generation && self.routing.load(Ordering::Acquire) == routing {
             return;
         }
         self.generation.store(generation, Ordering::Release);
+        self.routing.store(routing, Ordering::Release);
         for s in &self.shards {
             s.lock().unwrap_or_else(|p| p.into_inner()).clear();
         }
@@ -134,10 +140,15 @@ mod tests {
         c.put(Tag(1), &lease, &denied(500), 1500);
         assert!(c.get(Tag(1), &lease, 1600).is_none(), "concurrency refusals are never cached");
         c.put(Tag(1), &op, &denied(500), 1500);
-        c.sync(0);
+        c.sync(0, 0);
         assert!(c.get(Tag(1), &op, 1700).is_some(), "the same generation keeps entries");
-        c.sync(1);
+        c.sync(1, 0);
         assert!(c.get(Tag(1), &op, 1700).is_none(), "a new generation drops them");
+        c.put(Tag(1), &op, &denied(500), 1500);
+        c.sync(1, 0);
+        assert!(c.get(Tag(1), &op, 1700).is_some());
+        c.sync(1, 100);
+        assert!(c.get(Tag(1), &op, 1700).is_none(), "a new routing (a migration moved) drops them");
     }
 
     #[test]

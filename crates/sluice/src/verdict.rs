@@ -32,14 +32,20 @@ pub enum Outcome {
 pub enum Code {
     Ok,
     OverLimit,
+    /// Refused by a fail-closed policy because the store did not answer: no limit was
+    /// passed. Envoy has no such code: a request refused only so is answered the gRPC
+    /// status `UNAVAILABLE` (Envoy's `failure_mode_deny` decides), and such a descriptor
+    /// beside one over its limit `OVER_LIMIT`, with `x-sluice-degraded: fail-closed`.
+    Unavailable,
 }
 
 impl Code {
-    /// Envoy's name for the code.
+    /// Envoy's name for the code (`UNAVAILABLE` is Sluice's own, in its HTTP API).
     pub fn as_str(self) -> &'static str {
         match self {
             Code::Ok => "OK",
             Code::OverLimit => "OVER_LIMIT",
+            Code::Unavailable => "UNAVAILABLE",
         }
     }
 }

@@ -238,3 +238,26 @@ pub fn cpu_ticks(pid: u32) -> u64 {
     // utime and stime, the 14th and 15th fields (12th and 13th after the name)
     fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
 }
+
+/// Envoy's RLS request for one descriptor of `entries` in `domain`, cost 1.
+pub fn rls_request(
+    domain: &str,
+    entries: &[(&str, &str)],
+) -> envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
+        RateLimitDescriptor, rate_limit_descriptor::Entry,
+    };
+    envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest {
+        domain: domain.into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: entries.iter().map(|(k, v)| Entry { key: (*k).into(), value: (*v).into() }).collect(),
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    }
+}
+
+/// The value of the series `name` (with its labels, as written) in a scrape; 0 if absent.
+pub fn series(scrape: &str, name: &str) -> f64 {
+    scrape.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
+}

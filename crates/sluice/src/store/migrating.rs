@@ -62,6 +62,9 @@ impl Router for MigratingStore {
     fn kind(&self) -> &'static str {
         "migrating"
     }
+    fn routing(&self) -> u64 {
+        u64::from(self.percent())
+    }
 }
 
 #[cfg(test)]

@@ -292,6 +292,13 @@ pub trait Store: Send + Sync + 'static {
         true
     }
 
+    /// A number that moves whenever clients may have moved to another backend (a
+    /// migration's percentage): a refusal remembered in process (the near-cache) was the
+    /// old backend's, and is let go of.
+    fn routing(&self) -> u64 {
+        0
+    }
+
     /// A short name for logs and metrics.
     fn kind(&self) -> &'static str;
 }
@@ -332,6 +339,10 @@ pub trait Router: Send + Sync + 'static {
     }
     /// The store kind, for logs and metrics.
     fn kind(&self) -> &'static str;
+    /// See [`Store::routing`]: what moves when clients move between the stores.
+    fn routing(&self) -> u64 {
+        0
+    }
 }
 
 #[async_trait]
@@ -388,5 +399,8 @@ impl<R: Router> Store for R {
     }
     fn kind(&self) -> &'static str {
         Router::kind(self)
+    }
+    fn routing(&self) -> u64 {
+        Router::routing(self)
     }
 }

@@ -286,6 +286,9 @@ impl<S: Store> Store for Resilient<S> {
     fn kind(&self) -> &'static str {
         self.inner.kind()
     }
+    fn routing(&self) -> u64 {
+        self.inner.routing()
+    }
 }
 
 #[cfg(test)]

@@ -471,7 +471,16 @@ fn client(url: &str, options: &RedisOptions) -> Result<redis::Client, StoreError
         Some(tls) => redis::Client::build_with_tls(url, tls.certificates()),
         None => redis::Client::open(url),
     }
-    .map_err(|e| StoreError::unavailable(format!("invalid redis url {}: {e}", redacted(url))).because(e))
+    .map_err(|e| {
+        let hint = "write redis://HOST:PORT (rediss:// for TLS, redis+unix:///PATH for a socket)";
+        StoreError::unavailable(format!("invalid redis url {}: {e}; {hint}", redacted(url))).because(e)
+    })
+}
+
+/// Whether `url` is a Redis URL a store can be opened on: what building the store would
+/// refuse, found without connecting (`sluice config check`).
+pub fn check_url(url: &str) -> Result<(), StoreError> {
+    client(url, &RedisOptions::default()).map(drop)
 }
 
 /// A connection to `url` that reconnects by itself (up to `retries` times a call),
