@@ -135,6 +135,18 @@ pub enum AdminError {
     Refused { status: u16, message: String },
 }
 
+/// Whether the server at `authority` sends an HTTP/2 settings frame before it is asked
+/// anything, as a gRPC server does (an HTTP/1 server waits for the request).
+async fn speaks_http2(authority: &str) -> bool {
+    let first = async {
+        let mut stream = tokio::net::TcpStream::connect(authority).await.ok()?;
+        let mut head = [0u8; 9];
+        tokio::io::AsyncReadExt::read_exact(&mut stream, &mut head).await.ok()?;
+        Some(head[3] == 0x04)
+    };
+    tokio::time::timeout(std::time::Duration::from_millis(500), first).await.ok().flatten().unwrap_or(false)
+}
+
 /// Runs one admin command.
 pub async fn run(args: Args) -> Result<(), AdminError> {
     let token = match &args.token_file {
@@ -329,6 +341,25 @@ impl Http {
     /// One request over a fresh connection; the answer's JSON, or the server's error.
     async fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value, AdminError> {
         let authority = self.server.strip_prefix("http://").ok_or_else(|| AdminError::Server(self.server.clone()))?;
+        match self.exchange(authority, method, path, body).await {
+            Err(AdminError::Unreachable { server, reason }) if speaks_http2(authority).await => {
+                let reason = format!(
+                    "{reason}: it speaks HTTP/2 unasked, which looks like the gRPC port; the admin API is on the HTTP port (server.http, 8080 by default)"
+                );
+                Err(AdminError::Unreachable { server, reason })
+            }
+            other => other,
+        }
+    }
+
+    /// [`Http::call`] on `authority`.
+    async fn exchange(
+        &self,
+        authority: &str,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<Value, AdminError> {
         let unreachable = |reason: String| AdminError::Unreachable { server: self.server.clone(), reason };
         let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| unreachable(e.to_string()))?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))

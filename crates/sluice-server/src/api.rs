@@ -186,7 +186,9 @@ fn status_json(d: &DescriptorVerdict, now: u64) -> StatusJson<'_> {
         matched: d.matched,
         unlimited: d.unlimited,
         current_limit: binding.map(|p| CurrentLimitJson {
-            name: &p.name,
+            // a limit the config did not name is reported without one, as Envoy's
+            // service does (the policy keeps the name it is given, below)
+            name: if p.anonymous { "" } else { &p.name },
             requests_per_unit: p.limit.capacity(),
             unit: match p.limit {
                 Limit::FixedWindow { window, .. } => Unit::from_millis(window).map(Unit::envoy_name),
@@ -194,7 +196,8 @@ fn status_json(d: &DescriptorVerdict, now: u64) -> StatusJson<'_> {
             },
             period_ms: p.limit.period(),
         }),
-        limit_remaining: binding.map(|p| p.decision.remaining),
+        // an `unlimited` descriptor has the most there is left, as Envoy's service says
+        limit_remaining: binding.map(|p| p.decision.remaining).or(d.unlimited.then_some(u64::from(u32::MAX))),
         duration_until_reset: binding.map(|p| format!("{}s", ceil_secs(p.decision.reset_at.saturating_sub(now)))),
         policies: d.policies.iter().map(policy_json).collect(),
     }

@@ -61,6 +61,10 @@ pub struct Args {
     /// Descriptor key of the requests; values are `client-N`.
     #[arg(long, default_value = "user")]
     pub key: String,
+    /// A data-plane token (`server.api_tokens`) to send: `Authorization: Bearer` over
+    /// HTTP, metadata `authorization` over gRPC. Default: the SLUICE_API_TOKEN variable.
+    #[arg(long)]
+    pub token: Option<String>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -118,6 +122,9 @@ pub struct Report {
     pub seconds: f64,
     pub requests: u64,
     pub errors: u64,
+    /// Why the first call that failed did (a wrong port, a refused token ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_error: Option<String>,
     pub per_second: f64,
     pub p50_us: u64,
     pub p99_us: u64,
@@ -138,6 +145,8 @@ struct Tally {
     latencies_us: Vec<u32>,
     statuses: BTreeMap<u16, u64>,
     errors: u64,
+    /// Why the first error happened.
+    first_error: Option<String>,
 }
 
 /// Why a benchmark could not run.
@@ -162,7 +171,8 @@ pub enum BenchError {
 }
 
 /// Runs the benchmark and prints its report.
-pub async fn bench(args: Args) -> Result<(), BenchError> {
+pub async fn bench(mut args: Args) -> Result<(), BenchError> {
+    args.token = args.token.or_else(|| std::env::var("SLUICE_API_TOKEN").ok());
     if args.print_apply_script {
         print!("{}", sluice::store::redis::apply_script());
         return Ok(());
@@ -221,7 +231,7 @@ pub async fn bench(args: Args) -> Result<(), BenchError> {
 /// One way of making a decision call: in process, over HTTP, over gRPC.
 trait Caller: Send + 'static {
     /// Makes call number `i`; answers the HTTP status it stands for, or an error.
-    fn call(&mut self, i: u64) -> impl std::future::Future<Output = Result<u16, ()>> + Send;
+    fn call(&mut self, i: u64) -> impl std::future::Future<Output = Result<u16, String>> + Send;
 }
 
 struct InProcess {
@@ -230,8 +240,8 @@ struct InProcess {
 }
 
 impl Caller for InProcess {
-    async fn call(&mut self, i: u64) -> Result<u16, ()> {
-        let v = self.limiter.check(&request(&self.args, i)).await.map_err(|_| ())?;
+    async fn call(&mut self, i: u64) -> Result<u16, String> {
+        let v = self.limiter.check(&request(&self.args, i)).await.map_err(|e| e.to_string())?;
         // the status the HTTP API would answer
         Ok(match v.outcome {
             Outcome::Allowed => 200,
@@ -247,8 +257,14 @@ struct Grpc {
 }
 
 impl Caller for Grpc {
-    async fn call(&mut self, i: u64) -> Result<u16, ()> {
-        let r = self.client.should_rate_limit(rls_request(&self.args, i)).await.map_err(|_| ())?;
+    async fn call(&mut self, i: u64) -> Result<u16, String> {
+        let mut request = tonic::Request::new(rls_request(&self.args, i));
+        if let Some(token) = &self.args.token {
+            let value =
+                format!("Bearer {token}").parse().map_err(|_| "--token holds a character metadata cannot carry")?;
+            request.metadata_mut().insert("authorization", value);
+        }
+        let r = self.client.should_rate_limit(request).await.map_err(|s| format!("{:?}: {}", s.code(), s.message()))?;
         Ok(if r.into_inner().overall_code == 1 { 200 } else { 429 })
     }
 }
@@ -260,11 +276,12 @@ struct Http {
 }
 
 impl Caller for Http {
-    async fn call(&mut self, i: u64) -> Result<u16, ()> {
+    async fn call(&mut self, i: u64) -> Result<u16, String> {
         let payload = http_request(&self.args, &self.addr, i);
-        exchange(&mut self.conn, &self.addr, &payload).await.map_err(|_| {
+        exchange(&mut self.conn, &self.addr, &payload).await.map_err(|e| {
             // a broken connection is opened again by the next call
             self.conn = None;
+            format!("{}: {e}", self.addr)
         })
     }
 }
@@ -308,7 +325,10 @@ async fn drive<C: Caller>(
                     }
                     match c.call(i).await {
                         Ok(status) => *tally.statuses.entry(status).or_default() += 1,
-                        Err(()) => tally.errors += 1,
+                        Err(why) => {
+                            tally.errors += 1;
+                            tally.first_error.get_or_insert(why);
+                        }
                     }
                     tally.latencies_us.push(t.elapsed().as_micros().min(u32::MAX as u128) as u32);
                     done.fetch_add(1, Ordering::Relaxed);
@@ -353,9 +373,10 @@ fn rls_request(args: &Args, i: u64) -> RateLimitRequest {
 }
 
 fn http_request(args: &Args, addr: &str, i: u64) -> Vec<u8> {
+    let auth = args.token.as_ref().map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
     match args.endpoint {
         Endpoint::Readyz | Endpoint::Root => {
-            format!("GET {} HTTP/1.1\r\nHost: {addr}\r\n\r\n", args.endpoint.path()).into_bytes()
+            format!("GET {} HTTP/1.1\r\nHost: {addr}\r\n{auth}\r\n", args.endpoint.path()).into_bytes()
         }
         Endpoint::Ratelimit => {
             let body = format!(
@@ -365,7 +386,7 @@ fn http_request(args: &Args, addr: &str, i: u64) -> Vec<u8> {
                 i % args.clients
             );
             format!(
-                "POST /v1/ratelimit HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                "POST /v1/ratelimit HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
                 body.len()
             )
             .into_bytes()
@@ -384,7 +405,9 @@ async fn exchange(conn: &mut Option<BufReader<TcpStream>>, addr: &str, payload: 
     let Some(c) = conn.as_mut() else { unreachable!("connected above") };
     c.get_mut().write_all(payload).await?;
     let mut line = String::new();
-    c.read_line(&mut line).await?;
+    if c.read_line(&mut line).await? == 0 {
+        return Err(std::io::Error::other("the server closed the connection"));
+    }
     let status =
         line.split(' ').nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| std::io::Error::other("bad status line"))?;
     let mut length = 0usize;
@@ -435,10 +458,11 @@ fn spawn_progress(done: Arc<AtomicU64>, total_ms: u64) -> tokio::task::JoinHandl
 fn summarize(tallies: Vec<Tally>, target: String, args: &Args, seconds: f64) -> Report {
     let mut lat = Vec::new();
     let mut statuses = BTreeMap::new();
-    let mut errors = 0;
+    let (mut errors, mut first_error) = (0, None);
     for t in tallies {
         lat.extend(t.latencies_us);
         errors += t.errors;
+        first_error = first_error.or(t.first_error);
         for (k, v) in t.statuses {
             *statuses.entry(k).or_default() += v;
         }
@@ -454,6 +478,7 @@ fn summarize(tallies: Vec<Tally>, target: String, args: &Args, seconds: f64) -> 
         seconds,
         requests: lat.len() as u64,
         errors,
+        first_error,
         per_second: lat.len() as f64 / seconds,
         p50_us: pct(0.50),
         p99_us: pct(0.99),
@@ -532,6 +557,15 @@ fn print_report(r: &Report) {
     println!("latency      p50 {} us   p99 {} us   p99.9 {} us   max {} us", r.p50_us, r.p99_us, r.p999_us, r.max_us);
     let statuses: Vec<String> = r.statuses.iter().map(|(k, v)| format!("{k}: {v}")).collect();
     println!("statuses     {}", statuses.join(", "));
+    if let Some(why) = &r.first_error {
+        println!("errors       the first: {why}");
+    }
+    if r.statuses.contains_key(&401) {
+        println!("             401: the server wants a data-plane token; pass --token (or SLUICE_API_TOKEN)");
+    }
+    if r.statuses.contains_key(&400) {
+        println!("             400: the server refused the requests; is --domain (and --key) one of its config's?");
+    }
     let cpu = |what: &str, us: Option<f64>| us.map(|us| format!("{what} {us:.1} us")).unwrap_or_default();
     if r.server_cpu_us.is_some() || r.redis_cpu_us.is_some() {
         println!("CPU/decision {}   {}", cpu("server", r.server_cpu_us), cpu("redis", r.redis_cpu_us));

@@ -39,7 +39,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/readyz", get(ready))
         .route("/healthcheck", get(crate::envoy_http::healthcheck))
         .route("/metrics", get(metrics))
-        .fallback(|| async { error(StatusCode::NOT_FOUND, "not_found", "no such endpoint; see /v1/ratelimit".into()) })
+        .fallback(not_found)
         .with_state(state)
 }
 
@@ -292,6 +292,17 @@ async fn data_plane_token(
 ) -> Response {
     let given = request.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
     if state.api_token_matches(given) { next.run(request).await } else { unauthorized_for("one of server.api_tokens") }
+}
+
+/// Paths that match no route: the admin API's say that it is off until
+/// `server.admin_token` is set, when it is.
+async fn not_found(State(state): Shared, uri: axum::http::Uri) -> Response {
+    let admin = ["/v1/admin", "/v1/overrides", "/ui"].iter().any(|p| uri.path().starts_with(p));
+    let message = match admin && state.admin_token.is_none() {
+        true => "the admin API is off: set server.admin_token (16 bytes or more) and restart".into(),
+        false => "no such endpoint; see /v1/ratelimit".into(),
+    };
+    error(StatusCode::NOT_FOUND, "not_found", message)
 }
 
 /// `GET /metrics`: Prometheus text (docs/operations.md lists every metric). Rendered on

@@ -284,6 +284,12 @@ const EXPORT_WARN_EVERY: Millis = 60_000;
 pub const SPANS_DROPPED: &str = "sluice_trace_spans_dropped_total";
 pub const EXPORTS: &str = "sluice_trace_exports_total";
 
+/// The tracer's metrics' help texts.
+pub fn describe_metrics() {
+    metrics::describe_counter!(SPANS_DROPPED, "Spans dropped because the export queue was full.");
+    metrics::describe_counter!(EXPORTS, "Span batches sent to the collector, by result.");
+}
+
 impl Tracer {
     /// Starts the exporter of `config` (a task on the current runtime).
     pub fn start(config: &OtlpConfig) -> Result<Arc<Self>, String> {

@@ -175,8 +175,10 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
         (not("REDIS_SOCKET_TYPE", &["tcp", "unix"]), "REDIS_SOCKET_TYPE: tcp or unix"),
         (not("LOG_FORMAT", &["text", "json"]), "LOG_FORMAT: text or json"),
         (
-            on("TRACING_ENABLED") && not("TRACING_EXPORTER_PROTOCOL", &["grpc"]),
-            "TRACING_EXPORTER_PROTOCOL: traces are exported over OTLP/gRPC (set it to grpc)",
+            // theirs defaults to http (OTLP/HTTP, port 4318), which Sluice does not
+            // speak: sending gRPC there would lose every span without a word
+            on("TRACING_ENABLED") && get("TRACING_EXPORTER_PROTOCOL").is_none_or(|p| !p.eq_ignore_ascii_case("grpc")),
+            "TRACING_EXPORTER_PROTOCOL: unset or http means OTLP/HTTP (envoyproxy/ratelimit's default), and Sluice exports OTLP/gRPC only: set TRACING_EXPORTER_PROTOCOL=grpc and point OTEL_EXPORTER_OTLP_ENDPOINT at the collector's gRPC port (4317)",
         ),
     ];
     checks.into_iter().filter(|(refuse, _)| *refuse).map(|(_, why)| why.to_string()).collect()
@@ -219,6 +221,13 @@ fn store(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Res
                 "sentinel_password": sentinel_password, "tls": tls_files})
         }
         _ if lower("REDIS_SOCKET_TYPE", "unix") == "unix" => {
+            if !url.starts_with('/') {
+                return Err(format!(
+                    "REDIS_URL={url} is not a socket path, and REDIS_SOCKET_TYPE is {}: the default socket type is \
+                     unix, as envoyproxy/ratelimit's is; for a host:port set REDIS_SOCKET_TYPE=tcp",
+                    get("REDIS_SOCKET_TYPE").unwrap_or_else(|| "unset".into())
+                ));
+            }
             let auth = password.map(|p| format!("?pass={}", percent_encode(&p))).unwrap_or_default();
             json!({"kind": "redis", "url": format!("redis+unix://{url}{auth}")})
         }
@@ -287,5 +296,31 @@ mod tests {
             assert!(e.contains(says), "{e}");
         }
         assert!(read(&[("BACKEND_TYPE", "memcache")]).err().unwrap().contains("MEMCACHE_HOST_PORT"));
+    }
+
+    /// Tracing on with their default protocol (http: OTLP/HTTP) is refused with the fix,
+    /// not exported over gRPC to what may be an OTLP/HTTP port; grpc is taken.
+    #[test]
+    fn tracing_follows_their_default_protocol() {
+        let tcp = [("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "r:6379"), ("USE_STATSD", "false")];
+        let with = |extra: &[(&'static str, &'static str)]| read(&[&tcp[..], extra].concat());
+        for protocol in [None, Some("http")] {
+            let mut vars = vec![("TRACING_ENABLED", "true")];
+            vars.extend(protocol.map(|p| ("TRACING_EXPORTER_PROTOCOL", p)));
+            let e = with(&vars).err().unwrap();
+            assert!(e.contains("set TRACING_EXPORTER_PROTOCOL=grpc"), "{protocol:?}: {e}");
+        }
+        let ok = with(&[("TRACING_ENABLED", "true"), ("TRACING_EXPORTER_PROTOCOL", "grpc")]).unwrap();
+        assert_eq!(ok.config["telemetry"]["otlp"]["endpoint"], "http://127.0.0.1:4317");
+    }
+
+    /// A host:port in REDIS_URL with the socket type left at its default (unix, as theirs)
+    /// says to set REDIS_SOCKET_TYPE=tcp (it said `redis+unix://... Missing path`).
+    #[test]
+    fn a_host_port_without_a_socket_type_says_to_set_tcp() {
+        let e = read(&[("REDIS_URL", "redis:6379"), ("USE_STATSD", "false")]).err().unwrap();
+        assert!(e.contains("set REDIS_SOCKET_TYPE=tcp") && e.contains("default socket type is unix"), "{e}");
+        let unix = read(&[("REDIS_URL", "/run/redis.sock"), ("USE_STATSD", "false")]).unwrap();
+        assert_eq!(unix.config["store"]["url"], "redis+unix:///run/redis.sock");
     }
 }

@@ -46,6 +46,20 @@ pub mod names {
     pub const UNSPENT: &str = "sluice_rlqs_units_unspent_total";
     pub const RESUMED: &str = "sluice_rlqs_buckets_resumed_total";
     pub const UNMATCHED: &str = "sluice_rlqs_buckets_unmatched_total";
+
+    /// Their help texts.
+    pub fn describe() {
+        use metrics::{describe_counter, describe_gauge};
+        describe_gauge!(STREAMS, "Envoy RLQS streams open (domain empty until a stream's first report).");
+        describe_gauge!(BUCKETS, "RLQS buckets the open streams report.");
+        describe_counter!(ASSIGNMENTS, "RLQS assignments sent, by action.");
+        describe_counter!(REPORTS, "RLQS usage reports received.");
+        describe_counter!(REPORTED, "Requests the Envoys reported deciding under their assignments, by outcome.");
+        describe_counter!(GRANTED, "Units taken from the shared windows for Envoys' assignments.");
+        describe_counter!(UNSPENT, "Units held for an Envoy and not reported admitted when their window ended.");
+        describe_counter!(RESUMED, "RLQS buckets an Envoy brought from another stream.");
+        describe_counter!(UNMATCHED, "RLQS buckets that match no single fixed-window limit.");
+    }
 }
 
 /// The service.

@@ -340,6 +340,9 @@ fn install_metrics() -> Result<Metrics, ServeError> {
     });
     let process = metrics_process::Collector::default();
     process.describe();
+    sluice::describe_metrics();
+    crate::rlqs::names::describe();
+    crate::otel::describe_metrics();
     Ok(Metrics { recorder: handle, process, turn: Default::default() })
 }
 

@@ -58,7 +58,15 @@ impl Metrics {
     /// The Prometheus text exposition, the process metrics read now.
     pub fn render(&self) -> String {
         self.process.collect();
-        self.recorder.render()
+        let mut text = self.recorder.render();
+        // the process's CPU seconds are kept as a gauge (so they keep their fractions:
+        // `sluice bench` divides them by decisions), but they only ever grow, and a
+        // `_total` must be a counter (promtool); the text format takes a fractional one
+        const AS_GAUGE: &str = "# TYPE process_cpu_seconds_total gauge";
+        if let Some(at) = text.find(AS_GAUGE) {
+            text.replace_range(at..at + AS_GAUGE.len(), "# TYPE process_cpu_seconds_total counter");
+        }
+        text
     }
 }
 

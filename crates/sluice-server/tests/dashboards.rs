@@ -105,3 +105,51 @@ async fn the_dashboard_and_alerts_name_only_metrics_sluice_exports() {
         assert!(documented.contains(&metric), "{metric} is not in docs/operations.md's metrics table");
     }
 }
+
+/// A scrape taken after real traffic (decisions allowed and refused, a shadow refusal, a
+/// lease taken and given back, a gRPC decision, a detailed metric) passes `promtool
+/// check metrics`: every series has its HELP and TYPE, and the names follow
+/// Prometheus's conventions (it exited 3: no help text, and a `_total` gauge).
+#[tokio::test]
+async fn a_scrape_after_traffic_passes_promtool() {
+    let promtool = require("promtool", "prometheus");
+    let s = common::start(
+        "  - domain: d\n    descriptors:\n      - key: user\n        detailed_metric: true\n        rate_limit: {unit: minute, requests_per_unit: 1}\n      - key: trial\n        shadow_mode: true\n        rate_limit: {unit: minute, requests_per_unit: 1}\n      - key: job\n        policies: [{name: inflight, concurrency: {limit: 1, lease_ttl: 10s}}]\n",
+    );
+    let c = reqwest::Client::new();
+    for _ in 0..2 {
+        common::hit(&c, &s.base, "d", &[("user", "u")]).await;
+        common::hit(&c, &s.base, "d", &[("trial", "t")]).await;
+    }
+    let lease: serde_json::Value = c
+        .post(format!("{}/v1/leases", s.base))
+        .json(&common::body("d", &[("job", "j")]))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = lease["lease_id"].as_str().expect("a lease");
+    assert!(c.delete(format!("{}/v1/leases/{id}", s.base)).send().await.unwrap().status().is_success());
+    let mut rls =
+        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
+            format!("http://{}", s.grpc),
+        )
+        .await
+        .unwrap();
+    rls.should_rate_limit(common::rls_request("d", &[("user", "g")])).await.unwrap();
+    let scrape = common::metrics(&c, &s.base).await;
+    assert!(scrape.contains("sluice_leases_released_total") && scrape.contains("sluice_grpc_connections"), "{scrape}");
+    let mut check = Command::new(promtool)
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(check.stdin.as_mut().unwrap(), scrape.as_bytes()).unwrap();
+    let out = check.wait_with_output().unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "promtool check metrics: {said}\n{scrape}");
+}

@@ -39,7 +39,8 @@ async fn fifty_per_minute_with_one_stable_reset() {
                 assert_eq!(json["overall_code"], "OK");
                 let status = &json["statuses"][0];
                 assert_eq!(status["code"], "OK");
-                assert_eq!(status["current_limit"]["name"], "user");
+                // unnamed in the config: no name in Envoy's field, the given one in policies
+                assert_eq!(status["current_limit"]["name"], "");
                 assert_eq!(status["current_limit"]["unit"], "MINUTE");
                 assert_eq!(status["duration_until_reset"].as_str().map(|d| d.ends_with('s')), Some(true));
                 assert_eq!(status["policies"][0]["name"], "user");
@@ -286,4 +287,27 @@ async fn lost_leases_come_back_after_their_ttl() {
     assert!((1..=2).contains(&wait), "retry-after {wait}");
     tokio::time::sleep(Duration::from_millis(1_050)).await;
     assert_eq!(take().await.unwrap().status(), 200, "the lost lease was reclaimed after its TTL");
+}
+
+/// The HTTP API answers as envoyproxy/ratelimit's service does where Envoy's fields
+/// are used: a limit the config gives no name reports an empty `current_limit.name`
+/// (their basic_config fixture, key3), and an `unlimited` descriptor reports the most
+/// there is remaining, 2^32 - 1 (their README, example 5); /json and gRPC say the same.
+#[tokio::test]
+async fn unnamed_and_unlimited_answers_match_envoys_service() {
+    let s = start(
+        "  - domain: test-domain\n    descriptors:\n      - key: key3\n        rate_limit: {unit: day, requests_per_unit: 1}\n      - key: foo\n        value: bar\n        rate_limit: {unlimited: true}\n",
+    );
+    let body = serde_json::json!({"domain": "test-domain", "descriptors": [
+        {"entries": [{"key": "key3", "value": "x"}]}, {"entries": [{"key": "foo", "value": "bar"}]}]});
+    let c = reqwest::Client::new();
+    let own: serde_json::Value =
+        c.post(format!("{}/v1/ratelimit", s.base)).json(&body).send().await.unwrap().json().await.unwrap();
+    assert_eq!(own["statuses"][0]["current_limit"]["name"], "", "{own}");
+    assert_eq!(own["statuses"][0]["policies"][0]["name"], "key3", "the policy keeps its given name: {own}");
+    assert_eq!(own["statuses"][1]["limit_remaining"], 4_294_967_295u64, "{own}");
+    let theirs: serde_json::Value =
+        c.post(format!("{}/json", s.base)).json(&body).send().await.unwrap().json().await.unwrap();
+    assert!(theirs["statuses"][0]["currentLimit"].get("name").is_none(), "{theirs}");
+    assert_eq!(theirs["statuses"][1]["limitRemaining"], 4_294_967_295u64, "{theirs}");
 }

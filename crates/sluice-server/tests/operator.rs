@@ -600,3 +600,58 @@ fn idle_connections_past_the_limit_are_closed_within_a_second() {
     assert!(open >= 15, "connections under the limit were closed too ({open} open)");
     assert!(s.log().contains("connection limit reached"), "{}", s.log());
 }
+
+/// Errors a newcomer met that did not say how to fix them now do: the admin API asked
+/// of a server without `admin_token`, the admin client pointed at the gRPC port, `sluice
+/// bench` at a wrong port or without the token the server wants, and a Redis that does
+/// not answer at start.
+#[tokio::test]
+async fn errors_say_how_to_fix_them() {
+    let s = common::start_with("  api_tokens: [bench-token-0123456789]\n", &common::rule(1_000));
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(bin()).args(args).env_remove("SLUICE_API_TOKEN").output().unwrap();
+        format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+    };
+    let admin = |server: &str| {
+        let out = std::process::Command::new(bin())
+            .args(["admin", "--server", server, "override", "list"])
+            .env("SLUICE_ADMIN_TOKEN", "an-admin-token-0123456789")
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let said = admin(&s.base);
+    assert!(said.contains("the admin API is off: set server.admin_token"), "{said}");
+    let said = admin(&format!("http://{}", s.grpc));
+    assert!(said.contains("looks like the gRPC port"), "{said}");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let said = run(&["bench", "--target", &closed.to_string(), "--duration", "200ms", "--concurrency", "1"]);
+    assert!(said.contains("the first:") && said.contains("refused"), "{said}");
+    let target = s.base.trim_start_matches("http://");
+    let said = run(&["bench", "--target", target, "--domain", "d", "--duration", "200ms", "--concurrency", "1"]);
+    assert!(said.contains("401") && said.contains("pass --token"), "{said}");
+    let token = "bench-token-0123456789";
+    let said = run(&["bench", "--target", target, "--duration", "200ms", "--concurrency", "1", "--token", token]);
+    assert!(said.contains("400") && said.contains("--domain"), "{said}");
+    let said = run(&[
+        "bench",
+        "--target",
+        target,
+        "--domain",
+        "d",
+        "--duration",
+        "200ms",
+        "--concurrency",
+        "1",
+        "--token",
+        "bench-token-0123456789",
+    ]);
+    assert!(said.contains("200:") && !said.contains("401"), "{said}");
+    // a Redis that does not answer at start: the log names where, and readiness
+    let redis =
+        common::start_unready(&format!("store: {{kind: redis, url: \"redis://{closed}\"}}\n"), &common::rule(5));
+    let c = reqwest::Client::new();
+    assert_eq!(common::hit(&c, &redis.base, "d", &[("user", "u")]).await.status(), 200, "failing open");
+    let log = redis.log();
+    assert!(log.contains(&closed.to_string()) && log.contains("/readyz answers 503"), "{log}");
+}

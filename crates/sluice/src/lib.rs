@@ -64,5 +64,5 @@ pub use engine::{CheckError, HeldLeases, Limiter};
 pub use overrides::{Override, OverrideError, Overrides};
 pub use request::{Descriptor, Entry, LimitOverride, Request, RequestError};
 pub use telemetry::names as metric_names;
-pub use telemetry::{Audit, audit};
+pub use telemetry::{Audit, audit, describe as describe_metrics};
 pub use verdict::{Code, DescriptorVerdict, LeaseId, Outcome, PolicyDecision, Source, Verdict};

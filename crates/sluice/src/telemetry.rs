@@ -44,6 +44,49 @@ pub mod names {
     pub const GRANT_UNITS_HELD: &str = "sluice_grant_units_held";
     pub const GRANT_LOCAL: &str = "sluice_grant_decisions_local_total";
     pub const GRANT_STORE_CALLS: &str = "sluice_grant_store_calls_total";
+    pub const MIGRATION_PERCENT: &str = "sluice_migration_percent";
+}
+
+/// Gives every metric of [`names`] its help text (Prometheus's `# HELP` line), once the
+/// application has installed its recorder. The words are docs/operations.md's, shorter.
+pub fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    use names::*;
+    describe_counter!(DECISIONS, "Policy decisions, by domain, policy and outcome (allowed, over_limit).");
+    describe_counter!(NEAR_LIMIT, "Allowed decisions that used at least limiter.near_limit_ratio of the quota.");
+    describe_counter!(SHADOW_OVER_LIMIT, "Shadow-mode decisions that would have refused (the request was allowed).");
+    describe_counter!(NEAR_CACHE_HITS, "Refusals answered from the near-cache, without a store call.");
+    describe_counter!(
+        DEGRADED,
+        "Requests decided by the failure policy (open or closed) because the store did not answer."
+    );
+    describe_counter!(LEASES_ACQUIRED, "Concurrency leases taken.");
+    describe_counter!(LEASES_RELEASED, "Concurrency leases given back.");
+    describe_histogram!(STORE_CALL_SECONDS, metrics::Unit::Seconds, "Store call latency, by store and op.");
+    describe_counter!(STORE_ERRORS, "Failed store calls, by store and cause.");
+    describe_gauge!(BREAKER_STATE, "The store's circuit breaker: 0 closed, 1 open, 2 half-open.");
+    describe_gauge!(MEMORY_KEYS, "States held by the memory store.");
+    describe_counter!(MEMORY_EVICTIONS, "States the memory store dropped because their time had passed.");
+    describe_counter!(MEMORY_FULL, "Calls that found the memory store full with a new client's state to hold.");
+    describe_counter!(CONFIG_RELOADS, "Config reloads applied (ok) and refused (failed: the last good config stayed).");
+    describe_counter!(DECISIONS_DETAILED, "Decisions by descriptor value, for rules with detailed_metric: true.");
+    describe_counter!(SHED, "Requests dropped by the load shedders, by shedder and priority class.");
+    describe_gauge!(SHED_AMOUNT, "The worker utilization shedder's controller amount (below 0: at rest).");
+    describe_counter!(HTTP_OVER_LIMIT, "HTTP connections accepted past server.max_connections (one request each).");
+    describe_gauge!(GRPC_CONNECTIONS, "gRPC connections open.");
+    describe_counter!(GRPC_OVER_LIMIT, "gRPC connections closed at their accept, past server.max_connections.");
+    describe_counter!(
+        GRPC_CLOSED,
+        "gRPC connections closed by a deadline: no first call (first_call) or none open (idle)."
+    );
+    describe_counter!(ADMIN_ACTIONS, "Admin actions, each also an audit log line.");
+    describe_gauge!(OVERRIDES, "Stored overrides this instance holds.");
+    describe_counter!(GRANTS_TAKEN, "Quota grants taken, per granted policy.");
+    describe_counter!(GRANT_UNITS, "Grant units granted to this instance, given back, and lapsed unspent.");
+    describe_gauge!(GRANT_UNITS_HELD, "Grant units this instance holds unspent.");
+    describe_counter!(GRANT_LOCAL, "Decisions answered from a grant, without a store call.");
+    describe_counter!(GRANT_STORE_CALLS, "Store calls made for grants (taking and giving back).");
+    describe_gauge!(MIGRATION_PERCENT, "A migrating store's share of clients on its `to` store.");
 }
 
 /// One admin action, for the audit log.

@@ -350,6 +350,9 @@ impl Store for MemcachedStore {
         matches!(self.call(s, "version", None).await, Ok(Reply::Version))
     }
 
+    fn address(&self) -> String {
+        self.servers.iter().map(|s| s.addr.as_str()).collect::<Vec<_>>().join(", ")
+    }
     fn kind(&self) -> &'static str {
         "memcached"
     }

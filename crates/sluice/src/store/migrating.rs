@@ -23,7 +23,12 @@ pub struct MigratingStore {
 impl MigratingStore {
     /// `percent` of clients (0 to 100) on `to`, the rest on `from`.
     pub fn new(from: Arc<dyn Store>, to: Arc<dyn Store>, percent: u8) -> Self {
-        let s = Self { from, to, percent: AtomicU8::new(0), gauge: metrics::gauge!("sluice_migration_percent") };
+        let s = Self {
+            from,
+            to,
+            percent: AtomicU8::new(0),
+            gauge: metrics::gauge!(crate::telemetry::names::MIGRATION_PERCENT),
+        };
         s.set_percent(percent);
         s
     }

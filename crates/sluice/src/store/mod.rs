@@ -301,6 +301,11 @@ pub trait Store: Send + Sync + 'static {
 
     /// A short name for logs and metrics.
     fn kind(&self) -> &'static str;
+
+    /// Where the store is, for logs (passwords hidden); empty in process.
+    fn address(&self) -> String {
+        String::new()
+    }
 }
 
 /// Why a store of `kind` keeps no registry, and what to use instead.
@@ -402,5 +407,8 @@ impl<R: Router> Store for R {
     }
     fn routing(&self) -> u64 {
         Router::routing(self)
+    }
+    fn address(&self) -> String {
+        self.stores().iter().map(|s| s.address()).filter(|a| !a.is_empty()).collect::<Vec<_>>().join(", ")
     }
 }

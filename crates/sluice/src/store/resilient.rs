@@ -179,7 +179,13 @@ impl<S: Store> Resilient<S> {
         let store = self.inner.kind();
         match (&*b, &next, outage) {
             (Breaker::Closed { failures: 0 }, _, Some(e)) => {
-                tracing::warn!(store, error = %e, "store failing; the failure policy decides until it answers again");
+                let address = self.inner.address();
+                tracing::warn!(
+                    store,
+                    %address,
+                    error = %e,
+                    "store failing; the failure policy decides until it answers again (and /readyz answers 503)"
+                );
             }
             (Breaker::Closed { .. }, Breaker::Open { .. }, _) => {
                 let cooldown_ms = self.settings.get().cooldown.as_millis() as u64;
@@ -288,6 +294,9 @@ impl<S: Store> Store for Resilient<S> {
     }
     fn routing(&self) -> u64 {
         self.inner.routing()
+    }
+    fn address(&self) -> String {
+        self.inner.address()
     }
 }
 

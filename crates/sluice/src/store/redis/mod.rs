@@ -691,6 +691,8 @@ pub struct RedisStore {
     batcher: Option<batch::Batcher>,
     replicas: Vec<Arc<Replica>>,
     next: AtomicUsize,
+    /// Where it is, for logs (passwords hidden).
+    address: String,
 }
 
 impl RedisStore {
@@ -710,7 +712,8 @@ impl RedisStore {
         let writer = Arc::new(Writer::new(Conn::open(url, &options)?, options.clone(), !replicas.is_empty()));
         let granter = writer.for_grants(|| Conn::open(url, &options))?;
         let batcher = batch::Batcher::start(writer.clone());
-        let store = Self { writer, granter, batcher, replicas, next: AtomicUsize::new(0) };
+        let address = redacted(url);
+        let store = Self { writer, granter, batcher, replicas, next: AtomicUsize::new(0), address };
         store.watch_replicas();
         store.warm_up();
         Ok(store)
@@ -727,7 +730,8 @@ impl RedisStore {
         let options = RedisOptions { replica_acks: 0, ..options };
         let writer = Arc::new(Writer::new(conn, options.clone(), false));
         let granter = writer.for_grants(|| Conn::open_cluster(nodes, &options, read_from_replicas))?;
-        let store = Self { writer, granter, batcher: None, replicas: Vec::new(), next: AtomicUsize::new(0) };
+        let address = nodes.iter().map(|n| redacted(n)).collect::<Vec<_>>().join(", ");
+        let store = Self { writer, granter, batcher: None, replicas: Vec::new(), next: AtomicUsize::new(0), address };
         store.warm_up();
         Ok(store)
     }
@@ -751,7 +755,9 @@ impl RedisStore {
         let writer = Arc::new(Writer::new(Conn::Sentinel(link(Role::Primary)), options.clone(), true));
         let granter = writer.for_grants(|| Ok(Conn::Sentinel(link(Role::Primary))))?;
         let batcher = batch::Batcher::start(writer.clone());
-        let store = Self { writer, granter, batcher, replicas, next: AtomicUsize::new(0) };
+        let address =
+            format!("the primary of '{}' (Sentinels {})", sentinel.master_name, sentinel.sentinels.join(", "));
+        let store = Self { writer, granter, batcher, replicas, next: AtomicUsize::new(0), address };
         store.watch_replicas();
         store.warm_up();
         Ok(store)
@@ -991,6 +997,10 @@ impl Store for RedisStore {
 
     async fn ready(&self) -> bool {
         self.writer.conn.ping().await
+    }
+
+    fn address(&self) -> String {
+        self.address.clone()
     }
 
     fn kind(&self) -> &'static str {
