@@ -10,13 +10,7 @@ use std::process::Command;
 
 /// The fenced block after `<!-- checked: NAME -->` in docs/operations.md.
 fn example(name: &str) -> String {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/operations.md");
-    let doc = std::fs::read_to_string(path).unwrap();
-    let marker = format!("<!-- checked: {name} -->\n```");
-    let start = doc.find(&marker).unwrap_or_else(|| panic!("no `{marker}` in docs/operations.md"));
-    let body = &doc[start + marker.len()..];
-    let body = &body[body.find('\n').unwrap() + 1..];
-    body[..body.find("\n```").expect("a closed block")].to_string() + "\n"
+    common::doc_example("operations.md", name)
 }
 
 /// Every `--flag` of `args` is one `sluice serve --help` lists.

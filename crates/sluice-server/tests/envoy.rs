@@ -235,3 +235,50 @@ async fn their_environment_alone_answers_a_real_envoy() {
     assert!(log().contains("store=\"redis\""), "{}", log());
     assert!(log().contains("REDIS_POOL_SIZE"), "named as without effect:\n{}", log());
 }
+
+/// docs/envoy.md's whole Envoy config, run as written (its ports aside) with the Sluice
+/// config beside it: five 200s, then a 429 with one of each rate limit header; then
+/// with Envoy's own DRAFT_VERSION_03 headers and Sluice's off, one of each again. (Both
+/// on, as the doc once showed, gave two of each.)
+#[tokio::test]
+async fn the_documented_envoy_config_runs_as_written() {
+    let envoy_yaml = common::doc_example("envoy.md", "envoy");
+    let sluice_yaml = common::doc_example("envoy.md", "envoy-sluice");
+    let domains = sluice_yaml.strip_prefix("domains:\n").expect("a config of domains");
+    for envoys_headers in [false, true] {
+        let sections = if envoys_headers { "headers: {github: false, ietf: false}\n" } else { "" };
+        let s = start_with(sections, domains);
+        let grpc = s.grpc.rsplit(':').next().unwrap().to_string();
+        let mut config = envoy_yaml.clone();
+        if envoys_headers {
+            config = config.replace(
+                "              failure_mode_deny: false",
+                "              enable_x_ratelimit_headers: DRAFT_VERSION_03\n              failure_mode_deny: false",
+            );
+        }
+        let e = Envoy::start(|up| {
+            config
+                .replace("port_value: 9901", "port_value: 0")
+                .replace("port_value: 10000", "port_value: 0")
+                .replace("address: 0.0.0.0", "address: 127.0.0.1")
+                .replace("port_value: 9000", &format!("port_value: {up}"))
+                .replace("port_value: 8081", &format!("port_value: {grpc}"))
+        })
+        .await;
+        let client = reqwest::Client::new();
+        let get =
+            |user: &'static str| client.get(format!("http://127.0.0.1:{}/", e.port)).header("x-user", user).send();
+        for i in 0..5 {
+            assert_eq!(get("alice").await.unwrap().status(), 200, "request {i}:\n{}", e.log());
+        }
+        let r = get("alice").await.unwrap();
+        assert_eq!(r.status(), 429);
+        for name in ["x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"] {
+            let values: Vec<_> = r.headers().get_all(name).iter().collect();
+            assert_eq!(values.len(), 1, "{name} (Envoy's headers: {envoys_headers}): {:?}", r.headers());
+        }
+        let limit = r.headers()["x-ratelimit-limit"].to_str().unwrap().to_string();
+        assert!(limit.starts_with('5'), "{limit}");
+        assert_eq!(get("bob").await.unwrap().status(), 200, "another user is unaffected");
+    }
+}

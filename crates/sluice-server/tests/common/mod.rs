@@ -261,3 +261,14 @@ pub fn rls_request(
 pub fn series(scrape: &str, name: &str) -> f64 {
     scrape.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
 }
+
+/// The fenced block after `<!-- checked: NAME -->` in docs/`page`.
+pub fn doc_example(page: &str, name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs").join(page);
+    let doc = std::fs::read_to_string(path).unwrap();
+    let marker = format!("<!-- checked: {name} -->\n```");
+    let start = doc.find(&marker).unwrap_or_else(|| panic!("no `{marker}` in docs/{page}"));
+    let body = &doc[start + marker.len()..];
+    let body = &body[body.find('\n').unwrap() + 1..];
+    body[..body.find("\n```").expect("a closed block")].to_string() + "\n"
+}
