@@ -20,6 +20,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_resp
     self, AbandonAction, QuotaAssignmentAction,
 };
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
@@ -337,49 +338,41 @@ impl Stream {
         self.state.engine.load().limiter.now()
     }
 
+    /// The stream's domain, from its first report (one stream serves one domain).
+    fn take_domain(&mut self, domain: &str) -> Result<(), Status> {
+        if domain.is_empty() {
+            return Err(Status::invalid_argument("the usage report names no domain (the filter's `domain`)"));
+        }
+        match &self.domain {
+            Some(d) if d != domain => Err(Status::invalid_argument(format!(
+                "the stream reported for domain '{d}' and now '{}'; one stream serves one domain",
+                domain.escape_debug()
+            ))),
+            Some(_) => Ok(()),
+            None => {
+                let engine = self.state.engine.load();
+                // a bucket of no entries matches no rule: this only asks for the domain
+                if let Err(e @ QuotaError::UnknownDomain { .. }) = engine.limiter.quota_target(domain, &[]) {
+                    return Err(Status::not_found(e.to_string()));
+                }
+                metrics::gauge!(names::STREAMS, "domain" => "").decrement(1.0);
+                metrics::gauge!(names::STREAMS, "domain" => domain.to_string()).increment(1.0);
+                self.domain = Some(domain.to_string());
+                Ok(())
+            }
+        }
+    }
+
     /// One usage report: each bucket's share is brought up to date, and sent.
     async fn report(
         &mut self,
         report: RateLimitQuotaUsageReports,
         failures: &sluice::time::Throttle,
     ) -> Result<Vec<BucketAction>, Status> {
-        if report.domain.is_empty() {
-            return Err(Status::invalid_argument("the usage report names no domain (the filter's `domain`)"));
-        }
-        match &self.domain {
-            Some(d) if *d != report.domain => {
-                return Err(Status::invalid_argument(format!(
-                    "the stream reported for domain '{d}' and now '{}'; one stream serves one domain",
-                    report.domain.escape_debug()
-                )));
-            }
-            Some(_) => {}
-            None => {
-                let engine = self.state.engine.load();
-                // a bucket of no entries matches no rule: this only asks for the domain
-                if let Err(e @ QuotaError::UnknownDomain { .. }) = engine.limiter.quota_target(&report.domain, &[]) {
-                    return Err(Status::not_found(e.to_string()));
-                }
-                metrics::gauge!(names::STREAMS, "domain" => "").decrement(1.0);
-                metrics::gauge!(names::STREAMS, "domain" => report.domain.clone()).increment(1.0);
-                self.domain = Some(report.domain.clone());
-            }
-        }
+        self.take_domain(&report.domain)?;
         let domain = report.domain;
         metrics::counter!(names::REPORTS, "domain" => domain.clone()).increment(1);
-        let usages: Vec<Usage> = report
-            .bucket_quota_usages
-            .into_iter()
-            .filter_map(|usage| {
-                let id = usage.bucket_id.filter(|b| !b.bucket.is_empty())?;
-                let mut key: BucketKey = id.bucket.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-                key.sort();
-                let elapsed = usage.time_elapsed.map_or(0, |d| d.seconds.clamp(0, MOST_SECONDS) as u64);
-                let (allowed, denied) =
-                    (usage.num_requests_allowed.min(MOST_REQUESTS), usage.num_requests_denied.min(MOST_REQUESTS));
-                Some(Usage { key, id, allowed, denied, elapsed })
-            })
-            .collect();
+        let usages = usages(report.bucket_quota_usages);
         // the buckets new to the stream, taken against the bounds before any work
         let mut new: Vec<&BucketKey> =
             usages.iter().map(|u| &u.key).filter(|k| !self.buckets.contains_key(*k)).collect();
@@ -515,6 +508,22 @@ impl Stream {
         metrics::gauge!(names::BUCKETS, "domain" => domain.clone()).decrement(self.buckets.len() as f64);
         metrics::gauge!(names::STREAMS, "domain" => domain).decrement(1.0);
     }
+}
+
+/// What a report says of each bucket it names, its counts and time capped.
+fn usages(reported: Vec<BucketQuotaUsage>) -> Vec<Usage> {
+    reported
+        .into_iter()
+        .filter_map(|usage| {
+            let id = usage.bucket_id.filter(|b| !b.bucket.is_empty())?;
+            let mut key: BucketKey = id.bucket.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            key.sort();
+            let elapsed = usage.time_elapsed.map_or(0, |d| d.seconds.clamp(0, MOST_SECONDS) as u64);
+            let (allowed, denied) =
+                (usage.num_requests_allowed.min(MOST_REQUESTS), usage.num_requests_denied.min(MOST_REQUESTS));
+            Some(Usage { key, id, allowed, denied, elapsed })
+        })
+        .collect()
 }
 
 /// An assignment as Envoy's `BucketAction`.

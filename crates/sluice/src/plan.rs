@@ -167,10 +167,6 @@ pub(crate) fn plan<'r>(
     Ok(plan)
 }
 
-/// The name of a limit that came with the request, as headers, metrics and the top
-/// lists call it.
-pub const REQUEST_LIMIT: &str = "request_limit";
-
 /// The policy of a limit that came with the request (Envoy's descriptor `limit`),
 /// lowered to `limiter.request_bounds.limit_per_unit`.
 fn request_policy(rules: &Rules, domain: &Domain, d: &Descriptor, di: usize) -> Result<Policy, RequestError> {
@@ -179,7 +175,7 @@ fn request_policy(rules: &Rules, domain: &Domain, d: &Descriptor, di: usize) -> 
     let limit = Limit::FixedWindow { limit: o.requests_per_unit.min(most), window: o.unit.millis(), aligned: false };
     limit.validate().map_err(|source| RequestError::BadLimit { descriptor: di, source })?;
     Ok(Policy {
-        name: REQUEST_LIMIT.into(),
+        name: crate::rules::REQUEST_LIMIT.into(),
         limit,
         shadow: false,
         failure: rules.default_failure,

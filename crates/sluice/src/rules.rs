@@ -266,7 +266,7 @@ impl Rules {
                 }
             }
         }
-        by_name.entry(crate::plan::REQUEST_LIMIT).or_default().extend(d.override_counters.top.as_ref());
+        by_name.entry(REQUEST_LIMIT).or_default().extend(d.override_counters.top.as_ref());
         for p in all {
             by_name.entry(&p.name).or_default().extend(p.counters.top.as_ref());
         }
@@ -331,12 +331,7 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
         client_key: d.client_key.clone(),
         root,
         counters: DomainCounters::new(&d.domain.0),
-        override_counters: Arc::new(PolicyCounters::new(
-            &d.domain.0,
-            crate::plan::REQUEST_LIMIT,
-            false,
-            inherited.lists(),
-        )),
+        override_counters: Arc::new(PolicyCounters::new(&d.domain.0, REQUEST_LIMIT, false, inherited.lists())),
     })
 }
 
@@ -597,6 +592,10 @@ impl Wildcard {
 
 /// A name for a `rate_limit` without one: the rule's keys and values joined by dots,
 /// with anything unsafe for headers replaced by `_`.
+/// The name of a limit that came with the request (Envoy's descriptor `limit`), as
+/// headers, metrics and the top lists call it.
+pub const REQUEST_LIMIT: &str = "request_limit";
+
 fn auto_name(chain: &[&str]) -> String {
     let joined = chain.join(".");
     let mut s: String =
