@@ -18,6 +18,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// The deadline of one registry call (a page of overrides, a change): not a decision's,
+/// which is far shorter, since nothing waits on it but the instance's copy of the set.
+pub const REGISTRY_DEADLINE: Duration = Duration::from_secs(2);
+
 /// Deadline and breaker settings.
 #[derive(Debug, Clone, Copy)]
 pub struct Resilience {
@@ -202,14 +206,14 @@ impl<S: Store> Resilient<S> {
         *b = next;
     }
 
-    async fn call<T>(&self, op: StoreOp, f: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
-        if !self.admit() {
-            self.stats.short_circuited.fetch_add(1, Ordering::Relaxed);
-            self.metrics.error(StoreError::CircuitOpen.kind());
-            return Err(StoreError::CircuitOpen);
-        }
+    /// Runs `f` for at most `deadline`, and counts its time and failure.
+    async fn timed<T>(
+        &self,
+        op: StoreOp,
+        deadline: Duration,
+        f: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
         let started = Instant::now();
-        let deadline = self.settings.get().deadline;
         let result = match tokio::time::timeout(deadline, f).await {
             Ok(r) => r,
             Err(_) => Err(StoreError::Timeout(deadline.as_millis() as Millis)),
@@ -218,6 +222,16 @@ impl<S: Store> Resilient<S> {
         if let Err(e) = &result {
             self.metrics.error(e.kind());
         }
+        result
+    }
+
+    async fn call<T>(&self, op: StoreOp, f: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        if !self.admit() {
+            self.stats.short_circuited.fetch_add(1, Ordering::Relaxed);
+            self.metrics.error(StoreError::CircuitOpen.kind());
+            return Err(StoreError::CircuitOpen);
+        }
+        let result = self.timed(op, self.settings.get().deadline, f).await;
         match &result {
             Ok(_) => {}
             Err(StoreError::Timeout(_)) => {
@@ -266,7 +280,10 @@ impl<S: Store> Store for Resilient<S> {
         self.inner.keeps_registry()
     }
     async fn registry(&self, op: RegistryOp) -> Result<RegistryReply, StoreError> {
-        self.call(StoreOp::Registry, self.inner.registry(op)).await
+        // not a decision: its own deadline (a page of overrides may take longer than a
+        // decision may wait), and neither the breaker nor an open one stops it, so a slow
+        // read of the registry never turns rate limiting off, nor an outage hides it
+        self.timed(StoreOp::Registry, REGISTRY_DEADLINE, self.inner.registry(op)).await
     }
     async fn preflight(&self) -> Result<(), StoreError> {
         self.inner.preflight().await
