@@ -17,12 +17,19 @@ use std::sync::Arc;
 /// about 200 bytes each, with room.
 pub const MAX_IMPORT_BYTES: usize = 128 * 1024 * 1024;
 
+/// How long an import body may take to arrive (a 50 MB body at 10 Mbit/s, with room).
+pub const IMPORT_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// `POST /v1/overrides:import`. The body is JSON: an array of overrides, the object
 /// `GET /v1/overrides` answers (`{"overrides": [...]}`, so an export is an import), or
 /// one override a line; each override has its `id`. 200 `{"imported": N}`; 400 listing
 /// each refused one (none stored); 409 past `limiter.max_overrides` (none stored).
 pub async fn import(State(state): State<Arc<AppState>>, body: Body) -> Response {
-    let Ok(bytes) = to_bytes(body, MAX_IMPORT_BYTES).await else {
+    let Ok(read) = tokio::time::timeout(IMPORT_BODY_TIMEOUT, to_bytes(body, MAX_IMPORT_BYTES)).await else {
+        let message = format!("the import did not arrive within {IMPORT_BODY_TIMEOUT:?}; split it in several");
+        return error(StatusCode::REQUEST_TIMEOUT, "body_timeout", message);
+    };
+    let Ok(bytes) = read else {
         let message = format!("an import is at most {} MiB; split it in several", MAX_IMPORT_BYTES >> 20);
         return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", message);
     };

@@ -355,3 +355,38 @@ fn add(set: &mut OverrideSet, id: &str, text: String) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+    use crate::time::ManualClock;
+
+    fn put(id: &str, user: &str) -> RegistryOp {
+        let value = format!(r#"{{"domain":"api","entries":[{{"key":"user","value":"{user}"}}],"limit":5}}"#);
+        RegistryOp::Put { entries: vec![(id.into(), value)], max: u64::MAX }
+    }
+
+    /// An instance that missed more removals than the store remembers reads the whole set
+    /// again, and ends with what the store holds; one a change behind reads that change.
+    #[tokio::test]
+    async fn an_instance_behind_forgotten_removals_reads_the_whole_set_again() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(1_000));
+        let (me, other) = (Overrides::new(store.clone(), Arc::new(ManualClock::new(1))), store);
+        assert!(!me.loaded(), "not loaded before the first read");
+        other.registry(put("kept", "a")).await.unwrap();
+        assert!(me.refresh().await.unwrap() && me.loaded() && me.get("kept").is_some());
+        other.registry(put("new", "b")).await.unwrap();
+        for i in 0..crate::store::TOMBSTONES + 1 {
+            other.registry(put(&format!("x{i}"), "c")).await.unwrap();
+            other.registry(RegistryOp::Remove { id: format!("x{i}"), only_if: None }).await.unwrap();
+        }
+        other.registry(RegistryOp::Remove { id: "kept".into(), only_if: None }).await.unwrap();
+        assert!(me.refresh().await.unwrap());
+        let ids: Vec<String> = me.list(None).iter().map(|o| o.id.clone()).collect();
+        assert_eq!(ids, ["new"]);
+        other.registry(put("last", "d")).await.unwrap();
+        assert!(me.refresh().await.unwrap() && me.get("last").is_some() && me.len() == 2);
+        assert!(!me.refresh().await.unwrap(), "nothing moved");
+    }
+}

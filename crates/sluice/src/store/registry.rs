@@ -157,3 +157,27 @@ impl LocalRegistry {
         reply
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(id: &str) -> RegistryOp {
+        RegistryOp::Put { entries: vec![(id.into(), "v".into())], max: u64::MAX }
+    }
+
+    #[test]
+    fn removals_past_the_tombstones_are_forgotten_and_raise_the_floor() {
+        let r = LocalRegistry::default();
+        r.run(put("kept"));
+        for i in 0..TOMBSTONES + 3 {
+            r.run(put(&format!("x{i}")));
+            r.run(RegistryOp::Remove { id: format!("x{i}"), only_if: None });
+        }
+        let all = r.run(RegistryOp::Changes { after: 0, count: u32::MAX });
+        assert!(all.floor > 0, "a reader at 0 must read the whole set again");
+        assert!(all.changes.iter().any(|c| c.id == "kept" && c.value.is_some()), "a held id is never forgotten");
+        assert_eq!(all.changes.iter().filter(|c| c.value.is_none()).count(), TOMBSTONES);
+        assert!(all.changes.iter().all(|c| c.id == "kept" || c.version > all.floor));
+    }
+}
