@@ -139,7 +139,9 @@ async fn at_scale(store: &str, nodes: &[&RedisServer]) {
          with none, {p99_loaded:?} with them (while B loaded); degraded {degraded_none} and {degraded_loaded}"
     );
     assert_eq!((degraded_none, degraded_loaded), (0, 0), "no decision fails open");
-    let bound = (p99_none * 3).max(Duration::from_millis(50));
+    // a bound a busy 2-core machine keeps (a debug build: 10-42 ms either way), that the
+    // old whole-set read (Redis blocked 150-270 ms a read) broke
+    let bound = (p99_none * 3).max(Duration::from_millis(100));
     assert!(p99_loaded <= bound, "p99 {p99_loaded:?} with the overrides, {p99_none:?} without");
     // (a decision's script may show there too, when the machine's two cores are busy
     // with the test itself: only the registry's calls are this test's business)

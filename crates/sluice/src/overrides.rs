@@ -34,7 +34,9 @@ use std::hash::Hasher;
 use std::sync::Arc;
 
 mod fleet;
+mod sharded;
 pub use fleet::{Overrides, PAGE};
+use sharded::Sharded;
 
 /// How often an instance looks at the registry's version.
 pub const REFRESH: std::time::Duration = std::time::Duration::from_millis(250);
@@ -206,7 +208,7 @@ type Bucket = Arc<[Arc<Override>]>;
 /// another), however many overrides there are.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct DomainOverrides {
-    classes: Vec<(Shape, HashMap<u64, Bucket>)>,
+    classes: Vec<(Shape, Sharded<u64, Bucket>)>,
 }
 
 fn shape_of(o: &Override) -> Shape {
@@ -287,11 +289,11 @@ impl DomainOverrides {
         let i = match self.classes.iter().position(|(s, _)| *s == shape) {
             Some(i) => i,
             None => {
-                self.classes.push((shape, HashMap::new()));
+                self.classes.push((shape, Sharded::default()));
                 self.classes.len() - 1
             }
         };
-        let bucket = self.classes[i].1.entry(hash).or_insert_with(|| Arc::from(Vec::new()));
+        let bucket = self.classes[i].1.get_or_insert_with(hash, || Arc::from(Vec::new()));
         let mut next = bucket.to_vec();
         let at = next.partition_point(|x| best_first(x, o).is_lt());
         next.insert(at, o.clone());
@@ -323,14 +325,14 @@ fn parse(id: &str, text: &str) -> Result<Override, serde_json::Error> {
 /// An override and the text it is stored as.
 type Stored = (Arc<Override>, Arc<str>);
 
-/// Every override, as one instance holds them. Cheap to copy (every part is shared), so
-/// a change makes a new set from the last one in time proportional to the number of
-/// overrides with a small constant, not by indexing them all again.
+/// Every override, as one instance holds them. Cheap to copy (its maps are [`Sharded`]:
+/// a copy shares every part, a change copies the part it writes), so a change makes a new
+/// set from the last one in about the same time whatever the number of overrides.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct OverrideSet {
     /// Each override and the text it is stored as (what an expiry removes, only if
     /// unchanged).
-    by_id: HashMap<Arc<str>, Stored>,
+    by_id: Sharded<Arc<str>, Stored>,
     domains: HashMap<Arc<str>, DomainOverrides>,
     /// The earliest `expires_at_ms` of the set: before it, nothing has lapsed.
     next_expiry: Option<Millis>,

@@ -117,10 +117,20 @@ impl Overrides {
     /// changes since the version held (the whole set, in pages, the first time or when
     /// the store has forgotten removals this instance missed). Returns whether it moved.
     pub async fn refresh(&self) -> Result<bool, StoreError> {
+        self.refresh_past(None).await
+    }
+
+    /// [`Overrides::refresh`], or nothing when the set held is already at version
+    /// `past` or later (another refresh, made while this one waited for its turn, read
+    /// it): so writers at once share reads instead of each making its own.
+    async fn refresh_past(&self, past: Option<u64>) -> Result<bool, StoreError> {
         let _one = self.refreshing.lock().await;
-        let version = self.store.registry(RegistryOp::Version).await?.version;
         let held = self.version.load(Ordering::Acquire);
         let loaded = self.loaded.load(Ordering::Acquire);
+        if loaded && past.is_some_and(|v| held >= v) {
+            return Ok(false);
+        }
+        let version = self.store.registry(RegistryOp::Version).await?.version;
         if loaded && version == held {
             self.refreshed_at.store(self.clock.now(), Ordering::Release);
             return Ok(false);
@@ -228,7 +238,7 @@ impl Overrides {
         if held + new > max {
             return Err(OverrideError::Full { held, max });
         }
-        let mut stored = 0;
+        let (mut stored, mut reached) = (0, 0);
         for chunk in all.chunks(PAGE as usize) {
             let entries = chunk
                 .iter()
@@ -236,16 +246,19 @@ impl Overrides {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| OverrideError::Invalid(e.to_string()))?;
             let failed = match self.store.registry(RegistryOp::Put { entries, max }).await {
-                Ok(reply) => reply.full.map(|held| OverrideError::Full { held, max }),
+                Ok(reply) => {
+                    reached = reply.version;
+                    reply.full.map(|held| OverrideError::Full { held, max })
+                }
                 Err(e) => Some(OverrideError::Store(e)),
             };
             if let Some(error) = failed {
-                self.settle_here().await;
+                self.settle_here(reached).await;
                 return Err(OverrideError::Incomplete { stored, total: all.len(), error: Box::new(error) });
             }
             stored += chunk.len();
         }
-        self.settle_here().await;
+        self.settle_here(reached).await;
         Ok(stored)
     }
 
@@ -268,14 +281,14 @@ impl Overrides {
     async fn write(&self, op: RegistryOp) -> Result<crate::store::RegistryReply, OverrideError> {
         self.supported()?;
         let reply = self.store.registry(op).await?;
-        self.settle_here().await;
+        self.settle_here(reply.version).await;
         Ok(reply)
     }
 
-    /// Reads the changes just made (with any made since by others: writers at once share
-    /// one read); a failed read is retried by the watcher.
-    async fn settle_here(&self) {
-        if let Err(e) = self.refresh().await {
+    /// Reads the changes up to version `past` (with any made since by others: writers at
+    /// once share one read); a failed read is retried by the watcher.
+    async fn settle_here(&self, past: u64) {
+        if let Err(e) = self.refresh_past(Some(past)).await {
             tracing::warn!(error = %e, "an override was stored but could not be read back yet");
         }
     }
