@@ -350,6 +350,18 @@ mod tests {
         async fn ready(&self) -> bool {
             !self.down.load(Ordering::Relaxed)
         }
+        fn keeps_registry(&self) -> bool {
+            true
+        }
+        async fn registry(&self, op: RegistryOp) -> Result<RegistryReply, StoreError> {
+            if self.slow.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            if self.down.load(Ordering::Relaxed) {
+                return Err(StoreError::unavailable("down"));
+            }
+            self.inner.registry(op).await
+        }
         fn kind(&self) -> &'static str {
             "flaky"
         }
@@ -411,6 +423,27 @@ mod tests {
         assert!(r.ready().await);
         assert_eq!(r.breaker(), BreakerState::Closed);
         assert!(r.apply(Tag(1), &[op()], 0).await.is_ok(), "decisions reach the store again");
+    }
+
+    /// Reading the overrides is not a decision: a call longer than the decision deadline
+    /// completes, failures never open the breaker, and an open breaker does not stop it.
+    #[tokio::test]
+    async fn registry_calls_have_their_own_deadline_and_leave_the_breaker_alone() {
+        let r = Resilient::new(
+            flaky(false, true),
+            Resilience { deadline: Duration::from_millis(50), failures: 1, cooldown: Duration::from_secs(60) },
+        );
+        assert!(r.registry(RegistryOp::Version).await.is_ok(), "300 ms is within the registry's deadline");
+        r.inner().slow.store(false, Ordering::Relaxed);
+        r.inner().down.store(true, Ordering::Relaxed);
+        for _ in 0..3 {
+            assert_eq!(r.registry(RegistryOp::Version).await, Err(StoreError::unavailable("down")));
+        }
+        assert_eq!(r.breaker(), BreakerState::Closed, "registry failures are not the decisions' business");
+        assert!(r.apply(Tag(1), &[op()], 0).await.is_err());
+        assert_eq!(r.breaker(), BreakerState::Open);
+        r.inner().down.store(false, Ordering::Relaxed);
+        assert!(r.registry(RegistryOp::Version).await.is_ok(), "an open breaker does not stop a registry call");
     }
 
     #[tokio::test]
