@@ -44,3 +44,30 @@ async fn redis_keeps_the_registry_as_the_model_does() {
         assert!(changes.floor > 0, "removals were forgotten");
     }
 }
+
+/// A Sluice older than the change log, writing to the same Redis during a rollout (a
+/// plain HSET and INCR of the version, as its script did): an instance of this one sees
+/// the change, by reading the whole set again, also when a logged change came after it.
+#[tokio::test]
+async fn a_change_by_an_older_sluice_is_seen() {
+    let redis = RedisServer::start();
+    let options = RedisOptions { timeout: std::time::Duration::from_secs(2), ..RedisOptions::default() };
+    let store: std::sync::Arc<dyn Store> = std::sync::Arc::new(RedisStore::new(&redis.url(), &[], options).unwrap());
+    let clock = std::sync::Arc::new(sluice::time::ManualClock::new(1));
+    let me = sluice::Overrides::new(store.clone(), clock);
+    let value = |user: &str| format!(r#"{{"domain":"api","entries":[{{"key":"user","value":"{user}"}}],"limit":5}}"#);
+    store.registry(RegistryOp::Put { entries: vec![("new-1".into(), value("a"))], max: 10 }).await.unwrap();
+    assert!(me.refresh().await.unwrap() && me.len() == 1);
+    let old_write = |id: &str, user: &str| {
+        let hset = format!("HSET sluice:{{registry}}:overrides {id} '{}'", value(user));
+        assert_eq!(redis.command(&hset).unwrap().trim(), ":1");
+        redis.command("INCR sluice:{registry}:version").unwrap();
+    };
+    old_write("old-1", "b");
+    assert!(me.refresh().await.unwrap() && me.get("old-1").is_some(), "{:?}", me.list(None));
+    old_write("old-2", "c");
+    store.registry(RegistryOp::Put { entries: vec![("new-2".into(), value("d"))], max: 10 }).await.unwrap();
+    assert!(me.refresh().await.unwrap());
+    assert!(me.get("old-2").is_some() && me.get("new-2").is_some() && me.len() == 4, "{:?}", me.list(None));
+    assert!(!me.refresh().await.unwrap(), "then nothing moved");
+}

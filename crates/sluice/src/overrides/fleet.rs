@@ -27,6 +27,8 @@ pub struct Overrides {
     set: ArcSwap<OverrideSet>,
     /// The registry version the set was read at.
     version: AtomicU64,
+    /// The registry's count of unlogged moves when the whole set was last read.
+    unlogged: AtomicU64,
     /// Whether the whole set has been read once (until then `/readyz` says not ready).
     loaded: AtomicBool,
     /// When the set was last found current, in ms since the epoch (0: never).
@@ -52,6 +54,7 @@ impl Overrides {
             clock,
             set: ArcSwap::from_pointee(OverrideSet::default()),
             version: AtomicU64::new(0),
+            unlogged: AtomicU64::new(0),
             loaded: AtomicBool::new(false),
             refreshed_at: AtomicU64::new(0),
             generation: AtomicU64::new(0),
@@ -130,23 +133,32 @@ impl Overrides {
         if loaded && past.is_some_and(|v| held >= v) {
             return Ok(false);
         }
-        let version = self.store.registry(RegistryOp::Version).await?.version;
-        if loaded && version == held {
+        let now = self.store.registry(RegistryOp::Version).await?;
+        let (version, unlogged) = (now.version, now.unlogged);
+        // a move the log does not hold (an older Sluice wrote): only a whole read sees it
+        let logged = unlogged == self.unlogged.load(Ordering::Acquire);
+        if loaded && logged && version == held {
             self.refreshed_at.store(self.clock.now(), Ordering::Release);
             return Ok(false);
         }
-        if loaded {
+        if loaded && logged {
             let mut next = OverrideSet::clone(&self.set.load());
             if let Some(reached) = self.catch_up(&mut next, held).await? {
                 self.swap(next, reached);
                 return Ok(true);
             }
             tracing::info!(held, "the store forgot removals since the overrides held; reading them all again");
+        } else if loaded {
+            tracing::info!(
+                unlogged,
+                "an older Sluice changed the overrides (without the change log); reading them all again"
+            );
         }
         let started = std::time::Instant::now();
         let (set, reached) = self.read_all(version).await?;
         let count = set.by_id.len();
         self.swap(set, reached);
+        self.unlogged.store(unlogged, Ordering::Release);
         self.loaded.store(true, Ordering::Release);
         tracing::info!(count, ms = started.elapsed().as_millis() as u64, "stored overrides loaded");
         Ok(true)

@@ -19,7 +19,7 @@ pub const TOMBSTONES: usize = 10_000;
 /// A read of, or a change to, the registry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RegistryOp {
-    /// The version alone: what every instance polls.
+    /// The version (and the moves made without logging): what every instance polls.
     Version,
     /// One page of the whole set: the entries from `cursor` (0 starts), about `count` of
     /// them (a hint, as Redis's HSCAN takes it); the reply's `cursor` is where the next
@@ -68,6 +68,10 @@ pub struct RegistryReply {
     pub floor: u64,
     /// A put refused because the registry is full: the number of entries it holds.
     pub full: Option<u64>,
+    /// With the version: how many times it moved without a change logged (a writer older
+    /// than the change log, on the same Redis during a rollout). When it moves, a reader
+    /// must read the whole set again.
+    pub unlogged: u64,
 }
 
 /// The registry held in process memory (the memory store's, and a model for the others).

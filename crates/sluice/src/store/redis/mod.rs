@@ -184,13 +184,15 @@ impl Location {
 const FIELD_CHARS: u32 = 12;
 
 /// The registry (see [`RegistryOp`]), in one slot: the hash of overrides, its version,
-/// the change log, the removed ids and the log's floor (`lua/registry.lua`).
-const REGISTRY_KEYS: [&str; 5] = [
+/// the change log, the removed ids, the log's floor and the versions logged
+/// (`lua/registry.lua`).
+const REGISTRY_KEYS: [&str; 6] = [
     "sluice:{registry}:overrides",
     "sluice:{registry}:version",
     "sluice:{registry}:log",
     "sluice:{registry}:gone",
     "sluice:{registry}:floor",
+    "sluice:{registry}:logged",
 ];
 
 /// Buckets when the configuration names none: fewer than one state per bucket wastes
@@ -965,8 +967,8 @@ impl Store for RedisStore {
         };
         let (script, keys) = (&self.writer.scripts.registry, &REGISTRY_KEYS);
         let reply = match &op {
-            // the watchers' poll, four times a second per instance: a plain GET, no script
-            RegistryOp::Version => self.writer.conn.query(redis::cmd("GET").arg(keys[1])).await,
+            // the watchers' poll, four times a second per instance: a plain MGET, no script
+            RegistryOp::Version => self.writer.conn.query(redis::cmd("MGET").arg(keys[1]).arg(keys[5])).await,
             RegistryOp::Scan { cursor, count } => {
                 self.writer.conn.query(redis::cmd("HSCAN").arg(keys[0]).arg(cursor).arg("COUNT").arg(count)).await
             }

@@ -16,9 +16,12 @@ fn next(items: &mut impl Iterator<Item = Value>) -> Value {
     items.next().unwrap_or(Value::Nil)
 }
 
-/// A GET of the version: none yet is version 0.
+/// An MGET of the version and the versions logged: none yet is 0.
 pub(super) fn version(v: Value) -> Result<RegistryReply, StoreError> {
-    Ok(RegistryReply { version: read::<Option<u64>>(v)?.unwrap_or(0), ..RegistryReply::default() })
+    let mut items = items(v)?;
+    let version = read::<Option<u64>>(next(&mut items))?.unwrap_or(0);
+    let logged = read::<Option<u64>>(next(&mut items))?.unwrap_or(0);
+    Ok(RegistryReply { version, unlogged: version.saturating_sub(logged), ..RegistryReply::default() })
 }
 
 /// An HSCAN page: `[cursor, [id, value, ...]]`.

@@ -10,6 +10,9 @@
 -- KEYS[3]   the change log (sorted set: id scored by its last change's version)
 -- KEYS[4]   the removed ids, oldest first (list)
 -- KEYS[5]   the floor: the highest version of a forgotten removal
+-- KEYS[6]   how many versions these writes moved (each also logs): the version minus it
+--           counts moves made without logging, by a Sluice older than the change log,
+--           and a reader that sees that count move reads the whole set again
 -- ARGV[1]   changes | put | remove | touch
 -- changes:  ARGV[2] the version after which, ARGV[3] how many at most
 --           reply {version, floor, id, version, value or false, ...}
@@ -25,6 +28,7 @@ local version = tonumber(redis.call('GET', KEYS[2]) or '0')
 -- moves the version and logs `id` at it
 local function changed(id)
   version = redis.call('INCR', KEYS[2])
+  redis.call('INCR', KEYS[6])
   redis.call('ZADD', KEYS[3], version, id)
 end
 
@@ -38,6 +42,7 @@ if action == 'changes' then
   end
   return reply
 elseif action == 'touch' then
+  redis.call('INCR', KEYS[6])
   return {redis.call('INCR', KEYS[2]), false}
 elseif action == 'put' then
   -- a page of ids in a handful of calls (one HMGET, HSET, ZADD), not a few per id: what
@@ -59,6 +64,7 @@ elseif action == 'put' then
   redis.call('ZADD', KEYS[3], unpack(log))
   version = version + #ids
   redis.call('SET', KEYS[2], version)
+  redis.call('INCRBY', KEYS[6], #ids)
   local previous = false
   if #ids == 1 then previous = before[1] end
   return {version, previous, false}
