@@ -1,5 +1,5 @@
 -- registry: the fleet's stored overrides, values under ids; a version that every change
--- moves (instances poll it with a plain GET); a change log, a sorted set of ids scored by
+-- moves (instances poll it, with KEYS[6], in a plain MGET); a change log, a sorted set of ids scored by
 -- the version of their last change, so an instance reads only what changed since the
 -- version it holds. Every call touches at most a page of ids (the caller bounds it), so
 -- none blocks Redis for long. The whole set is read with HSCAN, outside this script.
