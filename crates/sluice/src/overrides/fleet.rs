@@ -138,7 +138,7 @@ impl Overrides {
         // a move the log does not hold (an older Sluice wrote): only a whole read sees it
         let logged = unlogged == self.unlogged.load(Ordering::Acquire);
         if loaded && logged && version == held {
-            self.refreshed_at.store(self.clock.now(), Ordering::Release);
+            self.refreshed();
             return Ok(false);
         }
         if loaded && logged {
@@ -214,12 +214,17 @@ impl Overrides {
 
     fn swap(&self, set: OverrideSet, version: u64) {
         metrics::gauge!(crate::telemetry::names::OVERRIDES).set(set.by_id.len() as f64);
-        let now = self.clock.now();
-        metrics::gauge!(crate::telemetry::names::OVERRIDES_REFRESHED).set(now as f64 / 1000.0);
         self.set.store(Arc::new(set));
         self.version.store(version, Ordering::Release);
-        self.refreshed_at.store(now, Ordering::Release);
+        self.refreshed();
         self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Notes that the set held was found current now (what an alert on a stale set reads).
+    fn refreshed(&self) {
+        let now = self.clock.now();
+        metrics::gauge!(crate::telemetry::names::OVERRIDES_REFRESHED).set(now as f64 / 1000.0);
+        self.refreshed_at.store(now, Ordering::Release);
     }
 
     /// Stores `o` under its id (replacing the override of that id), as it is: no rule is

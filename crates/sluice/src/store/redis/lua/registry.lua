@@ -1,7 +1,7 @@
 -- registry: the fleet's stored overrides, values under ids; a version that every change
--- moves (instances poll it, with KEYS[6], in a plain MGET); a change log, a sorted set of ids scored by
--- the version of their last change, so an instance reads only what changed since the
--- version it holds. Every call touches at most a page of ids (the caller bounds it), so
+-- moves (instances poll it, with KEYS[6], in a plain MGET); a change log, a sorted set of
+-- ids scored by the version of their last change, so an instance reads only what changed
+-- since the version it holds. Every call touches at most a page of ids (the caller bounds it), so
 -- none blocks Redis for long. The whole set is read with HSCAN, outside this script.
 -- TOMBSTONES (prepended) removed ids the log keeps; past it the oldest are forgotten and
 -- KEYS[5] says up to which version, so a reader behind that reads the whole set again.
