@@ -23,6 +23,7 @@ pub fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/admin/migration", get(migration).put(set_migration))
         .route("/v1/overrides", get(list_overrides))
+        .route("/v1/overrides:import", axum::routing::post(crate::admin_import::import))
         .route("/v1/overrides/{id}", get(get_override).put(put_override).delete(delete_override))
         .route("/v1/admin/clients", get(inspect).delete(reset))
         .route("/v1/admin/top", get(top))
@@ -60,14 +61,21 @@ async fn require_token(
 }
 
 /// Who acted, for the audit line: a fingerprint of the admin token (never the token).
-fn actor(state: &AppState) -> String {
+pub(crate) fn actor(state: &AppState) -> String {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     state.admin_token.hash(&mut h);
     format!("admin_token:{:08x}", h.finish() >> 32)
 }
 
-fn log(state: &AppState, action: &str, resource: &str, old: Option<String>, new: Option<String>, reason: &str) {
+pub(crate) fn log(
+    state: &AppState,
+    action: &str,
+    resource: &str,
+    old: Option<String>,
+    new: Option<String>,
+    reason: &str,
+) {
     let by = actor(state);
     audit(&Audit { action, resource, old: old.as_deref(), new: new.as_deref(), reason, by: &by });
 }
@@ -76,10 +84,24 @@ fn to_json(o: &Override) -> String {
     serde_json::to_string(o).unwrap_or_default()
 }
 
-fn override_error(e: OverrideError) -> Response {
+/// Refused overrides listed in an answer, at most: enough to fix a file by, bounded
+/// whatever was sent.
+const REFUSED_LISTED: usize = 100;
+
+pub(crate) fn override_error(e: OverrideError) -> Response {
+    let message = e.to_string();
     match e {
         OverrideError::Invalid(m) => error(StatusCode::BAD_REQUEST, "bad_override", m),
         OverrideError::Unsupported(m) => error(StatusCode::NOT_IMPLEMENTED, "overrides_unsupported", m),
+        OverrideError::Full { .. } => error(StatusCode::CONFLICT, "too_many_overrides", message),
+        OverrideError::Rejected(items) => {
+            let listed = &items[..items.len().min(REFUSED_LISTED)];
+            let body = json!({"error": {"code": "bad_overrides", "message": message, "refused": listed}});
+            (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
+        }
+        OverrideError::Incomplete { error: inner, .. } => {
+            error(override_error(*inner).status(), "import_incomplete", message)
+        }
         OverrideError::Store(e) => check_error(e.into()),
     }
 }

@@ -104,7 +104,13 @@ pub enum OverrideCommand {
         /// Why, for the audit log and the next operator.
         #[arg(long, default_value = "")]
         reason: String,
+        /// Meant: an entry's value is exactly `*`, every client of that key.
+        #[arg(long)]
+        all_clients: bool,
     },
+    /// Store every override of FILE at once, all or none (a JSON array, the output of
+    /// `sluice admin --json override list`, or one override a line; each with its "id").
+    Import { file: PathBuf },
     /// Show the override ID.
     Get { id: String },
     /// List the overrides (of one domain with --domain).
@@ -127,6 +133,8 @@ pub enum AdminError {
     NoToken,
     #[error("cannot read --token-file {path}: {source}")]
     TokenFile { path: String, source: std::io::Error },
+    #[error("cannot read the import file {path}: {source}")]
+    ImportFile { path: String, source: std::io::Error },
     #[error("--server {0} is not http://HOST:PORT")]
     Server(String),
     #[error("cannot reach {server}: {reason}")]
@@ -160,7 +168,7 @@ pub async fn run(args: Args) -> Result<(), AdminError> {
         return Err(AdminError::NoToken);
     }
     let client = Http { server: args.server.trim_end_matches('/').to_string(), token };
-    let (method, path, body) = request(&args.command);
+    let (method, path, body) = request(&args.command)?;
     let answer = client.call(method, &path, body).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&answer).unwrap_or_default());
@@ -171,48 +179,9 @@ pub async fn run(args: Args) -> Result<(), AdminError> {
 }
 
 /// The method, path and body of a command.
-fn request(c: &AdminCommand) -> (&'static str, String, Option<Value>) {
-    match c {
-        AdminCommand::Override(o) => match o {
-            OverrideCommand::Set {
-                id,
-                domain,
-                entries,
-                limit,
-                policy,
-                window,
-                rate,
-                expires_in,
-                expires_at_ms,
-                reason,
-            } => {
-                let now = sluice::time::Clock::now(&sluice::time::SystemClock);
-                // the server sets `set_at_ms` and `set_by`
-                let body = sluice::Override {
-                    id: id.clone(),
-                    domain: domain.clone(),
-                    entries: entries
-                        .iter()
-                        .map(|(key, value)| Entry { key: key.clone(), value: value.clone() })
-                        .collect(),
-                    limit: *limit,
-                    policy: policy.clone(),
-                    window: *window,
-                    rate: *rate,
-                    expires_at_ms: expires_at_ms.or(expires_in.map(|d| now + d.0)),
-                    reason: reason.clone(),
-                    set_at_ms: 0,
-                    set_by: String::new(),
-                };
-                ("PUT", format!("/v1/overrides/{}", percent_encode(id)), Some(json!(body)))
-            }
-            OverrideCommand::Get { id } => ("GET", format!("/v1/overrides/{}", percent_encode(id)), None),
-            OverrideCommand::List { domain } => {
-                let query = domain.as_ref().map(|d| format!("?domain={}", percent_encode(d))).unwrap_or_default();
-                ("GET", format!("/v1/overrides{query}"), None)
-            }
-            OverrideCommand::Rm { id } => ("DELETE", format!("/v1/overrides/{}", percent_encode(id)), None),
-        },
+fn request(c: &AdminCommand) -> Result<(&'static str, String, Option<String>), AdminError> {
+    Ok(match c {
+        AdminCommand::Override(o) => overriding(o)?,
         AdminCommand::Inspect(client) => ("GET", format!("/v1/admin/clients?{}", client_query(client, None)), None),
         AdminCommand::Reset { client, policy } => {
             ("DELETE", format!("/v1/admin/clients?{}", client_query(client, policy.as_deref())), None)
@@ -224,7 +193,55 @@ fn request(c: &AdminCommand) -> (&'static str, String, Option<Value>) {
             }
             ("GET", format!("/v1/admin/top?{q}"), None)
         }
-    }
+    })
+}
+
+/// The method, path and body of an override command.
+fn overriding(o: &OverrideCommand) -> Result<(&'static str, String, Option<String>), AdminError> {
+    Ok(match o {
+        OverrideCommand::Set {
+            id,
+            domain,
+            entries,
+            limit,
+            policy,
+            window,
+            rate,
+            expires_in,
+            expires_at_ms,
+            reason,
+            all_clients,
+        } => {
+            let now = sluice::time::Clock::now(&sluice::time::SystemClock);
+            // the server sets `set_at_ms` and `set_by`
+            let body = sluice::Override {
+                id: id.clone(),
+                domain: domain.clone(),
+                entries: entries.iter().map(|(key, value)| Entry { key: key.clone(), value: value.clone() }).collect(),
+                limit: *limit,
+                policy: policy.clone(),
+                window: *window,
+                rate: *rate,
+                expires_at_ms: expires_at_ms.or(expires_in.map(|d| now + d.0)),
+                reason: reason.clone(),
+                set_at_ms: 0,
+                set_by: String::new(),
+                all_clients: *all_clients,
+            };
+            ("PUT", format!("/v1/overrides/{}", percent_encode(id)), Some(json!(body).to_string()))
+        }
+        OverrideCommand::Get { id } => ("GET", format!("/v1/overrides/{}", percent_encode(id)), None),
+        OverrideCommand::List { domain } => {
+            let query = domain.as_ref().map(|d| format!("?domain={}", percent_encode(d))).unwrap_or_default();
+            ("GET", format!("/v1/overrides{query}"), None)
+        }
+        OverrideCommand::Rm { id } => ("DELETE", format!("/v1/overrides/{}", percent_encode(id)), None),
+        OverrideCommand::Import { file } => {
+            let body = std::fs::read_to_string(file)
+                .map_err(|source| AdminError::ImportFile { path: file.display().to_string(), source })?;
+            ("POST", "/v1/overrides:import".into(), Some(body))
+        }
+    })
 }
 
 fn client_query(c: &Client, policy: Option<&str>) -> String {
@@ -273,6 +290,7 @@ fn human(c: &AdminCommand, v: &Value) -> String {
             }
         }
         AdminCommand::Override(OverrideCommand::Rm { .. }) => format!("removed {}", line(v)),
+        AdminCommand::Override(OverrideCommand::Import { .. }) => format!("imported {} overrides\n", v["imported"]),
         AdminCommand::Override(_) => line(v),
         AdminCommand::Inspect(_) => inspected(v),
         AdminCommand::Reset { .. } => {
@@ -339,7 +357,7 @@ struct Http {
 
 impl Http {
     /// One request over a fresh connection; the answer's JSON, or the server's error.
-    async fn call(&self, method: &str, path: &str, body: Option<Value>) -> Result<Value, AdminError> {
+    async fn call(&self, method: &str, path: &str, body: Option<String>) -> Result<Value, AdminError> {
         let authority = self.server.strip_prefix("http://").ok_or_else(|| AdminError::Server(self.server.clone()))?;
         match self.exchange(authority, method, path, body).await {
             Err(AdminError::Unreachable { server, reason }) if speaks_http2(authority).await => {
@@ -366,7 +384,7 @@ impl Http {
             .await
             .map_err(|e| unreachable(e.to_string()))?;
         tokio::spawn(conn);
-        let bytes = body.map(|b| b.to_string()).unwrap_or_default();
+        let bytes = body.unwrap_or_default();
         let request = hyper::Request::builder()
             .method(method)
             .uri(path)

@@ -92,23 +92,23 @@ pub struct Args {
 /// ten is a prefix (`other-N*`: several prefix lengths, as a real set holds), none names
 /// a client the load sends.
 async fn load_overrides(limiter: &sluice::Limiter, args: &Args) -> Result<(), BenchError> {
-    use sluice::store::RegistryOp;
+    let mut all = Vec::new();
     for i in 0..args.overrides {
         let value = match i % 10 {
             0 => format!("other-{i}*"),
             _ => format!("client-{}", args.clients + i),
         };
         let o = serde_json::json!({
+            "id": format!("bench-{i}"),
             "domain": args.domain,
             "entries": [{"key": args.key, "value": value}],
             "limit": 1_000_000,
             "reason": "bench",
         });
-        let op = RegistryOp::Put { id: format!("bench-{i}"), value: o.to_string() };
-        limiter.store().registry(op).await.map_err(|e| BenchError::Overrides(e.to_string()))?;
+        all.push(serde_json::from_value(o).map_err(|e| BenchError::Overrides(e.to_string()))?);
     }
     if args.overrides > 0 {
-        limiter.overrides().refresh().await.map_err(|e| BenchError::Overrides(e.to_string()))?;
+        limiter.overrides().put_all(&all, u64::MAX).await.map_err(|e| BenchError::Overrides(e.to_string()))?;
     }
     Ok(())
 }

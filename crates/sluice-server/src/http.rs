@@ -322,11 +322,15 @@ async fn metrics(State(state): Shared) -> Response {
     }
 }
 
-/// `GET /readyz`: 200 when the store takes calls.
+/// `GET /readyz`: 200 when the store takes calls and the stored overrides have been
+/// read (until then this instance would decide without them).
 async fn ready(State(state): Shared) -> Response {
-    if state.engine.load_full().limiter.store().ready().await {
-        (StatusCode::OK, "ready\n").into_response()
-    } else {
+    let limiter = &state.engine.load_full().limiter;
+    if !limiter.store().ready().await {
         (StatusCode::SERVICE_UNAVAILABLE, "store not ready\n").into_response()
+    } else if !limiter.overrides().loaded() {
+        (StatusCode::SERVICE_UNAVAILABLE, "stored overrides not loaded yet\n").into_response()
+    } else {
+        (StatusCode::OK, "ready\n").into_response()
     }
 }

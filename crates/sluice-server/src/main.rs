@@ -2,6 +2,7 @@
 
 mod admin;
 mod admin_cli;
+mod admin_import;
 mod alloc;
 mod api;
 mod bench;

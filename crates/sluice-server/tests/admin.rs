@@ -442,3 +442,66 @@ async fn top_limited_clients() {
     assert!(lines.iter().any(|l| l.contains("20") && l.contains("user=heavy-a")), "{text}");
     assert!(!text.contains("heavy-c"), "k=2 lists two: {text}");
 }
+
+/// `sluice admin override import FILE` (and the endpoint behind it): one override a
+/// line stored at once; a file with a bad override or a repeated id stores nothing and
+/// names each; what an override may say: a window of 1 s or more, a bare `*` only with
+/// `all_clients`, each refusal saying what to change.
+#[tokio::test]
+async fn import_and_what_an_override_may_say() {
+    let s = start_with(&sections(""), DOMAINS);
+    let c = reqwest::Client::new();
+    let dir = sluice_testkit::TempDir::new("sluice-admin-import");
+    let import = |lines: &[Value]| {
+        let file = dir.path().join("overrides.ndjson");
+        std::fs::write(&file, lines.iter().map(|l| l.to_string() + "\n").collect::<String>()).unwrap();
+        let out = std::process::Command::new(common::bin())
+            .args(["admin", "--server", &s.base, "override", "import"])
+            .arg(&file)
+            .env("SLUICE_ADMIN_TOKEN", TOKEN)
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr))
+    };
+    let with_id = |id: &str, user: &str| {
+        let mut o = over(user, 7);
+        o["id"] = json!(id);
+        o
+    };
+    let (code, text) = import(&[with_id("i-1", "ann"), with_id("i-2", "bob"), with_id("i-3", "cat")]);
+    assert_eq!((code, text.trim()), (Some(0), "imported 3 overrides"));
+    assert_eq!(num(&hit(&c, &s.base, "d", &[("user", "bob")]).await, "x-ratelimit-limit"), 7);
+    assert_eq!(audits(&s, "overrides_imported"), 1, "one audit line for the import");
+
+    let mut bad = with_id("i-5", "eve");
+    bad["domain"] = json!("nope");
+    let (code, text) = import(&[with_id("i-4", "dan"), bad, with_id("i-4", "dan")]);
+    assert_eq!(code, Some(1));
+    assert!(text.contains("400") && text.contains("2 of the overrides are refused and none was stored"), "{text}");
+    let r = c.post(format!("{}/v1/overrides:import", s.base)).bearer_auth(TOKEN);
+    let r = r.body(format!("[{}, {}]", with_id("i-6", "fay"), with_id("i-6", "fay"))).send().await.unwrap();
+    let refused: Value = r.json().await.unwrap();
+    assert_eq!(refused["error"]["refused"][0]["index"], 1, "{refused}");
+    assert!(refused["error"]["refused"][0]["message"].as_str().unwrap().contains("overrides[0]"), "{refused}");
+    let r = admin(&c, reqwest::Method::GET, &s.base, "/v1/overrides").await;
+    let ids: Vec<String> = r.json::<Value>().await.unwrap()["overrides"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids, ["i-1", "i-2", "i-3"], "nothing of a refused import was stored");
+
+    let mut short = over("ann", 5);
+    short["window"] = json!("1ms");
+    let r = put(&c, &s.base, "short", short).await;
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap().contains("shorter than 1s"));
+    let r = put(&c, &s.base, "everyone", over("*", 2)).await;
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap().contains("\\\"all_clients\\\": true"));
+    let mut everyone = over("*", 2);
+    everyone["all_clients"] = json!(true);
+    assert_eq!(put(&c, &s.base, "everyone", everyone).await.status(), 200);
+    assert_eq!(num(&hit(&c, &s.base, "d", &[("user", "zed")]).await, "x-ratelimit-limit"), 2, "meant: every client");
+}

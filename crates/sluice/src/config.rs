@@ -67,6 +67,10 @@ pub struct LimiterConfig {
     pub request_bounds: RequestBounds,
     /// The lists of the clients each rule refuses and admits most (`GET /v1/admin/top`).
     pub top_clients: TopClients,
+    /// The most stored overrides the fleet keeps (a store's registry): a change that
+    /// would store more is refused, saying so. Every instance holds them all in memory
+    /// (about 1 KB each) and reads them all when it starts.
+    pub max_overrides: u64,
 }
 
 /// `limiter.top_clients`: per rule, a list of the clients it refuses most and one of
@@ -172,6 +176,7 @@ impl Default for LimiterConfig {
             shadow_mode: false,
             request_bounds: Default::default(),
             top_clients: Default::default(),
+            max_overrides: 250_000,
         }
     }
 }

@@ -285,6 +285,7 @@ impl Limiter {
     ///     reason: "ticket 4711".into(),
     ///     set_at_ms: 0,
     ///     set_by: String::new(),
+    ///     all_clients: false,
     /// };
     /// limiter.set_override(vip).await?;
     /// let alice = Request::new("api").descriptor([("user", "alice")]);
@@ -300,7 +301,32 @@ impl Limiter {
         o.set_at_ms = now;
         o.check(now).map_err(OverrideError::Invalid)?;
         self.fits_rules(&o).map_err(OverrideError::Invalid)?;
-        self.overrides.put(&o).await
+        self.overrides.put(&o, self.rules.max_overrides).await
+    }
+
+    /// Stores many overrides at once, all or nothing as far as checking goes: each is
+    /// checked as [`Limiter::set_override`] checks one (and ids must not repeat), and
+    /// when any is refused none is stored and the error lists each refused one. Stored
+    /// [`crate::overrides::PAGE`] to a store call; returns how many were stored.
+    pub async fn import_overrides(&self, mut all: Vec<Override>) -> Result<usize, OverrideError> {
+        let now = self.clock.now();
+        let mut seen = std::collections::HashMap::with_capacity(all.len());
+        let mut refused = Vec::new();
+        for (index, o) in all.iter_mut().enumerate() {
+            o.set_at_ms = now;
+            let first = *seen.entry(o.id.clone()).or_insert(index);
+            let checked = match first == index {
+                true => o.check(now).and_then(|()| self.fits_rules(o)),
+                false => Err(format!("the id is also that of overrides[{first}]; ids must be unique")),
+            };
+            if let Err(message) = checked {
+                refused.push(crate::overrides::Rejected { index, id: o.id.clone(), message });
+            }
+        }
+        if !refused.is_empty() {
+            return Err(OverrideError::Rejected(refused));
+        }
+        self.overrides.put_all(&all, self.rules.max_overrides).await
     }
 
     /// Removes the stored override `id`; returns it, or None when there was none.

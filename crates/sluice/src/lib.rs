@@ -61,7 +61,7 @@ mod verdict;
 
 pub use builder::{DomainBuilder, RuleBuilder, RulesBuilder};
 pub use engine::{CheckError, HeldLeases, Limiter};
-pub use overrides::{Override, OverrideError, Overrides};
+pub use overrides::{Override, OverrideError, Overrides, Rejected};
 pub use request::{Descriptor, Entry, LimitOverride, Request, RequestError};
 pub use telemetry::names as metric_names;
 pub use telemetry::{Audit, audit, describe as describe_metrics};

@@ -26,14 +26,17 @@
 use crate::algo::{Limit, MAX_EXACT};
 use crate::config::Duration;
 use crate::request::Entry;
-use crate::store::{RegistryOp, RegistryReply, Store, StoreError};
-use crate::time::{Clock, Millis};
-use arc_swap::ArcSwap;
+use crate::store::StoreError;
+use crate::time::Millis;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::hash::Hasher;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+
+mod fleet;
+mod sharded;
+pub use fleet::{Overrides, PAGE};
+use sharded::Sharded;
 
 /// How often an instance looks at the registry's version.
 pub const REFRESH: std::time::Duration = std::time::Duration::from_millis(250);
@@ -77,7 +80,18 @@ pub struct Override {
     /// Who stored it: an identifier of the credential used, never the credential.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub set_by: String,
+    /// Says that an entry's value of exactly `*` is meant: it puts every client of that
+    /// key under this one override, so it is refused without this.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub all_clients: bool,
 }
+
+/// The shortest `window` an override may give a fixed window. A window restarts when a
+/// request finds its stored reset passed: with windows of a few ms, every request of a
+/// fleet (clocks a ms apart, a round trip of a ms) starts a fresh one, so no limit holds
+/// (`window: 1ms` admitted 8 of 8 against a limit of 5). From a second on, the stored
+/// reset is what decides, as for the config's windows.
+pub const MIN_WINDOW: Duration = Duration(1_000);
 
 impl Override {
     /// Whether it replaces the limit of the policy named `policy`.
@@ -154,6 +168,26 @@ impl Override {
         if self.expires_at_ms.is_some_and(|t| t <= now) {
             return Err(format!("`expires_at_ms` is not in the future (now is {now})"));
         }
+        if let Some(w) = self.window
+            && w.0 < MIN_WINDOW.0
+        {
+            return Err(format!(
+                "`window` {w} is shorter than {MIN_WINDOW}: a window that short restarts between one request and the next across a fleet, so its limit holds nothing; give {MIN_WINDOW} or more"
+            ));
+        }
+        let bare = self.entries.iter().find(|e| e.value == "*");
+        match (bare, self.all_clients) {
+            (Some(e), false) => {
+                return Err(format!(
+                    "the value \"*\" of entry '{}' puts every client of that key under this override; if that is meant, add \"all_clients\": true (sluice admin override set --all-clients)",
+                    e.key
+                ));
+            }
+            (None, true) => {
+                return Err("`all_clients` is for an override whose entry value is exactly \"*\"; remove it".into());
+            }
+            _ => {}
+        }
         if self.reason.len() > 1024 {
             return Err("`reason` is longer than 1024 bytes".into());
         }
@@ -174,7 +208,7 @@ type Bucket = Arc<[Arc<Override>]>;
 /// another), however many overrides there are.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct DomainOverrides {
-    classes: Vec<(Shape, HashMap<u64, Bucket>)>,
+    classes: Vec<(Shape, Sharded<u64, Bucket>)>,
 }
 
 fn shape_of(o: &Override) -> Shape {
@@ -255,11 +289,11 @@ impl DomainOverrides {
         let i = match self.classes.iter().position(|(s, _)| *s == shape) {
             Some(i) => i,
             None => {
-                self.classes.push((shape, HashMap::new()));
+                self.classes.push((shape, Sharded::default()));
                 self.classes.len() - 1
             }
         };
-        let bucket = self.classes[i].1.entry(hash).or_insert_with(|| Arc::from(Vec::new()));
+        let bucket = self.classes[i].1.get_or_insert_with(hash, || Arc::from(Vec::new()));
         let mut next = bucket.to_vec();
         let at = next.partition_point(|x| best_first(x, o).is_lt());
         next.insert(at, o.clone());
@@ -291,20 +325,23 @@ fn parse(id: &str, text: &str) -> Result<Override, serde_json::Error> {
 /// An override and the text it is stored as.
 type Stored = (Arc<Override>, Arc<str>);
 
-/// Every override, as one instance holds them. Cheap to copy (every part is shared), so
-/// a change makes a new set from the last one in time proportional to the number of
-/// overrides with a small constant, not by indexing them all again.
+/// Every override, as one instance holds them. Cheap to copy (its maps are [`Sharded`]:
+/// a copy shares every part, a change copies the part it writes), so a change makes a new
+/// set from the last one in about the same time whatever the number of overrides.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct OverrideSet {
     /// Each override and the text it is stored as (what an expiry removes, only if
     /// unchanged).
-    by_id: HashMap<Arc<str>, Stored>,
+    by_id: Sharded<Arc<str>, Stored>,
     domains: HashMap<Arc<str>, DomainOverrides>,
     /// The earliest `expires_at_ms` of the set: before it, nothing has lapsed.
     next_expiry: Option<Millis>,
+    /// Whether an override of that expiry was removed since it was computed.
+    expiry_stale: bool,
 }
 
 impl OverrideSet {
+    #[cfg(test)]
     fn new<O: Into<Arc<Override>>, T: Into<Arc<str>>>(stored: impl IntoIterator<Item = (O, T)>) -> Self {
         let mut set = Self::default();
         for (o, text) in stored {
@@ -330,7 +367,15 @@ impl OverrideSet {
                 self.domains.remove(o.domain.as_str());
             }
         }
-        if o.expires_at_ms.is_some() && o.expires_at_ms == self.next_expiry {
+        // recomputed once after a batch of changes (`settle`), not once per removal: a
+        // set of many overrides of one expiry changed one by one would be quadratic
+        self.expiry_stale |= o.expires_at_ms.is_some() && o.expires_at_ms == self.next_expiry;
+    }
+
+    /// Makes `next_expiry` exact again after removals (until then it is early: harmless,
+    /// [`Overrides::expire`] only looks once more).
+    fn settle(&mut self) {
+        if std::mem::take(&mut self.expiry_stale) {
             self.next_expiry = self.by_id.values().filter_map(|(o, _)| o.expires_at_ms).min();
         }
     }
@@ -353,234 +398,38 @@ pub enum OverrideError {
     /// The store keeps no overrides (Memcached): the message says what to use.
     #[error("{0}")]
     Unsupported(String),
+    /// Storing it would take the registry past `limiter.max_overrides`.
+    #[error(
+        "the registry holds {held} overrides and storing these would pass `limiter.max_overrides` ({max}); remove overrides no longer needed (DELETE /v1/overrides/ID) or raise limiter.max_overrides"
+    )]
+    Full { held: u64, max: u64 },
+    /// Overrides of an import that are refused, each with what to change: none was stored.
+    #[error("{} of the overrides are refused and none was stored; the first: {}", .0.len(), .0.first().map(ToString::to_string).unwrap_or_default())]
+    Rejected(Vec<Rejected>),
+    /// An import stopped part way: the first `stored` of `total` were stored.
+    #[error(
+        "{stored} of {total} overrides were stored, then: {error} (storing the same ones again is safe: each id is replaced)"
+    )]
+    Incomplete { stored: usize, total: usize, error: Box<OverrideError> },
     /// The store did not answer.
     #[error(transparent)]
     Store(StoreError),
 }
 
+/// One override of an import that is refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, thiserror::Error)]
+#[error("overrides[{index}] (id '{id}'): {message}")]
+pub struct Rejected {
+    /// Its place in the import, from 0.
+    pub index: usize,
+    pub id: String,
+    /// What is wrong, and what to change.
+    pub message: String,
+}
+
 impl From<StoreError> for OverrideError {
     fn from(e: StoreError) -> Self {
         OverrideError::Store(e)
-    }
-}
-
-/// The fleet's overrides as this instance holds them, and the way to change them.
-pub struct Overrides {
-    store: Arc<dyn Store>,
-    clock: Arc<dyn Clock>,
-    set: ArcSwap<OverrideSet>,
-    /// The registry version the set was read at.
-    version: AtomicU64,
-    /// Moves whenever the set is read anew (an override changed, or a client was reset,
-    /// anywhere): what tells the near-cache its refusals may be stale.
-    generation: AtomicU64,
-    /// One refresh at a time, so an older read never replaces a newer one.
-    refreshing: tokio::sync::Mutex<()>,
-}
-
-impl std::fmt::Debug for Overrides {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Overrides").field("version", &self.version).field("len", &self.len()).finish()
-    }
-}
-
-impl Overrides {
-    /// The overrides kept in `store`'s registry; empty until [`Overrides::refresh`].
-    pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Arc<Self> {
-        Arc::new(Self {
-            store,
-            clock,
-            set: ArcSwap::from_pointee(OverrideSet::default()),
-            version: AtomicU64::new(0),
-            generation: AtomicU64::new(0),
-            refreshing: tokio::sync::Mutex::new(()),
-        })
-    }
-
-    pub(crate) fn current(&self) -> arc_swap::Guard<Arc<OverrideSet>> {
-        self.set.load()
-    }
-
-    /// Moves whenever what this instance knows may have changed under its near-cache.
-    pub(crate) fn generation(&self) -> u64 {
-        self.generation.load(Ordering::Acquire)
-    }
-
-    /// Whether the store keeps overrides (the memory and Redis stores do, Memcached not);
-    /// the error says what to use instead.
-    pub fn supported(&self) -> Result<(), OverrideError> {
-        match self.store.keeps_registry() {
-            true => Ok(()),
-            false => Err(OverrideError::Unsupported(crate::store::no_registry_reason(self.store.kind()))),
-        }
-    }
-
-    /// How many overrides are held.
-    pub fn len(&self) -> usize {
-        self.set.load().by_id.len()
-    }
-
-    /// Whether none are held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The overrides held, by id; of one domain when `domain` is given.
-    pub fn list(&self, domain: Option<&str>) -> Vec<Arc<Override>> {
-        let set = self.set.load();
-        let mut found: Vec<_> =
-            set.by_id.values().map(|(o, _)| o.clone()).filter(|o| domain.is_none_or(|d| o.domain == d)).collect();
-        found.sort_by(|a, b| a.id.cmp(&b.id));
-        found
-    }
-
-    /// The override `id`, if held.
-    pub fn get(&self, id: &str) -> Option<Arc<Override>> {
-        self.set.load().by_id.get(id).map(|(o, _)| o.clone())
-    }
-
-    /// Reads the registry's version, and the whole set when it moved. Returns whether it
-    /// had moved.
-    pub async fn refresh(&self) -> Result<bool, StoreError> {
-        let _one = self.refreshing.lock().await;
-        let version = self.store.registry(RegistryOp::Version).await?.version;
-        if version == self.version.load(Ordering::Acquire) {
-            return Ok(false);
-        }
-        let read = self.store.registry(RegistryOp::Read).await?;
-        self.install(read);
-        Ok(true)
-    }
-
-    fn install(&self, read: RegistryReply) {
-        let mut stored = Vec::with_capacity(read.entries.len());
-        for (id, text) in read.entries {
-            match parse(&id, &text) {
-                Ok(o) => stored.push((o, text)),
-                Err(e) => tracing::warn!(id = %id, error = %e, "a stored override cannot be read; it is not applied"),
-            }
-        }
-        self.swap(OverrideSet::new(stored), read.version);
-    }
-
-    fn swap(&self, set: OverrideSet, version: u64) {
-        metrics::gauge!(crate::telemetry::names::OVERRIDES).set(set.by_id.len() as f64);
-        self.set.store(Arc::new(set));
-        self.version.store(version, Ordering::Release);
-        self.generation.fetch_add(1, Ordering::AcqRel);
-    }
-
-    /// Stores `o` under its id (replacing the override of that id), as it is: no rule is
-    /// consulted (see [`crate::Limiter::set_override`], which checks it against the rules).
-    /// In force here at once, on every watching instance within [`PROPAGATION`].
-    /// Returns the override it replaced.
-    pub async fn put(&self, o: &Override) -> Result<Option<Override>, OverrideError> {
-        let value = serde_json::to_string(o).map_err(|e| OverrideError::Invalid(e.to_string()))?;
-        let added = (Arc::new(o.clone()), Arc::from(value.as_str()));
-        let reply = self.write(RegistryOp::Put { id: o.id.clone(), value }, &o.id, Some(added)).await?;
-        Ok(reply.previous.and_then(|p| parse(&o.id, &p).ok()))
-    }
-
-    /// Removes the override `id`. Returns it, or None when there was none.
-    pub async fn remove(&self, id: &str) -> Result<Option<Override>, OverrideError> {
-        let reply = self.write(RegistryOp::Remove { id: id.to_string(), only_if: None }, id, None).await?;
-        Ok(reply.previous.and_then(|p| parse(id, &p).ok()))
-    }
-
-    /// Tells every other instance that state changed under their near-caches (a reset;
-    /// this instance's caller drops what it reset from its own).
-    pub(crate) async fn touch(&self) -> Result<(), StoreError> {
-        if self.store.keeps_registry() {
-            self.store.registry(RegistryOp::Touch).await?;
-        }
-        Ok(())
-    }
-
-    /// Runs `op`, which puts `added` under `id` or removes `id`, and puts the result in
-    /// force here: applied to the set held when no other change came between (so loading
-    /// many overrides costs no read of the whole set per change), else read anew.
-    async fn write(&self, op: RegistryOp, id: &str, added: Option<Stored>) -> Result<RegistryReply, OverrideError> {
-        self.supported()?;
-        let reply = self.store.registry(op).await?;
-        {
-            let _one = self.refreshing.lock().await;
-            if reply.version == self.version.load(Ordering::Acquire) + 1 {
-                let mut next = OverrideSet::clone(&self.set.load());
-                match added {
-                    Some(added) => next.insert(added),
-                    None => next.remove(id),
-                }
-                self.swap(next, reply.version);
-                return Ok(reply);
-            }
-        }
-        // in force here now; a failed read is retried by the watcher
-        if let Err(e) = self.refresh().await {
-            tracing::warn!(error = %e, "an override was stored but could not be read back yet");
-        }
-        Ok(reply)
-    }
-
-    /// Removes the overrides that have lapsed, each by one instance of the fleet (the one
-    /// whose conditional remove finds it unchanged), which writes the audit line.
-    pub async fn expire(&self) -> Result<(), StoreError> {
-        let now = self.clock.now();
-        let set = self.set.load();
-        if set.next_expiry.is_none_or(|t| now < t) {
-            return Ok(());
-        }
-        let lapsed: Vec<Stored> = set.by_id.values().filter(|(o, _)| o.expired(now)).cloned().collect();
-        drop(set);
-        for (o, text) in lapsed {
-            let only_if = Some(text.to_string());
-            let removed = self.store.registry(RegistryOp::Remove { id: o.id.clone(), only_if }).await?;
-            if removed.previous.is_some() {
-                crate::telemetry::audit(&crate::telemetry::Audit {
-                    action: "override_expired",
-                    resource: &o.id,
-                    old: serde_json::to_string(&*o).ok().as_deref(),
-                    new: None,
-                    reason: &o.reason,
-                    by: "expiry",
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// Keeps this instance's set current: every `every` ([`REFRESH`] is what
-    /// [`PROPAGATION`] assumes), reads the version and, when it moved, the set; removes
-    /// lapsed overrides. Runs on the current tokio runtime until `self` is dropped; a
-    /// store that cannot be read keeps the last set read in force (logged once).
-    pub fn watch(self: &Arc<Self>, every: std::time::Duration) {
-        if !self.store.keeps_registry() || tokio::runtime::Handle::try_current().is_err() {
-            return;
-        }
-        let me = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut failing = false;
-            loop {
-                tick.tick().await;
-                let Some(me) = me.upgrade() else { return };
-                let result = match me.refresh().await {
-                    Ok(_) => me.expire().await,
-                    Err(e) => Err(e),
-                };
-                match result {
-                    Err(e) if !failing => {
-                        tracing::warn!(error = %e, "cannot read the stored overrides; the last ones read stay in force");
-                        failing = true;
-                    }
-                    Ok(()) if failing => {
-                        tracing::info!("the stored overrides can be read again");
-                        failing = false;
-                    }
-                    _ => {}
-                }
-            }
-        });
     }
 }
 
@@ -602,6 +451,7 @@ mod tests {
             reason: String::new(),
             set_at_ms: 1,
             set_by: String::new(),
+            all_clients: false,
         };
         let text = serde_json::to_string(&o).unwrap();
         (o, text)
@@ -701,6 +551,16 @@ mod tests {
         x.expires_at_ms = Some(5);
         assert!(x.check(5).unwrap_err().contains("expires_at_ms"));
         x.expires_at_ms = None;
+        x.window = Some(Duration(999));
+        assert!(x.check(0).unwrap_err().contains("shorter than 1s"));
+        x.window = Some(MIN_WINDOW);
+        assert_eq!(x.check(0), Ok(()));
+        x.entries[0].value = "*".into();
+        assert!(x.check(0).unwrap_err().contains("all_clients"), "a bare * must be meant");
+        x.all_clients = true;
+        assert_eq!(x.check(0), Ok(()));
+        x.entries[0].value = "a*".into();
+        assert!(x.check(0).unwrap_err().contains("exactly"), "all_clients on a prefix says nothing");
         x.entries.clear();
         assert!(x.check(0).unwrap_err().contains("entries"));
     }

@@ -206,6 +206,8 @@ pub struct Rules {
     pub(crate) near_limit_ratio: f64,
     /// The most a request may carry.
     pub(crate) request_bounds: crate::config::RequestBounds,
+    /// The most stored overrides (`limiter.max_overrides`).
+    pub(crate) max_overrides: u64,
 }
 
 /// A config that cannot be compiled: where (a path like
@@ -240,6 +242,7 @@ impl Rules {
             default_failure: limiter.failure,
             near_limit_ratio: limiter.near_limit_ratio,
             request_bounds: limiter.request_bounds,
+            max_overrides: limiter.max_overrides,
         })
     }
 

@@ -39,6 +39,7 @@ pub mod names {
     pub const GRPC_CLOSED: &str = "sluice_grpc_connections_closed_total";
     pub const ADMIN_ACTIONS: &str = "sluice_admin_actions_total";
     pub const OVERRIDES: &str = "sluice_overrides";
+    pub const OVERRIDES_REFRESHED: &str = "sluice_overrides_refreshed_timestamp_seconds";
     pub const GRANTS_TAKEN: &str = "sluice_grants_taken_total";
     pub const GRANT_UNITS: &str = "sluice_grant_units_total";
     pub const GRANT_UNITS_HELD: &str = "sluice_grant_units_held";

@@ -335,6 +335,7 @@ async fn an_override_elsewhere_revokes_the_grants_held() {
         reason: "test".into(),
         set_at_ms: 0,
         set_by: String::new(),
+        all_clients: false,
     };
     b.set_override(low).await.unwrap();
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;

@@ -241,27 +241,53 @@ pub async fn reset_forgets_every_kind(s: &dyn Store) {
 }
 
 /// The registry: every change moves the version; a conditional remove removes only an
-/// unchanged value. A store without one says so.
+/// unchanged value; a put past the maximum writes nothing; the change log lists each id
+/// changed after a version once, at its last change (a removed one without a value); the
+/// pages of a scan hold every entry. A store without one says so.
 pub async fn registry_is_versioned(s: &dyn Store) {
     if !s.keeps_registry() {
-        assert!(s.registry(RegistryOp::Read).await.is_err(), "a store keeping no registry must refuse to read one");
+        let read = s.registry(RegistryOp::Scan { cursor: 0, count: 10 }).await;
+        assert!(read.is_err(), "a store keeping no registry must refuse to read one");
         return;
     }
     let id = format!("conformance-{:x}", fresh_tag().0);
-    let put = |value: &str| RegistryOp::Put { id: id.clone(), value: value.into() };
+    let (other, max) = (format!("{id}-other"), u64::MAX);
+    let put = |value: &str| RegistryOp::Put { entries: vec![(id.clone(), value.into())], max };
     let remove = |only_if: &str| RegistryOp::Remove { id: id.clone(), only_if: Some(only_if.into()) };
     let v0 = s.registry(RegistryOp::Version).await.unwrap().version;
     let first = s.registry(put("a")).await.unwrap();
-    assert!(first.version > v0 && first.previous.is_none(), "{first:?}");
-    let read = s.registry(RegistryOp::Read).await.unwrap();
-    assert!(read.version >= first.version);
-    assert!(read.entries.contains(&(id.clone(), "a".into())), "{:?}", read.entries);
+    assert!(first.version > v0 && first.previous.is_none() && first.full.is_none(), "{first:?}");
+    assert!(scan(s).await.contains(&(id.clone(), "a".into())));
+    let refused = s.registry(RegistryOp::Put { entries: vec![(other.clone(), "x".into())], max: 0 }).await.unwrap();
+    assert!(refused.full.is_some() && refused.version == first.version, "nothing written past the max: {refused:?}");
     assert_eq!(s.registry(put("b")).await.unwrap().previous.as_deref(), Some("a"));
+    let both = vec![(id.clone(), "c".into()), (other.clone(), "d".into())];
+    assert!(s.registry(RegistryOp::Put { entries: both, max }).await.unwrap().full.is_none());
     assert_eq!(s.registry(remove("a")).await.unwrap().previous, None, "changed since: not removed");
-    let gone = s.registry(remove("b")).await.unwrap();
-    assert_eq!(gone.previous.as_deref(), Some("b"));
-    assert!(!s.registry(RegistryOp::Read).await.unwrap().entries.iter().any(|(k, _)| *k == id));
+    let gone = s.registry(remove("c")).await.unwrap();
+    assert_eq!(gone.previous.as_deref(), Some("c"));
+    let all = scan(s).await;
+    assert!(!all.iter().any(|(k, _)| *k == id) && all.contains(&(other.clone(), "d".into())), "{all:?}");
+    let changes = s.registry(RegistryOp::Changes { after: v0, count: 1_000 }).await.unwrap().changes;
+    let mine: Vec<_> = changes.iter().filter(|c| c.id.starts_with(&id)).map(|c| (&*c.id, c.value.as_deref())).collect();
+    assert_eq!(mine, [(&*other, Some("d")), (&*id, None)], "each id once, at its last change, oldest first");
+    let one = s.registry(RegistryOp::Changes { after: v0, count: 1 }).await.unwrap();
+    assert!(one.changes.len() == 1 && one.floor <= v0, "{one:?}");
     assert!(s.registry(RegistryOp::Touch).await.unwrap().version > gone.version, "a touch moves the version");
+    s.registry(RegistryOp::Remove { id: other, only_if: None }).await.unwrap();
+}
+
+/// Every entry of the registry, read in pages of 2.
+async fn scan(s: &dyn Store) -> Vec<(String, String)> {
+    let (mut cursor, mut all) = (0, Vec::new());
+    loop {
+        let page = s.registry(RegistryOp::Scan { cursor, count: 2 }).await.unwrap();
+        all.extend(page.entries);
+        cursor = page.cursor;
+        if cursor == 0 {
+            return all;
+        }
+    }
 }
 
 /// Quota grants (`algo::grant`): a grant charges the window at once and is a share of

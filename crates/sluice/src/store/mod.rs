@@ -12,6 +12,7 @@ mod memory;
 mod migrating;
 #[cfg(feature = "redis")]
 pub mod redis;
+mod registry;
 mod resilient;
 
 use crate::algo::grant::Granted;
@@ -23,6 +24,8 @@ use async_trait::async_trait;
 pub use memcached::MemcachedStore;
 pub use memory::{MemoryStats, MemoryStore};
 pub use migrating::MigratingStore;
+pub(crate) use registry::LocalRegistry;
+pub use registry::{Change, RegistryOp, RegistryReply, TOMBSTONES};
 pub use resilient::{BreakerState, Resilience, ResilienceStats, Resilient, Tuning};
 
 /// Appends the low `6 * chars` bits of `v` in base64url, most significant first.
@@ -156,71 +159,6 @@ impl StoreError {
 impl PartialEq for StoreError {
     fn eq(&self, other: &Self) -> bool {
         self.kind() == other.kind() && self.to_string() == other.to_string()
-    }
-}
-
-/// A read of, or a change to, the registry a store keeps for the whole fleet: values
-/// under ids (the stored overrides of [`crate::overrides`]), and a version that every
-/// change moves, so an instance notices a change by reading one number.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RegistryOp {
-    /// The version and every entry.
-    Read,
-    /// The version alone.
-    Version,
-    /// Sets `id` to `value`.
-    Put { id: String, value: String },
-    /// Removes `id`; with `only_if`, only while its value is still exactly that (so of
-    /// several instances expiring one entry, one removes it).
-    Remove { id: String, only_if: Option<String> },
-    /// Moves the version without changing an entry: tells every instance that state
-    /// changed under it (a client was reset).
-    Touch,
-}
-
-/// What a [`RegistryOp`] answers.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RegistryReply {
-    /// The version after the op.
-    pub version: u64,
-    /// The value the id had before a put or remove (None: it had none, and a remove
-    /// removed nothing).
-    pub previous: Option<String>,
-    /// Every entry, for [`RegistryOp::Read`].
-    pub entries: Vec<(String, String)>,
-}
-
-/// The registry held in process memory (the memory store's, and a model for the others).
-#[derive(Debug, Default)]
-pub(crate) struct LocalRegistry(std::sync::Mutex<(u64, std::collections::BTreeMap<String, String>)>);
-
-impl LocalRegistry {
-    pub(crate) fn run(&self, op: RegistryOp) -> RegistryReply {
-        let mut guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let (version, entries) = &mut *guard;
-        let previous = match op {
-            RegistryOp::Read => {
-                let entries = entries.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-                return RegistryReply { version: *version, previous: None, entries };
-            }
-            RegistryOp::Version => None,
-            RegistryOp::Put { id, value } => {
-                *version += 1;
-                entries.insert(id, value)
-            }
-            RegistryOp::Remove { id, only_if } => match entries.get(&id) {
-                Some(v) if only_if.as_ref().is_none_or(|want| want == v) => {
-                    *version += 1;
-                    entries.remove(&id)
-                }
-                _ => None,
-            },
-            RegistryOp::Touch => {
-                *version += 1;
-                None
-            }
-        };
-        RegistryReply { version: *version, previous, entries: Vec::new() }
     }
 }
 

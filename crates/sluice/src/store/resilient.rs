@@ -18,6 +18,10 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// The deadline of one registry call (a page of overrides, a change): not a decision's,
+/// which is far shorter, since nothing waits on it but the instance's copy of the set.
+pub const REGISTRY_DEADLINE: Duration = Duration::from_secs(2);
+
 /// Deadline and breaker settings.
 #[derive(Debug, Clone, Copy)]
 pub struct Resilience {
@@ -208,14 +212,14 @@ impl<S: Store> Resilient<S> {
         *b = next;
     }
 
-    async fn call<T>(&self, op: StoreOp, f: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
-        if !self.admit() {
-            self.stats.short_circuited.fetch_add(1, Ordering::Relaxed);
-            self.metrics.error(StoreError::CircuitOpen.kind());
-            return Err(StoreError::CircuitOpen);
-        }
+    /// Runs `f` for at most `deadline`, and counts its time and failure.
+    async fn timed<T>(
+        &self,
+        op: StoreOp,
+        deadline: Duration,
+        f: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
         let started = Instant::now();
-        let deadline = self.settings.get().deadline;
         let result = match tokio::time::timeout(deadline, f).await {
             Ok(r) => r,
             Err(_) => Err(StoreError::Timeout(deadline.as_millis() as Millis)),
@@ -224,6 +228,16 @@ impl<S: Store> Resilient<S> {
         if let Err(e) = &result {
             self.metrics.error(e.kind());
         }
+        result
+    }
+
+    async fn call<T>(&self, op: StoreOp, f: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        if !self.admit() {
+            self.stats.short_circuited.fetch_add(1, Ordering::Relaxed);
+            self.metrics.error(StoreError::CircuitOpen.kind());
+            return Err(StoreError::CircuitOpen);
+        }
+        let result = self.timed(op, self.settings.get().deadline, f).await;
         match &result {
             Ok(_) => {}
             Err(StoreError::Timeout(_)) => {
@@ -272,7 +286,10 @@ impl<S: Store> Store for Resilient<S> {
         self.inner.keeps_registry()
     }
     async fn registry(&self, op: RegistryOp) -> Result<RegistryReply, StoreError> {
-        self.call(StoreOp::Registry, self.inner.registry(op)).await
+        // not a decision: its own deadline (a page of overrides may take longer than a
+        // decision may wait), and neither the breaker nor an open one stops it, so a slow
+        // read of the registry never turns rate limiting off, nor an outage hides it
+        self.timed(StoreOp::Registry, REGISTRY_DEADLINE, self.inner.registry(op)).await
     }
     async fn preflight(&self) -> Result<(), StoreError> {
         self.inner.preflight().await
@@ -345,6 +362,18 @@ mod tests {
         async fn ready(&self) -> bool {
             !self.down.load(Ordering::Relaxed)
         }
+        fn keeps_registry(&self) -> bool {
+            true
+        }
+        async fn registry(&self, op: RegistryOp) -> Result<RegistryReply, StoreError> {
+            if self.slow.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            if self.down.load(Ordering::Relaxed) {
+                return Err(StoreError::unavailable("down"));
+            }
+            self.inner.registry(op).await
+        }
         fn kind(&self) -> &'static str {
             "flaky"
         }
@@ -406,6 +435,27 @@ mod tests {
         assert!(r.ready().await);
         assert_eq!(r.breaker(), BreakerState::Closed);
         assert!(r.apply(Tag(1), &[op()], 0).await.is_ok(), "decisions reach the store again");
+    }
+
+    /// Reading the overrides is not a decision: a call longer than the decision deadline
+    /// completes, failures never open the breaker, and an open breaker does not stop it.
+    #[tokio::test]
+    async fn registry_calls_have_their_own_deadline_and_leave_the_breaker_alone() {
+        let r = Resilient::new(
+            flaky(false, true),
+            Resilience { deadline: Duration::from_millis(50), failures: 1, cooldown: Duration::from_secs(60) },
+        );
+        assert!(r.registry(RegistryOp::Version).await.is_ok(), "300 ms is within the registry's deadline");
+        r.inner().slow.store(false, Ordering::Relaxed);
+        r.inner().down.store(true, Ordering::Relaxed);
+        for _ in 0..3 {
+            assert_eq!(r.registry(RegistryOp::Version).await, Err(StoreError::unavailable("down")));
+        }
+        assert_eq!(r.breaker(), BreakerState::Closed, "registry failures are not the decisions' business");
+        assert!(r.apply(Tag(1), &[op()], 0).await.is_err());
+        assert_eq!(r.breaker(), BreakerState::Open);
+        r.inner().down.store(false, Ordering::Relaxed);
+        assert!(r.registry(RegistryOp::Version).await.is_ok(), "an open breaker does not stop a registry call");
     }
 
     #[tokio::test]

@@ -14,6 +14,7 @@
 mod batch;
 #[cfg(test)]
 mod cluster_distribution;
+mod registry_reply;
 mod sentinel;
 mod sharded;
 
@@ -72,7 +73,11 @@ impl Scripts {
             refund: Script::new(format!("{lib}{}", include_str!("lua/refund.lua"))),
             release: Script::new(include_str!("lua/release.lua").to_string()),
             reset: Script::new(include_str!("lua/reset.lua").to_string()),
-            registry: Script::new(include_str!("lua/registry.lua").to_string()),
+            registry: Script::new(format!(
+                "local TOMBSTONES = {}\n{}",
+                super::registry::TOMBSTONES,
+                include_str!("lua/registry.lua")
+            )),
             grant: Script::new(format!("{lib}{}", include_str!("lua/grant.lua"))),
             give_back: Script::new(format!("{lib}{}", include_str!("lua/give_back.lua"))),
         }
@@ -178,8 +183,17 @@ impl Location {
 /// cost 100: docs/benchmarks.md).
 const FIELD_CHARS: u32 = 12;
 
-/// The registry (see [`RegistryOp`]): a hash of overrides and its version, in one slot.
-const REGISTRY_KEYS: [&str; 2] = ["sluice:{registry}:overrides", "sluice:{registry}:version"];
+/// The registry (see [`RegistryOp`]), in one slot: the hash of overrides, its version,
+/// the change log, the removed ids, the log's floor and the versions logged
+/// (`lua/registry.lua`).
+const REGISTRY_KEYS: [&str; 6] = [
+    "sluice:{registry}:overrides",
+    "sluice:{registry}:version",
+    "sluice:{registry}:log",
+    "sluice:{registry}:gone",
+    "sluice:{registry}:floor",
+    "sluice:{registry}:logged",
+];
 
 /// Buckets when the configuration names none: fewer than one state per bucket wastes
 /// the sharing, more than 128 turns a bucket from a listpack into a hash table (about 100
@@ -954,40 +968,34 @@ impl Store for RedisStore {
     }
 
     async fn registry(&self, op: RegistryOp) -> Result<RegistryReply, StoreError> {
-        let bad = |e: redis::ParsingError| StoreError::protocol(format!("registry reply: {e}"));
-        let (action, id, value) = match &op {
-            RegistryOp::Version => {
-                // the watchers' poll, four times a second per instance: a plain GET, no script
-                let got = self.writer.conn.query(redis::cmd("GET").arg(REGISTRY_KEYS[1])).await.map_err(store_error)?;
-                let version: Option<u64> = redis::from_redis_value(got).map_err(bad)?;
-                return Ok(RegistryReply { version: version.unwrap_or(0), ..RegistryReply::default() });
+        let fill = |cmd: &mut Cmd| match &op {
+            RegistryOp::Changes { after, count } => _ = cmd.arg("changes").arg(after).arg(count),
+            RegistryOp::Put { entries, max } => {
+                cmd.arg("put").arg(max);
+                for (id, value) in entries {
+                    cmd.arg(id).arg(value);
+                }
             }
-            RegistryOp::Read => ("read", "", ""),
-            RegistryOp::Touch => ("touch", "", ""),
-            RegistryOp::Put { id, value } => ("put", id.as_str(), value.as_str()),
-            RegistryOp::Remove { id, only_if } => ("remove", id.as_str(), only_if.as_deref().unwrap_or("")),
+            RegistryOp::Remove { id, only_if } => _ = cmd.arg("remove").arg(id).arg(only_if.as_deref().unwrap_or("")),
+            RegistryOp::Touch => _ = cmd.arg("touch"),
+            RegistryOp::Version | RegistryOp::Scan { .. } => {} // plain commands, below
         };
         let (script, keys) = (&self.writer.scripts.registry, &REGISTRY_KEYS);
-        let fill = |cmd: &mut Cmd| {
-            cmd.arg(action).arg(id).arg(value);
+        let reply = match &op {
+            // the watchers' poll, four times a second per instance: a plain MGET, no script
+            RegistryOp::Version => self.writer.conn.query(redis::cmd("MGET").arg(keys[1]).arg(keys[5])).await,
+            RegistryOp::Scan { cursor, count } => {
+                self.writer.conn.query(redis::cmd("HSCAN").arg(keys[0]).arg(cursor).arg("COUNT").arg(count)).await
+            }
+            RegistryOp::Changes { .. } => self.writer.conn.run(script, false, keys, fill).await,
+            _ => return registry_reply::written(self.writer.write(script, keys, fill).await?),
         };
-        let reply = match op {
-            RegistryOp::Read => self.writer.conn.run(script, false, keys, fill).await.map_err(store_error)?,
-            _ => self.writer.write(script, keys, fill).await?,
-        };
-        let mut items: Vec<Value> = redis::from_redis_value(reply).map_err(bad)?;
-        if items.len() < 2 || items.len() % 2 != 0 {
-            return Err(StoreError::protocol(format!("registry reply of {} items", items.len())));
+        let reply = reply.map_err(store_error)?;
+        match op {
+            RegistryOp::Version => registry_reply::version(reply),
+            RegistryOp::Scan { .. } => registry_reply::page(reply),
+            _ => registry_reply::changes(reply),
         }
-        let rest = items.split_off(2);
-        let previous: Option<String> = redis::from_redis_value(items.pop().unwrap_or(Value::Nil)).map_err(bad)?;
-        let version: u64 = redis::from_redis_value(items.pop().unwrap_or(Value::Nil)).map_err(bad)?;
-        let mut entries = Vec::with_capacity(rest.len() / 2);
-        let mut rest = rest.into_iter();
-        while let (Some(id), Some(value)) = (rest.next(), rest.next()) {
-            entries.push((redis::from_redis_value(id).map_err(bad)?, redis::from_redis_value(value).map_err(bad)?));
-        }
-        Ok(RegistryReply { version, previous, entries })
     }
 
     async fn preflight(&self) -> Result<(), StoreError> {
