@@ -1,34 +1,31 @@
 //! The `sluice` binary: parses the command line and hands over. Nothing else lives here.
 
-mod admin;
-mod admin_cli;
-mod admin_import;
 mod alloc;
-mod api;
-mod bench;
-mod build;
-mod checks;
-mod cli;
+mod commands;
 mod config;
-mod envoy_http;
 #[cfg(test)]
 mod fuzz;
-mod grpc_listen;
+mod grpc;
 mod http;
-mod listen;
-mod load;
 mod logs;
 mod otel;
 mod otlp;
-mod ratelimit_env;
-mod reload;
-mod rlqs;
-mod rls;
-mod serve;
-mod shed;
 mod state;
 mod tls;
-mod ui;
+
+// the modules' old paths, until their code is edited to the new ones
+use commands as cli;
+use commands::admin as admin_cli;
+use commands::serve::reload;
+use commands::{bench, serve, shed};
+use config::env as ratelimit_env;
+use config::{checks, load};
+use grpc::listen as grpc_listen;
+use grpc::{rlqs, rls};
+use http::envoy as envoy_http;
+use http::json as api;
+use http::{admin, admin_import, listen, ui};
+use state::build;
 
 use clap::Parser;
 use cli::{Cli, Command, ConfigCommand, ShedCommand};

@@ -1,6 +1,8 @@
 //! `sluice serve`: builds the engine from a config and runs the HTTP API and Envoy's
 //! gRPC rate limit service until SIGINT or SIGTERM.
 
+pub mod reload;
+
 use crate::build::{BuildError, build};
 use crate::config::{Config, ServerConfig, StoreConfig};
 use crate::http::router;

@@ -1,6 +1,8 @@
 //! What the HTTP API and Envoy's gRPC service share: the engine in force and the
 //! handles a reload or an admin call changes.
 
+pub mod build;
+
 use arc_swap::{ArcSwap, ArcSwapOption};
 use sluice::Limiter;
 use sluice::headers::HeadersConfig;

@@ -2,6 +2,10 @@
 //! deployment settings only the server has: where it listens, which store it connects
 //! to, and the files that secure those connections.
 
+pub mod checks;
+pub mod env;
+pub mod load;
+
 use serde::{Deserialize, Deserializer, de};
 use sluice::config::{DomainConfig, Duration, LimiterConfig};
 use sluice::headers::HeadersConfig;

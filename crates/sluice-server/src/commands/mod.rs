@@ -1,6 +1,11 @@
 //! The command line: collects each command's arguments, which the command's own module
 //! defines (`serve::Args`, `bench::Args`, `shed::Args`, `admin_cli::Args`).
 
+pub mod admin;
+pub mod bench;
+pub mod serve;
+pub mod shed;
+
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 

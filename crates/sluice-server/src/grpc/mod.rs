@@ -1,0 +1,3 @@
+pub mod listen;
+pub mod rlqs;
+pub mod rls;
