@@ -95,8 +95,8 @@ fn with_server<T>(f: impl FnOnce(&Server) -> T) -> T {
 fn server() -> Server {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let state = rt.block_on(async {
-        let crate::load::Loaded { config, rules } = crate::load::load_str(CONFIG, "fuzz.yaml").unwrap();
-        Arc::new(AppState::new(crate::build::build(&config, rules).unwrap(), &config.server, None, None))
+        let crate::config::load::Loaded { config, rules } = crate::config::load::load_str(CONFIG, "fuzz.yaml").unwrap();
+        Arc::new(AppState::new(crate::state::build::build(&config, rules).unwrap(), &config.server, None, None))
     });
     (rt, crate::http::router(state.clone()), state)
 }
@@ -168,9 +168,9 @@ proptest! {
     }
 
     #[test]
-    fn fuzz_config_files(text in input(&[CONFIG, crate::load::DEFAULT_CONFIG])) {
+    fn fuzz_config_files(text in input(&[CONFIG, crate::config::load::DEFAULT_CONFIG])) {
         let text = String::from_utf8_lossy(&text);
-        if let Err(e) = crate::load::load_str(&text, "fuzz.yaml") {
+        if let Err(e) = crate::config::load::load_str(&text, "fuzz.yaml") {
             check_config_error(&text, &e);
         }
     }
@@ -178,7 +178,7 @@ proptest! {
     #[test]
     fn fuzz_envoy_domain_files(text in input(&[ENVOY_FILE])) {
         let text = String::from_utf8_lossy(&text);
-        if let Err(e) = crate::load::domain_file(&text, "fuzz.yaml") {
+        if let Err(e) = crate::config::load::domain_file(&text, "fuzz.yaml") {
             check_config_error(&text, &e);
         }
     }
@@ -188,7 +188,7 @@ proptest! {
 const ENVOY_FILE: &str = "domain: mongo_cps\ndescriptors:\n  - key: database\n    value: users\n    rate_limit:\n      unit: second\n      requests_per_unit: 500\n  - key: remote_address\n    shadow_mode: true\n    rate_limit: {unit: minute, requests_per_unit: 10}\n";
 
 /// A refused config says why, and where: a position inside the text.
-fn check_config_error(text: &str, e: &crate::load::ConfigError) {
+fn check_config_error(text: &str, e: &crate::config::load::ConfigError) {
     assert!(!e.message.is_empty(), "a config error without a message");
     if let Some((line, col)) = e.at {
         // YAML breaks lines at \n, \r\n and a lone \r
@@ -233,7 +233,7 @@ fn rls_input() -> impl Strategy<Value = Vec<u8>> {
 fn rls_exchange(rt: &tokio::runtime::Runtime, state: &Arc<AppState>, bytes: &[u8]) {
     use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
     let Ok(request) = <RateLimitRequest as prost::Message>::decode(bytes) else { return };
-    if let Err(status) = rt.block_on(crate::rls::should_rate_limit(state, request)) {
+    if let Err(status) = rt.block_on(crate::service::should_rate_limit(state, request)) {
         let code = status.code();
         assert!(!matches!(code, tonic::Code::Internal | tonic::Code::Unknown), "{status:?}");
         assert!(!status.message().is_empty(), "{status:?}");

@@ -116,6 +116,17 @@ pub fn reconfigure(old: &LogConfig, new: &LogConfig) -> bool {
     installed.handle.reload(new.level.targets.clone()).is_ok()
 }
 
+/// A log line that may be written at most every 10 s.
+#[derive(Default)]
+pub struct Sometimes(sluice::time::Throttle);
+
+impl Sometimes {
+    /// Whether the line may be written now (and if so, not again for 10 s).
+    pub fn due(&self) -> bool {
+        self.0.due(sluice::time::Clock::now(&sluice::time::SystemClock), 10_000)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -94,38 +94,3 @@ pub struct Read(ServerConfig, ServerConfig);
 fn file_error(what: &'static str, path: &Path, e: impl std::fmt::Display) -> TlsError {
     TlsError::File { what, path: path.display().to_string(), message: e.to_string() }
 }
-
-/// The gRPC listener's connections, each under `gate` from its accept and passed on
-/// once its TLS handshake is done (within `handshake`); a failed handshake (no client
-/// certificate under mTLS, a scanner) is closed and never reaches the service.
-pub fn incoming(
-    listener: tokio::net::TcpListener,
-    gate: Arc<crate::grpc_listen::Gate>,
-    tls: Arc<Tls>,
-    handshake: std::time::Duration,
-) -> impl futures_util::Stream<
-    Item = Result<crate::grpc_listen::Conn<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>, std::io::Error>,
-> {
-    let (tx, rx) = tokio::sync::mpsc::channel(64);
-    tokio::spawn(async move {
-        loop {
-            let (stream, addr) = tokio::select! {
-                accepted = crate::grpc_listen::accept(&listener) => accepted,
-                () = tx.closed() => return,
-            };
-            let Some(ticket) = gate.enter() else { continue };
-            let _ = stream.set_nodelay(true);
-            let (acceptor, tx) = (tls.grpc(), tx.clone());
-            tokio::spawn(async move {
-                match tokio::time::timeout(handshake, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => {
-                        drop(tx.send(Ok(crate::grpc_listen::Conn::new(stream, Some(addr), ticket))).await)
-                    }
-                    Ok(Err(e)) => tracing::debug!(error = %e, "gRPC TLS handshake refused"),
-                    Err(_) => tracing::debug!("gRPC TLS handshake timed out"),
-                }
-            });
-        }
-    });
-    futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) })
-}

@@ -1,4 +1,4 @@
-//! The gRPC listener's bounds (`grpc_listen.rs`): a connection limit, a deadline for a
+//! The gRPC listener's bounds (`grpc/listen.rs`): a connection limit, a deadline for a
 //! connection's first call, an idle timeout, and health that stays answered whatever
 //! the gRPC port is sent.
 

@@ -25,13 +25,6 @@ pub struct RulesConfig {
     pub domains: Vec<DomainConfig>,
 }
 
-impl RulesConfig {
-    /// Compiles the rules.
-    pub fn compile(&self) -> Result<crate::rules::Rules, crate::rules::RuleError> {
-        crate::rules::Rules::compile(&self.limiter, &self.domains)
-    }
-}
-
 /// `limiter`: how the engine derives keys and treats failures.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]

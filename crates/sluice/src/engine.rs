@@ -13,7 +13,6 @@ use crate::grants::{Ledger, Leftovers, Take};
 use crate::near_cache::NearCache;
 use crate::overrides::{Override, OverrideError, Overrides};
 use crate::plan::{Group, Mode, Plan, plan, unevaluated};
-use crate::quota::{self, QuotaError, QuotaTarget};
 use crate::request::{Request, RequestError};
 use crate::rules::{Domain, GrantRule, Rules};
 use crate::store::{Refund, Store, StoreError};
@@ -440,38 +439,6 @@ impl Limiter {
     /// The time now, by this engine's clock.
     pub fn now(&self) -> Millis {
         self.clock.now()
-    }
-
-    /// The limit an Envoy RLQS bucket of `domain` shares (see [`crate::quota`]): its
-    /// entries (a map: unordered) arranged to walk the rule tree (see
-    /// `Domain::arrange`), then planned as a descriptor with those entries would be,
-    /// overrides included. It must reach exactly one limit, a fixed window.
-    pub fn quota_target(&self, domain: &str, entries: &[(&str, &str)]) -> Result<QuotaTarget, QuotaError> {
-        let d = self.rules.domain(domain).ok_or_else(|| QuotaError::UnknownDomain {
-            domain: domain.chars().take(200).collect(),
-            known: self.rules.domain_names().join(", "),
-        })?;
-        let order = d.arrange(entries).ok_or(QuotaError::NoRule)?;
-        let req = Request::new(domain).descriptor(order.iter().map(|&i| entries[i]));
-        let now = self.clock.now();
-        let Plan { groups, .. } = plan(&self.rules, &self.overrides.current(), &req, Mode::Peek, None, now)?;
-        let mut ops = groups.iter().flat_map(|g| g.ops.iter().map(move |op| (g.tag, op)));
-        let Some((tag, op)) = ops.next() else { return Err(QuotaError::Unlimited) };
-        if ops.next().is_some() {
-            return Err(QuotaError::NotOneFixedWindow("it has more than one limit".into()));
-        }
-        match op.limit {
-            Limit::FixedWindow { window, .. } if window >= quota::MIN_WINDOW => {}
-            Limit::FixedWindow { .. } => {
-                return Err(QuotaError::NotOneFixedWindow(format!(
-                    "its window is shorter than {} s, too short to share by assignments",
-                    quota::MIN_WINDOW / 1000
-                )));
-            }
-            other => return Err(QuotaError::NotOneFixedWindow(format!("its limit is a {}", other.algorithm()))),
-        }
-        let generation = self.overrides.generation();
-        Ok(QuotaTarget { tag, key: op.key, limit: op.limit, shadow: op.shadow, generation })
     }
 
     /// Plans a request, evaluates every group, and makes the verdict.

@@ -9,7 +9,7 @@
 //! falls off the tree matches nothing and is allowed.
 
 use crate::algo::Limit;
-use crate::config::{DescriptorConfig, DomainConfig, Failure, Grants, LimiterConfig};
+use crate::config::{DescriptorConfig, DomainConfig, Failure, Grants, LimiterConfig, RulesConfig};
 use crate::tag::{Tag, Tagger};
 use crate::telemetry::{DomainCounters, GrantCounters, PolicyCounters};
 use std::collections::HashMap;
@@ -595,6 +595,13 @@ impl Wildcard {
 
 /// A name for a `rate_limit` without one: the rule's keys and values joined by dots,
 /// with anything unsafe for headers replaced by `_`.
+impl RulesConfig {
+    /// Compiles the rules.
+    pub fn compile(&self) -> Result<Rules, RuleError> {
+        Rules::compile(&self.limiter, &self.domains)
+    }
+}
+
 /// The name of a limit that came with the request (Envoy's descriptor `limit`), as
 /// headers, metrics and the top lists call it.
 pub const REQUEST_LIMIT: &str = "request_limit";

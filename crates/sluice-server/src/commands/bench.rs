@@ -6,7 +6,7 @@
 //! The HTTP client is a few lines over a TCP stream on purpose: the tool should measure
 //! the server, not an HTTP library.
 
-use crate::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
+use crate::config::load::{DEFAULT_CONFIG, Loaded, load_file, load_str};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor};
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
@@ -43,7 +43,7 @@ pub struct Args {
     #[arg(long, default_value_t = 32)]
     pub concurrency: usize,
     /// How long to run, like 10s.
-    #[arg(long, default_value = "10s", value_parser = crate::cli::duration)]
+    #[arg(long, default_value = "10s", value_parser = sluice::config::Duration::parse)]
     pub duration: sluice::config::Duration,
     /// Decisions a second over all workers (paced: each worker sends on a schedule of
     /// its own), instead of as fast as answers come. A request sent late because the
@@ -153,9 +153,9 @@ struct Tally {
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
     #[error(transparent)]
-    Config(#[from] crate::load::ConfigError),
+    Config(#[from] crate::config::load::ConfigError),
     #[error(transparent)]
-    Build(#[from] crate::build::BuildError),
+    Build(#[from] crate::state::build::BuildError),
     #[error("cannot connect to {addr}: {source}")]
     Connect {
         addr: String,
@@ -189,7 +189,7 @@ pub async fn bench(mut args: Args) -> Result<(), BenchError> {
             Some(p) => load_file(p)?,
             None => load_str(DEFAULT_CONFIG, "<built-in config>")?,
         };
-        let limiter = Arc::new(crate::build::build(&config, rules)?.engine.limiter);
+        let limiter = Arc::new(crate::state::build::build(&config, rules)?.engine.limiter);
         load_overrides(&limiter, &args).await?;
         target = format!("in-process {} store, {} overrides", limiter.store().kind(), limiter.overrides().len());
         drive(&args, deadline, &done, |_| InProcess { limiter: limiter.clone(), args: args.clone() }).await?

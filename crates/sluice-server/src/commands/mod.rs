@@ -1,8 +1,10 @@
-//! The command line: collects each command's arguments, which the command's own module
-//! defines (`serve::Args`, `bench::Args`, `shed::Args`, `admin_cli::Args`).
+//! The commands: the command line collects each one's arguments, which the command's
+//! own module defines (`serve::Args`, `bench::Args`, `shed::Args`, `admin::Args`). A
+//! command uses the rooms below it (front-ends, state, config), never another command.
 
 pub mod admin;
 pub mod bench;
+pub mod config;
 pub mod serve;
 pub mod shed;
 
@@ -20,15 +22,15 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the rate limit service (HTTP API, and Envoy's gRPC rate limit service).
-    Serve(crate::serve::Args),
+    Serve(serve::Args),
     /// Work with config files.
     #[command(subcommand)]
     Config(ConfigCommand),
     /// Generate load: against a running server over HTTP, or in process against the
     /// store a config names. Prints decisions/s and latency percentiles.
-    Bench(crate::bench::Args),
+    Bench(bench::Args),
     /// Operate on a running server: stored overrides, inspect and reset a client.
-    Admin(crate::admin_cli::Args),
+    Admin(admin::Args),
     /// The load shedders.
     #[command(subcommand)]
     Shed(ShedCommand),
@@ -39,7 +41,7 @@ pub enum ShedCommand {
     /// Run the worker utilization controller on a utilization schedule under a simulated
     /// clock; prints CSV (t, utilization, shed, amount, then each class's drop
     /// probability, least important first; the last class is critical).
-    Simulate(crate::shed::Args),
+    Simulate(shed::Args),
 }
 
 #[derive(Debug, Subcommand)]
@@ -54,9 +56,4 @@ pub enum ConfigCommand {
     /// Print the config `sluice serve --ratelimit-env` makes of envoyproxy/ratelimit's
     /// environment variables (see docs/envoy.md).
     FromEnv,
-}
-
-/// A duration argument, like `10s`.
-pub fn duration(s: &str) -> Result<sluice::config::Duration, String> {
-    sluice::config::Duration::parse(s)
 }

@@ -12,7 +12,7 @@ pub struct Args {
     #[arg(long, value_parser = parse_schedule)]
     pub utilization: std::vec::Vec<(f64, u64)>,
     /// Time between samples.
-    #[arg(long, default_value = "1s", value_parser = crate::cli::duration)]
+    #[arg(long, default_value = "1s", value_parser = sluice::config::Duration::parse)]
     pub step: sluice::config::Duration,
     /// Priority classes (the last is critical and never shed).
     #[arg(long, default_value_t = 4)]
@@ -27,10 +27,10 @@ pub struct Args {
     #[arg(long, default_value_t = 0.8)]
     pub bad: f64,
     /// How long bad utilization lasts before shedding starts.
-    #[arg(long, default_value = "28s", value_parser = crate::cli::duration)]
+    #[arg(long, default_value = "28s", value_parser = sluice::config::Duration::parse)]
     pub before: sluice::config::Duration,
     /// How long full-speed shedding takes to shed everything.
-    #[arg(long, default_value = "120s", value_parser = crate::cli::duration)]
+    #[arg(long, default_value = "120s", value_parser = sluice::config::Duration::parse)]
     pub to_shed_all: sluice::config::Duration,
 }
 

@@ -2,11 +2,10 @@
 //! rules already check: `sluice config check` and `sluice serve` both run them (through
 //! `load::compile`), so a file the check passes is one `serve` takes.
 
-use crate::build::{BuildError, supports, tls};
-use crate::config::{ServerConfig, StoreConfig};
+use crate::config::{ServerConfig, StoreConfig, TlsConfig};
 use sluice::rules::Rules;
 use sluice::store::MemcachedStore;
-use sluice::store::redis::check_url;
+use sluice::store::redis::{Tls, check_url};
 
 /// The shortest credential accepted: 16 bytes, 128 bits when drawn at random (as
 /// `openssl rand -hex 16` gives 32 characters). A shorter one can be guessed online, and
@@ -86,7 +85,7 @@ pub fn store(store: &StoreConfig, rules: &Rules) -> Result<(), CheckError> {
         }
         StoreConfig::RedisSharded { shards, connection } => {
             if shards.is_empty() {
-                return Err(at("shards", &BuildError::NoShards));
+                return Err(at("shards", &UnfitStore::NoShards));
             }
             for shard in shards {
                 urls("shards", &mut std::iter::once(&shard.primary).chain(&shard.replicas))?;
@@ -98,13 +97,70 @@ pub fn store(store: &StoreConfig, rules: &Rules) -> Result<(), CheckError> {
         }
         StoreConfig::Migrating { from, to, percent } => {
             if *percent > 100 {
-                return Err(at("percent", &BuildError::Percent(*percent)));
+                return Err(at("percent", &UnfitStore::Percent(*percent)));
             }
             self::store(from, rules)?;
             self::store(to, rules)?;
         }
     }
     Ok(())
+}
+
+/// A store config that cannot be built, whatever the network says.
+#[derive(Debug, thiserror::Error)]
+pub enum UnfitStore {
+    #[error("store memcached runs fixed windows only, but the rules use {0}: use a redis store")]
+    Unsupported(String),
+    #[error("store.percent is {0}; write 0 to 100")]
+    Percent(u8),
+    #[error("store.shards is empty: list at least one {{primary, replicas}}")]
+    NoShards,
+    #[error("cannot read store tls.{what} {path}: {source}")]
+    TlsFile {
+        what: &'static str,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("store tls: give both cert_file and key_file, or neither")]
+    TlsPair,
+}
+
+/// Refuses rules the store cannot run (Memcached has fixed windows only) when the
+/// config is loaded, not when the first request fails.
+pub fn supports(store: &StoreConfig, rules: &Rules) -> Result<(), UnfitStore> {
+    match store {
+        StoreConfig::Memcached { .. } => {
+            let mut other: Vec<&str> = rules.algorithms().into_iter().filter(|a| *a != "fixed_window").collect();
+            if rules.use_grants() {
+                other.push("grants (`grants:` on a rule)");
+            }
+            match other.is_empty() {
+                true => Ok(()),
+                false => Err(UnfitStore::Unsupported(other.join(", "))),
+            }
+        }
+        StoreConfig::Migrating { from, to, .. } => {
+            supports(from, rules)?;
+            supports(to, rules)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Reads the TLS files a store names.
+pub fn tls(files: Option<&TlsConfig>) -> Result<Option<Tls>, UnfitStore> {
+    let Some(f) = files else { return Ok(None) };
+    let read = |what: &'static str, p: &std::path::Path| {
+        std::fs::read(p).map_err(|source| UnfitStore::TlsFile { what, path: p.display().to_string(), source })
+    };
+    let ca = f.ca_file.as_deref().map(|p| read("ca_file", p)).transpose()?;
+    let client = match (&f.cert_file, &f.key_file) {
+        (Some(c), Some(k)) => Some((read("cert_file", c)?, read("key_file", k)?)),
+        (None, None) => None,
+        _ => return Err(UnfitStore::TlsPair),
+    };
+    Ok(Some(Tls { ca, client }))
 }
 
 /// Why `token` cannot be a credential, in words that end the sentence "server.X ...".

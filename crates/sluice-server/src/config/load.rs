@@ -182,7 +182,8 @@ fn compile(config: Config, text: &str, file: &str) -> Result<Loaded, ConfigError
         at: locate(text, &e.anchors),
         message: e.to_string(),
     })?;
-    let checked = crate::checks::server(&config.server).and_then(|()| crate::checks::store(&config.store, &rules));
+    let checked = crate::config::checks::server(&config.server)
+        .and_then(|()| crate::config::checks::store(&config.store, &rules));
     checked.map_err(|e| ConfigError { file: file.to_string(), at: locate(text, &e.anchors), message: e.message })?;
     Ok(Loaded { config, rules })
 }

@@ -82,7 +82,7 @@ pub struct ServerConfig {
     pub body_timeout: Duration,
     /// Connections open at once, on each listener. HTTP: past it a connection gets one
     /// request and is closed, so a health probe still gets through. gRPC: past it a
-    /// connection is closed at once (`grpc_listen.rs`).
+    /// connection is closed at once (`grpc/listen.rs`).
     pub max_connections: usize,
     /// A gRPC connection with no call open for this long is closed (a first call must
     /// come within `header_timeout`).
@@ -101,7 +101,7 @@ pub struct ServerConfig {
     pub rlqs: RlqsBounds,
 }
 
-/// `server.rlqs`: how much RLQS streams may hold on this instance (`rlqs.rs`). A stream
+/// `server.rlqs`: how much RLQS streams may hold on this instance (`grpc/rlqs.rs`). A stream
 /// or report past a bound ends with `RESOURCE_EXHAUSTED` naming it.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -1,4 +1,4 @@
-//! The gRPC listener's connections, with the bounds the HTTP listener has (`listen.rs`):
+//! The gRPC listener's connections, with the bounds the HTTP listener has (`http/listen.rs`):
 //! a connection that never speaks cannot hold a file descriptor for long, and no number
 //! of them can starve the process.
 //!
@@ -50,7 +50,7 @@ pub struct Bounds {
 pub struct Gate {
     open: AtomicUsize,
     bounds: Bounds,
-    log: crate::listen::Sometimes,
+    log: crate::logs::Sometimes,
 }
 
 impl Gate {
@@ -251,7 +251,7 @@ pub fn plain(
 /// The next connection; an accept that fails (out of file descriptors, most likely) is
 /// retried a moment later, never in a spin.
 pub async fn accept(listener: &tokio::net::TcpListener) -> (tokio::net::TcpStream, SocketAddr) {
-    let refused = crate::listen::Sometimes::default();
+    let refused = crate::logs::Sometimes::default();
     loop {
         match listener.accept().await {
             Ok(accepted) => return accepted,
@@ -324,4 +324,36 @@ impl http_body::Body for Counted {
     fn size_hint(&self) -> http_body::SizeHint {
         self.body.size_hint()
     }
+}
+
+/// The gRPC listener's connections, each under `gate` from its accept and passed on
+/// once its TLS handshake is done (within `handshake`); a failed handshake (no client
+/// certificate under mTLS, a scanner) is closed and never reaches the service.
+pub fn secure(
+    listener: tokio::net::TcpListener,
+    gate: Arc<Gate>,
+    tls: Arc<crate::tls::Tls>,
+    handshake: std::time::Duration,
+) -> impl futures_util::Stream<Item = Result<Conn<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>, std::io::Error>>
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let (stream, addr) = tokio::select! {
+                accepted = accept(&listener) => accepted,
+                () = tx.closed() => return,
+            };
+            let Some(ticket) = gate.enter() else { continue };
+            let _ = stream.set_nodelay(true);
+            let (acceptor, tx) = (tls.grpc(), tx.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(handshake, acceptor.accept(stream)).await {
+                    Ok(Ok(stream)) => drop(tx.send(Ok(Conn::new(stream, Some(addr), ticket))).await),
+                    Ok(Err(e)) => tracing::debug!(error = %e, "gRPC TLS handshake refused"),
+                    Err(_) => tracing::debug!("gRPC TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|item| (item, rx)) })
 }

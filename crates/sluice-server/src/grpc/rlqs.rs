@@ -13,8 +13,8 @@
 //! reason is logged once); one whose rule went away by a reload is sent an
 //! `AbandonAction`. An unknown domain ends the stream with `NOT_FOUND`.
 
-use crate::config::RlqsBounds;
 use crate::state::AppState;
+use crate::state::rlqs::BucketKey;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
     self, AbandonAction, QuotaAssignmentAction,
@@ -29,10 +29,8 @@ use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::google::protobuf::{Duration as PbDuration, UInt32Value};
 use sluice::quota::{Assignment, QuotaError, Share};
 use sluice::time::Millis;
-use std::collections::{BTreeMap, HashMap};
-use std::net::IpAddr;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::Arc;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -72,143 +70,6 @@ pub struct Rlqs {
     pub stop: tokio::sync::watch::Receiver<bool>,
 }
 
-/// The streams open on this instance, as `GET /v1/admin/rlqs` shows them, and what they
-/// hold against `server.rlqs`'s bounds.
-pub struct Streams {
-    open: Mutex<BTreeMap<u64, serde_json::Value>>,
-    next: AtomicU64,
-    bounds: RlqsBounds,
-    /// How long a stream may take to send its first report.
-    first_report: std::time::Duration,
-    held: Mutex<Held>,
-}
-
-/// What every stream holds together.
-#[derive(Default)]
-struct Held {
-    streams: usize,
-    by_peer: HashMap<Option<IpAddr>, usize>,
-    buckets: usize,
-    /// Streams holding each bucket (domain, entries) whose share [contends](Share::contends):
-    /// how many a fair part is split in.
-    contending: HashMap<(String, BucketKey), u64>,
-}
-
-/// A bucket id's entries, sorted.
-type BucketKey = Vec<(String, String)>;
-
-impl Streams {
-    pub fn new(bounds: RlqsBounds, first_report: std::time::Duration) -> Self {
-        Self { open: Default::default(), next: AtomicU64::new(0), bounds, first_report, held: Default::default() }
-    }
-
-    /// Every open stream: its domain, peer and buckets with their shares.
-    pub fn view(&self) -> serde_json::Value {
-        let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        serde_json::json!({ "streams": open.values().collect::<Vec<_>>() })
-    }
-
-    fn set(&self, id: u64, view: serde_json::Value) {
-        self.open.lock().unwrap_or_else(|p| p.into_inner()).insert(id, view);
-    }
-
-    fn remove(&self, id: u64) {
-        self.open.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-    }
-
-    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
-        self.held.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// A new stream from `peer`, within the bounds; [`Streams::close_stream`] ends it.
-    fn open_stream(&self, peer: Option<IpAddr>) -> Result<(), Status> {
-        let mut held = self.held();
-        let b = &self.bounds;
-        if held.streams >= b.max_streams {
-            return Err(Status::resource_exhausted(format!(
-                "this instance serves server.rlqs.max_streams ({}) RLQS streams already; try another instance",
-                b.max_streams
-            )));
-        }
-        let from_peer = held.by_peer.entry(peer).or_default();
-        if *from_peer >= b.max_streams_per_peer {
-            return Err(Status::resource_exhausted(format!(
-                "this peer has server.rlqs.max_streams_per_peer ({}) RLQS streams open already",
-                b.max_streams_per_peer
-            )));
-        }
-        *from_peer += 1;
-        held.streams += 1;
-        Ok(())
-    }
-
-    fn close_stream(&self, peer: Option<IpAddr>) {
-        let mut held = self.held();
-        held.streams -= 1;
-        if let Some(n) = held.by_peer.get_mut(&peer) {
-            *n -= 1;
-            if *n == 0 {
-                held.by_peer.remove(&peer);
-            }
-        }
-    }
-
-    /// Takes `new` buckets of `domain` for a stream holding `has`: all, or none when a
-    /// bound would be passed.
-    fn add_buckets(&self, domain: &str, has: usize, new: &[&BucketKey]) -> Result<(), Status> {
-        let b = &self.bounds;
-        if has + new.len() > b.max_buckets_per_stream {
-            return Err(Status::resource_exhausted(format!(
-                "the stream would hold {} buckets, more than server.rlqs.max_buckets_per_stream ({})",
-                has + new.len(),
-                b.max_buckets_per_stream
-            )));
-        }
-        let mut held = self.held();
-        if held.buckets + new.len() > b.max_buckets {
-            return Err(Status::resource_exhausted(format!(
-                "this instance holds server.rlqs.max_buckets ({}) RLQS buckets already; try another instance",
-                b.max_buckets
-            )));
-        }
-        held.buckets += new.len();
-        for key in new {
-            // a new share contends until its demand is known
-            *held.contending.entry((domain.to_string(), (*key).clone())).or_default() += 1;
-        }
-        Ok(())
-    }
-
-    /// A share of the bucket started or stopped contending (or went, when `from` was true
-    /// and `to` is false).
-    fn contends(&self, domain: &str, key: &[(String, String)], from: bool, to: bool) {
-        if from == to {
-            return;
-        }
-        let mut held = self.held();
-        let k = (domain.to_string(), key.to_vec());
-        let n = held.contending.entry(k.clone()).or_default();
-        if to {
-            *n += 1;
-        } else {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                held.contending.remove(&k);
-            }
-        }
-    }
-
-    fn remove_bucket(&self, domain: &str, key: &[(String, String)], contending: bool) {
-        self.contends(domain, key, contending, false);
-        self.held().buckets -= 1;
-    }
-
-    /// How many streams of this instance hold the bucket and contend for a fair part.
-    fn contenders(&self, domain: &str, key: &BucketKey) -> u64 {
-        self.held().contending.get(&(domain.to_string(), key.clone())).copied().unwrap_or(1)
-    }
-}
-
 type Outbound = mpsc::Sender<Result<RateLimitQuotaResponse, Status>>;
 
 #[tonic::async_trait]
@@ -224,7 +85,7 @@ impl RateLimitQuotaService for Rlqs {
         if !self.state.api_token_matches(given) {
             return Err(Status::unauthenticated("send metadata authorization: Bearer <one of server.api_tokens>"));
         }
-        let peer = request.extensions().get::<crate::grpc_listen::Peer>().and_then(|p| p.addr);
+        let peer = request.extensions().get::<crate::grpc::listen::Peer>().and_then(|p| p.addr);
         self.state.rlqs.open_stream(peer.map(|a| a.ip()))?;
         let (tx, rx) = mpsc::channel(16);
         let stream = Stream::new(self.state.clone(), peer, tx);
@@ -272,7 +133,7 @@ struct Usage {
 
 impl Stream {
     fn new(state: Arc<AppState>, peer: Option<std::net::SocketAddr>, out: Outbound) -> Self {
-        let id = state.rlqs.next.fetch_add(1, Relaxed);
+        let id = state.rlqs.next_id();
         // counted from its opening, under no domain until its first report names one
         metrics::gauge!(names::STREAMS, "domain" => "").increment(1.0);
         Self { state, id, peer, domain: None, buckets: HashMap::new(), out }
@@ -286,7 +147,7 @@ impl Stream {
         mut stop: tokio::sync::watch::Receiver<bool>,
     ) {
         let failures = sluice::time::Throttle::default();
-        let first_report = tokio::time::sleep(self.state.rlqs.first_report);
+        let first_report = tokio::time::sleep(self.state.rlqs.first_report());
         tokio::pin!(first_report);
         loop {
             let wake = self.next_due();
@@ -301,7 +162,7 @@ impl Stream {
                 _ = sleep => Ok(self.tick_due(&failures).await),
                 () = &mut first_report, if self.domain.is_none() => Err(Status::deadline_exceeded(format!(
                     "no usage report within {:?} of the stream's start (server.header_timeout)",
-                    self.state.rlqs.first_report
+                    self.state.rlqs.first_report()
                 ))),
                 _ = async { let _ = stop.wait_for(|s| *s).await; } => {
                     Err(Status::unavailable("the server is stopping; reconnect to another instance"))

@@ -2,7 +2,8 @@
 //! a client, the clients each rule refuses most, the migration percentage. Every change writes one audit line and counts in
 //! `sluice_admin_actions_total{action}` (docs/operations.md has the runbooks).
 
-use crate::http::{check_error, client_query, error};
+use super::api::client_query;
+use super::error::{check_error, error, override_error};
 use crate::state::AppState;
 use axum::Router;
 use axum::body::{Body, to_bytes};
@@ -13,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde_json::{Value, json};
 use sluice::time::ceil_secs;
-use sluice::{Audit, Override, OverrideError, PolicyDecision, audit};
+use sluice::{Override, PolicyDecision};
 use std::sync::Arc;
 
 type Shared = State<Arc<AppState>>;
@@ -23,7 +24,7 @@ pub fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/admin/migration", get(migration).put(set_migration))
         .route("/v1/overrides", get(list_overrides))
-        .route("/v1/overrides:import", axum::routing::post(crate::admin_import::import))
+        .route("/v1/overrides:import", axum::routing::post(super::admin_import::import))
         .route("/v1/overrides/{id}", get(get_override).put(put_override).delete(delete_override))
         .route("/v1/admin/clients", get(inspect).delete(reset))
         .route("/v1/admin/top", get(top))
@@ -36,7 +37,7 @@ pub fn routes(state: Arc<AppState>) -> Router<Arc<AppState>> {
 fn ui_routes(state: &AppState) -> Router<Arc<AppState>> {
     match state.ui {
         Some(_) => {
-            Router::new().route("/ui", get(crate::ui::page)).route("/v1/admin/overview", get(crate::ui::overview))
+            Router::new().route("/ui", get(super::ui::page)).route("/v1/admin/overview", get(super::ui::overview))
         }
         None => Router::new(),
     }
@@ -55,55 +56,13 @@ async fn require_token(
     if token.is_some_and(|t| crate::state::bearer_is(given, t) || crate::state::basic_is(given, t)) {
         return next.run(request).await;
     }
-    let mut refused = crate::http::unauthorized_for("server.admin_token");
+    let mut refused = super::error::unauthorized_for("server.admin_token");
     refused.headers_mut().append(header::WWW_AUTHENTICATE, HeaderValue::from_static("Basic realm=\"sluice admin\""));
     refused
 }
 
-/// Who acted, for the audit line: a fingerprint of the admin token (never the token).
-pub(crate) fn actor(state: &AppState) -> String {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    state.admin_token.hash(&mut h);
-    format!("admin_token:{:08x}", h.finish() >> 32)
-}
-
-pub(crate) fn log(
-    state: &AppState,
-    action: &str,
-    resource: &str,
-    old: Option<String>,
-    new: Option<String>,
-    reason: &str,
-) {
-    let by = actor(state);
-    audit(&Audit { action, resource, old: old.as_deref(), new: new.as_deref(), reason, by: &by });
-}
-
 fn to_json(o: &Override) -> String {
     serde_json::to_string(o).unwrap_or_default()
-}
-
-/// Refused overrides listed in an answer, at most: enough to fix a file by, bounded
-/// whatever was sent.
-const REFUSED_LISTED: usize = 100;
-
-pub(crate) fn override_error(e: OverrideError) -> Response {
-    let message = e.to_string();
-    match e {
-        OverrideError::Invalid(m) => error(StatusCode::BAD_REQUEST, "bad_override", m),
-        OverrideError::Unsupported(m) => error(StatusCode::NOT_IMPLEMENTED, "overrides_unsupported", m),
-        OverrideError::Full { .. } => error(StatusCode::CONFLICT, "too_many_overrides", message),
-        OverrideError::Rejected(items) => {
-            let listed = &items[..items.len().min(REFUSED_LISTED)];
-            let body = json!({"error": {"code": "bad_overrides", "message": message, "refused": listed}});
-            (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
-        }
-        OverrideError::Incomplete { error: inner, .. } => {
-            error(override_error(*inner).status(), "import_incomplete", message)
-        }
-        OverrideError::Store(e) => check_error(e.into()),
-    }
 }
 
 fn no_override(id: &str) -> Response {
@@ -176,14 +135,14 @@ async fn put_override(State(state): Shared, id: Result<Path<String>, PathRejecti
             format!("the body's id '{}' is not the path's '{id}'", o.id),
         );
     }
-    let o = Override { id: id.clone(), set_by: actor(&state), ..o };
+    let o = Override { id: id.clone(), set_by: state.actor(), ..o };
     let limiter = &state.engine.load().limiter;
     match limiter.set_override(o).await {
         Ok(previous) => {
             let stored = limiter.overrides().get(&id);
             let new = stored.as_deref().map(to_json);
             let reason = stored.as_ref().map_or("", |o| o.reason.as_str());
-            log(&state, "override_set", &id, previous.as_ref().map(to_json), new, reason);
+            state.audit("override_set", &id, previous.as_ref().map(to_json), new, reason);
             axum::Json(json!(stored)).into_response()
         }
         Err(e) => override_error(e),
@@ -198,7 +157,7 @@ async fn delete_override(State(state): Shared, id: Result<Path<String>, PathReje
     };
     match state.engine.load().limiter.remove_override(&id).await {
         Ok(Some(removed)) => {
-            log(&state, "override_removed", &id, Some(to_json(&removed)), None, &removed.reason);
+            state.audit("override_removed", &id, Some(to_json(&removed)), None, &removed.reason);
             axum::Json(removed).into_response()
         }
         Ok(None) => no_override(&id),
@@ -327,7 +286,7 @@ async fn reset(State(state): Shared, query: Result<Query<Vec<(String, String)>>,
                 req.descriptors[0].entries.iter().map(|e| format!("{}={}", e.key, e.value)).collect();
             let target = format!("{}:{}", req.domain, entries.join(","));
             let names: Vec<&str> = names.iter().map(|n| &**n).collect();
-            log(&state, "client_reset", &target, None, Some(json!({"reset": names}).to_string()), "");
+            state.audit("client_reset", &target, None, Some(json!({"reset": names}).to_string()), "");
             tokio::time::sleep(sluice::overrides::PROPAGATION).await;
             axum::Json(json!({"domain": req.domain, "reset": names})).into_response()
         }
@@ -377,7 +336,7 @@ async fn set_migration(State(state): Shared, body: Body) -> Response {
             let previous = m.percent();
             m.set_percent(percent);
             let (old, new) = (Some(previous.to_string()), Some(percent.to_string()));
-            log(&state, "migration_percent", "store.percent", old, new, "");
+            state.audit("migration_percent", "store.percent", old, new, "");
             axum::Json(json!({"percent": percent, "previous": previous})).into_response()
         }
         None => error(StatusCode::CONFLICT, "not_migrating", "store.kind is not migrating".into()),

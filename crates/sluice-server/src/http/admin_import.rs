@@ -2,8 +2,8 @@
 //! a customer list), checked all or nothing and stored a page at a time, so loading
 //! 200,000 takes seconds instead of one `PUT` each.
 
-use crate::admin::{actor, log, override_error};
-use crate::http::error;
+use super::error::error;
+use super::error::override_error;
 use crate::state::AppState;
 use axum::body::{Body, to_bytes};
 use axum::extract::State;
@@ -33,7 +33,7 @@ pub async fn import(State(state): State<Arc<AppState>>, body: Body) -> Response 
         let message = format!("an import is at most {} MiB; split it in several", MAX_IMPORT_BYTES >> 20);
         return error(StatusCode::PAYLOAD_TOO_LARGE, "body_too_large", message);
     };
-    let by = actor(&state);
+    let by = state.actor();
     let all = match parse(&bytes) {
         Ok(all) => all.into_iter().map(|o| Override { set_by: by.clone(), ..o }).collect(),
         Err(message) => return error(StatusCode::BAD_REQUEST, "invalid_json", message),
@@ -41,7 +41,7 @@ pub async fn import(State(state): State<Arc<AppState>>, body: Body) -> Response 
     match state.engine.load().limiter.import_overrides(all).await {
         Ok(n) => {
             // one line for the import: 200,000 lines would bury the trail
-            log(&state, "overrides_imported", &format!("{n} overrides"), None, None, "");
+            state.audit("overrides_imported", &format!("{n} overrides"), None, None, "");
             axum::Json(json!({"imported": n})).into_response()
         }
         Err(e) => override_error(e),

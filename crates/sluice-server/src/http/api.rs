@@ -1,63 +1,20 @@
-//! The HTTP JSON API (see docs/configuration.md and the README for examples).
+//! The HTTP JSON API's data plane: decisions, status reads, leases and refunds (see
+//! docs/configuration.md and the README for examples).
 
-use crate::api::{RequestJson, response_json};
+use super::error::{check_error, error, unauthorized_for};
+use super::json::{RequestJson, response_json};
 use crate::otel::Call;
 use crate::state::{AppState, Engine};
-use axum::Router;
 use axum::body::{Body, to_bytes};
 use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
 use serde_json::json;
 use sluice::{CheckError, Descriptor, Entry, LeaseId, Outcome, Request, RequestError, Verdict, headers};
 use std::sync::Arc;
 
 type Shared = State<Arc<AppState>>;
-
-/// The API's routes.
-pub fn router(state: Arc<AppState>) -> Router {
-    let admin = match state.admin_token {
-        Some(_) => crate::admin::routes(state.clone()),
-        None => Router::new(),
-    };
-    let mut data = Router::new()
-        .route("/v1/ratelimit", post(ratelimit).get(status))
-        .route("/v1/leases", post(acquire))
-        .route("/v1/leases/{lease_id}", delete(release))
-        .route("/v1/refund", post(refund))
-        .route("/json", post(crate::envoy_http::json));
-    // the data plane: behind `server.api_tokens` when there are any (a layer only then:
-    // without tokens a decision pays nothing for it)
-    if !state.api_tokens.is_empty() {
-        data = data.route_layer(axum::middleware::from_fn_with_state(state.clone(), data_plane_token));
-    }
-    admin
-        .merge(data)
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(ready))
-        .route("/healthcheck", get(crate::envoy_http::healthcheck))
-        .route("/metrics", get(metrics))
-        .fallback(not_found)
-        .with_state(state)
-}
-
-/// A JSON error: `{"error": {"code": ..., "message": ...}}`.
-pub(crate) fn error(status: StatusCode, code: &str, message: String) -> Response {
-    (status, axum::Json(json!({"error": {"code": code, "message": message}}))).into_response()
-}
-
-pub(crate) fn check_error(e: CheckError) -> Response {
-    match e {
-        CheckError::Request(e) => error(StatusCode::BAD_REQUEST, e.code(), e.to_string()),
-        CheckError::Store(e) => {
-            // the store's failing and recovering are logged where it is wrapped, once each
-            tracing::debug!(error = %e, "store call failed");
-            error(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable", e.to_string())
-        }
-    }
-}
 
 /// Reads a bounded body and parses it as a rate limit request.
 async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Request, Response> {
@@ -136,12 +93,12 @@ fn code(v: &Verdict) -> StatusCode {
 }
 
 /// `POST /v1/ratelimit`: charge and decide.
-async fn ratelimit(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
+pub(crate) async fn ratelimit(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
     traced(&state, &headers, "POST /v1/ratelimit", decide(&state, &headers, body, false)).await
 }
 
 /// `POST /v1/leases`: take a lease on every matching concurrency policy.
-async fn acquire(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
+pub(crate) async fn acquire(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
     traced(&state, &headers, "POST /v1/leases", decide(&state, &headers, body, true)).await
 }
 
@@ -183,7 +140,7 @@ fn answer(engine: &Engine, decided: Result<Verdict, CheckError>) -> Response {
 
 /// `GET /v1/ratelimit?domain=D&KEY=VALUE...`: the status of one descriptor (its entries
 /// in query order), never charging.
-async fn status(
+pub(crate) async fn status(
     State(state): Shared,
     headers: HeaderMap,
     query: Result<Query<Vec<(String, String)>>, QueryRejection>,
@@ -241,7 +198,11 @@ pub(crate) fn client_query(
 }
 
 /// `DELETE /v1/leases/{lease_id}`: give a lease back (idempotent).
-async fn release(State(state): Shared, headers: HeaderMap, path: Result<Path<String>, PathRejection>) -> Response {
+pub(crate) async fn release(
+    State(state): Shared,
+    headers: HeaderMap,
+    path: Result<Path<String>, PathRejection>,
+) -> Response {
     let work = async {
         let lease_id = match path {
             Ok(Path(id)) => id,
@@ -262,7 +223,7 @@ async fn release(State(state): Shared, headers: HeaderMap, path: Result<Path<Str
 }
 
 /// `POST /v1/refund`: give back the request's cost in the current windows.
-async fn refund(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
+pub(crate) async fn refund(State(state): Shared, headers: HeaderMap, body: Body) -> Response {
     let work = async {
         let req = match read_request(&state, &headers, body).await {
             Ok(r) => r,
@@ -276,61 +237,13 @@ async fn refund(State(state): Shared, headers: HeaderMap, body: Body) -> Respons
     traced(&state, &headers, "POST /v1/refund", work).await
 }
 
-/// A 401 naming the setting whose token to send.
-pub(crate) fn unauthorized_for(setting: &str) -> Response {
-    let mut r = error(StatusCode::UNAUTHORIZED, "unauthorized", format!("send Authorization: Bearer <{setting}>"));
-    r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    r
-}
-
 /// The data plane's credential: with `server.api_tokens` set, a request must carry one
 /// of them as a bearer token (compared in constant time), or it is answered 401.
-async fn data_plane_token(
+pub(crate) async fn data_plane_token(
     State(state): Shared,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
     let given = request.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
     if state.api_token_matches(given) { next.run(request).await } else { unauthorized_for("one of server.api_tokens") }
-}
-
-/// Paths that match no route: the admin API's say that it is off until
-/// `server.admin_token` is set, when it is.
-async fn not_found(State(state): Shared, uri: axum::http::Uri) -> Response {
-    let admin = ["/v1/admin", "/v1/overrides", "/ui"].iter().any(|p| uri.path().starts_with(p));
-    let message = match admin && state.admin_token.is_none() {
-        true => "the admin API is off: set server.admin_token (16 bytes or more) and restart".into(),
-        false => "no such endpoint; see /v1/ratelimit".into(),
-    };
-    error(StatusCode::NOT_FOUND, "not_found", message)
-}
-
-/// `GET /metrics`: Prometheus text (docs/operations.md lists every metric). Rendered on
-/// a blocking thread, one scrape at a time: a scrape of a large config takes seconds
-/// (100,000 domains: 63 MB), and it ran on the thread that answers `/healthz` (the
-/// front door, `listen.rs`), which waited behind it.
-async fn metrics(State(state): Shared) -> Response {
-    let Some(m) = &state.metrics else {
-        return error(StatusCode::NOT_FOUND, "no_metrics", "metrics are not recorded in this process".into());
-    };
-    let _turn = m.turn.lock().await;
-    state.engine.load().limiter.grants().publish();
-    let rendering = state.clone();
-    match tokio::task::spawn_blocking(move || rendering.metrics.as_ref().map(crate::state::Metrics::render)).await {
-        Ok(Some(text)) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
-        _ => error(StatusCode::INTERNAL_SERVER_ERROR, "metrics_failed", "the metrics could not be rendered".into()),
-    }
-}
-
-/// `GET /readyz`: 200 when the store takes calls and the stored overrides have been
-/// read (until then this instance would decide without them).
-async fn ready(State(state): Shared) -> Response {
-    let limiter = &state.engine.load_full().limiter;
-    if !limiter.store().ready().await {
-        (StatusCode::SERVICE_UNAVAILABLE, "store not ready\n").into_response()
-    } else if !limiter.overrides().loaded() {
-        (StatusCode::SERVICE_UNAVAILABLE, "stored overrides not loaded yet\n").into_response()
-    } else {
-        (StatusCode::OK, "ready\n").into_response()
-    }
 }

@@ -8,7 +8,8 @@
 //!   store failed, where theirs has no answer).
 //! - `GET /healthcheck`: `OK` with 200 while the store takes calls, 500 otherwise.
 
-use crate::http::{error, read_body};
+use super::api::read_body;
+use super::error::error;
 use crate::state::AppState;
 use axum::body::Body;
 use axum::extract::State;
@@ -35,7 +36,7 @@ pub async fn json(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
             return error(StatusCode::BAD_REQUEST, "invalid_json", message);
         }
     };
-    match crate::rls::should_rate_limit(&state, request).await {
+    match crate::service::should_rate_limit(&state, request).await {
         Ok(r) => {
             let status = match r.overall_code == Code::OverLimit as i32 {
                 true => StatusCode::TOO_MANY_REQUESTS,

@@ -34,6 +34,7 @@
 //!   every connection finishes the request it is serving and is closed, and after
 //!   `server.shutdown_grace` whatever is left is dropped, counted in the log.
 
+use crate::logs::Sometimes;
 use axum::Router;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -395,17 +396,6 @@ async fn give_back_memory(closed: Arc<AtomicUsize>) {
         if closing {
             owed += 1;
         }
-    }
-}
-
-/// A log line that may be written at most every 10 s.
-#[derive(Default)]
-pub struct Sometimes(sluice::time::Throttle);
-
-impl Sometimes {
-    /// Whether the line may be written now (and if so, not again for 10 s).
-    pub fn due(&self) -> bool {
-        self.0.due(sluice::time::Clock::now(&sluice::time::SystemClock), 10_000)
     }
 }
 

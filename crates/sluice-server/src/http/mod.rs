@@ -1,9 +1,48 @@
+//! The HTTP listener's routes, each front-end a module of its own: the API's data plane
+//! (`api.rs`, its JSON in `json.rs`), the admin API (`admin.rs`) and its live page
+//! (`ui.rs`), envoyproxy/ratelimit's own `/json` and `/healthcheck` (`envoy.rs`), health
+//! and metrics (`probes.rs`); the error replies they share (`error.rs`); the listener's
+//! connections (`listen.rs`). This room never uses `grpc/`: what both serve is below
+//! them (`service.rs`, `state/`).
+
 pub mod admin;
 pub mod admin_import;
 pub mod api;
 pub mod envoy;
+pub mod error;
 pub mod json;
 pub mod listen;
+pub mod probes;
 pub mod ui;
 
-pub use api::*;
+use crate::state::AppState;
+use axum::Router;
+use axum::routing::{delete, get, post};
+use std::sync::Arc;
+
+/// The API's routes.
+pub fn router(state: Arc<AppState>) -> Router {
+    let admin = match state.admin_token {
+        Some(_) => admin::routes(state.clone()),
+        None => Router::new(),
+    };
+    let mut data = Router::new()
+        .route("/v1/ratelimit", post(api::ratelimit).get(api::status))
+        .route("/v1/leases", post(api::acquire))
+        .route("/v1/leases/{lease_id}", delete(api::release))
+        .route("/v1/refund", post(api::refund))
+        .route("/json", post(envoy::json));
+    // the data plane: behind `server.api_tokens` when there are any (a layer only then:
+    // without tokens a decision pays nothing for it)
+    if !state.api_tokens.is_empty() {
+        data = data.route_layer(axum::middleware::from_fn_with_state(state.clone(), api::data_plane_token));
+    }
+    admin
+        .merge(data)
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(probes::ready))
+        .route("/healthcheck", get(envoy::healthcheck))
+        .route("/metrics", get(probes::metrics))
+        .fallback(error::not_found)
+        .with_state(state)
+}

@@ -2,12 +2,13 @@
 //! circuit breaker), the near-cache and the rules. `serve`, `reload` and `bench` all
 //! build here.
 
-use crate::config::{Config, RedisConnectionConfig, SentinelConfig, StoreConfig, TlsConfig};
+use crate::config::checks::{UnfitStore, supports, tls};
+use crate::config::{Config, RedisConnectionConfig, SentinelConfig, StoreConfig};
 use crate::state::Engine;
 use sluice::Limiter;
 use sluice::config::{ClockKind, LimiterConfig};
 use sluice::rules::Rules;
-use sluice::store::redis::{Auth, RedisOptions, RedisStore, SentinelOptions, ShardedRedisStore, Tls};
+use sluice::store::redis::{Auth, RedisOptions, RedisStore, SentinelOptions, ShardedRedisStore};
 use sluice::store::{MemcachedStore, MemoryStore, MigratingStore, Resilience, Resilient, Store, StoreError, Tuning};
 use sluice::time::{Clock, CoarseClock, SystemClock};
 use std::sync::Arc;
@@ -18,21 +19,8 @@ use std::time::Duration;
 pub enum BuildError {
     #[error("store: {0}")]
     Store(#[from] StoreError),
-    #[error("store memcached runs fixed windows only, but the rules use {0}: use a redis store")]
-    Unsupported(String),
-    #[error("store.percent is {0}; write 0 to 100")]
-    Percent(u8),
-    #[error("store.shards is empty: list at least one {{primary, replicas}}")]
-    NoShards,
-    #[error("cannot read store tls.{what} {path}: {source}")]
-    TlsFile {
-        what: &'static str,
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("store tls: give both cert_file and key_file, or neither")]
-    TlsPair,
+    #[error(transparent)]
+    Unfit(#[from] UnfitStore),
 }
 
 /// An engine and the handles the server keeps to it.
@@ -102,28 +90,6 @@ pub fn resilience(limiter: &LimiterConfig) -> Resilience {
     }
 }
 
-/// Refuses rules the store cannot run (Memcached has fixed windows only) when the
-/// config is loaded, not when the first request fails.
-pub fn supports(store: &StoreConfig, rules: &Rules) -> Result<(), BuildError> {
-    match store {
-        StoreConfig::Memcached { .. } => {
-            let mut other: Vec<&str> = rules.algorithms().into_iter().filter(|a| *a != "fixed_window").collect();
-            if rules.use_grants() {
-                other.push("grants (`grants:` on a rule)");
-            }
-            match other.is_empty() {
-                true => Ok(()),
-                false => Err(BuildError::Unsupported(other.join(", "))),
-            }
-        }
-        StoreConfig::Migrating { from, to, .. } => {
-            supports(from, rules)?;
-            supports(to, rules)
-        }
-        _ => Ok(()),
-    }
-}
-
 fn store(
     config: &StoreConfig,
     tuning: &Arc<Tuning>,
@@ -157,7 +123,7 @@ fn store(
         }
         StoreConfig::Migrating { from, to, percent } => {
             if *percent > 100 {
-                return Err(BuildError::Percent(*percent));
+                return Err(UnfitStore::Percent(*percent).into());
             }
             let from = store(from, tuning, clock.clone(), &mut None)?;
             let to = store(to, tuning, clock, &mut None)?;
@@ -167,7 +133,7 @@ fn store(
         }
         StoreConfig::RedisSharded { shards, connection } => {
             if shards.is_empty() {
-                return Err(BuildError::NoShards);
+                return Err(UnfitStore::NoShards.into());
             }
             let shards = shards
                 .iter()
@@ -204,19 +170,4 @@ fn options(c: &RedisConnectionConfig) -> Result<RedisOptions, BuildError> {
         buckets: c.buckets.0,
         ..RedisOptions::default()
     })
-}
-
-/// Reads the TLS files a store names.
-pub fn tls(files: Option<&TlsConfig>) -> Result<Option<Tls>, BuildError> {
-    let Some(f) = files else { return Ok(None) };
-    let read = |what: &'static str, p: &std::path::Path| {
-        std::fs::read(p).map_err(|source| BuildError::TlsFile { what, path: p.display().to_string(), source })
-    };
-    let ca = f.ca_file.as_deref().map(|p| read("ca_file", p)).transpose()?;
-    let client = match (&f.cert_file, &f.key_file) {
-        (Some(c), Some(k)) => Some((read("cert_file", c)?, read("key_file", k)?)),
-        (None, None) => None,
-        _ => return Err(BuildError::TlsPair),
-    };
-    Ok(Some(Tls { ca, client }))
 }

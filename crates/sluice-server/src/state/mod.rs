@@ -2,6 +2,8 @@
 //! handles a reload or an admin call changes.
 
 pub mod build;
+pub mod history;
+pub mod rlqs;
 
 use arc_swap::{ArcSwap, ArcSwapOption};
 use sluice::Limiter;
@@ -40,9 +42,9 @@ pub struct AppState {
     /// `telemetry.otlp`: traces, when on (set at start).
     pub tracer: Option<Arc<crate::otel::Tracer>>,
     /// `server.ui`: the samples the live page shows, when on (set at start).
-    pub ui: Option<Arc<crate::ui::History>>,
+    pub ui: Option<Arc<history::History>>,
     /// The Envoy RLQS streams open here.
-    pub rlqs: crate::rlqs::Streams,
+    pub rlqs: rlqs::Streams,
 }
 
 /// What `/metrics` renders: the recorder's metrics and the standard process metrics
@@ -75,7 +77,7 @@ impl Metrics {
 impl AppState {
     /// The state of a freshly built engine.
     pub fn new(
-        built: crate::build::Built,
+        built: crate::state::build::Built,
         server: &crate::config::ServerConfig,
         metrics: Option<Metrics>,
         tls: Option<Arc<crate::tls::Tls>>,
@@ -92,8 +94,22 @@ impl AppState {
             metrics,
             tracer: None,
             ui: None,
-            rlqs: crate::rlqs::Streams::new(server.rlqs, server.header_timeout.to_std()),
+            rlqs: rlqs::Streams::new(server.rlqs, server.header_timeout.to_std()),
         }
+    }
+
+    /// Who acted, for the audit line: a fingerprint of the admin token (never the token).
+    pub fn actor(&self) -> String {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.admin_token.hash(&mut h);
+        format!("admin_token:{:08x}", h.finish() >> 32)
+    }
+
+    /// Writes one admin action's audit line, by the admin token's fingerprint.
+    pub fn audit(&self, action: &str, resource: &str, old: Option<String>, new: Option<String>, reason: &str) {
+        let by = self.actor();
+        sluice::audit(&sluice::Audit { action, resource, old: old.as_deref(), new: new.as_deref(), reason, by: &by });
     }
 
     /// Whether `authorization` (a header value) carries one of `server.api_tokens`, or
@@ -103,7 +119,7 @@ impl AppState {
     }
 
     /// Puts a freshly built engine in force.
-    pub fn install(&self, built: crate::build::Built) {
+    pub fn install(&self, built: crate::state::build::Built) {
         self.engine.store(Arc::new(built.engine));
         self.migration.store(built.migration);
         self.tuning.store(built.tuning);

@@ -90,13 +90,13 @@ pub enum OverrideCommand {
         #[arg(long)]
         policy: Option<String>,
         /// A fixed window's new length, like 1h.
-        #[arg(long, value_parser = crate::cli::duration)]
+        #[arg(long, value_parser = sluice::config::Duration::parse)]
         window: Option<sluice::config::Duration>,
         /// A token bucket's new rate.
         #[arg(long)]
         rate: Option<u64>,
         /// Lapse after this long, like 2h.
-        #[arg(long, value_parser = crate::cli::duration, conflicts_with = "expires_at_ms")]
+        #[arg(long, value_parser = sluice::config::Duration::parse, conflicts_with = "expires_at_ms")]
         expires_in: Option<sluice::config::Duration>,
         /// Lapse at this time, in ms since the epoch.
         #[arg(long)]
@@ -376,7 +376,7 @@ impl Http {
         authority: &str,
         method: &str,
         path: &str,
-        body: Option<Value>,
+        body: Option<String>,
     ) -> Result<Value, AdminError> {
         let unreachable = |reason: String| AdminError::Unreachable { server: self.server.clone(), reason };
         let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| unreachable(e.to_string()))?;

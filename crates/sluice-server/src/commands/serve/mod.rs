@@ -3,14 +3,12 @@
 
 pub mod reload;
 
-use crate::build::{BuildError, build};
-use crate::config::{Config, ServerConfig, StoreConfig};
+use crate::config::load::{ConfigError, DEFAULT_CONFIG, Loaded, load_file, load_str};
+use crate::config::{Config, StoreConfig};
+use crate::http::listen::Bounds;
 use crate::http::router;
-use crate::listen::Bounds;
-use crate::load::{ConfigError, DEFAULT_CONFIG, Loaded, load_file, load_str};
-use crate::rls::Rls;
+use crate::state::build::{BuildError, build};
 use crate::state::{AppState, Metrics};
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use sluice::config::DEFAULT_KEY_SECRET;
 use std::net::SocketAddr;
@@ -84,15 +82,14 @@ pub async fn serve(mut args: Args) -> Result<(), ServeError> {
         None => load_str(DEFAULT_CONFIG, "<built-in config>")?,
     };
     crate::logs::init(args.log_level, &config.log).map_err(ServeError::Log)?;
-    crate::ratelimit_env::note(&without_effect);
+    crate::config::env::note(&without_effect);
     // what the reload watcher compares against: the bytes that gave this config
     // (taken before the TLS files are read, so a change from here on is seen)
-    let loaded_bytes =
-        args.config.as_deref().and_then(|path| crate::reload::watched(path, &config).ok()).unwrap_or_default();
+    let loaded_bytes = args.config.as_deref().and_then(|path| reload::watched(path, &config).ok()).unwrap_or_default();
     warn_if_default_secret(&config);
     let tls = config.server.tls.as_ref().map(crate::tls::Tls::load).transpose()?.map(Arc::new);
     let state = Arc::new(state_of(&config, rules, metrics, tls.clone()).await?);
-    crate::ui::start_sampling(&state);
+    crate::state::history::start_sampling(&state);
     let tracer = state.tracer.clone();
     let addr = args.http.unwrap_or(config.server.http);
     let listener = listen(addr)?;
@@ -108,17 +105,17 @@ pub async fn serve(mut args: Args) -> Result<(), ServeError> {
         ready_file(file, addr, grpc_addr)?;
     }
     let (stopping, stop) = tokio::sync::watch::channel(false);
-    let grpc = serve_grpc(grpc_listener, state.clone(), &config.server, stop)?;
+    let grpc = crate::grpc::serve(grpc_listener, state.clone(), &config.server, stop).map_err(ServeError::Io)?;
     tracing::info!(http = %addr, grpc = %grpc_addr, store = state.engine.load().limiter.store().kind(), "sluice is serving");
     let server = config.server.clone();
-    crate::reload::watch(args.config.clone(), config, loaded_bytes, state.clone());
+    reload::watch(args.config.clone(), config, loaded_bytes, state.clone());
     room_for_connections(server.max_connections);
     let bounds = Bounds {
         header_timeout: server.header_timeout.to_std(),
         max_connections: server.max_connections,
         shutdown_grace: server.shutdown_grace.to_std(),
     };
-    let dropped = crate::listen::serve(listener, router(state.clone()), bounds, tls, async {
+    let dropped = crate::http::listen::serve(listener, router(state.clone()), bounds, tls, async {
         shutdown().await;
         let _ = stopping.send(true);
     })
@@ -141,7 +138,7 @@ fn config_from_env(args: &mut Args) -> Result<Vec<&'static str>, ServeError> {
     if !args.ratelimit_env {
         return Ok(Vec::new());
     }
-    let (path, without_effect) = crate::ratelimit_env::write().map_err(ServeError::Env)?;
+    let (path, without_effect) = crate::config::env::write().map_err(ServeError::Env)?;
     args.config = Some(path);
     Ok(without_effect)
 }
@@ -195,104 +192,6 @@ fn ready_file(file: &std::path::Path, http: SocketAddr, grpc: SocketAddr) -> Res
     std::fs::rename(&tmp, file).map_err(ServeError::Io)
 }
 
-/// Envoy's rate limit service, on its own port, sharing the engine, until `stop` turns
-/// true: then it answers the calls in flight and ends (the returned task ends when every
-/// thread has).
-///
-/// Served by `server.grpc_threads` threads, each a single-threaded runtime accepting on
-/// the same socket, not by the multi-threaded runtime: hyper runs each HTTP/2 stream as
-/// a task of its own, and on the multi-threaded runtime every call woke another thread
-/// to run it and again to answer (measured: six times Limitador's system calls for the
-/// same load). A connection stays on the thread that accepted it, so a call never
-/// crosses threads: server CPU per decision 24.3 -> 15.1 us (docs/benchmarks.md).
-fn serve_grpc(
-    listener: tokio::net::TcpListener,
-    state: Arc<AppState>,
-    server: &ServerConfig,
-    stop: tokio::sync::watch::Receiver<bool>,
-) -> Result<tokio::task::JoinHandle<()>, ServeError> {
-    let listener = listener.into_std().map_err(ServeError::Io)?;
-    let gate = crate::grpc_listen::Gate::new(crate::grpc_listen::Bounds {
-        max_connections: server.max_connections,
-        first_call: server.header_timeout.to_std(),
-        idle: server.grpc_idle_timeout.to_std(),
-    });
-    let mut ended = Vec::new();
-    for i in 0..grpc_threads(server) {
-        let (listener, state, stop) = (listener.try_clone().map_err(ServeError::Io)?, state.clone(), stop.clone());
-        let (ping, gate) = (server.header_timeout.to_std(), gate.clone());
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .on_thread_park(crate::alloc::on_park)
-            .build()
-            .map_err(ServeError::Io)?;
-        let (done, end) = tokio::sync::oneshot::channel::<()>();
-        std::thread::Builder::new()
-            .name(format!("sluice-grpc-{i}"))
-            .spawn(move || {
-                runtime.block_on(grpc_thread(listener, gate, state, ping, stop));
-                let _ = done.send(());
-            })
-            .map_err(ServeError::Io)?;
-        ended.push(end);
-    }
-    Ok(tokio::spawn(async move {
-        for end in ended {
-            let _ = end.await;
-        }
-    }))
-}
-
-/// The largest RLQS message read: about 20 times a report of
-/// `server.rlqs.max_buckets_per_stream` (1,000) buckets of short ids.
-const RLQS_MESSAGE_BYTES: usize = 1 << 20;
-
-/// `server.grpc_threads`, or one a core.
-fn grpc_threads(server: &ServerConfig) -> usize {
-    server.grpc_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1)
-}
-
-/// One gRPC thread's server, on the shared socket, until `stop`; its connections are
-/// bounded as `grpc_listen.rs` says.
-async fn grpc_thread(
-    listener: std::net::TcpListener,
-    gate: Arc<crate::grpc_listen::Gate>,
-    state: Arc<AppState>,
-    ping: std::time::Duration,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let listener = match tokio::net::TcpListener::from_std(listener) {
-        Ok(l) => l,
-        Err(e) => return tracing::error!(error = %e, "the gRPC listener cannot be used"),
-    };
-    let tls = state.tls.clone();
-    let rlqs = crate::rlqs::Rlqs { state: state.clone(), stop: stop.clone() };
-    let stopped = async move {
-        let _ = stop.wait_for(|s| *s).await;
-    };
-    let router = tonic::transport::Server::builder()
-        .layer(crate::grpc_listen::CountCallsLayer)
-        // a peer that stops answering HTTP/2 pings is gone: close its connection
-        .http2_keepalive_interval(Some(ping))
-        .http2_keepalive_timeout(Some(ping))
-        .max_concurrent_streams(Some(1_024))
-        // a call that takes longer than a request head may is answered DEADLINE_EXCEEDED
-        .timeout(ping)
-        .add_service(Rls { state })
-        // a report of the most buckets a stream may hold fits many times over; one of
-        // 100,000 (2.4 MB) is refused as it arrives
-        .add_service(RateLimitQuotaServiceServer::new(rlqs).max_decoding_message_size(RLQS_MESSAGE_BYTES));
-    let served = match tls {
-        Some(tls) => {
-            router.serve_with_incoming_shutdown(crate::tls::incoming(listener, gate, tls, ping), stopped).await
-        }
-        None => router.serve_with_incoming_shutdown(crate::grpc_listen::plain(listener, gate), stopped).await,
-    };
-    if let Err(e) = served {
-        tracing::error!(error = %e, "the gRPC server stopped");
-    }
-}
-
 /// Raises the process's soft open-file limit to its hard limit (each connection is a
 /// file descriptor; Debian's default soft limit is 1,024), and warns when
 /// `max_connections` and a reserve for the store's connections do not fit under it.
@@ -343,7 +242,7 @@ fn install_metrics() -> Result<Metrics, ServeError> {
     let process = metrics_process::Collector::default();
     process.describe();
     sluice::describe_metrics();
-    crate::rlqs::names::describe();
+    crate::grpc::rlqs::names::describe();
     crate::otel::describe_metrics();
     Ok(Metrics { recorder: handle, process, turn: Default::default() })
 }

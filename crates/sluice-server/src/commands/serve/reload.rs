@@ -29,10 +29,10 @@
 //! A file that does not validate, or whose rules the store cannot run, is refused whole:
 //! the last good config stays, and the error is logged (with file:line:col) and counted.
 
-use crate::build::{self, BuildError};
+use crate::config::load::{ConfigError, Loaded, domain_files, load_file};
 use crate::config::{Config, StoreConfig};
-use crate::load::{ConfigError, Loaded, domain_files, load_file};
 use crate::state::AppState;
+use crate::state::build::{self, BuildError};
 use sluice::metric_names as names;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

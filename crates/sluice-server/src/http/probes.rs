@@ -1,0 +1,42 @@
+//! Health and metrics: `GET /readyz` (the store takes calls) and `GET /metrics`
+//! (Prometheus text). `/healthz` is answered by the router itself, and, with `/metrics`,
+//! at the listener's front door too (`listen.rs`).
+
+use super::error::error;
+use crate::state::AppState;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use std::sync::Arc;
+
+type Shared = State<Arc<AppState>>;
+
+/// `GET /metrics`: Prometheus text (docs/operations.md lists every metric). Rendered on
+/// a blocking thread, one scrape at a time: a scrape of a large config takes seconds
+/// (100,000 domains: 63 MB), and it ran on the thread that answers `/healthz` (the
+/// front door, `http/listen.rs`), which waited behind it.
+pub(crate) async fn metrics(State(state): Shared) -> Response {
+    let Some(m) = &state.metrics else {
+        return error(StatusCode::NOT_FOUND, "no_metrics", "metrics are not recorded in this process".into());
+    };
+    let _turn = m.turn.lock().await;
+    state.engine.load().limiter.grants().publish();
+    let rendering = state.clone();
+    match tokio::task::spawn_blocking(move || rendering.metrics.as_ref().map(crate::state::Metrics::render)).await {
+        Ok(Some(text)) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
+        _ => error(StatusCode::INTERNAL_SERVER_ERROR, "metrics_failed", "the metrics could not be rendered".into()),
+    }
+}
+
+/// `GET /readyz`: 200 when the store takes calls and the stored overrides have been
+/// read (until then this instance would decide without them).
+pub(crate) async fn ready(State(state): Shared) -> Response {
+    let limiter = &state.engine.load_full().limiter;
+    if !limiter.store().ready().await {
+        (StatusCode::SERVICE_UNAVAILABLE, "store not ready\n").into_response()
+    } else if !limiter.overrides().loaded() {
+        (StatusCode::SERVICE_UNAVAILABLE, "stored overrides not loaded yet\n").into_response()
+    } else {
+        (StatusCode::OK, "ready\n").into_response()
+    }
+}

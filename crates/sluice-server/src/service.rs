@@ -1,0 +1,236 @@
+//! The rate limit service: Envoy's `RateLimitRequest` as the engine's request, its
+//! verdict as Envoy's `RateLimitResponse`. Both front-ends that speak Envoy's messages
+//! call it: gRPC's `ShouldRateLimit` (`grpc/rls.rs`) and envoyproxy/ratelimit's `/json`
+//! (`http/envoy.rs`), as their `NewJsonHandler` takes the service, not the server.
+//!
+//! It shares the HTTP API's engine path: the same `Limiter::check`, so the same decisions,
+//! headers and errors. A request that cannot be evaluated is `INVALID_ARGUMENT`; a
+//! refusal by a fail-closed policy whose store failed is `UNAVAILABLE`, so Envoy's
+//! `failure_mode_deny` decides; fail-open answers OK (counted, as everywhere).
+
+use crate::state::AppState;
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit, rate_limit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf as pb;
+use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use sluice::algo::Limit;
+use sluice::config::Unit;
+use sluice::headers;
+use sluice::{CheckError, Descriptor, Entry, LimitOverride, Outcome, Request, RequestError, Verdict};
+use tonic::Status;
+
+/// One decision for Envoy: the engine's verdict as its response, or the status that
+/// says why there is none.
+pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<RateLimitResponse, Status> {
+    let req = request(r)?;
+    let engine = state.engine.load_full();
+    let decided = engine.limiter.check(&req).await;
+    crate::otel::decided(&engine.limiter, &req, &decided);
+    match decided {
+        Ok(v) if v.outcome == Outcome::Unavailable => {
+            Err(Status::unavailable("the rate limit store is unavailable (fail-closed)"))
+        }
+        Ok(v) => Ok(response(&v, &engine, &req)),
+        Err(CheckError::Request(RequestError::UnknownDomain { .. })) if !req.domain.is_empty() => {
+            tracing::debug!(domain = %req.domain.escape_debug(), "unknown domain: answered OK");
+            Ok(unknown_domain(&engine, &req))
+        }
+        Err(CheckError::Request(e)) => Err(Status::invalid_argument(e.to_string())),
+        Err(CheckError::Store(e)) => Err(Status::unavailable(e.to_string())),
+    }
+}
+
+/// `envoy.type.v3.RateLimitUnit` as numbered on the wire.
+fn unit_of(n: i32) -> Result<Unit, String> {
+    Ok(match n {
+        1 => Unit::Second,
+        2 => Unit::Minute,
+        3 => Unit::Hour,
+        4 => Unit::Day,
+        5 => Unit::Month,
+        6 => Unit::Year,
+        7 => Unit::Week,
+        other => return Err(format!("unknown rate limit unit {other}")),
+    })
+}
+
+fn wire_unit(u: Unit) -> rate_limit::Unit {
+    match u {
+        Unit::Second => rate_limit::Unit::Second,
+        Unit::Minute => rate_limit::Unit::Minute,
+        Unit::Hour => rate_limit::Unit::Hour,
+        Unit::Day => rate_limit::Unit::Day,
+        Unit::Week => rate_limit::Unit::Week,
+        Unit::Month => rate_limit::Unit::Month,
+        Unit::Year => rate_limit::Unit::Year,
+    }
+}
+
+/// Envoy's request as the engine's. Request `hits_addend` 0 means unset (1); a
+/// descriptor's `hits_addend` 0 checks without charging.
+fn request(r: RateLimitRequest) -> Result<Request, Status> {
+    let descriptors = r
+        .descriptors
+        .into_iter()
+        .enumerate()
+        .map(|(i, d): (usize, RateLimitDescriptor)| {
+            let limit = match d.limit {
+                Some(o) => Some(LimitOverride {
+                    requests_per_unit: u64::from(o.requests_per_unit),
+                    unit: unit_of(o.unit)
+                        .map_err(|e| Status::invalid_argument(format!("descriptors[{i}].limit: {e}")))?,
+                }),
+                None => None,
+            };
+            Ok(Descriptor {
+                entries: d.entries.into_iter().map(|e| Entry { key: e.key, value: e.value }).collect(),
+                hits_addend: d.hits_addend.map(|h| h.value),
+                limit,
+            })
+        })
+        .collect::<Result<Vec<_>, Status>>()?;
+    let hits_addend = (r.hits_addend > 0).then_some(u64::from(r.hits_addend));
+    Ok(Request { domain: r.domain, descriptors, hits_addend, lenient: true })
+}
+
+/// The engine's verdict as Envoy's response. A descriptor's status reports the limit
+/// that binds it (a shadow limit when it has no other, as envoyproxy/ratelimit does); an
+/// `unlimited` one reports no limit and the most remaining there is, 2^32 - 1.
+fn response(v: &Verdict, engine: &crate::state::Engine, req: &Request) -> RateLimitResponse {
+    let statuses = v
+        .descriptors
+        .iter()
+        .map(|d| {
+            if d.unlimited {
+                return DescriptorStatus { code: Code::Ok as i32, limit_remaining: u32::MAX, ..Default::default() };
+            }
+            let binding = d.binding().map(|i| &d.policies[i]);
+            DescriptorStatus {
+                code: match d.code {
+                    sluice::Code::Ok => Code::Ok,
+                    // a descriptor refused by a fail-closed policy beside one over its limit
+                    // (a request refused only so is answered UNAVAILABLE): Envoy has no
+                    // code for it, and x-sluice-degraded says why
+                    sluice::Code::OverLimit | sluice::Code::Unavailable => Code::OverLimit,
+                } as i32,
+                current_limit: binding.map(|p| RateLimit {
+                    // a limit the config did not name is reported without one, as theirs
+                    name: if p.anonymous { String::new() } else { p.name.to_string() },
+                    requests_per_unit: p.limit.capacity().min(u64::from(u32::MAX)) as u32,
+                    unit: match p.limit {
+                        Limit::FixedWindow { window, .. } => {
+                            Unit::from_millis(window).map_or(0, |u| wire_unit(u) as i32)
+                        }
+                        _ => 0,
+                    },
+                }),
+                limit_remaining: binding.map_or(0, |p| p.decision.remaining.min(u64::from(u32::MAX)) as u32),
+                duration_until_reset: binding.map(|p| {
+                    let ms = p.decision.reset_at.saturating_sub(v.now);
+                    PbDuration { seconds: (ms / 1000) as i64, nanos: ((ms % 1000) * 1_000_000) as i32 }
+                }),
+                ..Default::default()
+            }
+        })
+        .collect();
+    RateLimitResponse {
+        overall_code: if v.allowed() { Code::Ok } else { Code::OverLimit } as i32,
+        statuses,
+        response_headers_to_add: headers::render(v, &engine.headers)
+            .into_iter()
+            .map(|(k, v)| HeaderValue { key: k.to_string(), value: v, ..Default::default() })
+            .collect(),
+        dynamic_metadata: engine.envoy.response_dynamic_metadata.then(|| dynamic_metadata(req, Some(v))),
+        ..Default::default()
+    }
+}
+
+/// The answer for a domain no config defines: OK for every descriptor, with no limit, as
+/// envoyproxy/ratelimit answers it (a drop-in must not refuse traffic its predecessor
+/// let through).
+fn unknown_domain(engine: &crate::state::Engine, req: &Request) -> RateLimitResponse {
+    RateLimitResponse {
+        overall_code: Code::Ok as i32,
+        statuses: req
+            .descriptors
+            .iter()
+            .map(|_| DescriptorStatus { code: Code::Ok as i32, ..Default::default() })
+            .collect(),
+        dynamic_metadata: engine.envoy.response_dynamic_metadata.then(|| dynamic_metadata(req, None)),
+        ..Default::default()
+    }
+}
+
+/// `dynamic_metadata` as envoyproxy/ratelimit writes it (`envoy.response_dynamic_metadata`):
+/// the domain, each descriptor's entries as `key=value` (and its `hitsAddend`, `limit`),
+/// the request's `hitsAddend`, and `metadata`: the config `metadata` of the rules of the
+/// descriptors that were allowed, merged (nested maps merged, a later value replacing).
+/// Written from the engine's request, which holds all of Envoy's.
+fn dynamic_metadata(req: &Request, v: Option<&Verdict>) -> pb::Struct {
+    use serde_json::{Map, Value, json};
+    let descriptors: Vec<Value> = req
+        .descriptors
+        .iter()
+        .map(|d| {
+            let entries: Vec<String> = d.entries.iter().map(|e| format!("{}={}", e.key, e.value)).collect();
+            let mut one = json!({ "entries": entries });
+            if let Some(h) = d.hits_addend {
+                one["hitsAddend"] = json!(h);
+            }
+            if let Some(l) = &d.limit {
+                let unit = wire_unit(l.unit).as_str_name();
+                one["limit"] = json!(format!("requests_per_unit:{} unit:{unit}", l.requests_per_unit));
+            }
+            one
+        })
+        .collect();
+    let mut out = json!({ "domain": req.domain, "descriptors": descriptors });
+    if let Some(h) = req.hits_addend {
+        out["hitsAddend"] = json!(h);
+    }
+    let mut passed = Map::new();
+    for d in v.iter().flat_map(|v| &v.descriptors).filter(|d| d.code == sluice::Code::Ok) {
+        merge(&mut passed, d.metadata.iter().flat_map(|m| m.iter()));
+    }
+    if !passed.is_empty() {
+        out["metadata"] = Value::Object(passed);
+    }
+    let Value::Object(fields) = out else { unreachable!("built as an object") };
+    pb::Struct { fields: fields.into_iter().map(|(k, v)| (k, pb_value(v))).collect() }
+}
+
+/// Merges `from` into `into`: maps under the same key merge, anything else replaces.
+fn merge<'a>(
+    into: &mut serde_json::Map<String, serde_json::Value>,
+    from: impl Iterator<Item = (&'a String, &'a serde_json::Value)>,
+) {
+    for (k, v) in from {
+        match (into.get_mut(k), v) {
+            (Some(serde_json::Value::Object(mine)), serde_json::Value::Object(theirs)) => merge(mine, theirs.iter()),
+            _ => {
+                into.insert(k.clone(), v.clone());
+            }
+        }
+    }
+}
+
+/// A JSON value as `google.protobuf.Value`.
+fn pb_value(v: serde_json::Value) -> pb::Value {
+    use pb::value::Kind;
+    use serde_json::Value;
+    let kind = match v {
+        Value::Null => Kind::NullValue(0),
+        Value::Bool(b) => Kind::BoolValue(b),
+        Value::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
+        Value::String(s) => Kind::StringValue(s),
+        Value::Array(a) => Kind::ListValue(pb::ListValue { values: a.into_iter().map(pb_value).collect() }),
+        Value::Object(o) => {
+            Kind::StructValue(pb::Struct { fields: o.into_iter().map(|(k, v)| (k, pb_value(v))).collect() })
+        }
+    };
+    pb::Value { kind: Some(kind) }
+}
