@@ -282,3 +282,55 @@ async fn the_documented_envoy_config_runs_as_written() {
         assert_eq!(get("bob").await.unwrap().status(), 200, "another user is unaffected");
     }
 }
+
+/// Istio's sample, unchanged but for its addresses: its ConfigMap's domain file at
+/// RUNTIME_ROOT/ratelimit/config, and its environment, with `HOST` and `GRPC_HOST` an
+/// IPv6 address. Istio sets `::` (every address, IPv6 and IPv4); servers here listen on
+/// loopback only, so the test sets `::1` and calls on `[::1]`, gRPC and HTTP.
+#[tokio::test]
+async fn istios_sample_serves_on_ipv6() {
+    let dir = TempDir::new("sluice-istio");
+    let redis = sluice_testkit::RedisServer::start();
+    let files = dir.path().join("data/ratelimit/config");
+    std::fs::create_dir_all(&files).unwrap();
+    // the sample's ConfigMap, config.yaml
+    let sample = "domain: ratelimit\ndescriptors:\n  - key: PATH\n    value: \"/productpage\"\n    rate_limit:\n      unit: minute\n      requests_per_unit: 1\n  - key: PATH\n    rate_limit:\n      unit: minute\n      requests_per_unit: 100\n";
+    std::fs::write(files.join("config.yaml"), sample).unwrap();
+    let mut cmd = std::process::Command::new(common::bin());
+    cmd.args(["serve", "--ratelimit-env"]);
+    let root = dir.path().join("data").display().to_string();
+    let url = redis.addr().to_string();
+    for (name, value) in [
+        ("LOG_LEVEL", "debug"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", url.as_str()),
+        ("USE_STATSD", "false"),
+        ("RUNTIME_ROOT", root.as_str()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+        ("RUNTIME_WATCH_ROOT", "false"),
+        ("RUNTIME_IGNOREDOTFILES", "true"),
+        ("HOST", "::1"),
+        ("PORT", "0"),
+        ("GRPC_HOST", "::1"),
+        ("GRPC_PORT", "0"),
+    ] {
+        cmd.env(name, value);
+    }
+    let (_sluice, http, grpc) = common::spawn_command(cmd, dir.path());
+    assert!(http.starts_with("[::1]:") && grpc.starts_with("[::1]:"), "{http} {grpc}");
+    let r = reqwest::get(format!("http://{http}/healthcheck")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let mut rls =
+        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
+            format!("http://{grpc}"),
+        )
+        .await
+        .unwrap();
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    let mut codes = Vec::new();
+    for path in ["/productpage", "/productpage", "/reviews"] {
+        let answer = rls.should_rate_limit(common::rls_request("ratelimit", &[("PATH", path)])).await.unwrap();
+        codes.push(answer.into_inner().overall_code());
+    }
+    assert_eq!(codes, [Code::Ok, Code::OverLimit, Code::Ok], "the sample's limits: 1 a minute for /productpage");
+}

@@ -20,6 +20,20 @@ async fn set_percent(client: &reqwest::Client, base: &str, percent: u8) {
     assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
 }
 
+/// A server on a migrating store, memcached to Redis at 0%, each `user` allowed `limit` a
+/// `unit`.
+fn migrating(memcached: &MemcachedServer, redis: &RedisServer, unit: &str, limit: u64) -> common::Sluice {
+    let sections = format!(
+        "  admin_token: {TOKEN}\nstore:\n  kind: migrating\n  percent: 0\n  from: {{kind: memcached, servers: [\"{}\"]}}\n  to: {{kind: redis, url: \"{}\"}}\n",
+        memcached.addr(),
+        redis.url()
+    );
+    let rule = format!(
+        "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {{unit: {unit}, requests_per_unit: {limit}}}\n"
+    );
+    start_with(&sections, &rule)
+}
+
 fn redis_keys(redis: &RedisServer) -> u64 {
     let reply = redis.command("DBSIZE").unwrap();
     reply.trim_start_matches(':').trim().parse().unwrap()
@@ -29,15 +43,7 @@ fn redis_keys(redis: &RedisServer) -> u64 {
 async fn memcached_to_redis_at_0_50_100_and_back() {
     let _heavy = common::heavy().await;
     let (memcached, redis) = (MemcachedServer::start(), RedisServer::start());
-    let sections = format!(
-        "  admin_token: {TOKEN}\nstore:\n  kind: migrating\n  percent: 0\n  from: {{kind: memcached, servers: [\"{}\"]}}\n  to: {{kind: redis, url: \"{}\"}}\n",
-        memcached.addr(),
-        redis.url()
-    );
-    let s = start_with(
-        &sections,
-        "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 5}\n",
-    );
+    let s = migrating(&memcached, &redis, "hour", 5);
     let client = reqwest::Client::new();
 
     // the admin API refuses a missing or wrong token
@@ -112,15 +118,7 @@ async fn memcached_to_redis_at_0_50_100_and_back() {
 #[tokio::test]
 async fn a_moved_client_is_not_refused_from_the_near_cache() {
     let (memcached, redis) = (MemcachedServer::start(), RedisServer::start());
-    let sections = format!(
-        "  admin_token: {TOKEN}\nstore:\n  kind: migrating\n  percent: 0\n  from: {{kind: memcached, servers: [\"{}\"]}}\n  to: {{kind: redis, url: \"{}\"}}\n",
-        memcached.addr(),
-        redis.url()
-    );
-    let s = start_with(
-        &sections,
-        "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 3}\n",
-    );
+    let s = migrating(&memcached, &redis, "minute", 3);
     let client = reqwest::Client::new();
     let statuses = |n: usize| {
         let (client, base) = (client.clone(), s.base.clone());

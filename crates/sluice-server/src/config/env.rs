@@ -58,8 +58,15 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
             refused.join("; ")
         ));
     }
+    // an IPv6 address (Istio's sample sets HOST=::) is written in brackets before its port;
+    // `::` listens on IPv6 and IPv4 alike where the system allows it (Linux's default)
     let host = |h: &str, p: &str, port: &str| {
-        format!("{}:{}", get(h).unwrap_or_else(|| "0.0.0.0".into()), get(p).unwrap_or_else(|| port.into()))
+        let address = get(h).unwrap_or_else(|| "0.0.0.0".into());
+        let address = match address.contains(':') && !address.starts_with('[') {
+            true => format!("[{address}]"),
+            false => address,
+        };
+        format!("{address}:{}", get(p).unwrap_or_else(|| port.into()))
     };
     let runtime = std::path::Path::new(&get("RUNTIME_ROOT").unwrap_or_else(|| "/srv/runtime_data/current".into()))
         .join(get("RUNTIME_SUBDIRECTORY").unwrap_or_default())
@@ -296,6 +303,28 @@ mod tests {
             assert!(e.contains(says), "{e}");
         }
         assert!(read(&[("BACKEND_TYPE", "memcache")]).err().unwrap().contains("MEMCACHE_HOST_PORT"));
+    }
+
+    /// Istio's sample sets `HOST=::` and `GRPC_HOST=::`: an IPv6 address, written in
+    /// brackets before its port (`:::8080` is no address).
+    #[test]
+    fn an_ipv6_host_is_bracketed() {
+        let c = read(&[
+            ("HOST", "::"),
+            ("GRPC_HOST", "::1"),
+            ("GRPC_PORT", "9081"),
+            ("USE_STATSD", "false"),
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "redis:6379"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (&c.config["server"]["http"], &c.config["server"]["grpc"]),
+            (&json!("[::]:8080"), &json!("[::1]:9081"))
+        );
+        let v4 =
+            read(&[("HOST", "10.0.0.1"), ("USE_STATSD", "false"), ("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "r:1")]);
+        assert_eq!(v4.unwrap().config["server"]["http"], "10.0.0.1:8080");
     }
 
     /// Tracing on with their default protocol (http: OTLP/HTTP) is refused with the fix,

@@ -21,7 +21,7 @@
 //! other thread (a system call): the gRPC path on Redis cost the server 29.5 us a
 //! decision, 21.7 with its own queue, and its batches doubled (9.1 to 21.2 calls a
 //! script call, as the thread queues all the calls of what it read before its task
-//! sends them; docs/benchmarks.md, fifth round).
+//! sends them).
 
 use super::{Call, Writer};
 use crate::algo::Decision;
