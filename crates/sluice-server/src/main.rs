@@ -20,7 +20,7 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     alloc::init();
-    let result: Result<(), Box<dyn std::error::Error>> = match Cli::parse().command {
+    let result: Result<(), Box<dyn std::error::Error>> = match Cli::parse_from(commands::arguments()).command {
         Command::Serve(args) => runtime().and_then(|rt| Ok(rt.block_on(commands::serve::serve(args))?)),
         Command::Admin(args) => runtime().and_then(|rt| Ok(rt.block_on(commands::admin::run(args))?)),
         Command::Bench(args) => runtime().and_then(|rt| Ok(rt.block_on(commands::bench::bench(args))?)),

@@ -1,7 +1,8 @@
-//! The deployment examples of docs/operations.md ("Deploying") are checked, not just
-//! written: the systemd unit passes `systemd-analyze verify` with no warning, every
-//! Kubernetes document parses, the config its ConfigMap carries passes `sluice config
-//! check`, and every flag the examples give `sluice serve` exists.
+//! The deployment examples are checked, not just written: the systemd unit of
+//! docs/operations.md passes `systemd-analyze verify` with no warning, deploy/kubernetes
+//! renders (`kubectl kustomize`, where kubectl is installed) and every document parses,
+//! the config its ConfigMap carries passes `sluice config check`, and every flag the
+//! examples give `sluice serve` exists.
 
 mod common;
 
@@ -38,13 +39,34 @@ fn the_systemd_unit_verifies() {
     assert!(out.status.success() && said.trim().is_empty(), "systemd-analyze verify:\n{said}");
 }
 
+/// The documents of deploy/kubernetes as `kubectl kustomize` renders them, where kubectl
+/// is installed; else the files its kustomization.yaml lists, each parsed, so that
+/// neither a machine without kubectl nor one with it skips the checks.
+fn kubernetes_documents() -> Vec<serde_json::Value> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes");
+    let parse = |text: &str| -> Vec<serde_json::Value> {
+        text.split("\n---\n")
+            .filter(|d| !d.trim().is_empty())
+            .map(|d| serde_norway::from_str(d).unwrap_or_else(|e| panic!("not YAML ({e}):\n{d}")))
+            .collect()
+    };
+    if let Ok(out) = Command::new("kubectl").arg("kustomize").arg(&dir).output() {
+        assert!(out.status.success(), "kubectl kustomize: {}", String::from_utf8_lossy(&out.stderr));
+        return parse(&String::from_utf8_lossy(&out.stdout));
+    }
+    let kustomization: serde_json::Value =
+        serde_norway::from_str(&std::fs::read_to_string(dir.join("kustomization.yaml")).unwrap()).unwrap();
+    let files = kustomization["resources"].as_array().expect("resources");
+    files.iter().flat_map(|f| parse(&std::fs::read_to_string(dir.join(f.as_str().unwrap())).unwrap())).collect()
+}
+
+/// deploy/kubernetes, applied as it is (`kubectl apply -k`): every document parses, the
+/// config its ConfigMap carries passes `sluice config check`, and the Deployment,
+/// Service, PodDisruptionBudget, HorizontalPodAutoscaler and ServiceMonitor agree with it
+/// and with each other.
 #[test]
 fn the_kubernetes_manifests_parse_and_agree() {
-    let text = example("kubernetes");
-    let docs: Vec<serde_json::Value> = text
-        .split("\n---\n")
-        .map(|d| serde_norway::from_str(d).unwrap_or_else(|e| panic!("not YAML ({e}):\n{d}")))
-        .collect();
+    let docs = kubernetes_documents();
     let kind = |k: &str| docs.iter().find(|d| d["kind"] == k).unwrap_or_else(|| panic!("no {k}"));
     let (config_map, deployment, service) = (kind("ConfigMap"), kind("Deployment"), kind("Service"));
 
@@ -78,4 +100,21 @@ fn the_kubernetes_manifests_parse_and_agree() {
     let shutdown = parsed["server"]["shutdown_grace"].as_str().unwrap().trim_end_matches('s').parse::<u64>().unwrap();
     assert!(grace > shutdown, "terminationGracePeriodSeconds must exceed server.shutdown_grace");
     assert_eq!(service["spec"]["selector"], deployment["spec"]["selector"]["matchLabels"]);
+    let image = container["image"].as_str().unwrap();
+    assert!(image == "sluice" || image.starts_with("sluice:"), "{image}");
+    assert_eq!(pod["securityContext"]["runAsUser"], 65532);
+    assert_eq!(container["securityContext"]["readOnlyRootFilesystem"], true);
+
+    // the budget, the autoscaler and the scrape name the same pods and ports
+    let (pdb, hpa, monitor) = (kind("PodDisruptionBudget"), kind("HorizontalPodAutoscaler"), kind("ServiceMonitor"));
+    assert_eq!(pdb["spec"]["selector"]["matchLabels"], deployment["spec"]["selector"]["matchLabels"]);
+    let replicas = deployment["spec"]["replicas"].as_u64().unwrap();
+    assert!(pdb["spec"]["minAvailable"].as_u64().unwrap() < replicas, "a drain can proceed");
+    assert_eq!(hpa["spec"]["scaleTargetRef"]["name"], deployment["metadata"]["name"]);
+    assert!(hpa["spec"]["minReplicas"].as_u64().unwrap() >= replicas);
+    let endpoint = &monitor["spec"]["endpoints"][0];
+    assert_eq!((endpoint["port"].as_str(), endpoint["path"].as_str()), (Some("http"), Some("/metrics")));
+    let wanted = monitor["spec"]["selector"]["matchLabels"].as_object().unwrap();
+    let labels = service["metadata"]["labels"].as_object().cloned().unwrap_or_default();
+    assert!(wanted.iter().all(|(k, v)| labels.get(k) == Some(v)), "the ServiceMonitor selects the Service: {labels:?}");
 }

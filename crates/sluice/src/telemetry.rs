@@ -82,6 +82,11 @@ pub fn describe() {
     );
     describe_counter!(ADMIN_ACTIONS, "Admin actions, each also an audit log line.");
     describe_gauge!(OVERRIDES, "Stored overrides this instance holds.");
+    describe_gauge!(
+        OVERRIDES_REFRESHED,
+        metrics::Unit::Seconds,
+        "When this instance last read the stored overrides' version (seconds since the epoch)."
+    );
     describe_counter!(GRANTS_TAKEN, "Quota grants taken, per granted policy.");
     describe_counter!(GRANT_UNITS, "Grant units granted to this instance, given back, and lapsed unspent.");
     describe_gauge!(GRANT_UNITS_HELD, "Grant units this instance holds unspent.");

@@ -57,3 +57,15 @@ pub enum ConfigCommand {
     /// environment variables (see docs/envoy.md).
     FromEnv,
 }
+
+/// The command line, as `sluice` was called. Called by the name `ratelimit` (the image's
+/// `/bin/ratelimit`, the path Envoy Gateway and Istio run envoyproxy/ratelimit's image
+/// by), it is `sluice serve --ratelimit-env`: their environment, their way.
+pub fn arguments() -> Vec<std::ffi::OsString> {
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let called = args.first().and_then(|a| std::path::Path::new(a).file_name().map(|n| n == "ratelimit"));
+    if called == Some(true) {
+        args.splice(1..1, ["serve".into(), "--ratelimit-env".into()]);
+    }
+    args
+}
