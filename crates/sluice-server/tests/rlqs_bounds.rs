@@ -207,3 +207,36 @@ async fn many_streams_of_one_bucket_get_fair_parts() {
     let (min, max) = (*rates.iter().min().unwrap(), *rates.iter().max().unwrap());
     assert!(min >= 1 && max <= 3 * min, "rates from {min} to {max}: {rates:?}");
 }
+
+/// Past `max_streams`, a new stream is refused at once, whoever opens it, naming the
+/// bound; a stream that ends frees its place.
+#[tokio::test]
+async fn streams_past_the_instance_bound_are_refused() {
+    let s = common::start_with("  rlqs: {max_streams: 3}\n", DOMAINS);
+    let mut c = client(&s).await;
+    let mut open_streams = Vec::new();
+    for i in 0..3 {
+        let (tx, mut answers) = open(&mut c).await;
+        tx.send(report([format!("b{i}")], 1, 1)).await.unwrap();
+        assert!(answers.message().await.unwrap().is_some(), "stream {i} is served");
+        open_streams.push((tx, answers));
+    }
+    let (_tx, rx) = mpsc::channel::<RateLimitQuotaUsageReports>(1);
+    let reports = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+    let e = c.stream_rate_limit_quotas(reports).await.expect_err("a fourth stream");
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("server.rlqs.max_streams (3)"), "{e:?}");
+    // one ends: its place is free again
+    drop(open_streams.pop());
+    let started = std::time::Instant::now();
+    loop {
+        let (tx, mut answers) = open(&mut c).await;
+        if tx.send(report(["again".to_string()], 1, 1)).await.is_ok()
+            && let Ok(Some(_)) = answers.message().await
+        {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(3), "the place was never given back");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -128,7 +128,7 @@ pub enum UnfitStore {
 
 /// Refuses rules the store cannot run (Memcached has fixed windows only) when the
 /// config is loaded, not when the first request fails.
-pub fn supports(store: &StoreConfig, rules: &Rules) -> Result<(), UnfitStore> {
+fn supports(store: &StoreConfig, rules: &Rules) -> Result<(), UnfitStore> {
     match store {
         StoreConfig::Memcached { .. } => {
             let mut other: Vec<&str> = rules.algorithms().into_iter().filter(|a| *a != "fixed_window").collect();

@@ -150,9 +150,9 @@ pub struct Conn<IO> {
     io: IO,
     addr: Option<SocketAddr>,
     activity: Arc<Activity>,
-    bounds: Bounds,
     timer: Pin<Box<Sleep>>,
-    _ticket: Ticket,
+    /// Its place under the limit, and the bounds.
+    ticket: Ticket,
 }
 
 impl<IO> Conn<IO> {
@@ -163,7 +163,7 @@ impl<IO> Conn<IO> {
         // gone the idle one applies, and it may be the nearer (a call ending only ever
         // moves a deadline later after that)
         let timer = Box::pin(tokio::time::sleep_until(activity.born + bounds.first_call.min(bounds.idle)));
-        Self { io, addr, activity, bounds, timer, _ticket: ticket }
+        Self { io, addr, activity, timer, ticket }
     }
 
     /// Whether the deadline has passed (then the connection is to be closed); otherwise
@@ -171,14 +171,15 @@ impl<IO> Conn<IO> {
     fn expired(&mut self, cx: &mut Context<'_>) -> bool {
         while self.timer.as_mut().poll(cx).is_ready() {
             let now = Instant::now();
-            match self.activity.deadline(&self.bounds) {
+            let bounds = self.ticket.0.bounds;
+            match self.activity.deadline(&bounds) {
                 Some((at, why)) if at <= now => {
                     metrics::counter!(sluice::metric_names::GRPC_CLOSED, "reason" => why).increment(1);
                     return true;
                 }
                 Some((at, _)) => self.timer.as_mut().reset(at),
                 // a call is open: look again an idle period from now
-                None => self.timer.as_mut().reset(now + self.bounds.idle),
+                None => self.timer.as_mut().reset(now + bounds.idle),
             }
         }
         false

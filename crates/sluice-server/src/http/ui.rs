@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 /// The rules the overview shows: the most decided over the samples kept.
-pub const RULES_SHOWN: usize = 50;
+const RULES_SHOWN: usize = 50;
 
 /// The page.
 const PAGE: &str = include_str!("ui.html");

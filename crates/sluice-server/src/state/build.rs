@@ -2,7 +2,7 @@
 //! circuit breaker), the near-cache and the rules. `serve`, `reload` and `bench` all
 //! build here.
 
-use crate::config::checks::{UnfitStore, supports, tls};
+use crate::config::checks::{UnfitStore, tls};
 use crate::config::{Config, RedisConnectionConfig, SentinelConfig, StoreConfig};
 use crate::state::Engine;
 use sluice::Limiter;
@@ -32,9 +32,10 @@ pub struct Built {
     pub tuning: Arc<Tuning>,
 }
 
-/// The engine a config describes, with a new store.
+/// The engine a config describes, with a new store. The config is one `config::load`
+/// made, so its checks (`config/checks.rs`: rules the store can run, addresses, files)
+/// have passed.
 pub fn build(config: &Config, rules: Rules) -> Result<Built, BuildError> {
-    supports(&config.store, &rules)?;
     let tuning = Arc::new(Tuning::new(resilience(&config.limiter)));
     let mut migration = None;
     let clock = clock(&config.limiter);
