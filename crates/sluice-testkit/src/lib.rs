@@ -704,12 +704,29 @@ fn launch(bin: &Path, port: u16, dir: &TempDir, extra: &[String]) -> Result<Proc
     let mut process = Process::spawn(&mut cmd).map_err(|e| format!("cannot start {}: {e}", bin.display()))?;
     let deadline = Instant::now() + Duration::from_secs(10);
     while Instant::now() < deadline && !process.exited() {
-        if ping(port).is_ok() {
+        // the server that answers must be this one: a port found free can be taken by
+        // another test's server first, which then answers PING while this one exits
+        // (a cluster was once created over such a node, which was not a cluster node)
+        if ping(port).is_ok() && answers_as(port, &mut process) {
             return Ok(process);
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    Err(format!("redis-server on port {port} did not answer PING"))
+    Err(format!("redis-server on port {port} did not answer PING (the port may have been taken)"))
+}
+
+/// Whether the server on `port` is `process`: by the process id it reports, or, when it
+/// wants a password and will not say, by `process` still running a moment later (a
+/// server that could not bind its port exits at once).
+fn answers_as(port: u16, process: &mut Process) -> bool {
+    match send(port, "INFO server") {
+        Ok(info) if info.starts_with("-NOAUTH") => {
+            std::thread::sleep(Duration::from_millis(200));
+            !process.exited()
+        }
+        Ok(info) => info.contains(&format!("process_id:{}\r", process.pid())),
+        Err(_) => false,
+    }
 }
 
 fn send(port: u16, line: &str) -> std::io::Result<String> {
