@@ -113,15 +113,22 @@ async fn an_emptied_or_half_written_file_never_replaces_the_rules() {
     let metrics = common::metrics(&client, &base).await;
     assert!(metrics.contains("sluice_config_reloads_total{result=\"failed\"} 1"), "{metrics}");
     until_limit(&client, &base, 100, &dir).await;
-    // an editor's save: truncate, then write a moment later
+    // an editor's save: truncate, then write a moment later. The promise is for saves
+    // faster than the watcher's settle time (250 ms); on a loaded machine the test's own
+    // 100 ms pause can stretch past it, and such a save is an emptied file for a while:
+    // each of those may add one refusal, and no other may
+    let mut stretched = 0;
     for limit in 101..111 {
         std::fs::write(&file, "").unwrap();
+        let emptied = Instant::now();
         tokio::time::sleep(Duration::from_millis(100)).await;
         std::fs::write(&file, config(limit)).unwrap();
+        stretched += usize::from(emptied.elapsed() >= Duration::from_millis(200));
         until_limit(&client, &base, limit, &dir).await;
     }
     let metrics = common::metrics(&client, &base).await;
-    assert!(metrics.contains("sluice_config_reloads_total{result=\"failed\"} 1"), "{metrics}");
+    let failed = common::series(&metrics, "sluice_config_reloads_total{result=\"failed\"}") as usize;
+    assert!((1..=1 + stretched).contains(&failed), "{failed} refused, {stretched} saves stretched:\n{metrics}");
 }
 
 /// A reload that drops a domain says which.
