@@ -13,6 +13,7 @@ mod otlp;
 mod service;
 mod state;
 mod tls;
+mod xds;
 
 use clap::Parser;
 use commands::{Cli, Command, ShedCommand};

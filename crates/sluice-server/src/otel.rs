@@ -47,7 +47,8 @@ pub struct TelemetryConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OtlpConfig {
-    /// The collector's OTLP/gRPC address: `http://host:4317`.
+    /// The collector's address: `http://host:4317` (OTLP/gRPC), or `http://host:4318`
+    /// with `protocol: http`.
     #[serde(deserialize_with = "endpoint")]
     pub endpoint: String,
     /// The share of traces started here (requests without a `traceparent`) that are
@@ -64,6 +65,25 @@ pub struct OtlpConfig {
     /// How long one export may take (default 10 s).
     #[serde(default = "export_timeout")]
     pub timeout: ConfigDuration,
+    /// `grpc` (OTLP/gRPC, the default) or `http` (OTLP/HTTP with protobuf bodies, to
+    /// `endpoint` + `/v1/traces`).
+    #[serde(default)]
+    pub protocol: OtlpProtocol,
+    /// The resource's `service.namespace`, when set.
+    #[serde(default)]
+    pub service_namespace: Option<String>,
+    /// The resource's `service.instance.id`, when set (a pod's name).
+    #[serde(default)]
+    pub service_instance_id: Option<String>,
+}
+
+/// `telemetry.otlp.protocol`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OtlpProtocol {
+    #[default]
+    Grpc,
+    Http,
 }
 
 fn always() -> f64 {
@@ -293,9 +313,10 @@ pub fn describe_metrics() {
 impl Tracer {
     /// Starts the exporter of `config` (a task on the current runtime).
     pub fn start(config: &OtlpConfig) -> Result<Arc<Self>, String> {
-        let client = otlp::Client::new(&config.endpoint, config.timeout.to_std())?;
+        let http = config.protocol == OtlpProtocol::Http;
+        let client = otlp::Client::new(&config.endpoint, http, config.timeout.to_std())?;
         let (queue, rx) = tokio::sync::mpsc::channel(QUEUE);
-        tokio::spawn(export(rx, client, resource(&config.service_name)));
+        tokio::spawn(export(rx, client, resource(config)));
         Ok(Arc::new(Self {
             queue,
             bound: (config.sampling_ratio * (1u64 << 63) as f64) as u64,
@@ -324,14 +345,16 @@ impl Tracer {
 }
 
 /// The resource every span is sent with.
-fn resource(service_name: &str) -> otlp::Resource {
-    otlp::Resource {
-        attributes: vec![
-            KeyValue::str("service.name", service_name),
-            KeyValue::str("service.version", env!("CARGO_PKG_VERSION")),
-            KeyValue::int("process.pid", i64::from(std::process::id())),
-        ],
-    }
+fn resource(config: &OtlpConfig) -> otlp::Resource {
+    let mut attributes = vec![
+        KeyValue::str("service.name", config.service_name.as_str()),
+        KeyValue::str("service.version", env!("CARGO_PKG_VERSION")),
+        KeyValue::int("process.pid", i64::from(std::process::id())),
+    ];
+    let named =
+        [("service.namespace", &config.service_namespace), ("service.instance.id", &config.service_instance_id)];
+    attributes.extend(named.into_iter().filter_map(|(k, v)| v.as_deref().map(|v| KeyValue::str(k, v))));
+    otlp::Resource { attributes }
 }
 
 /// The exporter: batches of queued spans to the collector, one call at a time.

@@ -1,7 +1,7 @@
 //! OTLP: the messages of OpenTelemetry's trace export (`opentelemetry/proto/collector/
 //! trace/v1/trace_service.proto` and the trace, common and resource protos it uses),
 //! declared here with only the fields Sluice writes, and the exporter that sends
-//! batches of spans to a collector over gRPC.
+//! batches of spans to a collector, over gRPC or HTTP.
 //!
 //! Declared by hand rather than taken from a crate: the maintained one
 //! (`opentelemetry-proto`) brings the OpenTelemetry SDK with its trace definitions, a
@@ -177,40 +177,89 @@ impl KeyValue {
 /// The gRPC method a collector answers.
 const EXPORT: &str = "/opentelemetry.proto.collector.trace.v1.TraceService/Export";
 
-/// A connection to a collector (made when first used, and again after it breaks).
+/// How spans reach a collector: OTLP/gRPC (port 4317) or OTLP/HTTP with protobuf bodies
+/// (port 4318, `POST /v1/traces`: envoyproxy/ratelimit's default, which Envoy Gateway
+/// sets).
 #[derive(Clone)]
-pub struct Client {
-    grpc: tonic::client::Grpc<tonic::transport::Channel>,
-    timeout: Duration,
+pub enum Client {
+    Grpc { grpc: tonic::client::Grpc<tonic::transport::Channel>, timeout: Duration },
+    Http { uri: axum::http::Uri, timeout: Duration },
 }
 
 impl Client {
     /// A client of the collector at `endpoint` (`http://host:port`, checked when the
-    /// config was read).
-    pub fn new(endpoint: &str, timeout: Duration) -> Result<Self, String> {
+    /// config was read), over gRPC, or over HTTP when `http`.
+    pub fn new(endpoint: &str, http: bool, timeout: Duration) -> Result<Self, String> {
+        if http {
+            let uri = format!("{}/v1/traces", endpoint.trim_end_matches('/'));
+            let uri = uri.parse().map_err(|e| format!("telemetry.otlp.endpoint {endpoint}: {e}"))?;
+            return Ok(Self::Http { uri, timeout });
+        }
         let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
             .map_err(|e| format!("telemetry.otlp.endpoint {endpoint}: {e}"))?
             .connect_timeout(timeout)
             .timeout(timeout)
             .connect_lazy();
-        Ok(Self { grpc: tonic::client::Grpc::new(channel), timeout })
+        Ok(Self::Grpc { grpc: tonic::client::Grpc::new(channel), timeout })
     }
 
     /// Sends one batch. Returns the spans the collector rejected (a partial success),
     /// or why the call failed.
     pub async fn export(&mut self, request: ExportTraceServiceRequest) -> Result<i64, String> {
-        let call = async {
-            self.grpc.ready().await.map_err(|e| format!("the collector cannot be reached: {e}"))?;
-            let codec = tonic_prost::ProstCodec::<ExportTraceServiceRequest, ExportTraceServiceResponse>::default();
-            let path = axum::http::uri::PathAndQuery::from_static(EXPORT);
-            self.grpc
-                .unary(tonic::Request::new(request), path, codec)
-                .await
-                .map_err(|s| format!("the collector answered {:?}: {}", s.code(), s.message()))
+        let timeout = match self {
+            Self::Grpc { timeout, .. } | Self::Http { timeout, .. } => *timeout,
         };
-        let answer = tokio::time::timeout(self.timeout, call)
-            .await
-            .map_err(|_| format!("the collector did not answer within {:?}", self.timeout))??;
-        Ok(answer.into_inner().partial_success.map_or(0, |p| p.rejected_spans))
+        let answer = match self {
+            Self::Grpc { grpc, .. } => tokio::time::timeout(timeout, export_grpc(grpc, request)).await,
+            Self::Http { uri, .. } => tokio::time::timeout(timeout, export_http(uri, request)).await,
+        };
+        let answer = answer.map_err(|_| format!("the collector did not answer within {timeout:?}"))??;
+        Ok(answer.partial_success.map_or(0, |p| p.rejected_spans))
     }
+}
+
+async fn export_grpc(
+    grpc: &mut tonic::client::Grpc<tonic::transport::Channel>,
+    request: ExportTraceServiceRequest,
+) -> Result<ExportTraceServiceResponse, String> {
+    grpc.ready().await.map_err(|e| format!("the collector cannot be reached: {e}"))?;
+    let codec = tonic_prost::ProstCodec::<ExportTraceServiceRequest, ExportTraceServiceResponse>::default();
+    let path = axum::http::uri::PathAndQuery::from_static(EXPORT);
+    let answer = grpc.unary(tonic::Request::new(request), path, codec).await;
+    answer
+        .map(tonic::Response::into_inner)
+        .map_err(|s| format!("the collector answered {:?}: {}", s.code(), s.message()))
+}
+
+/// One `POST /v1/traces` with a protobuf body, on a connection of its own (a batch is
+/// sent every few seconds at most).
+async fn export_http(
+    uri: &axum::http::Uri,
+    request: ExportTraceServiceRequest,
+) -> Result<ExportTraceServiceResponse, String> {
+    use http_body_util::BodyExt;
+    use prost::Message;
+    let (host, port) = (uri.host().unwrap_or_default(), uri.port_u16().unwrap_or(80));
+    let tcp = tokio::net::TcpStream::connect((host.trim_start_matches('[').trim_end_matches(']'), port))
+        .await
+        .map_err(|e| format!("the collector cannot be reached: {e}"))?;
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+        .await
+        .map_err(|e| format!("the collector cannot be reached: {e}"))?;
+    tokio::spawn(connection);
+    let post = axum::http::Request::post(uri.clone())
+        .header("host", uri.authority().map_or(host, |a| a.as_str()))
+        .header("content-type", "application/x-protobuf")
+        .body(http_body_util::Full::new(bytes::Bytes::from(request.encode_to_vec())))
+        .map_err(|e| e.to_string())?;
+    let response = sender.send_request(post).await.map_err(|e| format!("the collector did not answer: {e}"))?;
+    let status = response.status();
+    let body = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    if !status.is_success() {
+        return Err(format!(
+            "the collector answered HTTP {status}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(200)])
+        ));
+    }
+    Ok(ExportTraceServiceResponse::decode(body).unwrap_or_default())
 }

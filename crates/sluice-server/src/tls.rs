@@ -94,3 +94,62 @@ pub struct Read(ServerConfig, ServerConfig);
 fn file_error(what: &'static str, path: &Path, e: impl std::fmt::Display) -> TlsError {
     TlsError::File { what, path: path.display().to_string(), message: e.to_string() }
 }
+
+/// What connects a gRPC client over TLS (the xDS client, `xds.tls`): TCP to the URI's
+/// host, then TLS verifying `server_name` against `files.ca_file` (or the system's
+/// roots), presenting the client certificate when one is set, offering HTTP/2.
+pub fn client_connector(
+    files: &crate::config::XdsTls,
+    server_name: &str,
+) -> Result<
+    impl tower::Service<
+        axum::http::Uri,
+        Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>,
+        Error = std::io::Error,
+        Future = impl Send,
+    > + Clone
+    + Send
+    + 'static,
+    String,
+> {
+    let mut roots = rustls::RootCertStore::empty();
+    match &files.ca_file {
+        Some(path) => {
+            for ca in CertificateDer::pem_file_iter(path).map_err(|e| format!("ca_file {}: {e}", path.display()))? {
+                roots.add(ca.map_err(|e| format!("ca_file {}: {e}", path.display()))?).map_err(|e| e.to_string())?;
+            }
+        }
+        None => {
+            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots);
+    let mut config = match (&files.cert_file, &files.key_file) {
+        (Some(cert), Some(key)) => {
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+                .and_then(|c| c.collect())
+                .map_err(|e| format!("cert_file {}: {e}", cert.display()))?;
+            let key = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("key_file {}: {e}", key.display()))?;
+            builder.with_client_auth_cert(certs, key).map_err(|e| e.to_string())?
+        }
+        (None, None) => builder.with_no_client_auth(),
+        _ => return Err("cert_file and key_file go together: set both, or neither".into()),
+    };
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let name = rustls::pki_types::ServerName::try_from(server_name.to_string())
+        .map_err(|e| format!("server name {server_name}: {e}"))?;
+    Ok(tower::service_fn(move |uri: axum::http::Uri| {
+        let (connector, name) = (connector.clone(), name.clone());
+        async move {
+            let host = uri.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']').to_string();
+            let tcp = tokio::net::TcpStream::connect((host, uri.port_u16().unwrap_or(443))).await?;
+            tcp.set_nodelay(true)?;
+            Ok(hyper_util::rt::TokioIo::new(connector.connect(name, tcp).await?))
+        }
+    }))
+}

@@ -9,7 +9,7 @@ mod common;
 mod envoy_kit;
 
 use common::start_with;
-use envoy_kit::{Envoy, bootstrap, grpc_cluster};
+use envoy_kit::{Envoy, bootstrap, grpc_cluster, ratelimit_filter};
 use sluice_testkit::{Process, TempDir};
 use std::time::Duration;
 
@@ -20,18 +20,6 @@ const RATE_LIMITS: &str = r#"                  rate_limits:
                   - actions:
                     - request_headers: {header_name: x-tenant, descriptor_key: tenant}
                     - request_headers: {header_name: ":path", descriptor_key: path}
-"#;
-
-/// Envoy's rate limit filter, calling the `sluice` cluster.
-const RATELIMIT_FILTER: &str = r#"          - name: envoy.filters.http.ratelimit
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
-              domain: api
-              failure_mode_deny: false
-              timeout: 1s
-              rate_limit_service:
-                transport_api_version: V3
-                grpc_service: {envoy_grpc: {cluster_name: sluice}}
 "#;
 
 /// Starts Envoy in front of an upstream, calling Sluice's gRPC service at `grpc`;
@@ -58,7 +46,7 @@ async fn start_envoy(grpc: &str, sluice_tls: &str, otel: Option<u16>) -> ((Proce
         ),
     };
     let clusters = grpc_cluster("sluice", &[grpc], sluice_tls) + &otel_cluster;
-    let e = Envoy::start(|up| bootstrap(up, &tracing, RATE_LIMITS, RATELIMIT_FILTER, &clusters)).await;
+    let e = Envoy::start(|up| bootstrap(up, &tracing, RATE_LIMITS, &ratelimit_filter("api"), &clusters)).await;
     ((e.process, e.dir), e.port)
 }
 

@@ -64,6 +64,11 @@ pub struct LimiterConfig {
     /// would store more is refused, saying so. Every instance holds them all in memory
     /// (about 1 KB each) and reads them all when it starts.
     pub max_overrides: u64,
+    /// Also count the decisions of envoyproxy/ratelimit-style rules (`rate_limit:`) under
+    /// the names envoyproxy/ratelimit's Prometheus mapping gives them
+    /// (`ratelimit_service_rate_limit_*{domain, key1, key2}`), for dashboards that query
+    /// those. Labels come from the rules, never from requests.
+    pub ratelimit_metrics: bool,
 }
 
 /// `limiter.top_clients`: per rule, a list of the clients it refuses most and one of
@@ -170,6 +175,7 @@ impl Default for LimiterConfig {
             request_bounds: Default::default(),
             top_clients: Default::default(),
             max_overrides: 250_000,
+            ratelimit_metrics: false,
         }
     }
 }

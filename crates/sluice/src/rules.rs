@@ -325,6 +325,7 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
         top: limiter.top_clients,
         shadow: limiter.shadow_mode || d.shadow_mode,
         failure: limiter.failure,
+        ratelimit_metrics: limiter.ratelimit_metrics,
     };
     for (i, c) in d.descriptors.iter().enumerate() {
         add(&mut root, c, inherited, &[], &anchors, &format!("{path}.descriptors[{i}]"))?;
@@ -348,6 +349,8 @@ struct Inherited<'a> {
     /// own, as in envoyproxy/ratelimit.
     shadow: bool,
     failure: Failure,
+    /// `limiter.ratelimit_metrics`.
+    ratelimit_metrics: bool,
 }
 
 impl Inherited<'_> {
@@ -519,7 +522,11 @@ fn node(
         limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
         let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
         let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&names));
-        let counters = Arc::new(PolicyCounters::new(inherited.domain, &name, own.shadow, inherited.lists()));
+        let mut counters = PolicyCounters::new(inherited.domain, &name, own.shadow, inherited.lists());
+        if inherited.ratelimit_metrics {
+            counters = counters.with_ratelimit_names(inherited.domain, &names);
+        }
+        let counters = Arc::new(counters);
         let grants = grants_for(c, inherited.domain, &name, &limit).map_err(err)?;
         node.policies.push(Policy {
             name: name.into(),

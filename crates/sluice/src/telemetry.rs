@@ -31,6 +31,11 @@ pub mod names {
     pub const MEMORY_FULL: &str = "sluice_memory_store_full_total";
     pub const CONFIG_RELOADS: &str = "sluice_config_reloads_total";
     pub const DECISIONS_DETAILED: &str = "sluice_decisions_detailed_total";
+    pub const RATELIMIT_TOTAL_HITS: &str = "ratelimit_service_rate_limit_total_hits";
+    pub const RATELIMIT_OVER_LIMIT: &str = "ratelimit_service_rate_limit_over_limit";
+    pub const RATELIMIT_NEAR_LIMIT: &str = "ratelimit_service_rate_limit_near_limit";
+    pub const RATELIMIT_WITHIN_LIMIT: &str = "ratelimit_service_rate_limit_within_limit";
+    pub const RATELIMIT_SHADOW_MODE: &str = "ratelimit_service_rate_limit_shadow_mode";
     pub const SHED: &str = "sluice_shed_total";
     pub const SHED_AMOUNT: &str = "sluice_shed_amount";
     pub const HTTP_OVER_LIMIT: &str = "sluice_http_connections_over_limit_total";
@@ -54,6 +59,21 @@ pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
     use names::*;
     describe_counter!(DECISIONS, "Policy decisions, by domain, policy and outcome (allowed, over_limit).");
+    for (name, what) in [
+        (
+            RATELIMIT_TOTAL_HITS,
+            "Hits of a rate_limit rule (envoyproxy/ratelimit's name, with limiter.ratelimit_metrics).",
+        ),
+        (RATELIMIT_OVER_LIMIT, "Hits a rate_limit rule refused (envoyproxy/ratelimit's name)."),
+        (
+            RATELIMIT_NEAR_LIMIT,
+            "Hits a rate_limit rule allowed past the near-limit share (envoyproxy/ratelimit's name).",
+        ),
+        (RATELIMIT_WITHIN_LIMIT, "Hits a rate_limit rule allowed (envoyproxy/ratelimit's name)."),
+        (RATELIMIT_SHADOW_MODE, "Hits a shadow-mode rate_limit rule would have refused (envoyproxy/ratelimit's name)."),
+    ] {
+        describe_counter!(name, what);
+    }
     describe_counter!(NEAR_LIMIT, "Allowed decisions that used at least limiter.near_limit_ratio of the quota.");
     describe_counter!(SHADOW_OVER_LIMIT, "Shadow-mode decisions that would have refused (the request was allowed).");
     describe_counter!(NEAR_CACHE_HITS, "Refusals answered from the near-cache, without a store call.");
@@ -136,6 +156,8 @@ pub fn audit(a: &Audit<'_>) {
 pub(crate) struct PolicyCounters {
     near_limit: Counter,
     decided: Decided,
+    /// The same decisions under envoyproxy/ratelimit's names (`limiter.ratelimit_metrics`).
+    ratelimit: Option<RatelimitCounters>,
     /// The clients the policy refuses and admits most (`limiter.top_clients`), when on.
     pub top: Option<crate::topk::RuleLists>,
 }
@@ -167,12 +189,22 @@ impl PolicyCounters {
         } else {
             Decided::Enforced { allowed: decisions("allowed"), over_limit: decisions("over_limit") }
         };
-        Self { near_limit: counter!(names::NEAR_LIMIT, "domain" => d, "policy" => p), decided, top }
+        Self { near_limit: counter!(names::NEAR_LIMIT, "domain" => d, "policy" => p), decided, ratelimit: None, top }
     }
 
-    /// Counts one decision. `near` is whether an allowed decision used at least the
-    /// near-limit share of its quota.
-    pub(crate) fn count(&self, allowed: bool, near: bool) {
+    /// Also counted under envoyproxy/ratelimit's names, for the rule reached by `steps`
+    /// (each `key` or `key_value`) in `domain`.
+    pub(crate) fn with_ratelimit_names(mut self, domain: &str, steps: &[&str]) -> Self {
+        self.ratelimit = Some(RatelimitCounters::new(domain, steps));
+        self
+    }
+
+    /// Counts one decision of `hits`. `near` is whether an allowed decision used at
+    /// least the near-limit share of its quota.
+    pub(crate) fn count(&self, allowed: bool, near: bool, hits: u64) {
+        if let Some(r) = &self.ratelimit {
+            r.count(allowed, near, matches!(self.decided, Decided::Shadow { .. }), hits);
+        }
         match (&self.decided, allowed) {
             (Decided::Shadow { over_limit }, false) | (Decided::Enforced { over_limit, .. }, false) => {
                 over_limit.increment(1)
@@ -182,6 +214,55 @@ impl PolicyCounters {
         }
         if allowed && near {
             self.near_limit.increment(1);
+        }
+    }
+}
+
+/// One rule's counters under envoyproxy/ratelimit's Prometheus names: its statsd key
+/// `ratelimit.service.rate_limit.DOMAIN.KEY1[.KEY2...].total_hits` as its default
+/// mapping turns it into a name and labels (`domain`, `key1`, and `key2` for a rule two
+/// or more deep; deeper steps are not labelled, as there). Counted in hits, as there.
+struct RatelimitCounters {
+    total_hits: Counter,
+    over_limit: Counter,
+    near_limit: Counter,
+    within_limit: Counter,
+    shadow_mode: Counter,
+}
+
+impl RatelimitCounters {
+    fn new(domain: &str, steps: &[&str]) -> Self {
+        let mut labels = vec![("domain", domain.to_string())];
+        labels.extend(["key1", "key2"].into_iter().zip(steps.iter().map(|s| s.to_string())));
+        let labels: Vec<metrics::Label> = labels.into_iter().map(|(k, v)| metrics::Label::new(k, v)).collect();
+        let c = |name: &'static str| counter!(name, labels.iter());
+        Self {
+            total_hits: c(names::RATELIMIT_TOTAL_HITS),
+            over_limit: c(names::RATELIMIT_OVER_LIMIT),
+            near_limit: c(names::RATELIMIT_NEAR_LIMIT),
+            within_limit: c(names::RATELIMIT_WITHIN_LIMIT),
+            shadow_mode: c(names::RATELIMIT_SHADOW_MODE),
+        }
+    }
+
+    /// As theirs: every hit is total; a refused one over_limit (and shadow_mode when the
+    /// rule is in shadow mode, which allows it); an allowed one within_limit, and
+    /// near_limit too when past the near-limit share.
+    fn count(&self, allowed: bool, near: bool, shadow: bool, hits: u64) {
+        self.total_hits.increment(hits);
+        match allowed {
+            false => {
+                self.over_limit.increment(hits);
+                if shadow {
+                    self.shadow_mode.increment(hits);
+                }
+            }
+            true => {
+                self.within_limit.increment(hits);
+                if near {
+                    self.near_limit.increment(hits);
+                }
+            }
         }
     }
 }

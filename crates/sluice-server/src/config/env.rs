@@ -13,13 +13,15 @@
 use serde_json::{Value, json};
 use sluice::store::percent_encode;
 
-/// What the environment says: the config, and the variables accepted without effect.
+/// What the environment says: the config, and what to log about it at start.
 pub struct FromEnv {
     pub config: Value,
-    pub without_effect: Vec<&'static str>,
+    /// The variables without effect here, and which source of rules won.
+    pub notes: Vec<String>,
 }
 
-/// Variables accepted and not needed: what they tune does not exist here.
+/// Variables accepted and not needed: what they tune does not exist here, or is always
+/// so here (docs/envoy.md has each reason).
 const WITHOUT_EFFECT: &[&str] = &[
     "REDIS_POOL_SIZE",
     "REDIS_PIPELINE_WINDOW",
@@ -36,11 +38,15 @@ const WITHOUT_EFFECT: &[&str] = &[
     "RUNTIME_WATCH_ROOT",
     "RUNTIME_IGNOREDOTFILES",
     "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
-    "USE_PROMETHEUS",
     "DISABLE_STATS",
     "STATS_FLUSH_INTERVAL",
     "EXTRA_TAGS",
     "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS",
+    "GRPC_SERVER_TLS_CA_CERT",
+    "XDS_CLIENT_BACKOFF_RANDOM_FACTOR",
+    "XDS_CLIENT_BACKOFF_JITTER",
+    "STATSD_PORT",
+    "STATSD_HOST",
 ];
 
 /// Reads the variables (through `env`) into a config, or says every one it refuses.
@@ -61,16 +67,8 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
     // an IPv6 address (Istio's sample sets HOST=::) is written in brackets before its port;
     // `::` listens on IPv6 and IPv4 alike where the system allows it (Linux's default)
     let host = |h: &str, p: &str, port: &str| {
-        let address = get(h).unwrap_or_else(|| "0.0.0.0".into());
-        let address = match address.contains(':') && !address.starts_with('[') {
-            true => format!("[{address}]"),
-            false => address,
-        };
-        format!("{address}:{}", get(p).unwrap_or_else(|| port.into()))
+        address(&get(h).unwrap_or_else(|| "0.0.0.0".into()), &get(p).unwrap_or_else(|| port.into()))
     };
-    let runtime = std::path::Path::new(&get("RUNTIME_ROOT").unwrap_or_else(|| "/srv/runtime_data/current".into()))
-        .join(get("RUNTIME_SUBDIRECTORY").unwrap_or_default())
-        .join(get("RUNTIME_APPDIRECTORY").unwrap_or_else(|| "config".into()));
     // each entry of the near-cache holds a key and a decision: about 64 bytes
     let near_cache = get("LOCAL_CACHE_SIZE_IN_BYTES").and_then(|b| b.parse::<usize>().ok()).unwrap_or(0) / 64;
     // Sluice's own secret (no variable of theirs names one), and their prefix keeps two
@@ -85,21 +83,131 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
             "near_limit_ratio": get("NEAR_LIMIT_RATIO").and_then(|r| r.parse::<f64>().ok()).unwrap_or(0.8)},
         "headers": {"github": false, "ietf": false, "envoy_ratelimit": headers},
         "envoy": {"merge_domains": on("MERGE_DOMAIN_CONFIG"), "response_dynamic_metadata": on("RESPONSE_DYNAMIC_METADATA")},
-        "domains_from": runtime,
         "log": {"level": get("LOG_LEVEL").unwrap_or_else(|| "warn".into()).to_ascii_lowercase(),
             "format": get("LOG_FORMAT").unwrap_or_else(|| "text".into()).to_ascii_lowercase()},
     });
+    let mut notes = Vec::new();
+    rules_source(&get, &on, &mut config, &mut notes);
+    prometheus(&get, &on, &mut config, &mut notes);
     if let Some(tls) = listener_tls(&get, &on) {
         config["server"]["tls"] = tls;
     }
     if on("TRACING_ENABLED") {
-        config["telemetry"] = json!({"otlp": {
-            "endpoint": get("OTEL_EXPORTER_OTLP_ENDPOINT").unwrap_or_else(|| "http://127.0.0.1:4317".into()),
-            "service_name": get("TRACING_SERVICE_NAME").unwrap_or_else(|| "RateLimit".into()),
-            "sampling_ratio": get("TRACING_SAMPLING_RATE").and_then(|r| r.parse::<f64>().ok()).unwrap_or(1.0)}});
+        config["telemetry"] = tracing(&get);
     }
-    let without_effect = WITHOUT_EFFECT.iter().copied().filter(|v| get(v).is_some()).collect();
-    Ok(FromEnv { config, without_effect })
+    let without_effect: Vec<&'static str> = WITHOUT_EFFECT.iter().copied().filter(|v| get(v).is_some()).collect();
+    if !without_effect.is_empty() {
+        notes.insert(0, format!("these have no effect here (docs/envoy.md says why): {}", without_effect.join(", ")));
+    }
+    Ok(FromEnv { config, notes })
+}
+
+/// `host:port`, an IPv6 host in brackets; a bare `:port` (Go's way to say every
+/// address) listens on every IPv4 address.
+fn address(host: &str, port: &str) -> String {
+    match host {
+        "" => format!("0.0.0.0:{port}"),
+        h if h.contains(':') && !h.starts_with('[') => format!("[{h}]:{port}"),
+        h => format!("{h}:{port}"),
+    }
+}
+
+/// Where the rules come from: the files under `RUNTIME_ROOT` (`CONFIG_TYPE=FILE`, the
+/// default), or an xDS server (`GRPC_XDS_SOTW`); never both, and the log says which.
+fn rules_source(
+    get: &dyn Fn(&str) -> Option<String>,
+    on: &dyn Fn(&str) -> bool,
+    config: &mut Value,
+    notes: &mut Vec<String>,
+) {
+    let runtime = std::path::Path::new(&get("RUNTIME_ROOT").unwrap_or_else(|| "/srv/runtime_data/current".into()))
+        .join(get("RUNTIME_SUBDIRECTORY").unwrap_or_default())
+        .join(get("RUNTIME_APPDIRECTORY").unwrap_or_else(|| "config".into()));
+    if !get("CONFIG_TYPE").is_some_and(|t| t.eq_ignore_ascii_case("grpc_xds_sotw")) {
+        config["domains_from"] = json!(runtime);
+        if on("FORCE_START_WITHOUT_INITIAL_CONFIG") {
+            notes.push(
+                "FORCE_START_WITHOUT_INITIAL_CONFIG has no effect with CONFIG_TYPE=FILE: the files are read at start"
+                    .into(),
+            );
+        }
+        return;
+    }
+    let server = get("CONFIG_GRPC_XDS_SERVER_URL").unwrap_or_else(|| "localhost:18000".into());
+    let node = get("CONFIG_GRPC_XDS_NODE_ID").unwrap_or_else(|| "default".into());
+    let pairs = |name: &str, sep: char| -> serde_json::Map<String, Value> {
+        let text = get(name).unwrap_or_default();
+        let pair = |p: &str| p.split_once(sep).map(|(k, v)| (k.trim().to_string(), json!(v.trim())));
+        text.split(',').filter_map(pair).collect()
+    };
+    let retry =
+        get("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL").or_else(|| get("CONFIG_GRPC_XDS_SERVER_CONNECT_RETRY_INTERVAL"));
+    let mut xds = json!({"server": server, "node_id": node, "node_metadata": pairs("CONFIG_GRPC_XDS_NODE_METADATA", '='),
+        "headers": pairs("CONFIG_GRPC_XDS_CLIENT_ADDITIONAL_HEADERS", ':'),
+        "start_without_config": on("FORCE_START_WITHOUT_INITIAL_CONFIG")});
+    for (key, value) in [("retry", retry), ("max_retry", get("XDS_CLIENT_BACKOFF_MAX_INTERVAL"))] {
+        if let Some(v) = value {
+            xds[key] = json!(v);
+        }
+    }
+    if let Some(bytes) =
+        get("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES").and_then(|b| b.parse::<usize>().ok()).filter(|&b| b > 0)
+    {
+        xds["max_message_bytes"] = json!(bytes);
+    }
+    if on("CONFIG_GRPC_XDS_SERVER_USE_TLS") {
+        xds["tls"] = json!({"ca_file": get("CONFIG_GRPC_XDS_SERVER_TLS_CACERT"), "cert_file": get("CONFIG_GRPC_XDS_CLIENT_TLS_CERT"),
+            "key_file": get("CONFIG_GRPC_XDS_CLIENT_TLS_KEY"), "server_name": get("CONFIG_GRPC_XDS_SERVER_TLS_SAN")});
+    }
+    config["xds"] = xds;
+    notes.push(format!(
+        "CONFIG_TYPE=GRPC_XDS_SOTW: the rules are the ones the xDS server at {server} pushes to node {node}; the files under \
+         RUNTIME_ROOT ({}) are not read (xDS and files never mix)",
+        runtime.display()
+    ));
+}
+
+/// `USE_PROMETHEUS`: `/metrics` also on `PROMETHEUS_ADDR`, with envoyproxy/ratelimit's
+/// metric names beside Sluice's own.
+fn prometheus(
+    get: &dyn Fn(&str) -> Option<String>,
+    on: &dyn Fn(&str) -> bool,
+    config: &mut Value,
+    notes: &mut Vec<String>,
+) {
+    if !on("USE_PROMETHEUS") {
+        let set: Vec<&str> =
+            ["PROMETHEUS_ADDR", "PROMETHEUS_MAPPER_YAML"].into_iter().filter(|v| get(v).is_some()).collect();
+        if !set.is_empty() {
+            notes.push(format!("{} without USE_PROMETHEUS=true: no effect, as there", set.join(", ")));
+        }
+        return;
+    }
+    let addr = get("PROMETHEUS_ADDR").unwrap_or_else(|| ":9090".into());
+    let (host, port) = addr.rsplit_once(':').unwrap_or(("", addr.as_str()));
+    config["server"]["metrics"] = json!(address(host.trim_start_matches('[').trim_end_matches(']'), port));
+    config["limiter"]["ratelimit_metrics"] = json!(true);
+    if let Some(file) = get("PROMETHEUS_MAPPER_YAML") {
+        notes.push(format!(
+            "PROMETHEUS_MAPPER_YAML={file} is not read: the names served are those of envoyproxy/ratelimit's default \
+             mapping (ratelimit_service_rate_limit_total_hits, _over_limit, _near_limit, _within_limit, _shadow_mode, \
+             labelled domain, key1, key2), beside Sluice's own"
+        ));
+    }
+}
+
+/// `telemetry`, from `TRACING_*` and `OTEL_EXPORTER_OTLP_ENDPOINT`: their default
+/// protocol is OTLP/HTTP (port 4318), as Envoy Gateway sets it.
+fn tracing(get: &dyn Fn(&str) -> Option<String>) -> Value {
+    let grpc = get("TRACING_EXPORTER_PROTOCOL").is_some_and(|p| p.eq_ignore_ascii_case("grpc"));
+    let (protocol, port) = if grpc { ("grpc", 4317) } else { ("http", 4318) };
+    json!({"otlp": {
+        "endpoint": get("OTEL_EXPORTER_OTLP_ENDPOINT").unwrap_or_else(|| format!("http://127.0.0.1:{port}")),
+        "protocol": protocol,
+        "service_name": get("TRACING_SERVICE_NAME").unwrap_or_else(|| "RateLimit".into()),
+        "service_namespace": get("TRACING_SERVICE_NAMESPACE"),
+        "service_instance_id": get("TRACING_SERVICE_INSTANCE_ID"),
+        "sampling_ratio": get("TRACING_SAMPLING_RATE").and_then(|r| r.parse::<f64>().ok()).unwrap_or(1.0)}})
 }
 
 /// `sluice config from-env`: prints the config the environment describes.
@@ -109,24 +217,21 @@ pub fn print() -> Result<(), String> {
     Ok(())
 }
 
-/// Writes the config the environment describes to a directory of its own, for `serve`
-/// to load and watch; returns its path and the variables without effect.
-pub fn write() -> Result<(std::path::PathBuf, Vec<&'static str>), String> {
+/// The config the environment describes, for `serve` to load (and watch its
+/// `domains_from`), held in memory: nothing is written, so a read-only root file system
+/// (Envoy Gateway's security context) is fine. Returns it with the lines to log at start.
+pub fn source() -> Result<(crate::config::load::Source, Vec<String>), String> {
     let from = from_env(&|name| std::env::var(name).ok())?;
-    let dir = std::env::temp_dir().join(format!("sluice-ratelimit-env-{}", std::process::id()));
-    let path = dir.join("sluice.yaml");
     let text = serde_norway::to_string(&from.config).map_err(|e| e.to_string())?;
-    std::fs::create_dir_all(&dir)
-        .and_then(|()| std::fs::write(&path, text))
-        .map_err(|e| format!("--ratelimit-env: cannot write {}: {e}", path.display()))?;
-    Ok((path, from.without_effect))
+    let name = "<envoyproxy/ratelimit environment> (`sluice config from-env` prints it)".to_string();
+    Ok((crate::config::load::Source::Text { name, text }, from.notes))
 }
 
-/// Logs the variables set that have no effect here (once, at start).
-pub fn note(without_effect: &[&str]) {
-    if !without_effect.is_empty() {
-        let variables = without_effect.join(", ");
-        tracing::info!(%variables, "--ratelimit-env: these have no effect here (docs/envoy.md says why)");
+/// Logs what the environment asked that is worth a line (once, at start): the variables
+/// without effect here, and which source of rules won.
+pub fn note(notes: &[String]) {
+    for note in notes {
+        tracing::info!("--ratelimit-env: {note}");
     }
 }
 
@@ -139,11 +244,7 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
     let renamed =
         headers.into_iter().chain([("LIMIT_RESET_HEADER", "ratelimit-reset")]).any(|(v, name)| not(v, &[name]));
     let checks = [
-        (not("CONFIG_TYPE", &["file"]), "CONFIG_TYPE: rules come from files (RUNTIME_ROOT); xDS is not supported"),
-        (
-            on("FORCE_START_WITHOUT_INITIAL_CONFIG"),
-            "FORCE_START_WITHOUT_INITIAL_CONFIG: Sluice never starts (or reloads) without rules",
-        ),
+        (not("CONFIG_TYPE", &["file", "grpc_xds_sotw"]), "CONFIG_TYPE: FILE or GRPC_XDS_SOTW"),
         (on("QUOTA_MODE"), "QUOTA_MODE: quota mode is not built"),
         (
             on("REDIS_PERSECOND"),
@@ -154,12 +255,7 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
             "USE_STATSD: statistics are Prometheus metrics at /metrics on the HTTP port (set USE_STATSD=false)",
         ),
         (on("USE_DOG_STATSD"), "USE_DOG_STATSD: statistics are Prometheus metrics at /metrics"),
-        (
-            set("PROMETHEUS_ADDR"),
-            "PROMETHEUS_ADDR: /metrics is served on the HTTP port (PORT), not on a port of its own",
-        ),
         (not("PROMETHEUS_PATH", &["/metrics"]), "PROMETHEUS_PATH: the path is /metrics"),
-        (set("PROMETHEUS_MAPPER_YAML"), "PROMETHEUS_MAPPER_YAML: metric names are Sluice's own (docs/operations.md)"),
         (
             set("DEBUG_HOST") || set("DEBUG_PORT"),
             "DEBUG_HOST/DEBUG_PORT: there is no debug port; /metrics and /healthcheck are on the HTTP port",
@@ -181,12 +277,7 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
         (not("REDIS_TYPE", &["single", "cluster", "sentinel"]), "REDIS_TYPE: SINGLE, CLUSTER or SENTINEL"),
         (not("REDIS_SOCKET_TYPE", &["tcp", "unix"]), "REDIS_SOCKET_TYPE: tcp or unix"),
         (not("LOG_FORMAT", &["text", "json"]), "LOG_FORMAT: text or json"),
-        (
-            // theirs defaults to http (OTLP/HTTP, port 4318), which Sluice does not
-            // speak: sending gRPC there would lose every span without a word
-            on("TRACING_ENABLED") && get("TRACING_EXPORTER_PROTOCOL").is_none_or(|p| !p.eq_ignore_ascii_case("grpc")),
-            "TRACING_EXPORTER_PROTOCOL: unset or http means OTLP/HTTP (envoyproxy/ratelimit's default), and Sluice exports OTLP/gRPC only: set TRACING_EXPORTER_PROTOCOL=grpc and point OTEL_EXPORTER_OTLP_ENDPOINT at the collector's gRPC port (4317)",
-        ),
+        (not("TRACING_EXPORTER_PROTOCOL", &["http", "grpc"]), "TRACING_EXPORTER_PROTOCOL: http or grpc"),
     ];
     checks.into_iter().filter(|(refuse, _)| *refuse).map(|(_, why)| why.to_string()).collect()
 }
@@ -289,14 +380,14 @@ mod tests {
         assert_eq!(v["domains_from"], "/data/ratelimit/config");
         assert_eq!(v["server"]["grpc"], "0.0.0.0:8081");
         assert_eq!(v["limiter"]["near_cache"], 100);
-        assert_eq!(c.without_effect, ["REDIS_POOL_SIZE"]);
+        assert_eq!(c.notes, ["these have no effect here (docs/envoy.md says why): REDIS_POOL_SIZE"]);
         let cluster = read(&[("REDIS_TYPE", "cluster"), ("REDIS_URL", "a:1,b:2"), ("REDIS_TLS", "true")]).unwrap();
         assert_eq!(cluster.config["store"]["nodes"], json!(["rediss://a:1", "rediss://b:2"]));
     }
 
     #[test]
     fn what_cannot_be_honoured_is_refused_with_every_reason() {
-        let e = read(&[("USE_STATSD", "true"), ("REDIS_PERSECOND", "true"), ("CONFIG_TYPE", "GRPC_XDS_SOTW")])
+        let e = read(&[("USE_STATSD", "true"), ("REDIS_PERSECOND", "true"), ("CONFIG_TYPE", "GRPC_XDS_DELTA")])
             .err()
             .unwrap();
         for says in ["USE_STATSD", "REDIS_PERSECOND", "CONFIG_TYPE", "docs/envoy.md"] {
@@ -327,21 +418,98 @@ mod tests {
         assert_eq!(v4.unwrap().config["server"]["http"], "10.0.0.1:8080");
     }
 
-    /// Tracing on with their default protocol (http: OTLP/HTTP) is refused with the fix,
-    /// not exported over gRPC to what may be an OTLP/HTTP port; grpc is taken.
+    /// Tracing follows their default protocol, OTLP/HTTP (port 4318), as Envoy Gateway
+    /// relies on; grpc is taken when asked for.
     #[test]
     fn tracing_follows_their_default_protocol() {
         let tcp = [("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "r:6379"), ("USE_STATSD", "false")];
-        let with = |extra: &[(&'static str, &'static str)]| read(&[&tcp[..], extra].concat());
-        for protocol in [None, Some("http")] {
-            let mut vars = vec![("TRACING_ENABLED", "true")];
-            vars.extend(protocol.map(|p| ("TRACING_EXPORTER_PROTOCOL", p)));
-            let e = with(&vars).err().unwrap();
-            assert!(e.contains("set TRACING_EXPORTER_PROTOCOL=grpc"), "{protocol:?}: {e}");
-        }
-        let ok = with(&[("TRACING_ENABLED", "true"), ("TRACING_EXPORTER_PROTOCOL", "grpc")]).unwrap();
-        assert_eq!(ok.config["telemetry"]["otlp"]["endpoint"], "http://127.0.0.1:4317");
+        let with = |extra: &[(&'static str, &'static str)]| read(&[&tcp[..], extra].concat()).unwrap();
+        let http = with(&[("TRACING_ENABLED", "true")]);
+        assert_eq!(http.config["telemetry"]["otlp"]["protocol"], "http");
+        assert_eq!(http.config["telemetry"]["otlp"]["endpoint"], "http://127.0.0.1:4318");
+        let grpc = with(&[("TRACING_ENABLED", "true"), ("TRACING_EXPORTER_PROTOCOL", "grpc")]);
+        assert_eq!(grpc.config["telemetry"]["otlp"]["endpoint"], "http://127.0.0.1:4317");
+        let e = read(&[&tcp[..], &[("TRACING_ENABLED", "true"), ("TRACING_EXPORTER_PROTOCOL", "udp")]].concat());
+        assert!(e.err().unwrap().contains("TRACING_EXPORTER_PROTOCOL: http or grpc"));
     }
+
+    /// Every variable Envoy Gateway's generated Deployment sets (its
+    /// `internal/infrastructure/kubernetes/ratelimit/resource.go`, with Redis TLS,
+    /// Prometheus and tracing on) makes a config that loads, with each honoured where it
+    /// belongs, and the rest named in the start's log.
+    #[test]
+    fn envoy_gateways_whole_environment_loads() {
+        let c = read(ENVOY_GATEWAY).unwrap();
+        let v = &c.config;
+        assert_eq!(v["xds"]["server"], "envoy-gateway:18001");
+        assert_eq!(v["xds"]["node_id"], "envoy-ratelimit");
+        assert_eq!(v["xds"]["start_without_config"], true);
+        assert_eq!(v["xds"]["tls"]["ca_file"], "/certs/ca.crt");
+        assert_eq!(v["xds"]["tls"]["cert_file"], "/certs/tls.crt");
+        assert!(v.get("domains_from").is_none(), "xDS and files never mix");
+        assert_eq!(v["server"]["tls"]["cert_file"], "/certs/tls.crt");
+        assert_eq!(v["server"]["metrics"], "0.0.0.0:19001");
+        assert_eq!(v["limiter"]["ratelimit_metrics"], true);
+        assert_eq!(v["store"]["url"], "rediss://redis.redis.svc:6379");
+        assert_eq!(v["store"]["tls"]["cert_file"], "/redis-certs/tls.crt");
+        let otlp = &v["telemetry"]["otlp"];
+        assert_eq!((&otlp["protocol"], &otlp["service_namespace"]), (&json!("http"), &json!("envoy-gateway-system")));
+        assert_eq!(otlp["service_instance_id"], "envoy-ratelimit-7d9f-abcde");
+        let notes = c.notes.join("\n");
+        for said in
+            ["RUNTIME_IGNOREDOTFILES", "GRPC_SERVER_TLS_CA_CERT", "PROMETHEUS_MAPPER_YAML", "CONFIG_TYPE=GRPC_XDS_SOTW"]
+        {
+            assert!(notes.contains(said), "{said} not in the start's notes:\n{notes}");
+        }
+        // the Redis client certificate is read when the config loads: the Secret's files
+        let certs = std::env::temp_dir().join(format!("sluice-eg-env-{}", std::process::id()));
+        std::fs::create_dir_all(&certs).unwrap();
+        for f in ["tls.crt", "tls.key"] {
+            std::fs::write(certs.join(f), "PEM").unwrap();
+        }
+        let text = serde_norway::to_string(v).unwrap().replace("/redis-certs/", &format!("{}/", certs.display()));
+        let source = crate::config::load::Source::Text { name: "eg".into(), text };
+        let loaded = crate::config::load::load(&source).unwrap_or_else(|e| panic!("{e}"));
+        assert!(loaded.config.xds.is_some() && loaded.config.domains.is_empty());
+        std::fs::remove_dir_all(certs).unwrap();
+    }
+
+    /// Envoy Gateway's generated environment (its test data, `default.yaml` with Redis
+    /// TLS, Prometheus and tracing on).
+    pub const ENVOY_GATEWAY: &[(&str, &str)] = &[
+        ("RUNTIME_ROOT", "/data"),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+        ("RUNTIME_IGNOREDOTFILES", "true"),
+        ("RUNTIME_WATCH_ROOT", "false"),
+        ("LOG_LEVEL", "info"),
+        ("USE_STATSD", "false"),
+        ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+        ("CONFIG_GRPC_XDS_SERVER_URL", "envoy-gateway:18001"),
+        ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
+        ("GRPC_SERVER_USE_TLS", "true"),
+        ("GRPC_SERVER_TLS_CERT", "/certs/tls.crt"),
+        ("GRPC_SERVER_TLS_KEY", "/certs/tls.key"),
+        ("GRPC_SERVER_TLS_CA_CERT", "/certs/ca.crt"),
+        ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true"),
+        ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", "/certs/tls.crt"),
+        ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", "/certs/tls.key"),
+        ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", "/certs/ca.crt"),
+        ("FORCE_START_WITHOUT_INITIAL_CONFIG", "true"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", "redis.redis.svc:6379"),
+        ("REDIS_TLS", "true"),
+        ("REDIS_TLS_CLIENT_CERT", "/redis-certs/tls.crt"),
+        ("REDIS_TLS_CLIENT_KEY", "/redis-certs/tls.key"),
+        ("USE_PROMETHEUS", "true"),
+        ("PROMETHEUS_ADDR", ":19001"),
+        ("PROMETHEUS_MAPPER_YAML", "/etc/statsd-exporter/conf.yaml"),
+        ("TRACING_ENABLED", "true"),
+        ("TRACING_SERVICE_NAME", "envoy-ratelimit"),
+        ("TRACING_SERVICE_NAMESPACE", "envoy-gateway-system"),
+        ("TRACING_SERVICE_INSTANCE_ID", "envoy-ratelimit-7d9f-abcde"),
+        ("TRACING_SAMPLING_RATE", "1.0"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://trace-collector.envoy-gateway-system.svc.cluster.local:4318"),
+    ];
 
     /// A host:port in REDIS_URL with the socket type left at its default (unix, as theirs)
     /// says to set REDIS_SOCKET_TYPE=tcp (it said `redis+unix://... Missing path`).

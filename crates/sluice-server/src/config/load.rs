@@ -49,13 +49,58 @@ pub fn check(file: &Path) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// Where a config comes from: a file, or text made in memory (the config
+/// `--ratelimit-env` reads from the environment: written nowhere, as a container's root
+/// file system is often read-only).
+#[derive(Debug, Clone)]
+pub enum Source {
+    File(std::path::PathBuf),
+    Text { name: String, text: String },
+}
+
+impl Source {
+    /// How errors name it.
+    pub fn name(&self) -> String {
+        match self {
+            Source::File(path) => path.display().to_string(),
+            Source::Text { name, .. } => name.clone(),
+        }
+    }
+
+    /// The file, if it is one.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            Source::File(path) => Some(path),
+            Source::Text { .. } => None,
+        }
+    }
+
+    /// Its text now.
+    pub fn read(&self) -> Result<String, ConfigError> {
+        match self {
+            Source::File(path) => read(path),
+            Source::Text { text, .. } => Ok(text.clone()),
+        }
+    }
+
+    /// What a relative `domains_from` is relative to: the file's directory.
+    pub fn dir(&self) -> &Path {
+        self.path().and_then(Path::parent).unwrap_or(Path::new("."))
+    }
+}
+
 /// Reads and compiles a config file, and the domain files of its `domains_from`.
 pub fn load_file(path: &Path) -> Result<Loaded, ConfigError> {
-    let file = path.display().to_string();
-    let text = read(path)?;
+    load(&Source::File(path.to_path_buf()))
+}
+
+/// Reads and compiles a config, and the domain files of its `domains_from`.
+pub fn load(source: &Source) -> Result<Loaded, ConfigError> {
+    let file = source.name();
+    let text = source.read()?;
     let mut config = parse_config(&text, &file)?;
     if let Some(dir) = config.domains_from.clone() {
-        let dir = path.parent().unwrap_or(Path::new(".")).join(dir);
+        let dir = source.dir().join(dir);
         let mut places = Places::default();
         for d in &config.domains {
             places.record(d, &text, &file);
@@ -68,6 +113,31 @@ pub fn load_file(path: &Path) -> Result<Loaded, ConfigError> {
         }
     }
     compile(config, &text, &file)
+}
+
+/// The rules of `config` with `domains` in place of its own (pushed by xDS, each named
+/// by its resource), compiled and checked against its store as a file's are: the domains
+/// as one set, so a domain in two resources is refused unless `envoy.merge_domains`.
+pub fn with_domains(
+    config: &Config,
+    domains: Vec<(String, DomainConfig)>,
+) -> Result<(Vec<DomainConfig>, Rules), ConfigError> {
+    let mut places = Places::default();
+    let mut all = Vec::new();
+    for (name, domain) in domains {
+        // each alone first, so an error names the resource it is in
+        Rules::compile(&config.limiter, std::slice::from_ref(&domain)).map_err(|e| ConfigError {
+            file: name.clone(),
+            at: None,
+            message: e.to_string(),
+        })?;
+        places.add(&mut all, domain, "", &name, config.envoy.merge_domains)?;
+    }
+    let with = Config { domains: all, ..config.clone() };
+    let err = |e: String| ConfigError { file: "the pushed rules".into(), at: None, message: e };
+    let rules = with.rules().map_err(|e| err(e.to_string()))?;
+    crate::config::checks::store(&with.store, &rules).map_err(|e| err(e.message))?;
+    Ok((with.domains, rules))
 }
 
 /// Where each domain read so far, and each of its top-level rules, was defined
@@ -170,7 +240,12 @@ pub fn domain_file(text: &str, file: &str) -> Result<DomainConfig, ConfigError> 
 /// domain is refused: it would answer every request "unknown domain", and it is what an
 /// editor that truncates a file before writing it leaves for a moment.
 fn compile(config: Config, text: &str, file: &str) -> Result<Loaded, ConfigError> {
-    if config.domains.is_empty() {
+    if config.xds.is_some() && (!config.domains.is_empty() || config.domains_from.is_some()) {
+        let message = "`xds` and `domains`/`domains_from` are both set: with `xds` the rules are the management \
+                       server's alone, and a config never mixes them; remove one";
+        return Err(ConfigError { file: file.to_string(), at: locate(text, &["xds".into()]), message: message.into() });
+    }
+    if config.domains.is_empty() && config.xds.is_none() {
         let message = match config.domains_from {
             Some(_) => "no domain: the domains_from directory holds no *.yaml or *.yml file, and `domains:` is empty",
             None => "no domain: add a `domains:` list (or `domains_from:` a directory of domain files)",
@@ -384,6 +459,19 @@ mod tests {
             let e = load_str(text, "c.yaml").err().unwrap_or_else(|| panic!("{text:?} was accepted"));
             assert!(e.to_string().starts_with("c.yaml: no domain"), "{text:?}: {e}");
         }
+    }
+
+    /// With `xds` the rules are the management server's: no domain is needed, and
+    /// domains beside it are refused, never mixed in.
+    #[test]
+    fn xds_and_domains_never_mix() {
+        let xds = "xds: {server: 127.0.0.1:18000}\n";
+        assert!(load_str(xds, "c.yaml").unwrap().rules.domain_names().is_empty());
+        let both = format!("{xds}domains:\n  - domain: d\n");
+        let e = load_str(&both, "c.yaml").err().unwrap();
+        assert!(e.to_string().starts_with("c.yaml:1:1: `xds` and `domains`"), "{e}");
+        let e = load_str(&format!("{xds}domains_from: rules\n"), "c.yaml").err().unwrap();
+        assert!(e.message.contains("never mixes"), "{e}");
     }
 
     #[test]

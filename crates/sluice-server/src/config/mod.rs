@@ -35,6 +35,75 @@ pub struct Config {
     pub telemetry: crate::otel::TelemetryConfig,
     #[serde(default)]
     pub envoy: EnvoyConfig,
+    /// The rules come from an xDS management server instead of `domains`.
+    #[serde(default)]
+    pub xds: Option<XdsConfig>,
+}
+
+/// `xds`: the rules are pushed by an xDS management server (Envoy Gateway's, or any
+/// that serves envoyproxy/ratelimit's `RateLimitConfig` resources over ADS, state of the
+/// world), not read from `domains` or `domains_from`, which must then be absent: the two
+/// never mix. See `xds/mod.rs` and docs/envoy.md, "With xDS".
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct XdsConfig {
+    /// The management server: `host:port` (a DNS name is resolved at every connect).
+    pub server: String,
+    /// The node id this instance subscribes as (Envoy Gateway serves `envoy-ratelimit`).
+    #[serde(default = "default_node_id")]
+    pub node_id: String,
+    /// The node's metadata, string values.
+    #[serde(default)]
+    pub node_metadata: std::collections::BTreeMap<String, String>,
+    /// gRPC metadata sent with the stream (an authorization header, say).
+    #[serde(default)]
+    pub headers: std::collections::BTreeMap<String, String>,
+    /// The first wait before reconnecting a lost stream; it doubles at each failure up
+    /// to `max_retry`, with jitter, and starts again once a stream delivers.
+    #[serde(default = "default_xds_retry")]
+    pub retry: Duration,
+    #[serde(default = "default_xds_max_retry")]
+    pub max_retry: Duration,
+    /// Largest response accepted, in bytes (gRPC's default, 4 MiB).
+    #[serde(default = "default_xds_max_message")]
+    pub max_message_bytes: usize,
+    /// Serve before the first push (answering every decision `UNAVAILABLE`, which
+    /// Envoy's filter takes as allowed unless `failure_mode_deny`), ready at once. Off:
+    /// readiness (`/readyz`, `/healthcheck`) waits for the first push.
+    #[serde(default)]
+    pub start_without_config: bool,
+    /// TLS to the management server; plain TCP without it.
+    #[serde(default)]
+    pub tls: Option<XdsTls>,
+}
+
+/// `xds.tls`: PEM files.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct XdsTls {
+    /// The CA that signed the server's certificate; without it, the system's roots.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// This client's certificate and key, for a server that verifies clients.
+    pub cert_file: Option<std::path::PathBuf>,
+    pub key_file: Option<std::path::PathBuf>,
+    /// The name the server's certificate must carry (default: the host of `server`).
+    pub server_name: Option<String>,
+}
+
+fn default_node_id() -> String {
+    "default".into()
+}
+
+fn default_xds_retry() -> Duration {
+    Duration(1_000)
+}
+
+fn default_xds_max_retry() -> Duration {
+    Duration(30_000)
+}
+
+fn default_xds_max_message() -> usize {
+    4 << 20
 }
 
 /// `envoy`: envoyproxy/ratelimit's settings that have no other home here.
@@ -99,6 +168,10 @@ pub struct ServerConfig {
     pub grpc_threads: Option<usize>,
     /// Envoy's Rate Limit Quota Service streams' bounds.
     pub rlqs: RlqsBounds,
+    /// A listener of its own for `GET /metrics` alone (envoyproxy/ratelimit's
+    /// `PROMETHEUS_ADDR`), besides `/metrics` on `http`. Plain HTTP, with the HTTP
+    /// listener's bounds.
+    pub metrics: Option<SocketAddr>,
 }
 
 /// `server.rlqs`: how much RLQS streams may hold on this instance (`grpc/rlqs.rs`). A stream
@@ -153,6 +226,7 @@ impl Default for ServerConfig {
             ui: false,
             grpc_threads: None,
             rlqs: RlqsBounds::default(),
+            metrics: None,
         }
     }
 }

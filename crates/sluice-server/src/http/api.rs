@@ -22,7 +22,11 @@ async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Resu
     let parsed: RequestJson = serde_json::from_slice(&bytes).map_err(|e| {
         error(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not a valid rate limit request: {e}"))
     })?;
-    parsed.into_request().map_err(|e| error(StatusCode::BAD_REQUEST, "bad_limit", e))
+    let req = parsed.into_request().map_err(|e| error(StatusCode::BAD_REQUEST, "bad_limit", e))?;
+    match state.xds.as_ref().and_then(|x| x.waiting()) {
+        Some(why) => Err(error(StatusCode::SERVICE_UNAVAILABLE, "no_rules_yet", why)),
+        None => Ok(req),
+    }
 }
 
 /// Reads a request body of at most `server.max_body_bytes` within `server.body_timeout`;

@@ -6,7 +6,8 @@
 //!   decision, see `rls.rs`), as a `RateLimitResponse` in that mapping: 200 when allowed,
 //!   429 over a limit, 400 for a request that is not one (503 when a fail-closed limit's
 //!   store failed, where theirs has no answer).
-//! - `GET /healthcheck`: `OK` with 200 while the store takes calls, 500 otherwise.
+//! - `GET /healthcheck`: `OK` with 200 while the store takes calls, 500 otherwise (and,
+//!   with `xds`, 500 until the first push unless `xds.start_without_config`).
 
 use super::api::read_body;
 use super::error::error;
@@ -53,6 +54,9 @@ pub async fn json(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
 
 /// `GET /healthcheck`.
 pub async fn healthcheck(State(state): State<Arc<AppState>>) -> Response {
+    if let Some(why) = state.xds.as_ref().and_then(|x| x.unready()) {
+        return (StatusCode::INTERNAL_SERVER_ERROR, format!("{why}\n")).into_response();
+    }
     match state.engine.load_full().limiter.store().ready().await {
         true => (StatusCode::OK, "OK").into_response(),
         false => (StatusCode::INTERNAL_SERVER_ERROR, "the rate limit store is not ready\n").into_response(),

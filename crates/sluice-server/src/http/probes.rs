@@ -29,10 +29,13 @@ pub(crate) async fn metrics(State(state): Shared) -> Response {
 }
 
 /// `GET /readyz`: 200 when the store takes calls and the stored overrides have been
-/// read (until then this instance would decide without them).
+/// read (until then this instance would decide without them), and with `xds`, once the
+/// first rules were pushed (unless `xds.start_without_config`).
 pub(crate) async fn ready(State(state): Shared) -> Response {
     let limiter = &state.engine.load_full().limiter;
-    if !limiter.store().ready().await {
+    if let Some(why) = state.xds.as_ref().and_then(|x| x.unready()) {
+        (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response()
+    } else if !limiter.store().ready().await {
         (StatusCode::SERVICE_UNAVAILABLE, "store not ready\n").into_response()
     } else if !limiter.overrides().loaded() {
         (StatusCode::SERVICE_UNAVAILABLE, "stored overrides not loaded yet\n").into_response()

@@ -4,6 +4,7 @@
 pub mod build;
 pub mod history;
 pub mod rlqs;
+pub mod xds;
 
 use arc_swap::{ArcSwap, ArcSwapOption};
 use sluice::Limiter;
@@ -45,6 +46,8 @@ pub struct AppState {
     pub ui: Option<Arc<history::History>>,
     /// The Envoy RLQS streams open here.
     pub rlqs: rlqs::Streams,
+    /// With `xds:`, the rules pushed and whether any were (set at start).
+    pub xds: Option<Arc<xds::XdsState>>,
 }
 
 /// What `/metrics` renders: the recorder's metrics and the standard process metrics
@@ -95,6 +98,7 @@ impl AppState {
             tracer: None,
             ui: None,
             rlqs: rlqs::Streams::new(server.rlqs, server.header_timeout.to_std()),
+            xds: None,
         }
     }
 

@@ -92,6 +92,23 @@ static_resources:
     )
 }
 
+/// Envoy's rate limit filter for `domain`, calling the `sluice` cluster (an item of
+/// `http_filters`, for [`bootstrap`]).
+pub fn ratelimit_filter(domain: &str) -> String {
+    format!(
+        r#"          - name: envoy.filters.http.ratelimit
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+              domain: {domain}
+              failure_mode_deny: false
+              timeout: 1s
+              rate_limit_service:
+                transport_api_version: V3
+                grpc_service: {{envoy_grpc: {{cluster_name: sluice}}}}
+"#
+    )
+}
+
 /// A cluster of gRPC servers (HTTP/2) on loopback `ports`; `tls` is its
 /// `transport_socket` (empty: plain TCP).
 pub fn grpc_cluster(name: &str, ports: &[u16], tls: &str) -> String {

@@ -3,7 +3,7 @@
 
 pub mod reload;
 
-use crate::config::load::{ConfigError, DEFAULT_CONFIG, Loaded, load_file, load_str};
+use crate::config::load::{ConfigError, DEFAULT_CONFIG, Loaded, Source, load, load_str};
 use crate::config::{Config, StoreConfig};
 use crate::http::listen::Bounds;
 use crate::http::router;
@@ -33,7 +33,8 @@ pub struct Args {
     #[arg(long, value_name = "ADDR")]
     pub grpc: Option<SocketAddr>,
     /// Once both listeners are bound, write their addresses to this file
-    /// (`http=ADDR` and `grpc=ADDR` lines, written whole): with port 0 in the config, how
+    /// (`http=ADDR` and `grpc=ADDR` lines, and `metrics=ADDR` with `server.metrics`,
+    /// written whole): with port 0 in the config, how
     /// a supervisor or a test learns the ports the system chose.
     #[arg(long, value_name = "FILE")]
     pub ready_file: Option<PathBuf>,
@@ -73,48 +74,50 @@ pub enum ServeError {
 }
 
 /// Runs the service.
-pub async fn serve(mut args: Args) -> Result<(), ServeError> {
-    let without_effect = config_from_env(&mut args)?;
+pub async fn serve(args: Args) -> Result<(), ServeError> {
+    let (source, without_effect) = source(&args)?;
     // first: rules register their counters when they are compiled
     let metrics = install_metrics()?;
-    let Loaded { config, rules } = match &args.config {
-        Some(path) => load_file(path)?,
+    let Loaded { config, rules } = match &source {
+        Some(source) => load(source)?,
         None => load_str(DEFAULT_CONFIG, "<built-in config>")?,
     };
     crate::logs::init(args.log_level, &config.log).map_err(ServeError::Log)?;
     crate::config::env::note(&without_effect);
-    // what the reload watcher compares against: the bytes that gave this config
-    // (taken before the TLS files are read, so a change from here on is seen)
-    let loaded_bytes = args.config.as_deref().and_then(|path| reload::watched(path, &config).ok()).unwrap_or_default();
+    // the bytes that gave this config, for the reload watcher (read before the TLS files)
+    let loaded_bytes = source.as_ref().and_then(|s| reload::watched(s, &config).ok()).unwrap_or_default();
     warn_if_default_secret(&config);
     let tls = config.server.tls.as_ref().map(crate::tls::Tls::load).transpose()?.map(Arc::new);
     let state = Arc::new(state_of(&config, rules, metrics, tls.clone()).await?);
     crate::state::history::start_sampling(&state);
-    let tracer = state.tracer.clone();
     let addr = args.http.unwrap_or(config.server.http);
     let listener = listen(addr)?;
     let grpc_listener = listen(args.grpc.unwrap_or(config.server.grpc))?;
+    let metrics_listener = config.server.metrics.map(listen).transpose()?;
     // the addresses bound (a port 0 in the config is the system's choice)
     let (addr, grpc_addr) = (bound(&listener)?, bound(&grpc_listener)?);
-    if !(addr.ip().is_loopback() && grpc_addr.ip().is_loopback()) && config.server.api_tokens.is_empty() {
-        tracing::warn!(
-            "a listener is not on loopback and server.api_tokens is empty: anyone who reaches it can spend or refund any client's quota"
-        );
-    }
+    warn_if_open(&config, addr, grpc_addr);
     if let Some(file) = &args.ready_file {
-        ready_file(file, addr, grpc_addr)?;
+        let metrics = metrics_listener.as_ref().map(bound).transpose()?;
+        ready_file(file, addr, grpc_addr, metrics)?;
     }
     let (stopping, stop) = tokio::sync::watch::channel(false);
     let grpc = crate::grpc::serve(grpc_listener, state.clone(), &config.server, stop).map_err(ServeError::Io)?;
     tracing::info!(http = %addr, grpc = %grpc_addr, store = state.engine.load().limiter.store().kind(), "sluice is serving");
     let server = config.server.clone();
-    reload::watch(args.config.clone(), config, loaded_bytes, state.clone());
+    if let Some(xds) = &config.xds {
+        crate::xds::start(xds.clone(), state.clone());
+    }
+    reload::watch(source, config, loaded_bytes, state.clone());
     room_for_connections(server.max_connections);
     let bounds = Bounds {
         header_timeout: server.header_timeout.to_std(),
         max_connections: server.max_connections,
         shutdown_grace: server.shutdown_grace.to_std(),
     };
+    if let Some(listener) = metrics_listener {
+        serve_metrics(listener, &state, bounds, stopping.subscribe());
+    }
     let dropped = crate::http::listen::serve(listener, router(state.clone()), bounds, tls, async {
         shutdown().await;
         let _ = stopping.send(true);
@@ -124,7 +127,7 @@ pub async fn serve(mut args: Args) -> Result<(), ServeError> {
     // gRPC stops on the same signal, within the same grace
     let grpc_dropped = tokio::time::timeout(bounds.shutdown_grace, grpc).await.is_err();
     return_grants(&state.engine.load().limiter, bounds.shutdown_grace).await;
-    if let Some(tracer) = tracer {
+    if let Some(tracer) = &state.tracer {
         // the last spans, sent within the same grace
         tracer.flush(bounds.shutdown_grace).await;
     }
@@ -132,15 +135,37 @@ pub async fn serve(mut args: Args) -> Result<(), ServeError> {
     Ok(())
 }
 
-/// With `--ratelimit-env`, the config file is the one their variables describe; returns
-/// the variables without effect here.
-fn config_from_env(args: &mut Args) -> Result<Vec<&'static str>, ServeError> {
-    if !args.ratelimit_env {
-        return Ok(Vec::new());
+/// Warns when a listener is reachable beyond this host and nothing guards the data plane.
+fn warn_if_open(config: &Config, http: SocketAddr, grpc: SocketAddr) {
+    if !(http.ip().is_loopback() && grpc.ip().is_loopback()) && config.server.api_tokens.is_empty() {
+        tracing::warn!(
+            "a listener is not on loopback and server.api_tokens is empty: anyone who reaches it can spend or refund any client's quota"
+        );
     }
-    let (path, without_effect) = crate::config::env::write().map_err(ServeError::Env)?;
-    args.config = Some(path);
-    Ok(without_effect)
+}
+
+/// Serves `server.metrics` (scrapes alone) until `stopping` turns true.
+fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    state: &Arc<AppState>,
+    bounds: Bounds,
+    mut stopping: tokio::sync::watch::Receiver<bool>,
+) {
+    let stop = async move {
+        let _ = stopping.wait_for(|s| *s).await;
+    };
+    let router = crate::http::metrics_router(state.clone());
+    tokio::spawn(crate::http::listen::serve(listener, router, bounds, None, stop));
+}
+
+/// Where the config comes from: `--config`, the environment (`--ratelimit-env`: the
+/// config their variables describe, with the notes to log), or none (the built-in one).
+fn source(args: &Args) -> Result<(Option<Source>, Vec<String>), ServeError> {
+    if args.ratelimit_env {
+        let (source, notes) = crate::config::env::source().map_err(ServeError::Env)?;
+        return Ok((Some(source), notes));
+    }
+    Ok((args.config.clone().map(Source::File), Vec::new()))
 }
 
 /// The engine `config` describes, with its tracer; refused when the store answers but
@@ -153,6 +178,7 @@ async fn state_of(
 ) -> Result<AppState, ServeError> {
     let mut state = AppState::new(build(config, rules)?, &config.server, Some(metrics), tls);
     state.ui = config.server.ui.then(Default::default);
+    state.xds = crate::state::xds::XdsState::new(config).map(Arc::new);
     state.tracer =
         config.telemetry.otlp.as_ref().map(crate::otel::Tracer::start).transpose().map_err(ServeError::Telemetry)?;
     state.engine.load().limiter.store().preflight().await.map_err(|e| match e {
@@ -186,9 +212,15 @@ fn bound(listener: &tokio::net::TcpListener) -> Result<SocketAddr, ServeError> {
 }
 
 /// Writes the bound addresses to `file`, whole: a reader never sees half of it.
-fn ready_file(file: &std::path::Path, http: SocketAddr, grpc: SocketAddr) -> Result<(), ServeError> {
+fn ready_file(
+    file: &std::path::Path,
+    http: SocketAddr,
+    grpc: SocketAddr,
+    metrics: Option<SocketAddr>,
+) -> Result<(), ServeError> {
     let tmp = file.with_extension("tmp");
-    std::fs::write(&tmp, format!("http={http}\ngrpc={grpc}\n")).map_err(ServeError::Io)?;
+    let metrics = metrics.map(|m| format!("metrics={m}\n")).unwrap_or_default();
+    std::fs::write(&tmp, format!("http={http}\ngrpc={grpc}\n{metrics}")).map_err(ServeError::Io)?;
     std::fs::rename(&tmp, file).map_err(ServeError::Io)
 }
 
@@ -244,6 +276,7 @@ fn install_metrics() -> Result<Metrics, ServeError> {
     sluice::describe_metrics();
     crate::grpc::rlqs::names::describe();
     crate::otel::describe_metrics();
+    crate::xds::describe_metrics();
     Ok(Metrics { recorder: handle, process, turn: Default::default() })
 }
 

@@ -29,7 +29,7 @@
 //! A file that does not validate, or whose rules the store cannot run, is refused whole:
 //! the last good config stays, and the error is logged (with file:line:col) and counted.
 
-use crate::config::load::{ConfigError, Loaded, domain_files, load_file};
+use crate::config::load::{ConfigError, Loaded, Source, domain_files, load};
 use crate::config::{Config, StoreConfig};
 use crate::state::AppState;
 use crate::state::build::{self, BuildError};
@@ -66,12 +66,12 @@ pub const NEW_STORE_DEADLINE: Duration = Duration::from_secs(3);
 /// truncates a file and then writes it, or a copy in progress, is read once it is whole.
 const SETTLE: Duration = Duration::from_millis(250);
 
-/// Watches `path` (already loaded as `config` from `bytes`, as [`watched`] read them)
-/// until the process ends, and reloads it when it changes, when one of its `server.tls`
-/// files changes (a rotated certificate), or when the process gets SIGHUP (as nginx,
-/// Prometheus and HAProxy do). Without a path (the built-in config) SIGHUP is logged
-/// and ignored.
-pub fn watch(path: Option<PathBuf>, mut config: Config, mut bytes: Vec<u8>, state: Arc<AppState>) {
+/// Watches `source` (already loaded as `config` from `bytes`, as [`watched`] read them)
+/// until the process ends, and reloads it when it changes, when one of its domain files
+/// or `server.tls` files changes (a rotated certificate), or when the process gets
+/// SIGHUP (as nginx, Prometheus and HAProxy do). Without a source (the built-in config)
+/// SIGHUP is logged and ignored.
+pub fn watch(source: Option<Source>, mut config: Config, mut bytes: Vec<u8>, state: Arc<AppState>) {
     let ok = metrics::counter!(names::CONFIG_RELOADS, "result" => "ok");
     let failed = metrics::counter!(names::CONFIG_RELOADS, "result" => "failed");
     let mut hangups = hangups();
@@ -85,20 +85,20 @@ pub fn watch(path: Option<PathBuf>, mut config: Config, mut bytes: Vec<u8>, stat
                 _ = tick.tick() => false,
                 Some(()) = hangups.recv() => true,
             };
-            let Some(path) = &path else {
+            let Some(source) = &source else {
                 if hangup {
                     tracing::info!("SIGHUP: no config file to reload (serving the built-in config)");
                 }
                 continue;
             };
-            let now = Stamp::of(path, &config);
+            let now = Stamp::of(source, &config);
             if hangup {
-                tracing::info!(file = %path.display(), "SIGHUP: reloading the config");
-            } else if now == seen || !settled(|| Stamp::of(path, &config), &now).await {
+                tracing::info!(file = %source.name(), "SIGHUP: reloading the config");
+            } else if now == seen || !settled(|| Stamp::of(source, &config), &now).await {
                 continue;
             }
             seen = now;
-            match watched(path, &config) {
+            match watched(source, &config) {
                 Ok(now) if now == bytes && !hangup => continue,
                 Ok(now) => bytes = now,
                 Err(e) => {
@@ -107,7 +107,7 @@ pub fn watch(path: Option<PathBuf>, mut config: Config, mut bytes: Vec<u8>, stat
                     continue;
                 }
             }
-            match reload(path, &config, &state).await {
+            match reload(source, &config, &state).await {
                 Ok(next) => {
                     config = next;
                     ok.increment(1);
@@ -133,7 +133,7 @@ async fn settled(look: impl Fn() -> Stamp, seen: &Stamp) -> bool {
 struct Stamp(Vec<(PathBuf, Result<[i64; 7], std::io::ErrorKind>)>);
 
 impl Stamp {
-    fn of(path: &Path, config: &Config) -> Self {
+    fn of(source: &Source, config: &Config) -> Self {
         use std::os::unix::fs::MetadataExt;
         let look = |p: PathBuf| {
             let m = std::fs::metadata(&p)
@@ -151,8 +151,8 @@ impl Stamp {
                 .map_err(|e| e.kind());
             (p, m)
         };
-        let mut files = vec![look(path.to_path_buf())];
-        if let Some(dir) = domains_dir(path, config) {
+        let mut files: Vec<_> = source.path().map(|p| look(p.to_path_buf())).into_iter().collect();
+        if let Some(dir) = domains_dir(source, config) {
             // the directory's own times move when a file is added, removed or renamed
             files.push(look(dir.clone()));
             files.extend(domain_files(&dir).into_iter().flatten().map(look));
@@ -162,9 +162,9 @@ impl Stamp {
     }
 }
 
-/// The `domains_from` directory of `config` (loaded from `path`).
-fn domains_dir(path: &Path, config: &Config) -> Option<PathBuf> {
-    config.domains_from.as_ref().map(|dir| path.parent().unwrap_or(Path::new(".")).join(dir))
+/// The `domains_from` directory of `config` (loaded from `source`).
+fn domains_dir(source: &Source, config: &Config) -> Option<PathBuf> {
+    config.domains_from.as_ref().map(|dir| source.dir().join(dir))
 }
 
 /// The `server.tls` files of `config`.
@@ -174,15 +174,18 @@ fn tls_files(config: &Config) -> impl Iterator<Item = &PathBuf> {
     files.into_iter().flatten().flatten()
 }
 
-/// What the watcher compares once the files moved: the config file's bytes, the names
-/// and bytes of the domain files of `config`'s `domains_from`, then the bytes of its
+/// What the watcher compares once the files moved: the config's bytes, the names and
+/// bytes of the domain files of `config`'s `domains_from`, then the bytes of its
 /// `server.tls` files (those that can be read: a reload says why one cannot), so that a
 /// certificate rotated on disk counts as a change. An error names the config file or
 /// domain file that cannot be read, and why.
-pub fn watched(path: &Path, config: &Config) -> Result<Vec<u8>, String> {
+pub fn watched(source: &Source, config: &Config) -> Result<Vec<u8>, String> {
     let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: cannot read it: {e}", p.display()));
-    let mut bytes = read(path)?;
-    if let Some(dir) = domains_dir(path, config) {
+    let mut bytes = match source {
+        Source::File(path) => read(path)?,
+        Source::Text { text, .. } => text.clone().into_bytes(),
+    };
+    if let Some(dir) = domains_dir(source, config) {
         for f in domain_files(&dir).map_err(|e| e.to_string())? {
             bytes.extend(f.display().to_string().bytes());
             bytes.extend(read(&f)?);
@@ -213,10 +216,18 @@ fn hangups() -> tokio::sync::mpsc::Receiver<()> {
     rx
 }
 
-/// Loads `path` and puts every section in force, or none. Returns the config now in
-/// force.
-async fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Config, ReloadError> {
-    let Loaded { config, rules } = load_file(path)?;
+/// Loads `source` and puts every section in force, or none. Returns the config now in
+/// force. With `xds`, the rules stay the ones pushed (see `state/xds.rs`).
+async fn reload(source: &Source, current: &Config, state: &AppState) -> Result<Config, ReloadError> {
+    let Loaded { mut config, mut rules } = load(source)?;
+    let mut pushed = match &state.xds {
+        Some(xds) => Some(xds.turn.lock().await),
+        None => None,
+    };
+    if let Some(p) = &pushed {
+        config.domains = p.config.domains.clone();
+        rules = config.rules().map_err(|e| ConfigError { file: source.name(), at: None, message: e.to_string() })?;
+    }
     let mut applied = vec!["rules (domains, headers)"];
     // read now, put in force last: a reload is applied whole or not at all
     let tls = match (&state.tls, &config.server.tls) {
@@ -251,6 +262,24 @@ async fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Confi
     if config.limiter != current.limiter {
         applied.push("limiter");
     }
+    warn_dropped(current, &config);
+    if let Some((tls, read)) = tls {
+        tls.install(read);
+        applied.push("server.tls (files read again)");
+    }
+    if crate::logs::reconfigure(&current.log, &config.log) {
+        applied.push("log.level");
+    }
+    warn_restart(&config, current);
+    tracing::info!(file = %source.name(), applied = %applied.join(", "), "config reloaded");
+    if let Some(p) = &mut pushed {
+        p.config = config.clone();
+    }
+    Ok(config)
+}
+
+/// Warns of the domains `current` had that `config` has not.
+fn warn_dropped(current: &Config, config: &Config) {
     let dropped: Vec<&str> = current
         .domains
         .iter()
@@ -260,19 +289,14 @@ async fn reload(path: &Path, current: &Config, state: &AppState) -> Result<Confi
     if !dropped.is_empty() {
         tracing::warn!(domains = %dropped.join(", "), "config reload: these domains are gone; their requests now get 400 unknown domain");
     }
-    if let Some((tls, read)) = tls {
-        tls.install(read);
-        applied.push("server.tls (files read again)");
-    }
-    if crate::logs::reconfigure(&current.log, &config.log) {
-        applied.push("log.level");
-    }
-    let restart = needs_restart(&config, current);
+}
+
+/// Warns of the settings changed that only a restart puts in force.
+fn warn_restart(config: &Config, current: &Config) {
+    let restart = needs_restart(config, current);
     if !restart.is_empty() {
         tracing::warn!(keys = %restart.join(", "), "config reload: these settings need a restart to take effect");
     }
-    tracing::info!(file = %path.display(), applied = %applied.join(", "), "config reloaded");
-    Ok(config)
 }
 
 /// Whether a new store answers within [`NEW_STORE_DEADLINE`] and can run the decisions
@@ -308,6 +332,8 @@ fn needs_restart(new_config: &Config, old_config: &Config) -> Vec<&'static str> 
         ("server.rlqs", new.rlqs != old.rlqs),
         ("server.shutdown_grace", new.shutdown_grace != old.shutdown_grace),
         ("server.tls (on or off)", new.tls.is_some() != old.tls.is_some()),
+        ("server.metrics", new.metrics != old.metrics),
+        ("xds", new_config.xds != old_config.xds),
     ] {
         if changed {
             keys.push(key);

@@ -1,0 +1,204 @@
+//! The xDS client of the rules (`xds:` in the config; envoyproxy/ratelimit's
+//! `CONFIG_TYPE=GRPC_XDS_SOTW`): one Aggregated Discovery Service stream to the
+//! management server, state of the world, subscribed to every `RateLimitConfig`
+//! resource for this node, as Envoy Gateway serves them.
+//!
+//! The protocol, as Envoy follows it: the first request names the node (and the version
+//! held, after a reconnect); each response is the whole set of resources. A set that
+//! reads and compiles is put in force for the next decision and ACKed (a request with
+//! the response's version and nonce). One that does not is NACKed (the version in force
+//! and the response's nonce, with an `error_detail` naming the resource and the problem)
+//! and the rules in force stay. A lost stream is opened again after a wait that starts
+//! at `xds.retry`, doubles up to `xds.max_retry`, is jittered, and starts over once a
+//! stream delivered; the rules in force stay meanwhile.
+//!
+//! Before the first push there are no rules: decisions are answered `UNAVAILABLE`
+//! (service.rs), and the instance is not ready unless `xds.start_without_config`.
+
+pub mod proto;
+
+use crate::config::XdsConfig;
+use crate::config::load::with_domains;
+use crate::state::AppState;
+use crate::state::build;
+use envoy_types::pb::envoy::config::core::v3::Node;
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::google::protobuf::{Struct, Value as PbValue, value::Kind};
+use envoy_types::pb::google::rpc::Status as RpcStatus;
+use prost::Message;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Pushes answered, by result: `ok` (in force, ACKed) or `refused` (NACKed).
+pub const PUSHES: &str = "sluice_xds_pushes_total";
+
+/// Describes the client's metrics.
+pub fn describe_metrics() {
+    metrics::describe_counter!(PUSHES, "xDS pushes of rules, by result: ok (in force, ACKed) or refused (NACKed).");
+}
+
+/// How long connecting to the management server may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs the client until the process ends.
+pub fn start(config: XdsConfig, state: Arc<AppState>) {
+    tokio::spawn(async move {
+        let pushes = metrics::counter!(PUSHES, "result" => "ok");
+        let refused = metrics::counter!(PUSHES, "result" => "refused");
+        let mut wait = config.retry.to_std();
+        let mut version = String::new();
+        loop {
+            let mut delivered = false;
+            let ended = session(&config, &state, &mut version, &mut |ok| {
+                delivered = true;
+                if ok { pushes.increment(1) } else { refused.increment(1) }
+            })
+            .await;
+            if delivered {
+                wait = config.retry.to_std();
+            }
+            let error = ended.err().unwrap_or_else(|| "the server ended the stream".into());
+            tracing::warn!(server = %config.server, %error, retry_in = ?wait, "xDS stream lost; the rules in force stay");
+            tokio::time::sleep(jittered(wait)).await;
+            wait = (wait * 2).min(config.max_retry.to_std());
+        }
+    });
+}
+
+/// `wait`, between half and the whole of it, so a fleet does not reconnect at once.
+fn jittered(wait: Duration) -> Duration {
+    let mut b = [0u8; 2];
+    let _ = getrandom::fill(&mut b);
+    wait.mul_f64(0.5 + f64::from(u16::from_le_bytes(b)) / f64::from(u16::MAX) / 2.0)
+}
+
+/// One stream: connects, subscribes, and answers every response until the stream ends.
+/// `version` is the version in force, kept across streams; `answered` hears each push,
+/// put in force or refused.
+async fn session(
+    config: &XdsConfig,
+    state: &AppState,
+    version: &mut String,
+    answered: &mut (dyn FnMut(bool) + Send),
+) -> Result<(), String> {
+    let channel = channel(config).await?;
+    let mut client = AggregatedDiscoveryServiceClient::new(channel).max_decoding_message_size(config.max_message_bytes);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<DiscoveryRequest>(4);
+    let first = DiscoveryRequest {
+        version_info: version.clone(),
+        node: Some(node(config)),
+        type_url: proto::TYPE_URL.into(),
+        ..Default::default()
+    };
+    tx.send(first).await.map_err(|e| e.to_string())?;
+    let outgoing = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
+    let mut request = tonic::Request::new(outgoing);
+    for (k, v) in &config.headers {
+        let key = tonic::metadata::MetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes());
+        let value = tonic::metadata::MetadataValue::try_from(v.as_str());
+        match (key, value) {
+            (Ok(key), Ok(value)) => request.metadata_mut().insert(key, value),
+            _ => return Err(format!("xds.headers: `{k}: {v}` is not a valid gRPC metadata entry")),
+        };
+    }
+    let mut responses = client.stream_aggregated_resources(request).await.map_err(status)?.into_inner();
+    tracing::info!(server = %config.server, node = %config.node_id, "xDS stream open");
+    while let Some(response) = responses.message().await.map_err(status)? {
+        let answer = match apply(state, &response).await {
+            Ok(()) => {
+                *version = response.version_info.clone();
+                answered(true);
+                None
+            }
+            Err(e) => {
+                tracing::error!(version = %response.version_info, error = %e, "xDS push refused (NACK); the rules in force stay");
+                answered(false);
+                Some(RpcStatus { code: tonic::Code::InvalidArgument as i32, message: e, details: vec![] })
+            }
+        };
+        let ack = DiscoveryRequest {
+            version_info: version.clone(),
+            response_nonce: response.nonce,
+            type_url: proto::TYPE_URL.into(),
+            error_detail: answer,
+            ..Default::default()
+        };
+        tx.send(ack).await.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+fn status(s: tonic::Status) -> String {
+    format!("{:?}: {}", s.code(), s.message())
+}
+
+/// This instance as a node: its id and metadata.
+fn node(config: &XdsConfig) -> Node {
+    let string = |v: &String| PbValue { kind: Some(Kind::StringValue(v.clone())) };
+    let fields = config.node_metadata.iter().map(|(k, v)| (k.clone(), string(v))).collect();
+    Node { id: config.node_id.clone(), metadata: Some(Struct { fields }), ..Default::default() }
+}
+
+/// Reads a response's resources and puts their rules in force, or says why not.
+async fn apply(state: &AppState, response: &DiscoveryResponse) -> Result<(), String> {
+    if response.type_url != proto::TYPE_URL {
+        return Err(format!(
+            "type_url {} is not {}: the only type this client asks for",
+            response.type_url,
+            proto::TYPE_URL
+        ));
+    }
+    let mut domains = Vec::with_capacity(response.resources.len());
+    for (i, any) in response.resources.iter().enumerate() {
+        if any.type_url != proto::TYPE_URL {
+            return Err(format!("resource {i}: type_url {} is not {}", any.type_url, proto::TYPE_URL));
+        }
+        let c = proto::RateLimitConfig::decode(any.value.as_slice()).map_err(|e| format!("resource {i}: {e}"))?;
+        let name = if c.name.is_empty() { format!("resource {i}") } else { format!("RateLimitConfig '{}'", c.name) };
+        let domain = c.domain().map_err(|e| format!("{name} (domain '{}'): {e}", c.domain))?;
+        domains.push((name, domain));
+    }
+    let Some(xds) = &state.xds else { return Err("xDS is not configured".into()) };
+    let mut pushed = xds.turn.lock().await;
+    let (domains, rules) = with_domains(&pushed.config, domains).map_err(|e| e.to_string())?;
+    let names: Vec<String> = domains.iter().map(|d| d.domain.0.clone()).collect();
+    let mut config = pushed.config.clone();
+    config.domains = domains;
+    let current = state.engine.load();
+    let store = current.limiter.store().clone();
+    let next = build::engine(&config, rules, store, build::clock(&config.limiter), Some(&current.limiter));
+    state.engine.store(Arc::new(next));
+    pushed.config = config;
+    pushed.version = response.version_info.clone();
+    xds.set_loaded();
+    if names.is_empty() {
+        tracing::warn!(version = %response.version_info, "xDS push in force: no domain (every request is for an unknown domain)");
+    } else {
+        tracing::info!(version = %response.version_info, domains = %names.join(", "), "xDS push in force");
+    }
+    Ok(())
+}
+
+/// A channel to the management server, over TLS when `xds.tls` is set.
+async fn channel(config: &XdsConfig) -> Result<tonic::transport::Channel, String> {
+    // http even under TLS: the connector below speaks TLS, tonic sees a stream
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", config.server))
+        .map_err(|e| format!("xds.server {}: {e}", config.server))?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_timeout(Duration::from_secs(10));
+    let connected = match &config.tls {
+        None => endpoint.connect().await,
+        Some(tls) => {
+            let host = config.server.rsplit_once(':').map_or(config.server.as_str(), |(h, _)| h);
+            let name = tls
+                .server_name
+                .clone()
+                .unwrap_or_else(|| host.trim_start_matches('[').trim_end_matches(']').to_string());
+            let connector = crate::tls::client_connector(tls, &name).map_err(|e| format!("xds.tls: {e}"))?;
+            endpoint.connect_with_connector(connector).await
+        }
+    };
+    connected.map_err(|e| format!("cannot connect to {}: {e}", config.server))
+}

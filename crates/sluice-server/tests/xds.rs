@@ -1,0 +1,398 @@
+//! The rules over xDS, as Envoy Gateway pushes them: a control plane written here (an
+//! Aggregated Discovery Service speaking the real protobuf messages, state of the
+//! world) serves `RateLimitConfig` resources to two `sluice serve --ratelimit-env`
+//! instances on one Redis, started with `CONFIG_TYPE=GRPC_XDS_SOTW`, and a real Envoy
+//! in front of an upstream is limited by what it pushes.
+
+mod common;
+#[path = "common/envoy.rs"]
+mod envoy_kit;
+
+use envoy_kit::{Envoy, bootstrap, grpc_cluster, ratelimit_filter};
+use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::{
+    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
+};
+use envoy_types::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use envoy_types::pb::google::protobuf::Any;
+use prost::Message;
+use sluice_testkit::{Process, RedisServer, TempDir};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const TYPE_URL: &str = "type.googleapis.com/ratelimit.config.ratelimit.v3.RateLimitConfig";
+
+/// go-control-plane's `RateLimitConfig` and the parts of it this test sends, declared
+/// from the proto's field numbers.
+#[derive(Clone, PartialEq, Message)]
+struct RateLimitConfig {
+    #[prost(string, tag = "1")]
+    name: String,
+    #[prost(string, tag = "2")]
+    domain: String,
+    #[prost(message, repeated, tag = "3")]
+    descriptors: Vec<RateLimitDescriptor>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct RateLimitDescriptor {
+    #[prost(string, tag = "1")]
+    key: String,
+    #[prost(message, optional, tag = "3")]
+    rate_limit: Option<RateLimitPolicy>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+struct RateLimitPolicy {
+    #[prost(int32, tag = "1")]
+    unit: i32,
+    #[prost(uint32, tag = "2")]
+    requests_per_unit: u32,
+}
+
+/// Domain `eg`: `user` limited to `n` a minute (`unit` 2), or with no unit (0), which
+/// cannot compile.
+fn per_user(n: u32, unit: i32) -> Vec<Any> {
+    let rate_limit = Some(RateLimitPolicy { unit, requests_per_unit: n });
+    let descriptors = vec![RateLimitDescriptor { key: "user".into(), rate_limit }];
+    let config = RateLimitConfig { name: "eg-config".into(), domain: "eg".into(), descriptors };
+    vec![Any { type_url: TYPE_URL.into(), value: config.encode_to_vec() }]
+}
+
+/// A request a client sent: which instance (its node metadata), and what it said.
+#[derive(Clone, Debug)]
+struct Seen {
+    instance: String,
+    version: String,
+    nonce: String,
+    error: Option<String>,
+}
+
+/// What the control plane serves and has heard, kept across its restarts.
+#[derive(Default)]
+struct Plane {
+    /// The version and resources served to every stream, and a count of changes.
+    current: Mutex<(String, Vec<Any>)>,
+    changed: tokio::sync::Notify,
+    seen: Mutex<Vec<Seen>>,
+}
+
+impl Plane {
+    fn push(&self, version: &str, resources: Vec<Any>) {
+        *self.current.lock().unwrap() = (version.to_string(), resources);
+        self.changed.notify_waiters();
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Waits until each instance has answered the response of `version` (the nonce is
+    /// the version here): with an ACK of it, or (`nack`) a NACK that keeps `kept`.
+    async fn answered(&self, instances: &[&str], version: &str, nack: Option<&str>, log: &dyn Fn() -> String) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let seen = self.seen();
+            let done = instances.iter().all(|i| {
+                seen.iter().any(|s| {
+                    s.instance == *i
+                        && s.nonce == version
+                        && match nack {
+                            None => s.version == version && s.error.is_none(),
+                            Some(kept) => s.version == kept && s.error.is_some(),
+                        }
+                })
+            });
+            if done {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no answer to version {version} from {instances:?}: {seen:#?}\n{}",
+                log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+struct Ads(Arc<Plane>);
+
+type Responses = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<DiscoveryResponse, tonic::Status>> + Send>>;
+type DeltaResponses =
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<DeltaDiscoveryResponse, tonic::Status>> + Send>>;
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for Ads {
+    type StreamAggregatedResourcesStream = Responses;
+    type DeltaAggregatedResourcesStream = DeltaResponses;
+
+    /// Records every request; sends the current resources at once and at each change.
+    async fn stream_aggregated_resources(
+        &self,
+        request: tonic::Request<tonic::Streaming<DiscoveryRequest>>,
+    ) -> Result<tonic::Response<Responses>, tonic::Status> {
+        let mut requests = request.into_inner();
+        let first = requests.message().await?.ok_or_else(|| tonic::Status::invalid_argument("no request"))?;
+        let node = first.node.clone().unwrap_or_default();
+        assert_eq!(node.id, "envoy-ratelimit");
+        assert_eq!(first.type_url, TYPE_URL);
+        let field = node.metadata.as_ref().and_then(|m| m.fields.get("instance")).and_then(|v| v.kind.clone());
+        let instance = match field {
+            Some(envoy_types::pb::google::protobuf::value::Kind::StringValue(s)) => s,
+            other => panic!("no instance in the node metadata: {other:?}"),
+        };
+        let plane = self.0.clone();
+        let record = move |plane: &Plane, r: &DiscoveryRequest| {
+            let error = r.error_detail.as_ref().map(|e| e.message.clone());
+            let seen = Seen {
+                instance: instance.clone(),
+                version: r.version_info.clone(),
+                nonce: r.response_nonce.clone(),
+                error,
+            };
+            plane.seen.lock().unwrap().push(seen);
+        };
+        record(&plane, &first);
+        let listening = plane.clone();
+        tokio::spawn(async move {
+            while let Ok(Some(r)) = requests.message().await {
+                record(&listening, &r);
+            }
+        });
+        let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            loop {
+                let changed = plane.changed.notified();
+                let (version, resources) = plane.current.lock().unwrap().clone();
+                let response = DiscoveryResponse {
+                    version_info: version.clone(),
+                    resources,
+                    type_url: TYPE_URL.into(),
+                    nonce: version,
+                    ..Default::default()
+                };
+                if tx.send(Ok(response)).await.is_err() {
+                    return;
+                }
+                changed.await;
+            }
+        });
+        Ok(tonic::Response::new(Box::pin(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)))))
+    }
+
+    async fn delta_aggregated_resources(
+        &self,
+        _: tonic::Request<tonic::Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<tonic::Response<DeltaResponses>, tonic::Status> {
+        Err(tonic::Status::unimplemented("state of the world only"))
+    }
+}
+
+/// The control plane, on a runtime of its own: dropping it ends every stream and closes
+/// its port, as a restarted process does.
+struct ControlPlane {
+    runtime: Option<tokio::runtime::Runtime>,
+    port: u16,
+}
+
+impl ControlPlane {
+    /// Serves `plane` on `port` (0: the system's choice, read back).
+    fn start(plane: Arc<Plane>, port: u16) -> Self {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let listener = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        runtime.spawn(async move {
+            let incoming =
+                tonic::transport::server::TcpIncoming::from(tokio::net::TcpListener::from_std(listener).unwrap());
+            tonic::transport::Server::builder()
+                .add_service(AggregatedDiscoveryServiceServer::new(Ads(plane)))
+                .serve_with_incoming(incoming)
+                .await
+        });
+        Self { runtime: Some(runtime), port }
+    }
+
+    fn stop(&mut self) {
+        if let Some(r) = self.runtime.take() {
+            r.shutdown_background();
+        }
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// `sluice serve --ratelimit-env` as Envoy Gateway's Deployment runs it (xDS, Redis,
+/// Prometheus), on loopback ports the system chooses; returns it, its gRPC address and
+/// the `metrics=` address from its ready file.
+fn instance(
+    dir: &TempDir,
+    name: &str,
+    xds: u16,
+    redis: &str,
+    extra: &[(&str, &str)],
+) -> (Process, String, String, String) {
+    let home = dir.path().join(name);
+    std::fs::create_dir_all(&home).unwrap();
+    let mut cmd = std::process::Command::new(common::bin());
+    cmd.args(["serve", "--ratelimit-env"]);
+    let (server, metadata) = (format!("127.0.0.1:{xds}"), format!("instance={name}"));
+    let vars = [
+        ("HOST", "127.0.0.1"),
+        ("PORT", "0"),
+        ("GRPC_HOST", "127.0.0.1"),
+        ("GRPC_PORT", "0"),
+        ("LOG_LEVEL", "info"),
+        ("USE_STATSD", "false"),
+        ("CONFIG_TYPE", "GRPC_XDS_SOTW"),
+        ("CONFIG_GRPC_XDS_SERVER_URL", &server),
+        ("CONFIG_GRPC_XDS_NODE_ID", "envoy-ratelimit"),
+        ("CONFIG_GRPC_XDS_NODE_METADATA", &metadata),
+        ("XDS_CLIENT_BACKOFF_INITIAL_INTERVAL", "100ms"),
+        ("XDS_CLIENT_BACKOFF_MAX_INTERVAL", "500ms"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", redis),
+        ("USE_PROMETHEUS", "true"),
+        ("PROMETHEUS_ADDR", "127.0.0.1:0"),
+        ("PROMETHEUS_MAPPER_YAML", "/etc/statsd-exporter/conf.yaml"),
+    ];
+    cmd.envs(vars.iter().chain(extra).copied());
+    let (process, http, grpc) = common::spawn_command(cmd, &home);
+    let ready = std::fs::read_to_string(home.join("ready")).unwrap();
+    let metrics = ready.lines().find_map(|l| l.strip_prefix("metrics=")).expect("a metrics= line").to_string();
+    (process, http, grpc, metrics)
+}
+
+/// The route's action: a descriptor of the `x-user` header.
+const RATE_LIMITS: &str = "                  rate_limits:\n                  - actions:\n                    - request_headers: {header_name: x-user, descriptor_key: user}\n";
+
+/// How many of ten requests of `user` through Envoy reached the upstream.
+async fn passed(client: &reqwest::Client, envoy: &Envoy, user: &str) -> usize {
+    let mut ok = 0;
+    for _ in 0..10 {
+        let r = client.get(format!("http://127.0.0.1:{}/", envoy.port)).header("x-user", user).send().await.unwrap();
+        ok += usize::from(r.status() == 200);
+    }
+    ok
+}
+
+/// The sum over `scrapes` of the series `name{labels}`.
+fn total(scrapes: &[String], series: &str) -> f64 {
+    scrapes.iter().map(|s| common::series(s, series)).sum()
+}
+
+/// The whole round: pushed, limited, lowered within a second, a broken push NACKed
+/// with the old limit holding, the control plane restarted and reconnected to; two
+/// instances on one Redis exact together throughout, and envoyproxy/ratelimit's metric
+/// names counting it all.
+#[tokio::test]
+async fn a_control_plane_pushes_the_rules_envoy_is_limited_by() {
+    let _heavy = common::heavy().await;
+    let redis = RedisServer::start();
+    let plane = Arc::new(Plane::default());
+    plane.push("1", per_user(4, 2));
+    let mut cp = ControlPlane::start(plane.clone(), 0);
+    let dir = TempDir::new("sluice-xds");
+    let url = redis.addr().to_string();
+    let (_a, http_a, grpc_a, metrics_a) = instance(&dir, "a", cp.port, &url, &[]);
+    let (_b, http_b, grpc_b, metrics_b) = instance(&dir, "b", cp.port, &url, &[]);
+    let log = || {
+        ["a", "b"]
+            .map(|n| std::fs::read_to_string(dir.path().join(n).join("sluice.log")).unwrap_or_default())
+            .join("\n---\n")
+    };
+    plane.answered(&["a", "b"], "1", None, &log).await;
+    let client = reqwest::Client::new();
+    for http in [&http_a, &http_b] {
+        let r = client.get(format!("http://{http}/healthcheck")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{}", log());
+    }
+    let ports: Vec<u16> = [&grpc_a, &grpc_b].iter().map(|g| g.rsplit(':').next().unwrap().parse().unwrap()).collect();
+    let envoy =
+        Envoy::start(|up| bootstrap(up, "", RATE_LIMITS, &ratelimit_filter("eg"), &grpc_cluster("sluice", &ports, "")))
+            .await;
+    // two instances on one Redis: exactly the limit between them
+    assert_eq!(passed(&client, &envoy, "a").await, 4, "{}\n{}", log(), envoy.log());
+
+    let pushed = Instant::now();
+    plane.push("2", per_user(2, 2));
+    plane.answered(&["a", "b"], "2", None, &log).await;
+    let in_force = pushed.elapsed();
+    assert!(in_force < Duration::from_secs(1), "version 2 in force on both after {in_force:?}");
+    assert_eq!(passed(&client, &envoy, "b").await, 2, "the lower limit:\n{}", log());
+
+    plane.push("3", per_user(9, 0));
+    plane.answered(&["a", "b"], "3", Some("2"), &log).await;
+    let nack = plane.seen().into_iter().find(|s| s.nonce == "3").unwrap();
+    let why = nack.error.unwrap();
+    assert!(why.contains("eg-config") && why.contains("no unit"), "the NACK names the resource and the problem: {why}");
+    assert_eq!(passed(&client, &envoy, "c").await, 2, "the last good limit holds:\n{}", log());
+
+    cp.stop();
+    assert_eq!(passed(&client, &envoy, "d").await, 2, "the rules stay while the control plane is away");
+    plane.push("4", per_user(3, 2));
+    let _cp = ControlPlane::start(plane.clone(), cp.port);
+    plane.answered(&["a", "b"], "4", None, &log).await;
+    // each came back saying the version it kept
+    let seen = plane.seen();
+    for i in ["a", "b"] {
+        let opened = seen.iter().filter(|s| s.instance == i && s.nonce.is_empty()).map(|s| s.version.as_str());
+        assert_eq!(opened.collect::<Vec<_>>(), ["", "2"], "{i}: {seen:#?}");
+    }
+    assert_eq!(passed(&client, &envoy, "e").await, 3, "{}", log());
+
+    let mut scrapes = Vec::new();
+    for m in [&metrics_a, &metrics_b] {
+        scrapes.push(client.get(format!("http://{m}/metrics")).send().await.unwrap().text().await.unwrap());
+    }
+    let labels = "{domain=\"eg\",key1=\"user\"}";
+    let name = |n: &str| format!("ratelimit_service_rate_limit_{n}{labels}");
+    assert_eq!(total(&scrapes, &name("total_hits")), 50.0, "{}", scrapes.join("\n"));
+    assert_eq!(total(&scrapes, &name("within_limit")), 13.0);
+    assert_eq!(total(&scrapes, &name("over_limit")), 37.0);
+    assert!(total(&scrapes, "sluice_xds_pushes_total{result=\"refused\"}") == 2.0, "one NACK each");
+}
+
+/// Before the first push: with `FORCE_START_WITHOUT_INITIAL_CONFIG=true` ready, every
+/// decision answered UNAVAILABLE (HTTP 503) naming what it waits for; without it, not
+/// ready. The control plane here takes connections and never answers.
+#[tokio::test]
+async fn before_the_first_push() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let redis = RedisServer::start();
+    let dir = TempDir::new("sluice-xds-wait");
+    let url = redis.addr().to_string();
+    let (_forced, http, grpc, _) =
+        instance(&dir, "forced", port, &url, &[("FORCE_START_WITHOUT_INITIAL_CONFIG", "true")]);
+    let (_waiting, waiting_http, _, _) = instance(&dir, "waiting", port, &url, &[]);
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while client.get(format!("http://{http}/readyz")).send().await.unwrap().status() != 200 {
+        assert!(Instant::now() < deadline, "a forced start never became ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(client.get(format!("http://{http}/healthcheck")).send().await.unwrap().status(), 200);
+    let r = client.get(format!("http://{waiting_http}/healthcheck")).send().await.unwrap();
+    assert_eq!(r.status(), 500);
+    assert!(r.text().await.unwrap().contains("waiting for the first push"));
+    let r = common::hit(&client, &format!("http://{http}"), "eg", &[("user", "x")]).await;
+    assert_eq!(r.status(), 503);
+    assert!(r.text().await.unwrap().contains("no_rules_yet"));
+    let mut rls =
+        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
+            format!("http://{grpc}"),
+        )
+        .await
+        .unwrap();
+    let status = rls.should_rate_limit(common::rls_request("eg", &[("user", "x")])).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+    assert!(status.message().contains(&format!("xDS server at 127.0.0.1:{port}")), "{}", status.message());
+    drop(silent);
+}
