@@ -32,6 +32,47 @@ kill "$sluice" "$redis"
 wait
 "#;
 
+/// Runs in a network and mount namespace: Redis, then /bin/ratelimit with Envoy
+/// Gateway's whole generated environment (its `default.yaml` Deployment with Prometheus
+/// and tracing on) on the image's root made read-only, as user 65534 (Envoy Gateway's
+/// security context); then the probes, gRPC over TLS with the Secret's CA, and the
+/// metrics port.
+const ENVOY_GATEWAY: &str = r#"
+set -u
+ip link set lo up
+mount --bind "$ROOTFS" "$ROOTFS" && mount -o remount,bind,ro "$ROOTFS"
+touch "$ROOTFS/written" 2>/dev/null && echo "root: writable" || echo "root: read-only"
+"$REDIS" --port 6379 --bind 127.0.0.1 --save '' --appendonly no >"$DIR/redis.log" 2>&1 &
+redis=$!
+env -i HOME=/ RUNTIME_ROOT=/data RUNTIME_SUBDIRECTORY=ratelimit RUNTIME_IGNOREDOTFILES=true \
+  RUNTIME_WATCH_ROOT=false LOG_LEVEL=info USE_STATSD=false CONFIG_TYPE=GRPC_XDS_SOTW \
+  CONFIG_GRPC_XDS_SERVER_URL=envoy-gateway:18001 CONFIG_GRPC_XDS_NODE_ID=envoy-ratelimit \
+  GRPC_SERVER_USE_TLS=true GRPC_SERVER_TLS_CERT=/certs/tls.crt GRPC_SERVER_TLS_KEY=/certs/tls.key \
+  GRPC_SERVER_TLS_CA_CERT=/certs/ca.crt CONFIG_GRPC_XDS_SERVER_USE_TLS=true \
+  CONFIG_GRPC_XDS_CLIENT_TLS_CERT=/certs/tls.crt CONFIG_GRPC_XDS_CLIENT_TLS_KEY=/certs/tls.key \
+  CONFIG_GRPC_XDS_SERVER_TLS_CACERT=/certs/ca.crt FORCE_START_WITHOUT_INITIAL_CONFIG=true \
+  REDIS_SOCKET_TYPE=tcp REDIS_URL=redis.redis.svc:6379 USE_PROMETHEUS=true PROMETHEUS_ADDR=:19001 \
+  PROMETHEUS_MAPPER_YAML=/etc/statsd-exporter/conf.yaml TRACING_ENABLED=true \
+  TRACING_SERVICE_NAME=envoy-ratelimit TRACING_SERVICE_NAMESPACE=envoy-gateway-system \
+  TRACING_SERVICE_INSTANCE_ID=envoy-ratelimit-0 TRACING_SAMPLING_RATE=1.0 \
+  OTEL_EXPORTER_OTLP_ENDPOINT=http://trace-collector.envoy-gateway-system.svc.cluster.local:4318 \
+  "$CHROOT" --userspec=65534:65534 "$ROOTFS" /bin/ratelimit >"$DIR/sluice.log" 2>&1 &
+sluice=$!
+for _ in $(seq 100); do
+  "$CURL" -sf http://127.0.0.1:8080/healthcheck >/dev/null && break
+  sleep 0.1
+done
+echo "healthcheck: $("$CURL" -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8080/healthcheck)"
+echo "user: $(stat -c %u /proc/$sluice 2>/dev/null)"
+printf '\0\0\0\0\0' >"$DIR/empty.grpc"
+"$CURL" -s -i --http2 --cacert "$DIR/certs/ca.crt" -H 'content-type: application/grpc' -H 'te: trailers' \
+  --data-binary @"$DIR/empty.grpc" https://localhost:8081/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit \
+  | tr -d '\r' | grep -i '^grpc-'
+echo "metrics: $("$CURL" -s http://127.0.0.1:19001/metrics | grep -c '^sluice_')"
+kill "$sluice" "$redis"
+wait
+"#;
+
 #[test]
 fn the_image_runs_as_envoyproxy_ratelimits_image_does() {
     require("buildah", "buildah");
@@ -82,4 +123,69 @@ fn the_image_runs_as_envoyproxy_ratelimits_image_does() {
     let statuses = said.lines().find(|l| l.contains("statuses")).unwrap_or_default();
     assert!(statuses.contains("200:") && !statuses.contains("429"), "gRPC on 8081: {said}\n{log}");
     assert!(log.contains("store=\"redis\""), "the store is Redis, by its name from /etc/hosts:\n{log}");
+}
+
+/// The image's root filesystem run with Envoy Gateway's whole environment (what its
+/// `internal/infrastructure/kubernetes/ratelimit/resource.go` generates, Prometheus and
+/// tracing on), read-only and as Envoy Gateway's user: it starts before its control plane
+/// answers (FORCE_START_WITHOUT_INITIAL_CONFIG), `/healthcheck` answers on 8080, gRPC over
+/// TLS with the Secret's certificate on 8081 (UNAVAILABLE, waiting for the first push),
+/// and the metrics on 19001. The control plane's and Redis's names come from /etc/hosts.
+#[test]
+fn the_image_runs_under_envoy_gateways_deployment() {
+    require("buildah", "buildah");
+    let (curl, redis) = (require("curl", "curl"), require("redis-server", "redis-server"));
+    let (unshare, chroot) = (require("unshare", "util-linux"), require("chroot", "coreutils"));
+    let dir = TempDir::new("sluice-image-eg");
+    let rootfs = dir.path().join("rootfs");
+    let tag = format!("localhost/sluice-test-eg:{}", std::process::id());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/image");
+    let built = Command::new(&script)
+        .args(["--binary", common::bin(), "--tag", &tag, "--rootfs"])
+        .arg(&rootfs)
+        .output()
+        .unwrap();
+    assert!(built.status.success(), "scripts/image: {}", String::from_utf8_lossy(&built.stderr));
+    let _ = Command::new("buildah").args(["rmi", &tag]).output();
+    // the `envoy-rate-limit` Secret, mounted at /certs
+    let certs = dir.path().join("certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    sluice_testkit::make_certs(&certs, "ca", &["server"]);
+    std::fs::create_dir_all(rootfs.join("certs")).unwrap();
+    for (from, to) in [("server.crt", "tls.crt"), ("server.key", "tls.key"), ("ca.crt", "ca.crt")] {
+        let file = rootfs.join("certs").join(to);
+        std::fs::copy(certs.join(from), &file).unwrap();
+        // the Secret volume's defaultMode, 420 (0644)
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let hosts =
+        "127.0.0.1 localhost redis.redis.svc envoy-gateway trace-collector.envoy-gateway-system.svc.cluster.local\n";
+    std::fs::write(rootfs.join("etc/hosts"), hosts).unwrap();
+    let out = Command::new(unshare)
+        .args(["--net", "--mount", "--", "sh", "-c", ENVOY_GATEWAY])
+        .env("DIR", dir.path())
+        .env("ROOTFS", &rootfs)
+        .env("REDIS", redis)
+        .env("CURL", curl)
+        .env("CHROOT", chroot)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    let log = std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
+    let all = format!("{said}\n{}\n{log}", String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains("root: read-only"), "{all}");
+    assert!(said.contains("healthcheck: 200") && said.contains("user: 65534"), "{all}");
+    assert!(
+        said.contains("grpc-status: 14"),
+        "gRPC over TLS on 8081 answers UNAVAILABLE before the first push:\n{all}"
+    );
+    // grpc-message is percent-encoded
+    let message = said.replace("%20", " ");
+    assert!(message.contains("waiting for the first push from the xDS server at envoy-gateway:18001"), "{all}");
+    let metrics = said.lines().find_map(|l| l.strip_prefix("metrics: ")).and_then(|n| n.trim().parse::<u32>().ok());
+    assert!(metrics.is_some_and(|n| n > 10), "the metrics port 19001:\n{all}");
+    for note in ["GRPC_SERVER_TLS_CA_CERT", "PROMETHEUS_MAPPER_YAML", "CONFIG_TYPE=GRPC_XDS_SOTW"] {
+        assert!(log.contains(note), "{note} is said at start:\n{log}");
+    }
 }

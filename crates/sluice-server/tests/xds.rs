@@ -200,17 +200,22 @@ struct ControlPlane {
 impl ControlPlane {
     /// Serves `plane` on `port` (0: the system's choice, read back).
     fn start(plane: Arc<Plane>, port: u16) -> Self {
+        Self::start_with(plane, port, None)
+    }
+
+    /// As [`ControlPlane::start`], over TLS with `tls` when given.
+    fn start_with(plane: Arc<Plane>, port: u16, tls: Option<tokio_rustls::TlsAcceptor>) -> Self {
         let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         let listener = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
         listener.set_nonblocking(true).unwrap();
         let port = listener.local_addr().unwrap().port();
+        let server = tonic::transport::Server::builder().add_service(AggregatedDiscoveryServiceServer::new(Ads(plane)));
         runtime.spawn(async move {
-            let incoming =
-                tonic::transport::server::TcpIncoming::from(tokio::net::TcpListener::from_std(listener).unwrap());
-            tonic::transport::Server::builder()
-                .add_service(AggregatedDiscoveryServiceServer::new(Ads(plane)))
-                .serve_with_incoming(incoming)
-                .await
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            match tls {
+                None => server.serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)).await,
+                Some(tls) => server.serve_with_incoming(tls_incoming(listener, tls)).await,
+            }
         });
         Self { runtime: Some(runtime), port }
     }
@@ -226,6 +231,87 @@ impl Drop for ControlPlane {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Connections accepted on `listener` that finish a TLS handshake with `tls`.
+fn tls_incoming(
+    listener: tokio::net::TcpListener,
+    tls: tokio_rustls::TlsAcceptor,
+) -> impl futures_util::Stream<Item = std::io::Result<TlsConn>> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (tls, tx) = (tls.clone(), tx.clone());
+            tokio::spawn(async move {
+                if let Ok(s) = tls.accept(tcp).await {
+                    let _ = tx.send(Ok(TlsConn(s))).await;
+                }
+            });
+        }
+    });
+    futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))
+}
+
+/// A TLS connection as tonic's server takes one.
+struct TlsConn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
+
+impl tonic::transport::server::Connected for TlsConn {
+    type ConnectInfo = ();
+    fn connect_info(&self) {}
+}
+
+impl tokio::io::AsyncRead for TlsConn {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for TlsConn {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+/// A TLS acceptor with `dir`'s `server` certificate that requires a client certificate
+/// signed by `dir`'s CA, offering HTTP/2.
+fn mutual_tls(dir: &std::path::Path) -> tokio_rustls::TlsAcceptor {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(CertificateDer::from_pem_file(dir.join("ca.crt")).unwrap()).unwrap();
+    let verifier =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone()).build().unwrap();
+    let certs = vec![CertificateDer::from_pem_file(dir.join("server.crt")).unwrap()];
+    let key = PrivateKeyDer::from_pem_file(dir.join("server.key")).unwrap();
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certs, key)
+        .unwrap();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    tokio_rustls::TlsAcceptor::from(Arc::new(config))
 }
 
 /// `sluice serve --ratelimit-env` as Envoy Gateway's Deployment runs it (xDS, Redis,
@@ -395,4 +481,47 @@ async fn before_the_first_push() {
     assert_eq!(status.code(), tonic::Code::Unavailable);
     assert!(status.message().contains(&format!("xDS server at 127.0.0.1:{port}")), "{}", status.message());
     drop(silent);
+}
+
+/// Envoy Gateway's xDS is TLS both ways: the instance verifies the control plane's
+/// certificate against CONFIG_GRPC_XDS_SERVER_TLS_CACERT and presents its own, which the
+/// control plane requires. One given another CA never gets the rules, and says why.
+#[tokio::test]
+async fn the_rules_come_over_mutual_tls() {
+    let certs = TempDir::new("sluice-xds-certs");
+    sluice_testkit::make_certs(certs.path(), "ca", &["server", "client"]);
+    let other = TempDir::new("sluice-xds-other");
+    sluice_testkit::make_certs(other.path(), "ca", &["server"]);
+    let plane = Arc::new(Plane::default());
+    plane.push("1", per_user(4, 2));
+    let cp = ControlPlane::start_with(plane.clone(), 0, Some(mutual_tls(certs.path())));
+    let redis = RedisServer::start();
+    let dir = TempDir::new("sluice-xds-tls");
+    let f = |d: &TempDir, name: &str| d.path().join(name).display().to_string();
+    let (ca, other_ca, cert, key) =
+        (f(&certs, "ca.crt"), f(&other, "ca.crt"), f(&certs, "client.crt"), f(&certs, "client.key"));
+    let tls = |ca: &str| {
+        [
+            ("CONFIG_GRPC_XDS_SERVER_USE_TLS", "true".to_string()),
+            ("CONFIG_GRPC_XDS_SERVER_TLS_CACERT", ca.to_string()),
+            ("CONFIG_GRPC_XDS_CLIENT_TLS_CERT", cert.clone()),
+            ("CONFIG_GRPC_XDS_CLIENT_TLS_KEY", key.clone()),
+        ]
+    };
+    let trusted = tls(&ca);
+    let vars: Vec<(&str, &str)> = trusted.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let url = redis.addr().to_string();
+    let (_a, _, _, _) = instance(&dir, "a", cp.port, &url, &vars);
+    let untrusted = tls(&other_ca);
+    let vars: Vec<(&str, &str)> = untrusted.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let (_b, _, _, _) = instance(&dir, "b", cp.port, &url, &vars);
+    let log = |n: &str| std::fs::read_to_string(dir.path().join(n).join("sluice.log")).unwrap_or_default();
+    plane.answered(&["a"], "1", None, &|| log("a")).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !log("b").contains("xDS stream lost") {
+        assert!(Instant::now() < deadline, "the untrusted server was not refused:\n{}", log("b"));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(plane.seen().iter().all(|s| s.instance != "b"), "b reached a server its CA did not sign");
+    assert!(log("b").contains("cannot connect"), "{}", log("b"));
 }

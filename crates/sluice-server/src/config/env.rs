@@ -347,8 +347,9 @@ fn credentials(auth: Option<String>) -> (Option<String>, Option<String>) {
 /// `server.tls`, from `GRPC_SERVER_USE_TLS` and its files.
 fn listener_tls(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Option<Value> {
     on("GRPC_SERVER_USE_TLS").then(|| {
+        // theirs is gRPC's alone: the HTTP port (probes, /json) stays plain
         json!({"cert_file": get("GRPC_SERVER_TLS_CERT"), "key_file": get("GRPC_SERVER_TLS_KEY"),
-            "client_ca_file": get("GRPC_CLIENT_TLS_CACERT")})
+            "client_ca_file": get("GRPC_CLIENT_TLS_CACERT"), "http": false})
     })
 }
 
@@ -448,6 +449,7 @@ mod tests {
         assert_eq!(v["xds"]["tls"]["cert_file"], "/certs/tls.crt");
         assert!(v.get("domains_from").is_none(), "xDS and files never mix");
         assert_eq!(v["server"]["tls"]["cert_file"], "/certs/tls.crt");
+        assert_eq!(v["server"]["tls"]["http"], false, "their TLS is gRPC's alone");
         assert_eq!(v["server"]["metrics"], "0.0.0.0:19001");
         assert_eq!(v["limiter"]["ratelimit_metrics"], true);
         assert_eq!(v["store"]["url"], "rediss://redis.redis.svc:6379");

@@ -207,6 +207,15 @@ pub struct ListenerTls {
     pub key_file: std::path::PathBuf,
     /// When set, a client must present a certificate this CA signed.
     pub client_ca_file: Option<std::path::PathBuf>,
+    /// TLS on the HTTP listener too (the default). Off, only gRPC speaks TLS, as with
+    /// envoyproxy/ratelimit's `GRPC_SERVER_USE_TLS`: probes reach `/healthcheck` in the
+    /// clear (Envoy Gateway's do).
+    #[serde(default = "yes")]
+    pub http: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for ServerConfig {

@@ -118,7 +118,9 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     if let Some(listener) = metrics_listener {
         serve_metrics(listener, &state, bounds, stopping.subscribe());
     }
-    let dropped = crate::http::listen::serve(listener, router(state.clone()), bounds, tls, async {
+    // `server.tls.http: false`: gRPC's alone
+    let http_tls = tls.filter(|_| server.tls.as_ref().is_some_and(|t| t.http));
+    let dropped = crate::http::listen::serve(listener, router(state.clone()), bounds, http_tls, async {
         shutdown().await;
         let _ = stopping.send(true);
     })

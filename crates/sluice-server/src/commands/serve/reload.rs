@@ -331,7 +331,7 @@ fn needs_restart(new_config: &Config, old_config: &Config) -> Vec<&'static str> 
         ("server.grpc_idle_timeout", new.grpc_idle_timeout != old.grpc_idle_timeout),
         ("server.rlqs", new.rlqs != old.rlqs),
         ("server.shutdown_grace", new.shutdown_grace != old.shutdown_grace),
-        ("server.tls (on or off)", new.tls.is_some() != old.tls.is_some()),
+        ("server.tls (on or off, and its http)", new.tls.as_ref().map(|t| t.http) != old.tls.as_ref().map(|t| t.http)),
         ("server.metrics", new.metrics != old.metrics),
         ("xds", new_config.xds != old_config.xds),
     ] {
