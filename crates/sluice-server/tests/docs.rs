@@ -2,8 +2,8 @@
 //! with `sluice config check`, and the README's curl examples answer as shown. A doc
 //! that drifts from the binary fails here.
 //!
-//! Which YAML blocks are configs: a block whose top-level keys include `domains` or
-//! `domains_from` is a whole config; one with other sections of a config only (a
+//! Which YAML blocks are configs: a block whose top-level keys include `domains`,
+//! `domains_from` or `xds` is a whole config; one with other sections of a config only (a
 //! `store:` example) is checked with a domain added; one whose top level is `domain:`
 //! is a domain file (envoyproxy/ratelimit's format), checked inside a config. Envoy's
 //! and Kubernetes' own files are theirs, not Sluice's, and are run elsewhere
@@ -71,7 +71,8 @@ fn as_config(block: &str) -> Option<String> {
         return Some(format!("domains:\n  -\n{indented}"));
     }
     let sections = ["server", "store", "limiter", "headers", "domains", "domains_from", "log", "telemetry", "envoy"];
-    if has("domains") || has("domains_from") {
+    // with `xds` the rules are pushed: a whole config without domains
+    if has("domains") || has("domains_from") || has("xds") {
         Some(block.to_string())
     } else if sections.iter().any(|k| has(k)) {
         // some sections of a config: checked with a domain added

@@ -55,6 +55,17 @@ pub struct Bounds {
     pub shutdown_grace: Duration,
 }
 
+impl Bounds {
+    /// The bounds `server` sets.
+    pub fn of(server: &crate::config::ServerConfig) -> Self {
+        Self {
+            header_timeout: server.header_timeout.to_std(),
+            max_connections: server.max_connections,
+            shutdown_grace: server.shutdown_grace.to_std(),
+        }
+    }
+}
+
 /// How long a connection over the limit may take to send its one request head.
 const OVER_LIMIT_HEAD: Duration = Duration::from_secs(1);
 

@@ -110,11 +110,7 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     }
     reload::watch(source, config, loaded_bytes, state.clone());
     room_for_connections(server.max_connections);
-    let bounds = Bounds {
-        header_timeout: server.header_timeout.to_std(),
-        max_connections: server.max_connections,
-        shutdown_grace: server.shutdown_grace.to_std(),
-    };
+    let bounds = Bounds::of(&server);
     if let Some(listener) = metrics_listener {
         serve_metrics(listener, &state, bounds, stopping.subscribe());
     }
