@@ -208,6 +208,30 @@ async fn roots_details_and_the_last_spans_at_shutdown() {
     assert!(traces.iter().any(|t| line.contains(&format!("trace_id={t}"))), "{line}\n{traces:?}");
 }
 
+/// OTLP/HTTP (`protocol: http`, envoyproxy/ratelimit's default, which Envoy Gateway
+/// relies on): the spans reach `POST /v1/traces` as protobuf, on a resource with the
+/// namespace and instance Envoy Gateway names.
+#[tokio::test]
+async fn traces_go_over_otlp_http() {
+    let (collector, endpoint) = Collector::start_http().await;
+    let config = format!(
+        "telemetry:\n  otlp: {{endpoint: '{endpoint}', protocol: http, service_name: envoy-ratelimit, \
+         service_namespace: envoy-gateway-system, service_instance_id: envoy-ratelimit-0}}\n"
+    );
+    let s = start_with(&config, DOMAINS);
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    post(&s.base, &[("user", "gail")], Some(traceparent(trace, "00f067aa0ba902b7", true))).await;
+    let started = Instant::now();
+    while !collector.spans_of("envoy-ratelimit").iter().any(|sp| hex(&sp.trace_id) == trace) {
+        assert!(started.elapsed() < Duration::from_secs(10), "no span over OTLP/HTTP:\n{}", s.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let resource = collector.resource_of("envoy-ratelimit");
+    for (key, value) in [("service.namespace", "envoy-gateway-system"), ("service.instance.id", "envoy-ratelimit-0")] {
+        assert!(resource.contains(&(key.to_string(), Some(string(value)))), "{key}: {resource:?}");
+    }
+}
+
 /// Without `telemetry`, a caller's trace id still reaches the log lines about its
 /// request; and a collector that is down costs the decisions nothing: its failures are
 /// counted and said once.

@@ -477,4 +477,35 @@ mod tests {
         let counted: u64 = overflow.rsplit(' ').next().and_then(|v| v.parse().ok()).expect("a count");
         assert!(counted >= 500, "{overflow}");
     }
+
+    /// envoyproxy/ratelimit's names: `domain`, `key1` and `key2` from the rule's first two
+    /// steps (a third is not labelled, as its mapping does), counted in hits; a shadow
+    /// refusal is over_limit and shadow_mode.
+    #[test]
+    fn ratelimit_names_label_two_steps_and_count_hits() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            let deep = PolicyCounters::new("eg", "p", false, None)
+                .with_ratelimit_names("eg", &["route_r1", "user", "plan_pro"]);
+            deep.count(true, false, 3);
+            deep.count(true, true, 2);
+            deep.count(false, false, 4);
+            let shadow = PolicyCounters::new("eg", "s", true, None).with_ratelimit_names("eg", &["path_/x"]);
+            shadow.count(false, false, 1);
+        });
+        let text = handle.render();
+        let value = |series: &str| {
+            let line = text.lines().find(|l| l.starts_with(series)).unwrap_or_else(|| panic!("no {series} in\n{text}"));
+            line.rsplit(' ').next().unwrap().parse::<u64>().unwrap()
+        };
+        let deep = "{domain=\"eg\",key1=\"route_r1\",key2=\"user\"}";
+        assert_eq!(value(&format!("{}{deep}", names::RATELIMIT_TOTAL_HITS)), 9);
+        assert_eq!(value(&format!("{}{deep}", names::RATELIMIT_WITHIN_LIMIT)), 5);
+        assert_eq!(value(&format!("{}{deep}", names::RATELIMIT_NEAR_LIMIT)), 2);
+        assert_eq!(value(&format!("{}{deep}", names::RATELIMIT_OVER_LIMIT)), 4);
+        let shallow = "{domain=\"eg\",key1=\"path_/x\"}";
+        assert_eq!(value(&format!("{}{shallow}", names::RATELIMIT_SHADOW_MODE)), 1);
+        assert_eq!(value(&format!("{}{shallow}", names::RATELIMIT_OVER_LIMIT)), 1);
+    }
 }

@@ -42,6 +42,44 @@ impl Collector {
         (collector, format!("http://{addr}"))
     }
 
+    /// Starts one that speaks OTLP/HTTP instead: `POST /v1/traces` with a protobuf body
+    /// (anything else is refused, so a wrong path or content type fails the test); returns
+    /// it and its `http://127.0.0.1:PORT`.
+    pub async fn start_http() -> (Self, String) {
+        use axum::http::{HeaderMap, StatusCode};
+        use prost::Message;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let collector = Self::default();
+        let kept = collector.clone();
+        let export = move |headers: HeaderMap, body: axum::body::Bytes| async move {
+            let protobuf = headers.get("content-type").is_some_and(|v| v == "application/x-protobuf");
+            match ExportTraceServiceRequest::decode(body) {
+                Ok(r) if protobuf => {
+                    kept.received.lock().unwrap().push(r);
+                    (StatusCode::OK, ExportTraceServiceResponse { partial_success: None }.encode_to_vec())
+                }
+                _ => (StatusCode::BAD_REQUEST, b"not an OTLP/HTTP protobuf export".to_vec()),
+            }
+        };
+        let app = axum::Router::new().route("/v1/traces", axum::routing::post(export));
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (collector, format!("http://{addr}"))
+    }
+
+    /// The attributes of the resource spans of `service` were sent with.
+    pub fn resource_of(&self, service: &str) -> Vec<(String, Option<Value>)> {
+        let received = self.received.lock().unwrap();
+        let resources = received.iter().flat_map(|r| &r.resource_spans).filter_map(|rs| rs.resource.as_ref());
+        let attributes = |r: &opentelemetry_proto::tonic::resource::v1::Resource| -> Vec<(String, Option<Value>)> {
+            r.attributes.iter().map(|a| (a.key.clone(), a.value.as_ref().and_then(|v| v.value.clone()))).collect()
+        };
+        let named = |a: &[(String, Option<Value>)]| {
+            a.iter().any(|(k, v)| k == "service.name" && v.as_ref().and_then(text).as_deref() == Some(service))
+        };
+        resources.map(attributes).find(|a| named(a)).unwrap_or_default()
+    }
+
     /// Every span received so far from the service named `service` (the resource's
     /// `service.name`).
     pub fn spans_of(&self, service: &str) -> Vec<Span> {
