@@ -204,3 +204,75 @@ proptest! {
         }
     }
 }
+
+/// One step of a reservation script: reserve `units`, commit the `pick`-th open one
+/// with `actual`, or let `gap` ms pass.
+#[derive(Debug, Clone)]
+enum Step {
+    Reserve { units: u64, ttl: u64 },
+    Commit { pick: usize, actual: u64 },
+    Wait { gap: u64 },
+}
+
+fn reservation_steps() -> impl Strategy<Value = Vec<Step>> {
+    let step = prop_oneof![
+        (0u64..40, 1u64..3_000).prop_map(|(units, ttl)| Step::Reserve { units, ttl }),
+        (0usize..8, 0u64..60).prop_map(|(pick, actual)| Step::Commit { pick, actual }),
+        (0u64..900).prop_map(|gap| Step::Wait { gap }),
+    ];
+    prop::collection::vec(step, 1..200)
+}
+
+proptest! {
+    /// Reservations against a reference ledger: the window's count is always what was
+    /// committed plus what is held; a reservation is admitted only when that leaves the
+    /// count within the limit; so the count passes the limit by no more than the
+    /// underestimates of the commits in the window; an orphan's units come back at its
+    /// deadline.
+    #[test]
+    fn reservations_never_overspend_past_the_underestimates(limit in 1u64..200, steps in reservation_steps()) {
+        use sluice::algo::WindowState;
+        use sluice::algo::reservation::{self, Ledger, Settled};
+        let window = (10_000, false);
+        let (mut now, mut next_id) = (1_000_000u64, 0u64);
+        let (mut s, mut ledger) = reservation::normalize(WindowState::default(), Ledger::default(), window, now);
+        // the reference: per window, committed units and their underestimates; open holds
+        let (mut committed, mut under) = (0u64, 0u64);
+        let mut open: Vec<(u64, u64, u64)> = Vec::new();
+        for step in steps {
+            match step {
+                Step::Wait { gap } => now += gap,
+                Step::Reserve { units, ttl } => {
+                    next_id += 1;
+                    let (d, next) = reservation::reserve(s, ledger.clone(), limit, (next_id, units, ttl), now);
+                    let held: u64 = open.iter().map(|o| o.1).sum();
+                    prop_assert_eq!(d.allowed, committed + held + units <= limit);
+                    if let Some((ns, nl)) = next {
+                        (s, ledger) = (ns, nl);
+                        open.push((next_id, units, now + ttl));
+                    }
+                }
+                Step::Commit { pick, actual } => {
+                    let Some(&(id, held, _)) = open.get(pick) else { continue };
+                    let settled;
+                    (settled, s, ledger) = reservation::commit(s, ledger, id, actual, now);
+                    prop_assert_eq!(settled, Settled::Committed { held });
+                    open.retain(|o| o.0 != id);
+                    committed += actual;
+                    under += actual.saturating_sub(held);
+                }
+            }
+            let before = s.resets_at;
+            (s, ledger) = reservation::normalize(s, ledger, window, now);
+            if s.resets_at != before {
+                (committed, under) = (0, 0);
+                open.clear();
+            }
+            open.retain(|o| o.2 > now);
+            let held: u64 = open.iter().map(|o| o.1).sum();
+            prop_assert_eq!(s.used, committed + held, "the count is committed plus held");
+            prop_assert!(s.used <= limit + under, "{} past {} + {}", s.used, limit, under);
+            prop_assert_eq!(ledger.held(), held);
+        }
+    }
+}
