@@ -24,7 +24,9 @@ use serde::{Deserialize, Deserializer, de};
 use sluice::algo::grant::Granted;
 use sluice::algo::{ConcurrencyState, Decision, Lease, Op};
 use sluice::config::Duration as ConfigDuration;
-use sluice::store::{GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Store, StoreError};
+use sluice::store::{
+    Commit, GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError,
+};
 use sluice::tag::Tag;
 use sluice::time::{Clock, Millis, SystemClock, Throttle};
 use sluice::{CheckError, Limiter, Outcome, Request, Verdict};
@@ -617,6 +619,18 @@ impl Store for TracedStore {
 
     async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
         store_call("give_back", self.0.give_back(tag, back, now)).await
+    }
+
+    fn reservations(&self) -> bool {
+        self.0.reservations()
+    }
+
+    async fn reserve(&self, tag: Tag, ops: &[Op], r: Reservation, now: Millis) -> Result<Vec<Decision>, StoreError> {
+        store_call("reserve", self.0.reserve(tag, ops, r, now)).await
+    }
+
+    async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {
+        store_call("commit", self.0.commit(tag, id, commits, now)).await
     }
 
     fn keeps_registry(&self) -> bool {

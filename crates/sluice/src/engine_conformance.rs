@@ -66,14 +66,15 @@ macro_rules! conformance_suite {
     (fixed_window_only $name:ident, $make:expr) => {
         $crate::conformance_suite!(@tests $name, $make; fixed_window_counts_and_resets, aligned_window_ends_on_boundary,
             all_or_nothing, shadow_does_not_block, peek_never_charges, refunds, tags_and_keys_are_independent,
-            reset_forgets_state, registry_is_versioned, grants_are_shares_given_back_once);
+            reset_forgets_state, registry_is_versioned, grants_are_shares_given_back_once, reservations_hold_and_settle);
     };
     ($name:ident, $make:expr) => {
         $crate::conformance_suite!(@tests $name, $make; fixed_window_counts_and_resets, aligned_window_ends_on_boundary,
             all_or_nothing, shadow_does_not_block, cost_zero_charges_nothing, peek_never_charges,
             token_bucket_burst_and_refill, sliding_window_weighs_previous, concurrency_leases, refunds,
             tags_and_keys_are_independent, sequence_matches_model, reset_forgets_state, reset_forgets_every_kind,
-            registry_is_versioned, grants_are_shares_given_back_once, bucket_grants_hold_the_refill_back);
+            registry_is_versioned, grants_are_shares_given_back_once, bucket_grants_hold_the_refill_back,
+            reservations_hold_and_settle);
     };
     (@tests $name:ident, $make:expr; $($check:ident),*) => {
         mod $name {
@@ -99,6 +100,12 @@ macro_rules! conformance_suite {
             async fn concurrent_calls_are_exact() {
                 let (s, _guard) = conformance_store().await;
                 c::concurrent_calls_are_exact(s).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn concurrent_reservations_never_pass_the_limit() {
+                let (s, _guard) = conformance_store().await;
+                c::concurrent_reservations_never_pass_the_limit(s).await
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

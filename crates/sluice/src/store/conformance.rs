@@ -14,7 +14,7 @@
 //! argument), so the suite crosses window boundaries without sleeping. Every check uses
 //! fresh random tags, so checks may share one store and one server.
 
-use super::{GiveBack, GrantAsk, Refund, RegistryOp, Store};
+use super::{Commit, GiveBack, GrantAsk, Refund, RegistryOp, Reservation, Settled, Store};
 use crate::algo::{self, Decision, Lease, Limit, Op, State};
 use crate::tag::Tag;
 use crate::time::{Clock, Millis};
@@ -324,6 +324,70 @@ pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
     assert_eq!(s.give_back(t, back(10, 4, t0 + 120_000), t0 + 60_003).await.unwrap(), 0);
     let g = s.grant(t, ask(11, 1, 1_000), t0 + 60_004).await.unwrap();
     assert_eq!((g.units, g.holders, g.decision.reset_at), (50, 1, t0 + 120_004));
+}
+
+/// Reservations (`algo::reservation`): held units count against every limit of the
+/// request, all or nothing; a commit replaces them by the actual, once; a hold past its
+/// deadline gives its units back, and a commit after that is a report; only fixed
+/// windows take them.
+pub async fn reservations_hold_and_settle(s: &dyn Store) {
+    let t0 = t0();
+    let t = fresh_tag();
+    let (big, small) = (
+        Limit::FixedWindow { limit: 100, window: 60_000, aligned: false },
+        Limit::FixedWindow { limit: 50, window: 60_000, aligned: false },
+    );
+    let r = |id, ttl| Reservation { id, ttl };
+    if !s.reservations() {
+        assert!(s.reserve(t, &[op(1, big, 1)], r(1, 1_000), t0).await.is_err(), "a store without them must refuse one");
+        return;
+    }
+    let both = |a, b| [op(1, big, a), op(2, small, b)];
+    let d = s.reserve(t, &both(60, 30), r(1, 30_000), t0).await.unwrap();
+    assert!(d.iter().all(|d| d.allowed) && d[0].remaining == 40 && d[1].remaining == 20, "{d:?}");
+    let d = s.reserve(t, &both(30, 30), r(2, 30_000), t0 + 1).await.unwrap();
+    assert!(d[0].allowed && !d[1].allowed, "{d:?}");
+    assert_eq!(hit(s, t, op(1, big, 0), t0 + 2).await.used, 60, "refused as a whole: nothing held");
+    let commits = [Commit { key: 1, limit: big, actual: 70 }, Commit { key: 2, limit: small, actual: 10 }];
+    let settled = s.commit(t, 1, &commits, t0 + 3).await.unwrap();
+    assert_eq!(settled, [Settled::Committed { held: 60 }, Settled::Committed { held: 30 }]);
+    assert_eq!(s.commit(t, 1, &commits, t0 + 4).await.unwrap(), [Settled::Again, Settled::Again]);
+    assert_eq!((hit(s, t, op(1, big, 0), t0 + 5).await.used, hit(s, t, op(2, small, 0), t0 + 5).await.used), (70, 10));
+    // an orphan: held until its deadline, given back at it, even to a plain decision
+    assert!(s.reserve(t, &[op(1, big, 20)], r(3, 5_000), t0 + 10).await.unwrap()[0].allowed);
+    assert_eq!(s.peek(t, &[op(1, big, 0)], t0 + 5_009).await.unwrap()[0].used, 90);
+    assert_eq!(hit(s, t, op(1, big, 0), t0 + 5_010).await.used, 70, "released at its deadline");
+    let late = s.commit(t, 3, &[Commit { key: 1, limit: big, actual: 5 }], t0 + 6_000).await.unwrap();
+    assert_eq!((late[0], hit(s, t, op(1, big, 0), t0 + 6_001).await.used), (Settled::Reported, 75));
+    // the next window holds nothing of this one
+    assert!(s.reserve(t, &[op(1, big, 100)], r(4, 5_000), t0 + 60_000).await.unwrap()[0].allowed);
+    let bucket = Limit::TokenBucket { rate: 1, per: 1_000, burst: 5 };
+    assert!(s.reserve(t, &[op(9, bucket, 1)], r(5, 1_000), t0).await.is_err(), "fixed windows only");
+}
+
+/// Many reservations at once on one window: exactly as many as fit are admitted.
+pub async fn concurrent_reservations_never_pass_the_limit(s: Arc<dyn Store>) {
+    let t0 = t0();
+    let t = fresh_tag();
+    let l = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
+    if !s.reservations() {
+        let refused = s.reserve(t, &[op(1, l, 7)], Reservation { id: 1, ttl: 1_000 }, t0).await;
+        assert!(
+            refused.is_err_and(|e| e.to_string().contains("keeps no reservations")),
+            "a store without them says so"
+        );
+        return;
+    }
+    let calls = (0..50u64).map(|id| {
+        let s = s.clone();
+        tokio::spawn(async move { s.reserve(t, &[op(1, l, 7)], Reservation { id, ttl: 30_000 }, t0).await.unwrap()[0] })
+    });
+    let mut admitted = 0;
+    for c in calls {
+        admitted += u64::from(c.await.unwrap().allowed);
+    }
+    assert_eq!(admitted, 100 / 7);
+    assert_eq!(hit(&*s, t, op(1, l, 0), t0).await.used, 7 * (100 / 7));
 }
 
 /// Quota grants on a token bucket (`algo::grant::bucket_grant`): units held by open

@@ -12,8 +12,12 @@
 //! fail-closed refuses it) while every client already held keeps its exact count. Room
 //! comes back as windows end; [`MemoryStats::full`] counts the calls that found none.
 
-use super::{GiveBack, GrantAsk, LocalRegistry, Refund, RegistryOp, RegistryReply, Store, StoreError, no_grants_for};
+use super::{
+    Commit, GiveBack, GrantAsk, LocalRegistry, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store,
+    StoreError, no_grants_for, no_reservations_for,
+};
 use crate::algo::grant::{self, GrantBook, Granted};
+use crate::algo::reservation::{self, Ledger};
 use crate::algo::{self, ConcurrencyState, Decision, Lease, Limit, Op, State};
 use crate::tag::Tag;
 use crate::time::Millis;
@@ -70,6 +74,8 @@ struct Shard {
     map: Map,
     /// The open quota grants of granted windows (see [`crate::algo::grant`]).
     books: HashMap<Slot, GrantBook, BuildHasherDefault<FoldHasher>>,
+    /// The reservations of windows that have some (see [`crate::algo::reservation`]).
+    ledgers: HashMap<Slot, Ledger, BuildHasherDefault<FoldHasher>>,
     /// Collecting scans the shard; do it at most once a second.
     next_collect: Millis,
 }
@@ -98,7 +104,14 @@ impl MemoryStore {
     /// A store holding at most about `max_keys` states (one per policy per client).
     pub fn new(max_keys: usize) -> Self {
         let shards = (0..SHARDS)
-            .map(|_| Mutex::new(Shard { map: Map::default(), books: Default::default(), next_collect: 0 }))
+            .map(|_| {
+                Mutex::new(Shard {
+                    map: Map::default(),
+                    books: Default::default(),
+                    ledgers: Default::default(),
+                    next_collect: 0,
+                })
+            })
             .collect();
         let per_shard = max_keys.div_ceil(SHARDS).max(1);
         Self { shards, per_shard, stats: MemoryStats::default(), registry: LocalRegistry::default() }
@@ -156,6 +169,7 @@ impl MemoryStore {
         let before = shard.map.len();
         shard.map.retain(|_, e| e.expires_at > now);
         shard.books.retain(|_, b| b.expires() + grant::SKEW > now);
+        shard.ledgers.retain(|_, l| l.expires() > now);
         shard.next_collect = now + 1000;
         self.stats.collected.fetch_add((before - shard.map.len()) as u64, Ordering::Relaxed);
     }
@@ -169,6 +183,12 @@ impl MemoryStore {
     /// into `out`. [`StoreError::Full`] when a new state finds no room (nothing written).
     pub fn apply_into(&self, tag: Tag, ops: &[Op], now: Millis, out: &mut Vec<Decision>) -> Result<(), StoreError> {
         let mut shard = self.shard(tag);
+        // reservations past their deadline give their units back before anything counts
+        if !shard.ledgers.is_empty() {
+            for op in ops {
+                Self::settle_lapsed(&mut shard, slot(tag, op.key), &op.limit, now);
+            }
+        }
         // the common case, one limit: one lookup, no allocation
         if let [op] = ops {
             let key = slot(tag, op.key);
@@ -219,6 +239,48 @@ impl MemoryStore {
         }
     }
 
+    /// Brings a window with reservations and its ledger to `now` (a lapsed hold's units
+    /// back, see [`reservation::normalize`]).
+    fn settle_lapsed(shard: &mut Shard, at: Slot, limit: &Limit, now: Millis) {
+        let (Some(ledger), Limit::FixedWindow { window, aligned, .. }) = (shard.ledgers.remove(&at), *limit) else {
+            return;
+        };
+        let state = match shard.map.get(&at) {
+            Some(Entry { state: State::Window(s), .. }) => *s,
+            _ => return,
+        };
+        let (s, ledger) = reservation::normalize(state, ledger, (window, aligned), now);
+        Self::put_reserved(shard, at, limit, s, ledger);
+    }
+
+    /// Stores a window and its ledger.
+    fn put_reserved(shard: &mut Shard, at: Slot, limit: &Limit, s: algo::WindowState, ledger: Ledger) {
+        let state = State::Window(s);
+        let expires_at = limit.expires_at(&state).max(ledger.expires());
+        shard.map.insert(at, Entry { state, expires_at });
+        match ledger.open.is_empty() && ledger.settled.is_empty() {
+            true => shard.ledgers.remove(&at),
+            false => shard.ledgers.insert(at, ledger),
+        };
+    }
+
+    /// A window with reservations and its ledger, brought to `now` (fresh when there is
+    /// none); an error for a limit reservations do not take.
+    fn reserved(
+        shard: &Shard,
+        at: Slot,
+        limit: &Limit,
+        now: Millis,
+    ) -> Result<(algo::WindowState, Ledger), StoreError> {
+        let Limit::FixedWindow { window, aligned, .. } = *limit else { return Err(no_reservations_for(limit)) };
+        let state = match shard.map.get(&at) {
+            Some(Entry { state: State::Window(s), .. }) => *s,
+            _ => algo::WindowState::default(),
+        };
+        let ledger = shard.ledgers.get(&at).cloned().unwrap_or_default();
+        Ok(reservation::normalize(state, ledger, (window, aligned), now))
+    }
+
     fn get(shard: &Shard, tag: Tag, key: u64) -> Option<State> {
         shard.map.get(&slot(tag, key)).map(|e| e.state.clone())
     }
@@ -257,7 +319,12 @@ impl Store for MemoryStore {
 
     async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
         let shard = self.shard(tag);
-        let states = ops.iter().map(|op| Self::get(&shard, tag, op.key)).collect();
+        // a window with reservations reads as brought to now (lapsed holds given back)
+        let state = |op: &Op| match shard.ledgers.contains_key(&slot(tag, op.key)) {
+            true => Self::reserved(&shard, slot(tag, op.key), &op.limit, now).ok().map(|(s, _)| State::Window(s)),
+            false => Self::get(&shard, tag, op.key),
+        };
+        let states = ops.iter().map(state).collect();
         Ok(algo::peek_all(ops, states, now))
     }
 
@@ -304,6 +371,7 @@ impl Store for MemoryStore {
         for op in ops {
             shard.map.remove(&slot(tag, op.key));
             shard.books.remove(&slot(tag, op.key));
+            shard.ledgers.remove(&slot(tag, op.key));
         }
         Ok(())
     }
@@ -357,6 +425,48 @@ impl Store for MemoryStore {
         };
         Self::put_granted(&mut shard, at, &back.limit, state, book);
         Ok(units)
+    }
+
+    fn reservations(&self) -> bool {
+        true
+    }
+
+    async fn reserve(&self, tag: Tag, ops: &[Op], r: Reservation, now: Millis) -> Result<Vec<Decision>, StoreError> {
+        let mut shard = self.shard(tag);
+        let new = ops.iter().filter(|op| !shard.map.contains_key(&slot(tag, op.key))).count();
+        self.make_room(&mut shard, new, now)?;
+        let mut held = Vec::with_capacity(ops.len());
+        for op in ops {
+            let (s, ledger) = Self::reserved(&shard, slot(tag, op.key), &op.limit, now)?;
+            let limit = op.limit.capacity();
+            let (d, next) = reservation::reserve(s, ledger.clone(), limit, (r.id, op.cost, r.ttl), now);
+            held.push((op, d, s, ledger, next));
+        }
+        let admitted = held.iter().all(|(op, d, ..)| op.shadow || d.allowed);
+        let mut out = Vec::with_capacity(ops.len());
+        for (op, d, s, ledger, next) in held {
+            // refused as a whole: the windows as brought to now, nothing held
+            let (s, ledger) = match next {
+                Some(next) if admitted => next,
+                _ => (s, ledger),
+            };
+            Self::put_reserved(&mut shard, slot(tag, op.key), &op.limit, s, ledger);
+            out.push(d);
+        }
+        Ok(out)
+    }
+
+    async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {
+        let mut shard = self.shard(tag);
+        let mut out = Vec::with_capacity(commits.len());
+        for c in commits {
+            let at = slot(tag, c.key);
+            let (s, ledger) = Self::reserved(&shard, at, &c.limit, now)?;
+            let (settled, s, ledger) = reservation::commit(s, ledger, id, c.actual, now);
+            Self::put_reserved(&mut shard, at, &c.limit, s, ledger);
+            out.push(settled);
+        }
+        Ok(out)
     }
 
     fn keeps_registry(&self) -> bool {

@@ -16,6 +16,7 @@ mod registry;
 mod resilient;
 
 use crate::algo::grant::Granted;
+pub use crate::algo::reservation::Settled;
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
 use crate::time::Millis;
@@ -68,6 +69,22 @@ pub struct GiveBack {
     pub id: u64,
     pub unspent: u64,
     pub window: Millis,
+}
+
+/// One state's part of a reservation's commit (see [`crate::algo::reservation`]): the
+/// actual amount spent against the fixed window `key`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Commit {
+    pub key: u64,
+    pub limit: Limit,
+    pub actual: u64,
+}
+
+/// A reservation to hold: as reservation `id`, until `now + ttl`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reservation {
+    pub id: u64,
+    pub ttl: Millis,
 }
 
 /// The underlying error of a [`StoreError`] (an IO error, a Redis reply), kept for
@@ -207,6 +224,26 @@ pub trait Store: Send + Sync + 'static {
         Err(StoreError::protocol(no_grants_reason(self.kind())))
     }
 
+    /// Whether the store keeps reservations (see [`crate::algo::reservation`]).
+    fn reservations(&self) -> bool {
+        false
+    }
+
+    /// Reserves each op's `cost` of its fixed window as `r`, all or nothing as
+    /// [`Store::apply`] decides (a shadow op never refuses the others): one decision per
+    /// op, and the holds recorded only when every enforced op was admitted.
+    async fn reserve(&self, tag: Tag, ops: &[Op], r: Reservation, now: Millis) -> Result<Vec<Decision>, StoreError> {
+        let _ = (tag, ops, r, now);
+        Err(StoreError::protocol(no_reservations_reason(self.kind())))
+    }
+
+    /// Commits reservation `id` with each state's actual amount, in one atomic step:
+    /// what each commit did. Never refused; a commit sent again settles once.
+    async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {
+        let _ = (tag, id, commits, now);
+        Err(StoreError::protocol(no_reservations_reason(self.kind())))
+    }
+
     /// Whether the store keeps the fleet's registry (the memory and Redis stores do).
     fn keeps_registry(&self) -> bool {
         false
@@ -263,6 +300,16 @@ pub(crate) fn no_grants_reason(kind: &str) -> String {
     format!("the {kind} store takes no quota grants (`grants:` on a rule); use a memory or redis store")
 }
 
+/// Why a store of `kind` keeps no reservations.
+pub(crate) fn no_reservations_reason(kind: &str) -> String {
+    format!("the {kind} store keeps no reservations; use a memory store (the Redis stores are next)")
+}
+
+/// The error of a reservation asked for on a limit reservations do not take.
+pub(crate) fn no_reservations_for(limit: &Limit) -> StoreError {
+    StoreError::protocol(format!("reservations take fixed windows, not {}", limit.algorithm()))
+}
+
 /// The error of a store asked for a registry it does not keep.
 fn no_registry(kind: &str) -> StoreError {
     StoreError::protocol(no_registry_reason(kind))
@@ -316,6 +363,15 @@ impl<R: Router> Store for R {
     }
     async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
         self.route(tag).give_back(tag, back, now).await
+    }
+    fn reservations(&self) -> bool {
+        self.stores().iter().all(|s| s.reservations())
+    }
+    async fn reserve(&self, tag: Tag, ops: &[Op], r: Reservation, now: Millis) -> Result<Vec<Decision>, StoreError> {
+        self.route(tag).reserve(tag, ops, r, now).await
+    }
+    async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {
+        self.route(tag).commit(tag, id, commits, now).await
     }
     fn keeps_registry(&self) -> bool {
         self.registry_home().is_some()

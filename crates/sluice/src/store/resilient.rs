@@ -6,7 +6,7 @@
 //! work; then one call is let through as a probe, and its success closes the breaker.
 //! What the client sees when a call fails is the engine's failure policy.
 
-use super::{GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Store, StoreError};
+use super::{Commit, GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError};
 use crate::algo::grant::Granted;
 use crate::algo::{ConcurrencyState, Decision, Lease, Op};
 use crate::tag::Tag;
@@ -281,6 +281,16 @@ impl<S: Store> Store for Resilient<S> {
     }
     async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
         self.call(StoreOp::Grant, self.inner.give_back(tag, back, now)).await
+    }
+    fn reservations(&self) -> bool {
+        self.inner.reservations()
+    }
+    async fn reserve(&self, tag: Tag, ops: &[Op], r: Reservation, now: Millis) -> Result<Vec<Decision>, StoreError> {
+        self.call(StoreOp::Apply, self.inner.reserve(tag, ops, r, now)).await
+    }
+    async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {
+        // a commit is never refused: a refund's path (it gives back or charges work done)
+        self.call(StoreOp::Refund, self.inner.commit(tag, id, commits, now)).await
     }
     fn keeps_registry(&self) -> bool {
         self.inner.keeps_registry()
