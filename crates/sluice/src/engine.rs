@@ -15,7 +15,7 @@ use crate::overrides::{Override, OverrideError, Overrides};
 use crate::plan::{Group, Mode, Plan, plan, unevaluated};
 use crate::request::{Request, RequestError};
 use crate::rules::{Domain, GrantRule, Rules};
-use crate::store::{Refund, Store, StoreError};
+use crate::store::{Commit, Refund, Reservation, Settled, Store, StoreError};
 use crate::tag::Tag;
 use crate::telemetry;
 use crate::time::{Clock, Millis};
@@ -244,6 +244,75 @@ impl Limiter {
             self.forget(g.tag, &refunds);
         }
         Ok(())
+    }
+
+    /// Reserves each descriptor's cost (its `hits_addend`, else the request's) of every
+    /// matching fixed window as reservation `id`, held until `ttl` from now or until
+    /// [`Limiter::commit`]: admitted all or nothing, as a check is, counting the other
+    /// reservations held (see [`crate::algo::reservation`]). A matching policy of another
+    /// kind is refused with [`RequestError::NotReservable`]; quota grants are not used
+    /// (a reservation is a store call, and counts in the same window as grants do).
+    pub async fn reserve(&self, req: &Request, id: u64, ttl: Millis) -> Result<Verdict, CheckError> {
+        let now = self.clock.now();
+        let Plan { domain, mut descriptors, groups } =
+            plan(&self.rules, &self.overrides.current(), req, Mode::Charge, None, now)?;
+        reservable(&groups, &descriptors)?;
+        let r = Reservation { id, ttl };
+        let results = futures_util::future::join_all(groups.iter().map(|g| self.store.reserve(g.tag, &g.ops, r, now)));
+        let mut tally = Tally::default();
+        for (g, result) in groups.iter().zip(results.await) {
+            self.record(g, result.map(|d| (d, Source::Store)), Mode::Charge, now, &mut descriptors, &mut tally)?;
+        }
+        let allowed = tally.refused_groups == 0;
+        if !allowed {
+            // another client's part refused: what the others hold goes back
+            self.settle(&groups, id, now).await?;
+            for ((_, held), &(di, pi)) in tally.charges.drain(..).zip(&tally.charged) {
+                let d = &mut descriptors[di].policies[pi].decision;
+                d.used = d.used.saturating_sub(held.cost);
+                d.remaining = d.remaining.saturating_add(held.cost).min(d.limit);
+            }
+        }
+        let outcome = outcome(allowed, &mut descriptors);
+        self.count(domain, req, Mode::Charge, &descriptors, tally.degraded, false);
+        let binding = binding(&descriptors);
+        Ok(Verdict { outcome, descriptors, binding, lease: None, degraded: tally.degraded, now, charges: Vec::new() })
+    }
+
+    /// Commits reservation `id`: `req` names the descriptors it reserved, each with the
+    /// amount actually spent as its cost (more or less than held; never refused, and a
+    /// cost above a limit is taken). Settles once however often it is sent; a
+    /// reservation released at its deadline is charged its actual as a report. One
+    /// answer per matching fixed window, in plan order.
+    pub async fn commit(&self, req: &Request, id: u64) -> Result<Vec<Settled>, CheckError> {
+        let now = self.clock.now();
+        let req = Request { lenient: true, ..req.clone() };
+        let Plan { descriptors, groups, .. } =
+            plan(&self.rules, &self.overrides.current(), &req, Mode::Charge, None, now)?;
+        reservable(&groups, &descriptors)?;
+        let mut settled = Vec::new();
+        for g in &groups {
+            let commits: Vec<Commit> =
+                g.ops.iter().map(|o| Commit { key: o.key, limit: o.limit, actual: o.cost }).collect();
+            settled.extend(self.store.commit(g.tag, id, &commits, now).await?);
+        }
+        Ok(settled)
+    }
+
+    /// Releases what reservation `id` holds on every group's windows (a commit of 0).
+    async fn settle(&self, groups: &[Group], id: u64, now: Millis) -> Result<(), StoreError> {
+        for g in groups {
+            let commits: Vec<Commit> = g.ops.iter().map(|o| Commit { key: o.key, limit: o.limit, actual: 0 }).collect();
+            self.store.commit(g.tag, id, &commits, now).await?;
+        }
+        Ok(())
+    }
+
+    /// A keyed digest of `bytes` under `limiter.key_secret` (see
+    /// [`crate::tag::Tagger::seal`]): for tokens handed out and taken back, such as a
+    /// reservation's.
+    pub fn seal(&self, bytes: &[u8]) -> u128 {
+        self.rules.tagger.seal(bytes)
     }
 
     /// Releases a lease (idempotent). Returns whether it was held.
@@ -825,6 +894,20 @@ struct Tally {
     /// A group taking a lease allowed: the lease is held.
     leased: bool,
     degraded: Option<Failure>,
+}
+
+/// Whether every policy a plan reaches takes reservations (fixed windows do); the
+/// first that does not, named.
+fn reservable(groups: &[Group], descriptors: &[DescriptorVerdict]) -> Result<(), RequestError> {
+    for g in groups {
+        for (op, &(di, pi)) in g.ops.iter().zip(&g.slots) {
+            if !matches!(op.limit, Limit::FixedWindow { .. }) {
+                let policy = descriptors[di].policies[pi].name.to_string();
+                return Err(RequestError::NotReservable { descriptor: di, policy, algorithm: op.limit.algorithm() });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Marks each descriptor refused by an enforced policy (over its limit), or by a

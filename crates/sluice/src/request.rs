@@ -116,6 +116,11 @@ pub enum RequestError {
     },
     #[error("lease id '{0}' is not one this service issued")]
     BadLeaseId(String),
+    #[error(
+        "descriptors[{descriptor}] reaches policy '{policy}', a {algorithm}; reservations take fixed windows \
+         (`rate_limit:` or `fixed_window:`)"
+    )]
+    NotReservable { descriptor: usize, policy: String, algorithm: &'static str },
 }
 
 impl RequestError {
@@ -129,6 +134,7 @@ impl RequestError {
             RequestError::CostAboveCapacity { .. } => "cost_above_capacity",
             RequestError::BadLimit { .. } | RequestError::LimitRefused(_) => "bad_limit",
             RequestError::BadLeaseId(_) => "bad_lease_id",
+            RequestError::NotReservable { .. } => "not_reservable",
         }
     }
 }

@@ -53,6 +53,15 @@ impl Tagger {
         Self { k0: k.h1, k1: k.h2 }
     }
 
+    /// A keyed digest of `bytes`, apart from every tag (its own domain word): what an
+    /// interface signs a token it hands out with, so a token is taken back only as
+    /// issued (by any instance of the fleet, which shares the secret).
+    pub fn seal(&self, bytes: &[u8]) -> u128 {
+        let mut h = SipHasher13x128::new_with_keys(self.k0, self.k1);
+        feed(&mut h, &[b"sluice-seal", bytes]);
+        h.finish128().as_u128()
+    }
+
     /// The tag of the client `key=value` in `domain`.
     pub fn tag(&self, domain: &str, key: &str, value: &str) -> Tag {
         self.tag_of(domain, &[(key, value)])

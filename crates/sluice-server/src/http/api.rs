@@ -23,10 +23,17 @@ async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Resu
         error(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not a valid rate limit request: {e}"))
     })?;
     let req = parsed.into_request().map_err(|e| error(StatusCode::BAD_REQUEST, "bad_limit", e))?;
-    match state.xds.as_ref().and_then(|x| x.waiting()) {
-        Some(why) => Err(error(StatusCode::SERVICE_UNAVAILABLE, "no_rules_yet", why)),
+    match not_ready(state) {
+        Some(refused) => Err(refused),
         None => Ok(req),
     }
+}
+
+/// Why decisions cannot be made yet, as the answer: with `xds`, before the first rules
+/// are pushed.
+pub(crate) fn not_ready(state: &AppState) -> Option<Response> {
+    let why = state.xds.as_ref().and_then(|x| x.waiting())?;
+    Some(error(StatusCode::SERVICE_UNAVAILABLE, "no_rules_yet", why))
 }
 
 /// Reads a request body of at most `server.max_body_bytes` within `server.body_timeout`;
@@ -64,10 +71,21 @@ pub(crate) async fn read_body(state: &AppState, headers: &HeaderMap, body: Body)
 /// the settings of the engine that decided, not whatever a reload has put in
 /// force since.
 fn verdict_response(engine: &Engine, v: &Verdict, status: StatusCode) -> Response {
+    verdict_response_with(engine, v, status, None)
+}
+
+/// [`verdict_response`], with the id of the reservation it made, if any.
+pub(crate) fn verdict_response_with(
+    engine: &Engine,
+    v: &Verdict,
+    status: StatusCode,
+    reservation_id: Option<String>,
+) -> Response {
     // written once into a buffer that holds a one-descriptor answer (a growing buffer
     // copies what it holds at each step)
     let mut body = Vec::with_capacity(RESPONSE_BYTES);
-    serde_json::to_writer(&mut body, &response_json(v)).expect("strings, numbers and lists write to a Vec");
+    let json = super::json::ResponseJson { reservation_id, ..response_json(v) };
+    serde_json::to_writer(&mut body, &json).expect("strings, numbers and lists write to a Vec");
     let rendered = headers::render(v, &engine.headers);
     let mut resp = Response::new(Body::from(body));
     *resp.status_mut() = status;
@@ -88,7 +106,7 @@ fn verdict_response(engine: &Engine, v: &Verdict, status: StatusCode) -> Respons
 const RESPONSE_BYTES: usize = 640;
 
 /// The HTTP status of a verdict: the API's one mapping of the engine's outcome.
-fn code(v: &Verdict) -> StatusCode {
+pub(crate) fn code(v: &Verdict) -> StatusCode {
     match v.outcome {
         Outcome::Allowed => StatusCode::OK,
         Outcome::OverLimit => StatusCode::TOO_MANY_REQUESTS,

@@ -100,6 +100,9 @@ pub struct ResponseJson<'a> {
     pub statuses: Vec<StatusJson<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_id: Option<String>,
+    /// The reservation made (`POST /v1/reservations`), to commit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reservation_id: Option<String>,
     /// `fail-open` or `fail-closed` when the store could not answer and the failure
     /// policy decided.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -214,6 +217,7 @@ pub fn response_json(v: &Verdict) -> ResponseJson<'_> {
         overall_code: overall.as_str(),
         statuses: v.descriptors.iter().map(|d| status_json(d, v.now)).collect(),
         lease_id: v.lease.as_ref().map(|l| l.to_string()),
+        reservation_id: None,
         degraded: v.degraded.map(|f| f.header_value()),
         shadow_denials: v.shadow_denials().map(|p| &*p.name).collect(),
     }

@@ -13,6 +13,7 @@ pub mod error;
 pub mod json;
 pub mod listen;
 pub mod probes;
+pub mod reservations;
 pub mod ui;
 
 use crate::state::AppState;
@@ -31,6 +32,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/leases", post(api::acquire))
         .route("/v1/leases/{lease_id}", delete(api::release))
         .route("/v1/refund", post(api::refund))
+        .route("/v1/reservations", post(reservations::reserve))
+        .route("/v1/reservations/{id}/commit", post(reservations::commit))
         .route("/json", post(envoy::json));
     // the data plane: behind `server.api_tokens` when there are any (a layer only then:
     // without tokens a decision pays nothing for it)

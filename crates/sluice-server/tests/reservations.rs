@@ -1,0 +1,129 @@
+//! Reservations over HTTP on the default store: `POST /v1/reservations` holds an
+//! estimate, `POST /v1/reservations/{id}/commit` settles the actual; input and output
+//! amounts held against different rules; an orphan released at its deadline; a token
+//! taken back only as issued.
+
+mod common;
+
+use common::start;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+const DOMAINS: &str = "  - domain: llm
+    descriptors:
+      - key: user
+        descriptors:
+          - key: tokens
+            value: input
+            rate_limit: {unit: minute, requests_per_unit: 1000}
+          - key: tokens
+            value: output
+            rate_limit: {unit: minute, requests_per_unit: 100}
+      - key: bucket
+        policies: [{name: b, token_bucket: {rate: 10, per: 1s, burst: 10}}]
+";
+
+fn output(user: &str) -> Value {
+    json!({"entries": [{"key": "user", "value": user}, {"key": "tokens", "value": "output"}]})
+}
+
+async fn reserve(client: &reqwest::Client, base: &str, body: Value) -> (u16, Value) {
+    let r = client.post(format!("{base}/v1/reservations")).json(&body).send().await.unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
+}
+
+async fn commit(client: &reqwest::Client, base: &str, id: &str, body: Value) -> (u16, Value) {
+    let r = client.post(format!("{base}/v1/reservations/{id}/commit")).json(&body).send().await.unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
+}
+
+/// What the output rule of `user` has used, by a status call (never charging).
+async fn used(client: &reqwest::Client, base: &str, user: &str) -> u64 {
+    let url = format!("{base}/v1/ratelimit?domain=llm&user={user}&tokens=output");
+    let v: Value = client.get(url).send().await.unwrap().json().await.unwrap();
+    v["statuses"][0]["policies"][0]["used"].as_u64().unwrap_or_else(|| panic!("{v}"))
+}
+
+#[tokio::test]
+async fn an_estimate_is_held_and_the_actual_settled_once() {
+    let s = start(DOMAINS);
+    let (client, base) = (reqwest::Client::new(), s.base.clone());
+    let hold = |amount: u64| json!({"domain": "llm", "descriptors": [output("ann")], "amount": amount, "ttl": "30s"});
+    let (code, first) = reserve(&client, &base, hold(60)).await;
+    assert_eq!(code, 200, "{first}");
+    let first_id = first["reservation_id"].as_str().unwrap().to_string();
+    let (code, refused) = reserve(&client, &base, hold(50)).await;
+    assert_eq!(code, 429, "60 held + 50 > 100: {refused}");
+    assert!(refused.get("reservation_id").is_none());
+    assert_eq!(used(&client, &base, "ann").await, 60, "held counts as used");
+    let (code, settled) = commit(&client, &base, &first_id, json!({"actual": 30})).await;
+    assert_eq!((code, &settled["settled"]), (200, &json!(["committed"])));
+    assert_eq!(used(&client, &base, "ann").await, 30, "the actual replaced the estimate");
+    let (code, second) = reserve(&client, &base, hold(50)).await;
+    assert_eq!(code, 200, "{second}");
+    let second_id = second["reservation_id"].as_str().unwrap();
+    // an underestimate is charged, never refused
+    assert_eq!(commit(&client, &base, second_id, json!({"actual": 80})).await.0, 200);
+    assert_eq!(used(&client, &base, "ann").await, 110);
+    let (_, again) = commit(&client, &base, &first_id, json!({"actual": 30})).await;
+    assert_eq!(again["settled"], json!(["again"]), "a commit sent twice settles once");
+    assert_eq!(used(&client, &base, "ann").await, 110);
+    // a token altered (its payload, or its seal), or made up, is refused
+    let (payload, seal) = first_id.split_once('.').unwrap();
+    let flip = |s: &str| format!("{}{}", if s.starts_with('A') { 'B' } else { 'A' }, &s[1..]);
+    for forged in [
+        format!("{}.{seal}", flip(payload)),
+        format!("{payload}.{}", flip(seal)),
+        format!("{payload}.0{seal}"),
+        "x".into(),
+    ] {
+        let (code, e) = commit(&client, &base, &forged, json!({"actual": 1})).await;
+        assert_eq!((code, e["error"]["code"].as_str()), (400, Some("bad_reservation_id")), "{forged}: {e}");
+    }
+    assert_eq!(used(&client, &base, "ann").await, 110);
+}
+
+/// One request holds its input tokens (known) and an output estimate against two rules,
+/// and commits each its own actual.
+#[tokio::test]
+async fn input_and_output_are_held_apart() {
+    let s = start(DOMAINS);
+    let (client, base) = (reqwest::Client::new(), s.base.clone());
+    let input =
+        json!({"entries": [{"key": "user", "value": "bo"}, {"key": "tokens", "value": "input"}], "hits_addend": 400});
+    let body = json!({"domain": "llm", "descriptors": [input, output("bo")], "amount": 90});
+    let (code, held) = reserve(&client, &base, body).await;
+    assert_eq!(code, 200, "{held}");
+    let id = held["reservation_id"].as_str().unwrap();
+    let (code, settled) = commit(&client, &base, id, json!({"actuals": [400, 35]})).await;
+    assert_eq!((code, &settled["settled"]), (200, &json!(["committed", "committed"])), "{settled}");
+    assert_eq!(used(&client, &base, "bo").await, 35);
+    let url = format!("{base}/v1/ratelimit?domain=llm&user=bo&tokens=input");
+    let v: Value = client.get(url).send().await.unwrap().json().await.unwrap();
+    assert_eq!(v["statuses"][0]["policies"][0]["used"], 400);
+    let (code, e) = commit(&client, &base, id, json!({"actuals": [1]})).await;
+    assert_eq!(code, 400, "one number for two descriptors: {e}");
+}
+
+/// A reservation never committed (a client gone mid-stream) holds nothing after its TTL;
+/// a rule that is not a fixed window is refused by name; bad TTLs are refused.
+#[tokio::test]
+async fn orphans_lapse_and_mistakes_are_named() {
+    let s = start(DOMAINS);
+    let (client, base) = (reqwest::Client::new(), s.base.clone());
+    let body = json!({"domain": "llm", "descriptors": [output("cy")], "amount": 100, "ttl": "300ms"});
+    assert_eq!(reserve(&client, &base, body.clone()).await.0, 200);
+    assert_eq!(reserve(&client, &base, body.clone()).await.0, 429, "the budget is held");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(used(&client, &base, "cy").await, 0, "released at its deadline");
+    assert_eq!(reserve(&client, &base, body).await.0, 200, "the budget is whole again");
+    let bucket = json!({"domain": "llm", "descriptors": [{"entries": [{"key": "bucket", "value": "x"}]}], "amount": 1});
+    let (code, e) = reserve(&client, &base, bucket).await;
+    assert_eq!((code, e["error"]["code"].as_str()), (400, Some("not_reservable")), "{e}");
+    assert!(e["error"]["message"].as_str().unwrap().contains("'b'"), "{e}");
+    for ttl in ["0s", "2h"] {
+        let body = json!({"domain": "llm", "descriptors": [output("cy")], "amount": 1, "ttl": ttl});
+        let (code, e) = reserve(&client, &base, body).await;
+        assert_eq!((code, e["error"]["code"].as_str()), (400, Some("bad_ttl")), "{ttl}: {e}");
+    }
+}
