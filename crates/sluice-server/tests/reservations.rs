@@ -70,13 +70,18 @@ async fn an_estimate_is_held_and_the_actual_settled_once() {
     assert_eq!(used(&client, &base, "ann").await, 110);
     // a token altered (its payload, or its seal), or made up, is refused
     let (payload, seal) = first_id.split_once('.').unwrap();
-    let flip = |s: &str| format!("{}{}", if s.starts_with('A') { 'B' } else { 'A' }, &s[1..]);
+    // another first character, of the same alphabet: a different byte, whatever it was
+    let flip = |s: &str, a: char, b: char| format!("{}{}", if s.starts_with(a) { b } else { a }, &s[1..]);
     for forged in [
-        format!("{}.{seal}", flip(payload)),
-        format!("{payload}.{}", flip(seal)),
+        format!("{}.{seal}", flip(payload, 'A', 'B')),
+        format!("{payload}.{}", flip(seal, '0', '1')),
+        format!("{payload}.{}", seal.to_uppercase()),
         format!("{payload}.0{seal}"),
         "x".into(),
-    ] {
+    ]
+    .into_iter()
+    .filter(|f| *f != first_id)
+    {
         let (code, e) = commit(&client, &base, &forged, json!({"actual": 1})).await;
         assert_eq!((code, e["error"]["code"].as_str()), (400, Some("bad_reservation_id")), "{forged}: {e}");
     }
