@@ -1,8 +1,9 @@
 //! `sluice serve --ratelimit-env`: envoyproxy/ratelimit's environment variables read as
 //! a Sluice config, so a deployment swaps their image for Sluice's and changes nothing
-//! else. The variables become a config file (written beside nothing the user owns, in a
-//! directory of its own under the system's temporary directory), which then loads,
-//! reloads and fails exactly as a written one does; `sluice config from-env` prints it.
+//! else. The variables become a config's text, held in memory (Envoy Gateway runs the
+//! image on a read-only root), which then loads, reloads its `domains_from` and fails
+//! exactly as a written one does; `sluice config from-env` prints it. With
+//! `CONFIG_TYPE=GRPC_XDS_SOTW` the rules come from an xDS server instead (`xds/`).
 //!
 //! Every variable of theirs falls in one of three groups (the table in docs/envoy.md):
 //! honoured (mapped to a config key), without meaning here (accepted, and named in one
