@@ -27,11 +27,6 @@ use tonic::Status;
 /// says why there is none.
 pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<RateLimitResponse, Status> {
     let req = request(r)?;
-    if let Some(why) = state.xds.as_ref().and_then(|x| x.waiting()) {
-        // as envoyproxy/ratelimit answers before its first config: an error, which
-        // Envoy's filter takes as allowed unless `failure_mode_deny`
-        return Err(Status::unavailable(why));
-    }
     let engine = state.engine.load_full();
     let decided = engine.limiter.check(&req).await;
     crate::otel::decided(&engine.limiter, &req, &decided);
@@ -44,6 +39,9 @@ pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<
             tracing::debug!(domain = %req.domain.escape_debug(), "unknown domain: answered OK");
             Ok(unknown_domain(&engine, &req))
         }
+        // rules still to come, as envoyproxy/ratelimit answers before its first config:
+        // an error, which Envoy's filter takes as allowed unless `failure_mode_deny`
+        Err(CheckError::Request(RequestError::NoRules(why))) => Err(Status::unavailable(why)),
         Err(CheckError::Request(e)) => Err(Status::invalid_argument(e.to_string())),
         Err(CheckError::Store(e)) => Err(Status::unavailable(e.to_string())),
     }

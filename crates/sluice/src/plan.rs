@@ -118,6 +118,9 @@ pub(crate) fn plan<'r>(
     lease: Option<Lease>,
     now: Millis,
 ) -> Result<Plan<'r>, RequestError> {
+    if let Some(why) = &rules.pending {
+        return Err(RequestError::NoRules(why.to_string()));
+    }
     let domain = rules.domain(&req.domain).ok_or_else(|| RequestError::UnknownDomain {
         domain: req.domain.chars().take(200).collect(),
         known: rules.domain_names().join(", "),

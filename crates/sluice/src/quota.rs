@@ -175,6 +175,9 @@ impl Limiter {
     /// `Domain::arrange`), then planned as a descriptor with those entries would be,
     /// overrides included. It must reach exactly one limit, a fixed window.
     pub fn quota_target(&self, domain: &str, entries: &[(&str, &str)]) -> Result<QuotaTarget, QuotaError> {
+        if let Some(why) = &self.rules().pending {
+            return Err(RequestError::NoRules(why.to_string()).into());
+        }
         let d = self.rules().domain(domain).ok_or_else(|| QuotaError::UnknownDomain {
             domain: domain.chars().take(200).collect(),
             known: self.rules().domain_names().join(", "),

@@ -121,6 +121,9 @@ pub enum RequestError {
          (`rate_limit:` or `fixed_window:`)"
     )]
     NotReservable { descriptor: usize, policy: String, algorithm: &'static str },
+    /// There are no rules yet: they are still to come (see [`crate::rules::Rules::pending`]).
+    #[error("{0}")]
+    NoRules(String),
 }
 
 impl RequestError {
@@ -135,6 +138,7 @@ impl RequestError {
             RequestError::BadLimit { .. } | RequestError::LimitRefused(_) => "bad_limit",
             RequestError::BadLeaseId(_) => "bad_lease_id",
             RequestError::NotReservable { .. } => "not_reservable",
+            RequestError::NoRules(_) => "no_rules_yet",
         }
     }
 }

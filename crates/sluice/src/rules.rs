@@ -208,6 +208,9 @@ pub struct Rules {
     pub(crate) request_bounds: crate::config::RequestBounds,
     /// The most stored overrides (`limiter.max_overrides`).
     pub(crate) max_overrides: u64,
+    /// Why there are no rules yet, when they are still to come (pushed by a control
+    /// plane): every request is answered [`crate::RequestError::NoRules`] until then.
+    pub(crate) pending: Option<Arc<str>>,
 }
 
 /// A config that cannot be compiled: where (a path like
@@ -243,7 +246,16 @@ impl Rules {
             near_limit_ratio: limiter.near_limit_ratio,
             request_bounds: limiter.request_bounds,
             max_overrides: limiter.max_overrides,
+            pending: None,
         })
+    }
+
+    /// These rules, standing for rules still to come: every request is answered
+    /// [`crate::RequestError::NoRules`] saying `why` (a server waiting for its control
+    /// plane's first push), not taken for an unknown domain.
+    pub fn pending(mut self, why: impl Into<Arc<str>>) -> Self {
+        self.pending = Some(why.into());
+        self
     }
 
     /// A domain's rules.

@@ -252,11 +252,15 @@ fn compile(config: Config, text: &str, file: &str) -> Result<Loaded, ConfigError
         };
         return Err(ConfigError { file: file.to_string(), at: None, message: message.into() });
     }
-    let rules = config.rules().map_err(|e| ConfigError {
+    let mut rules = config.rules().map_err(|e| ConfigError {
         file: file.to_string(),
         at: locate(text, &e.anchors),
         message: e.to_string(),
     })?;
+    if let Some(xds) = &config.xds {
+        // the rules are the control plane's: none until its first push
+        rules = rules.pending(xds.waiting());
+    }
     let checked = crate::config::checks::server(&config.server)
         .and_then(|()| crate::config::checks::store(&config.store, &rules));
     checked.map_err(|e| ConfigError { file: file.to_string(), at: locate(text, &e.anchors), message: e.message })?;

@@ -90,6 +90,17 @@ pub struct XdsTls {
     pub server_name: Option<String>,
 }
 
+impl XdsConfig {
+    /// What a server waiting for the first push says: the reason its pending rules give
+    /// every request until then (`Rules::pending`), and its readiness.
+    pub fn waiting(&self) -> String {
+        format!(
+            "no rate limit configuration loaded yet: waiting for the first push from the xDS server at {}",
+            self.server
+        )
+    }
+}
+
 fn default_node_id() -> String {
     "default".into()
 }

@@ -22,18 +22,7 @@ async fn read_request(state: &AppState, headers: &HeaderMap, body: Body) -> Resu
     let parsed: RequestJson = serde_json::from_slice(&bytes).map_err(|e| {
         error(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not a valid rate limit request: {e}"))
     })?;
-    let req = parsed.into_request().map_err(|e| error(StatusCode::BAD_REQUEST, "bad_limit", e))?;
-    match not_ready(state) {
-        Some(refused) => Err(refused),
-        None => Ok(req),
-    }
-}
-
-/// Why decisions cannot be made yet, as the answer: with `xds`, before the first rules
-/// are pushed.
-pub(crate) fn not_ready(state: &AppState) -> Option<Response> {
-    let why = state.xds.as_ref().and_then(|x| x.waiting())?;
-    Some(error(StatusCode::SERVICE_UNAVAILABLE, "no_rules_yet", why))
+    parsed.into_request().map_err(|e| error(StatusCode::BAD_REQUEST, "bad_limit", e))
 }
 
 /// Reads a request body of at most `server.max_body_bytes` within `server.body_timeout`;

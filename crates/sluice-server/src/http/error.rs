@@ -6,8 +6,8 @@ use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
-use sluice::CheckError;
 use sluice::overrides::OverrideError;
+use sluice::{CheckError, RequestError};
 use std::sync::Arc;
 
 /// A JSON error: `{"error": {"code": ..., "message": ...}}`.
@@ -17,6 +17,10 @@ pub(crate) fn error(status: StatusCode, code: &str, message: String) -> Response
 
 pub(crate) fn check_error(e: CheckError) -> Response {
     match e {
+        // rules still to come (a control plane's first push): not the caller's mistake
+        CheckError::Request(e @ RequestError::NoRules(_)) => {
+            error(StatusCode::SERVICE_UNAVAILABLE, e.code(), e.to_string())
+        }
         CheckError::Request(e) => error(StatusCode::BAD_REQUEST, e.code(), e.to_string()),
         CheckError::Store(e) => {
             // the store's failing and recovering are logged where it is wrapped, once each

@@ -3,12 +3,12 @@
 //! /v1/reservations/{id}/commit` settles the actual, on any instance.
 //!
 //! The reservation id is a token that carries what a commit needs (the domain, each
-//! descriptor's entries, the reservation's number and deadline), sealed with a keyed
+//! descriptor's entries, the reservation's number), sealed with a keyed
 //! digest under `limiter.key_secret`, so any instance of the fleet takes it back and none
 //! takes one it did not issue or one altered. The store keeps the holds; the token keeps
 //! nothing a client could use to charge another client.
 
-use super::api::{not_ready, read_body, verdict_response_with};
+use super::api::{read_body, verdict_response_with};
 use super::error::{check_error, error};
 use super::json::{DescriptorJson, RequestJson};
 use crate::state::AppState;
@@ -63,8 +63,6 @@ struct Token {
     e: Vec<Vec<(String, String)>>,
     /// The reservation's number.
     i: u64,
-    /// Its deadline, ms since the epoch.
-    x: u64,
 }
 
 /// `POST /v1/reservations`.
@@ -86,14 +84,11 @@ pub async fn reserve(State(state): State<Arc<AppState>>, headers: HeaderMap, bod
         Ok(req) => req,
         Err(e) => return error(StatusCode::BAD_REQUEST, "bad_limit", e),
     };
-    if let Some(waiting) = not_ready(&state) {
-        return waiting;
-    }
     let engine = state.engine.load_full();
     let id = random_id();
     match engine.limiter.reserve(&req, id, parsed.ttl.0).await {
         Ok(v) if v.outcome == sluice::Outcome::Allowed => {
-            let token = seal(&engine.limiter, &req, id, v.now + parsed.ttl.0);
+            let token = seal(&engine.limiter, &req, id);
             verdict_response_with(&engine, &v, StatusCode::OK, Some(token))
         }
         Ok(v) => verdict_response_with(&engine, &v, super::api::code(&v), None),
@@ -169,11 +164,11 @@ fn random_id() -> u64 {
     u64::from_le_bytes(b)
 }
 
-/// The token of reservation `id` of `req`, valid until `deadline`.
-fn seal(limiter: &sluice::Limiter, req: &Request, id: u64, deadline: u64) -> String {
+/// The token of reservation `id` of `req`.
+fn seal(limiter: &sluice::Limiter, req: &Request, id: u64) -> String {
     let e =
         req.descriptors.iter().map(|d| d.entries.iter().map(|e| (e.key.clone(), e.value.clone())).collect()).collect();
-    let token = Token { d: req.domain.clone(), e, i: id, x: deadline };
+    let token = Token { d: req.domain.clone(), e, i: id };
     let payload = serde_json::to_vec(&token).expect("strings and numbers serialize");
     let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
     format!("{}.{:032x}", b64.encode(&payload), limiter.seal(&payload))
@@ -184,9 +179,6 @@ fn seal(limiter: &sluice::Limiter, req: &Request, id: u64, deadline: u64) -> Str
 fn open(limiter: &sluice::Limiter, token: &str) -> Option<Token> {
     let (payload, mac) = token.split_once('.')?;
     let payload = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(payload).ok()?;
-    let expected = format!("{:032x}", limiter.seal(&payload));
-    // constant time for a given length, as the API tokens are compared
-    let same =
-        expected.len() == mac.len() && expected.bytes().zip(mac.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
-    same.then(|| serde_json::from_slice(&payload).ok()).flatten()
+    let sealed = crate::state::same(mac.as_bytes(), format!("{:032x}", limiter.seal(&payload)).as_bytes());
+    sealed.then(|| serde_json::from_slice(&payload).ok()).flatten()
 }

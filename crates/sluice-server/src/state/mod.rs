@@ -148,6 +148,6 @@ pub fn basic_is(authorization: Option<&[u8]>, token: &str) -> bool {
 }
 
 /// Equal bytes, compared in constant time for a given length.
-fn same(given: &[u8], wanted: &[u8]) -> bool {
+pub fn same(given: &[u8], wanted: &[u8]) -> bool {
     given.len() == wanted.len() && given.iter().zip(wanted).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
 }

@@ -7,22 +7,16 @@
 use crate::config::Config;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// The rules as pushed, and the config they are in force under.
-pub struct Pushed {
-    /// The config in force, with the pushed domains.
-    pub config: Config,
-    /// The version of the resources in force ("" before the first push).
-    pub version: String,
-}
-
 /// The xDS side of the state.
 pub struct XdsState {
-    /// The management server, for what a waiting instance answers.
-    pub server: String,
+    /// What a waiting instance says (see `XdsConfig::waiting`).
+    waiting: String,
     /// `xds.start_without_config`.
     pub start_without_config: bool,
     loaded: AtomicBool,
-    pub turn: tokio::sync::Mutex<Pushed>,
+    /// The config in force, its `domains` the rules last pushed; held while rules are put
+    /// in force.
+    pub turn: tokio::sync::Mutex<Config>,
 }
 
 impl XdsState {
@@ -30,10 +24,10 @@ impl XdsState {
     pub fn new(config: &Config) -> Option<Self> {
         let xds = config.xds.as_ref()?;
         Some(Self {
-            server: xds.server.clone(),
+            waiting: xds.waiting(),
             start_without_config: xds.start_without_config,
             loaded: AtomicBool::new(false),
-            turn: tokio::sync::Mutex::new(Pushed { config: config.clone(), version: String::new() }),
+            turn: tokio::sync::Mutex::new(config.clone()),
         })
     }
 
@@ -46,19 +40,9 @@ impl XdsState {
         self.loaded.store(true, Ordering::Release);
     }
 
-    /// Why decisions cannot be made yet, before the first push.
-    pub fn waiting(&self) -> Option<String> {
-        (!self.loaded()).then(|| {
-            format!(
-                "no rate limit configuration loaded yet: waiting for the first push from the xDS server at {}",
-                self.server
-            )
-        })
-    }
-
     /// Why the instance is not ready: waiting for the first push, unless
     /// `start_without_config`.
     pub fn unready(&self) -> Option<String> {
-        self.waiting().filter(|_| !self.start_without_config)
+        (!self.loaded() && !self.start_without_config).then(|| self.waiting.clone())
     }
 }

@@ -12,8 +12,10 @@
 //! at `xds.retry`, doubles up to `xds.max_retry`, is jittered, and starts over once a
 //! stream delivered; the rules in force stay meanwhile.
 //!
-//! Before the first push there are no rules: decisions are answered `UNAVAILABLE`
-//! (service.rs), and the instance is not ready unless `xds.start_without_config`.
+//! Before the first push the rules in force are pending (`Rules::pending`, set by
+//! `config::load`): every decision is refused `NoRules`, which gRPC answers
+//! `UNAVAILABLE` (service.rs) and HTTP 503; the instance is not ready unless
+//! `xds.start_without_config`.
 
 pub mod proto;
 
@@ -161,16 +163,15 @@ async fn apply(state: &AppState, response: &DiscoveryResponse) -> Result<(), Str
     }
     let Some(xds) = &state.xds else { return Err("xDS is not configured".into()) };
     let mut pushed = xds.turn.lock().await;
-    let (domains, rules) = with_domains(&pushed.config, domains).map_err(|e| e.to_string())?;
+    let (domains, rules) = with_domains(&pushed, domains).map_err(|e| e.to_string())?;
     let names: Vec<String> = domains.iter().map(|d| d.domain.0.clone()).collect();
-    let mut config = pushed.config.clone();
+    let mut config = pushed.clone();
     config.domains = domains;
     let current = state.engine.load();
     let store = current.limiter.store().clone();
     let next = build::engine(&config, rules, store, build::clock(&config.limiter), Some(&current.limiter));
     state.engine.store(Arc::new(next));
-    pushed.config = config;
-    pushed.version = response.version_info.clone();
+    *pushed = config;
     xds.set_loaded();
     if names.is_empty() {
         tracing::warn!(version = %response.version_info, "xDS push in force: no domain (every request is for an unknown domain)");

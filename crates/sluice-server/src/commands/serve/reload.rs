@@ -224,8 +224,9 @@ async fn reload(source: &Source, current: &Config, state: &AppState) -> Result<C
         Some(xds) => Some(xds.turn.lock().await),
         None => None,
     };
-    if let Some(p) = &pushed {
-        config.domains = p.config.domains.clone();
+    // the pushed rules, once there are some (before, the pending ones load made)
+    if let (Some(p), true) = (&pushed, state.xds.as_ref().is_some_and(|x| x.loaded())) {
+        config.domains = p.domains.clone();
         rules = config.rules().map_err(|e| ConfigError { file: source.name(), at: None, message: e.to_string() })?;
     }
     let mut applied = vec!["rules (domains, headers)"];
@@ -273,7 +274,7 @@ async fn reload(source: &Source, current: &Config, state: &AppState) -> Result<C
     warn_restart(&config, current);
     tracing::info!(file = %source.name(), applied = %applied.join(", "), "config reloaded");
     if let Some(p) = &mut pushed {
-        p.config = config.clone();
+        **p = config.clone();
     }
     Ok(config)
 }
