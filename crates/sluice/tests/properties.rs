@@ -244,11 +244,12 @@ proptest! {
                 Step::Wait { gap } => now += gap,
                 Step::Reserve { units, ttl } => {
                     next_id += 1;
-                    let (d, next) = reservation::reserve(s, ledger.clone(), limit, (next_id, units, ttl), now);
+                    let (d, next) = reservation::reserve(s, &ledger, limit, (next_id, units, ttl), now);
                     let held: u64 = open.iter().map(|o| o.1).sum();
                     prop_assert_eq!(d.allowed, committed + held + units <= limit);
-                    if let Some((ns, nl)) = next {
-                        (s, ledger) = (ns, nl);
+                    if let Some((ns, hold)) = next {
+                        s = ns;
+                        ledger.open.push(hold);
                         open.push((next_id, units, now + ttl));
                     }
                 }

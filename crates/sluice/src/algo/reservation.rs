@@ -55,6 +55,11 @@ pub struct Ledger {
 /// one is settled (the ledger is read and written whole at every call).
 pub const MAX_OPEN: usize = 4_096;
 
+/// Settled reservations one state remembers at most: past it the oldest is forgotten
+/// (a commit of it sent again after 4,096 later settlements is charged as a report).
+/// Without it a client settling reservations of 0 units grew its state without end.
+pub const MAX_SETTLED: usize = 4_096;
+
 /// What a commit did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settled {
@@ -81,7 +86,17 @@ impl Ledger {
 
     fn settle(&mut self, id: u64, outcome: Outcome, until: Millis) {
         self.settled.retain(|s| s.0 != id);
+        if self.settled.len() >= MAX_SETTLED {
+            self.settled.remove(0);
+        }
         self.settled.push((id, outcome, until));
+    }
+
+    /// Whether [`normalize`] would change anything at `now` for a window that resets at
+    /// `resets_at`: it rolled, a hold lapsed, or a settlement is to be forgotten. Reads
+    /// only: a decision on a window with reservations pays no write when nothing is due.
+    pub fn due(&self, resets_at: Millis, now: Millis) -> bool {
+        now >= resets_at || self.open.iter().any(|h| h.expires <= now) || self.settled.iter().any(|s| s.2 <= now)
     }
 }
 
@@ -95,30 +110,37 @@ pub fn normalize(
     now: Millis,
 ) -> (WindowState, Ledger) {
     let rolled = now >= s.resets_at;
-    let mut s = fixed_window::normalize(s, window, aligned, now);
-    for h in std::mem::take(&mut ledger.open) {
-        if rolled || h.expires <= now {
-            if !rolled {
-                s.used = s.used.saturating_sub(h.units);
-            }
-            ledger.settle(h.id, Outcome::Released, h.expires.max(s.resets_at));
-        } else {
-            ledger.open.push(h);
-        }
+    let s = state_at(s, &ledger, (window, aligned), now);
+    let (lapsed, open) = std::mem::take(&mut ledger.open).into_iter().partition(|h| rolled || h.expires <= now);
+    ledger.open = open;
+    for h in lapsed {
+        ledger.settle(h.id, Outcome::Released, h.expires.max(s.resets_at));
     }
     ledger.settled.retain(|&(_, _, until)| until > now);
     (s, ledger)
 }
 
+/// The window as [`normalize`] leaves it, the ledger only read (a status).
+pub fn state_at(s: WindowState, ledger: &Ledger, (window, aligned): (Millis, bool), now: Millis) -> WindowState {
+    let rolled = now >= s.resets_at;
+    let mut s = fixed_window::normalize(s, window, aligned, now);
+    if !rolled {
+        let lapsed: u64 = ledger.open.iter().filter(|h| h.expires <= now).map(|h| h.units).sum();
+        s.used = s.used.saturating_sub(lapsed);
+    }
+    s
+}
+
 /// Reserves `units` of `limit` as reservation `id` until `now + ttl`, on a normalized
-/// window: the decision, and when admitted, the state and ledger to store.
+/// window (the ledger only read): the decision, and when admitted, the charged state and
+/// the hold to add to the ledger.
 pub fn reserve(
     s: WindowState,
-    mut ledger: Ledger,
+    ledger: &Ledger,
     limit: u64,
     (id, units, ttl): (u64, u64, Millis),
     now: Millis,
-) -> (Decision, Option<(WindowState, Ledger)>) {
+) -> (Decision, Option<(WindowState, Hold)>) {
     if ledger.open.len() >= MAX_OPEN {
         let first = ledger.open.iter().map(|h| h.expires).min().unwrap_or(now);
         let (d, _) = fixed_window::charge(s, limit, 0, now);
@@ -129,8 +151,7 @@ pub fn reserve(
     if !d.allowed {
         return (d, None);
     }
-    ledger.open.push(Hold { id, units, expires: now + ttl });
-    (d, Some((charged.unwrap_or(s), ledger)))
+    (d, Some((charged.unwrap_or(s), Hold { id, units, expires: now + ttl })))
 }
 
 /// Commits reservation `id` with `actual` units, on a normalized window: what it did,
@@ -172,19 +193,35 @@ mod tests {
         normalize(WindowState::default(), Ledger::default(), W, now)
     }
 
+    /// [`reserve`], the hold added when admitted: the decision and what to store.
+    fn hold(
+        s: WindowState,
+        mut l: Ledger,
+        limit: u64,
+        r: (u64, u64, Millis),
+        now: Millis,
+    ) -> (Decision, Option<(WindowState, Ledger)>) {
+        let (d, admitted) = reserve(s, &l, limit, r, now);
+        let next = admitted.map(|(s, h)| {
+            l.open.push(h);
+            (s, l)
+        });
+        (d, next)
+    }
+
     /// Held units count against the limit until committed; the commit replaces them by
     /// the actual, above or below the estimate.
     #[test]
     fn held_units_count_until_the_actual_replaces_them() {
         let (s, l) = at(1_000);
-        let (d, next) = reserve(s, l, 100, (1, 60, 30_000), 1_000);
+        let (d, next) = hold(s, l, 100, (1, 60, 30_000), 1_000);
         assert!(d.allowed && d.remaining == 40);
         let (s, l) = next.unwrap();
-        let (d, none) = reserve(s, l.clone(), 100, (2, 50, 30_000), 1_001);
+        let (d, none) = hold(s, l.clone(), 100, (2, 50, 30_000), 1_001);
         assert!(!d.allowed && none.is_none(), "60 held + 50 > 100");
         let (settled, s, l) = commit(s, l, 1, 20, 2_000);
         assert_eq!((settled, s.used), (Settled::Committed { held: 60 }, 20));
-        let (d, next) = reserve(s, l, 100, (2, 50, 30_000), 2_001);
+        let (d, next) = hold(s, l, 100, (2, 50, 30_000), 2_001);
         assert!(d.allowed);
         let (s, l) = next.unwrap();
         // an underestimate: the actual is charged, never refused, past the limit
@@ -196,7 +233,7 @@ mod tests {
     #[test]
     fn a_commit_settles_once() {
         let (s, l) = at(1_000);
-        let (s, l) = reserve(s, l, 100, (7, 10, 30_000), 1_000).1.unwrap();
+        let (s, l) = hold(s, l, 100, (7, 10, 30_000), 1_000).1.unwrap();
         let (_, s, l) = commit(s, l, 7, 4, 1_100);
         let (again, s, l) = commit(s, l, 7, 4, 1_200);
         assert_eq!((again, s.used), (Settled::Again, 4));
@@ -209,7 +246,7 @@ mod tests {
     #[test]
     fn an_orphan_is_released_at_its_deadline() {
         let (s, l) = at(1_000);
-        let (s, l) = reserve(s, l, 100, (3, 90, 5_000), 1_000).1.unwrap();
+        let (s, l) = hold(s, l, 100, (3, 90, 5_000), 1_000).1.unwrap();
         let (s, l) = normalize(s, l, W, 5_999);
         assert_eq!((s.used, l.held()), (90, 90), "held until its deadline");
         let (s, l) = normalize(s, l, W, 6_000);
@@ -225,7 +262,7 @@ mod tests {
     #[test]
     fn a_new_window_drops_the_old_holds() {
         let (s, l) = at(1_000);
-        let (s, l) = reserve(s, l, 100, (1, 40, 120_000), 1_000).1.unwrap();
+        let (s, l) = hold(s, l, 100, (1, 40, 120_000), 1_000).1.unwrap();
         let (s, l) = normalize(s, l, W, 61_000);
         assert_eq!((s.used, l.open.len()), (0, 0));
         let (late, s, _) = commit(s, l, 1, 35, 62_000);
@@ -238,14 +275,30 @@ mod tests {
     fn the_ledger_is_bounded() {
         let (mut s, mut l) = at(1_000);
         for id in 0..MAX_OPEN as u64 {
-            (s, l) = reserve(s, l, u64::MAX, (id, 1, 10_000 + id), 1_000).1.unwrap();
+            (s, l) = hold(s, l, u64::MAX, (id, 1, 10_000 + id), 1_000).1.unwrap();
         }
-        let (d, none) = reserve(s, l.clone(), u64::MAX, (u64::MAX, 1, 10_000), 2_000);
+        let (d, none) = hold(s, l.clone(), u64::MAX, (u64::MAX, 1, 10_000), 2_000);
         assert!(!d.allowed && none.is_none());
         assert_eq!(d.retry_after, Some(9_000));
         let (_, l) = normalize(s, l, W, 1_000 + 10_000 + MAX_OPEN as u64);
         assert!(l.open.is_empty());
         let (_, l) = normalize(WindowState { used: 0, resets_at: 200_000 }, l, W, 200_000);
         assert!(l.settled.is_empty(), "forgotten past the window's end");
+    }
+
+    /// Settlements are remembered up to MAX_SETTLED, the oldest forgotten first: a
+    /// client settling reservations of nothing cannot grow its state without end.
+    #[test]
+    fn what_was_settled_is_bounded() {
+        let (mut s, mut l) = at(1_000);
+        for id in 0..MAX_SETTLED as u64 + 10 {
+            (s, l) = hold(s, l, 100, (id, 0, 30_000), 1_000).1.unwrap();
+            let settled;
+            (settled, s, l) = commit(s, l, id, 0, 1_000);
+            assert_eq!(settled, Settled::Committed { held: 0 });
+        }
+        assert_eq!(l.settled.len(), MAX_SETTLED);
+        assert_eq!(commit(s, l.clone(), MAX_SETTLED as u64 + 9, 0, 1_000).0, Settled::Again, "the newest remembered");
+        assert_eq!(commit(s, l, 0, 0, 1_000).0, Settled::Reported, "the oldest forgotten");
     }
 }

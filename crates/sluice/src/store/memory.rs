@@ -242,14 +242,12 @@ impl MemoryStore {
     /// Brings a window with reservations and its ledger to `now` (a lapsed hold's units
     /// back, see [`reservation::normalize`]).
     fn settle_lapsed(shard: &mut Shard, at: Slot, limit: &Limit, now: Millis) {
-        let (Some(ledger), Limit::FixedWindow { window, aligned, .. }) = (shard.ledgers.remove(&at), *limit) else {
+        let Some(Entry { state: State::Window(s), .. }) = shard.map.get(&at) else { return };
+        // nothing due (the common case): no write
+        if !shard.ledgers.get(&at).is_some_and(|l| l.due(s.resets_at, now)) {
             return;
-        };
-        let state = match shard.map.get(&at) {
-            Some(Entry { state: State::Window(s), .. }) => *s,
-            _ => return,
-        };
-        let (s, ledger) = reservation::normalize(state, ledger, (window, aligned), now);
+        }
+        let (s, ledger) = Self::reserved(shard, at, limit, now);
         Self::put_reserved(shard, at, limit, s, ledger);
     }
 
@@ -264,21 +262,19 @@ impl MemoryStore {
         };
     }
 
-    /// A window with reservations and its ledger, brought to `now` (fresh when there is
-    /// none); an error for a limit reservations do not take.
-    fn reserved(
-        shard: &Shard,
-        at: Slot,
-        limit: &Limit,
-        now: Millis,
-    ) -> Result<(algo::WindowState, Ledger), StoreError> {
-        let Limit::FixedWindow { window, aligned, .. } = *limit else { return Err(no_reservations_for(limit)) };
-        let state = match shard.map.get(&at) {
+    /// A fixed window and its ledger, taken out of the shard and brought to `now` (fresh
+    /// when there is none), for [`MemoryStore::put_reserved`] to put back.
+    fn reserved(shard: &mut Shard, at: Slot, limit: &Limit, now: Millis) -> (algo::WindowState, Ledger) {
+        let ledger = shard.ledgers.remove(&at).unwrap_or_default();
+        reservation::normalize(Self::window(shard, at), ledger, window_of(limit), now)
+    }
+
+    /// The fixed window stored at `at` (a fresh one when there is none).
+    fn window(shard: &Shard, at: Slot) -> algo::WindowState {
+        match shard.map.get(&at) {
             Some(Entry { state: State::Window(s), .. }) => *s,
             _ => algo::WindowState::default(),
-        };
-        let ledger = shard.ledgers.get(&at).cloned().unwrap_or_default();
-        Ok(reservation::normalize(state, ledger, (window, aligned), now))
+        }
     }
 
     fn get(shard: &Shard, tag: Tag, key: u64) -> Option<State> {
@@ -303,6 +299,24 @@ impl MemoryStore {
     }
 }
 
+/// Reservations take fixed windows only: the first other limit's error, before anything
+/// is read or written.
+fn only_windows<'a>(mut limits: impl Iterator<Item = &'a Limit>) -> Result<(), StoreError> {
+    match limits.find(|l| !matches!(l, Limit::FixedWindow { .. })) {
+        Some(l) => Err(no_reservations_for(l)),
+        None => Ok(()),
+    }
+}
+
+/// A fixed window's length and alignment (reservations take nothing else:
+/// [`only_windows`] checked).
+fn window_of(limit: &Limit) -> (Millis, bool) {
+    match *limit {
+        Limit::FixedWindow { window, aligned, .. } => (window, aligned),
+        _ => (1, false),
+    }
+}
+
 /// A poisoned lock only means another thread panicked while holding it; the state
 /// inside is still whole (every write is a single assignment), so keep going.
 fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
@@ -320,9 +334,12 @@ impl Store for MemoryStore {
     async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
         let shard = self.shard(tag);
         // a window with reservations reads as brought to now (lapsed holds given back)
-        let state = |op: &Op| match shard.ledgers.contains_key(&slot(tag, op.key)) {
-            true => Self::reserved(&shard, slot(tag, op.key), &op.limit, now).ok().map(|(s, _)| State::Window(s)),
-            false => Self::get(&shard, tag, op.key),
+        let state = |op: &Op| match shard.ledgers.get(&slot(tag, op.key)) {
+            Some(l) if matches!(op.limit, Limit::FixedWindow { .. }) => {
+                let s = Self::window(&shard, slot(tag, op.key));
+                Some(State::Window(reservation::state_at(s, l, window_of(&op.limit), now)))
+            }
+            _ => Self::get(&shard, tag, op.key),
         };
         let states = ops.iter().map(state).collect();
         Ok(algo::peek_all(ops, states, now))
@@ -432,23 +449,26 @@ impl Store for MemoryStore {
     }
 
     async fn reserve(&self, tag: Tag, ops: &[Op], r: Reservation, now: Millis) -> Result<Vec<Decision>, StoreError> {
+        only_windows(ops.iter().map(|op| &op.limit))?;
         let mut shard = self.shard(tag);
         let new = ops.iter().filter(|op| !shard.map.contains_key(&slot(tag, op.key))).count();
         self.make_room(&mut shard, new, now)?;
         let mut held = Vec::with_capacity(ops.len());
         for op in ops {
-            let (s, ledger) = Self::reserved(&shard, slot(tag, op.key), &op.limit, now)?;
-            let limit = op.limit.capacity();
-            let (d, next) = reservation::reserve(s, ledger.clone(), limit, (r.id, op.cost, r.ttl), now);
+            let (s, ledger) = Self::reserved(&mut shard, slot(tag, op.key), &op.limit, now);
+            let (d, next) = reservation::reserve(s, &ledger, op.limit.capacity(), (r.id, op.cost, r.ttl), now);
             held.push((op, d, s, ledger, next));
         }
         let admitted = held.iter().all(|(op, d, ..)| op.shadow || d.allowed);
         let mut out = Vec::with_capacity(ops.len());
-        for (op, d, s, ledger, next) in held {
+        for (op, d, s, mut ledger, next) in held {
             // refused as a whole: the windows as brought to now, nothing held
-            let (s, ledger) = match next {
-                Some(next) if admitted => next,
-                _ => (s, ledger),
+            let s = match next {
+                Some((charged, hold)) if admitted => {
+                    ledger.open.push(hold);
+                    charged
+                }
+                _ => s,
             };
             Self::put_reserved(&mut shard, slot(tag, op.key), &op.limit, s, ledger);
             out.push(d);
@@ -457,11 +477,12 @@ impl Store for MemoryStore {
     }
 
     async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {
+        only_windows(commits.iter().map(|c| &c.limit))?;
         let mut shard = self.shard(tag);
         let mut out = Vec::with_capacity(commits.len());
         for c in commits {
             let at = slot(tag, c.key);
-            let (s, ledger) = Self::reserved(&shard, at, &c.limit, now)?;
+            let (s, ledger) = Self::reserved(&mut shard, at, &c.limit, now);
             let (settled, s, ledger) = reservation::commit(s, ledger, id, c.actual, now);
             Self::put_reserved(&mut shard, at, &c.limit, s, ledger);
             out.push(settled);
