@@ -7,7 +7,7 @@
 mod common;
 
 use sluice_testkit::{TempDir, require};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Runs in the namespace: Redis, then the image's /bin/ratelimit, then the probes with
@@ -75,25 +75,10 @@ wait
 
 #[test]
 fn the_image_runs_as_envoyproxy_ratelimits_image_does() {
-    require("buildah", "buildah");
-    let (curl, redis) = (require("curl", "curl"), require("redis-server", "redis-server"));
-    let (unshare, chroot) = (require("unshare", "util-linux"), require("chroot", "coreutils"));
     let dir = TempDir::new("sluice-image");
-    let rootfs = dir.path().join("rootfs");
-    let tag = format!("localhost/sluice-test:{}", std::process::id());
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/image");
-    let built = Command::new(&script)
-        .args(["--binary", common::bin(), "--tag", &tag, "--rootfs"])
-        .arg(&rootfs)
-        .output()
-        .unwrap();
-    let said = format!("{}{}", String::from_utf8_lossy(&built.stdout), String::from_utf8_lossy(&built.stderr));
-    assert!(built.status.success() && said.contains("built"), "scripts/image: {said}");
-    let inspect = Command::new("buildah").args(["inspect", "--type", "image", &tag]).output().unwrap();
-    let config: serde_json::Value = serde_json::from_slice(&inspect.stdout).expect("buildah inspect");
+    let (rootfs, config) = build(&dir);
     assert_eq!(config["OCIv1"]["config"]["User"], "65532:65532", "{config}");
     assert_eq!(config["OCIv1"]["config"]["Entrypoint"][0], "/bin/ratelimit");
-    let _ = Command::new("buildah").args(["rmi", &tag]).output();
     // what it holds: both names, CA certificates, no shell
     for file in ["bin/ratelimit", "bin/sluice", "etc/ssl/certs/ca-certificates.crt", "etc/passwd"] {
         assert!(rootfs.join(file).exists(), "the image has no /{file}");
@@ -106,19 +91,8 @@ fn the_image_runs_as_envoyproxy_ratelimits_image_does() {
     let rule = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 1000000}\n";
     std::fs::write(config_dir.join("api.yaml"), rule).unwrap();
     std::fs::write(rootfs.join("etc/hosts"), "127.0.0.1 localhost redis.sluice.test\n").unwrap();
-    let out = Command::new(unshare)
-        .args(["--net", "--", "sh", "-c", SCRIPT])
-        .env("DIR", dir.path())
-        .env("ROOTFS", &rootfs)
-        .env("REDIS", redis)
-        .env("CURL", curl)
-        .env("CHROOT", chroot)
-        .env("SLUICE", common::bin())
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&out.stdout).into_owned();
-    let log = std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
-    assert!(said.contains("healthcheck: 200"), "{said}\n{}\n{log}", String::from_utf8_lossy(&out.stderr));
+    let (said, stderr, log) = run(&dir, &rootfs, &["--net"], SCRIPT);
+    assert!(said.contains("healthcheck: 200"), "{said}\n{stderr}\n{log}");
     assert!(said.contains("user: 65532"), "{said}");
     let statuses = said.lines().find(|l| l.contains("statuses")).unwrap_or_default();
     assert!(statuses.contains("200:") && !statuses.contains("429"), "gRPC on 8081: {said}\n{log}");
@@ -133,20 +107,8 @@ fn the_image_runs_as_envoyproxy_ratelimits_image_does() {
 /// and the metrics on 19001. The control plane's and Redis's names come from /etc/hosts.
 #[test]
 fn the_image_runs_under_envoy_gateways_deployment() {
-    require("buildah", "buildah");
-    let (curl, redis) = (require("curl", "curl"), require("redis-server", "redis-server"));
-    let (unshare, chroot) = (require("unshare", "util-linux"), require("chroot", "coreutils"));
     let dir = TempDir::new("sluice-image-eg");
-    let rootfs = dir.path().join("rootfs");
-    let tag = format!("localhost/sluice-test-eg:{}", std::process::id());
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/image");
-    let built = Command::new(&script)
-        .args(["--binary", common::bin(), "--tag", &tag, "--rootfs"])
-        .arg(&rootfs)
-        .output()
-        .unwrap();
-    assert!(built.status.success(), "scripts/image: {}", String::from_utf8_lossy(&built.stderr));
-    let _ = Command::new("buildah").args(["rmi", &tag]).output();
+    let (rootfs, _) = build(&dir);
     // the `envoy-rate-limit` Secret, mounted at /certs
     let certs = dir.path().join("certs");
     std::fs::create_dir_all(&certs).unwrap();
@@ -162,18 +124,8 @@ fn the_image_runs_under_envoy_gateways_deployment() {
     let hosts =
         "127.0.0.1 localhost redis.redis.svc envoy-gateway trace-collector.envoy-gateway-system.svc.cluster.local\n";
     std::fs::write(rootfs.join("etc/hosts"), hosts).unwrap();
-    let out = Command::new(unshare)
-        .args(["--net", "--mount", "--", "sh", "-c", ENVOY_GATEWAY])
-        .env("DIR", dir.path())
-        .env("ROOTFS", &rootfs)
-        .env("REDIS", redis)
-        .env("CURL", curl)
-        .env("CHROOT", chroot)
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&out.stdout).into_owned();
-    let log = std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
-    let all = format!("{said}\n{}\n{log}", String::from_utf8_lossy(&out.stderr));
+    let (said, stderr, log) = run(&dir, &rootfs, &["--net", "--mount"], ENVOY_GATEWAY);
+    let all = format!("{said}\n{stderr}\n{log}");
     assert!(said.contains("root: read-only"), "{all}");
     assert!(said.contains("healthcheck: 200") && said.contains("user: 65534"), "{all}");
     assert!(
@@ -188,4 +140,46 @@ fn the_image_runs_under_envoy_gateways_deployment() {
     for note in ["GRPC_SERVER_TLS_CA_CERT", "PROMETHEUS_MAPPER_YAML", "CONFIG_TYPE=GRPC_XDS_SOTW"] {
         assert!(log.contains(note), "{note} is said at start:\n{log}");
     }
+}
+
+/// Builds the image from the binary under test with scripts/image (buildah), leaving its
+/// root filesystem in `dir/rootfs`; returns that and the image's config (`buildah
+/// inspect`), the image itself removed.
+fn build(dir: &TempDir) -> (PathBuf, serde_json::Value) {
+    require("buildah", "buildah");
+    let rootfs = dir.path().join("rootfs");
+    let tag =
+        format!("localhost/sluice-test-{}:{}", dir.path().file_name().unwrap().to_string_lossy(), std::process::id());
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/image");
+    let built = Command::new(&script)
+        .args(["--binary", common::bin(), "--tag", &tag, "--rootfs"])
+        .arg(&rootfs)
+        .output()
+        .unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&built.stdout), String::from_utf8_lossy(&built.stderr));
+    assert!(built.status.success() && said.contains("built"), "scripts/image: {said}");
+    let inspect = Command::new("buildah").args(["inspect", "--type", "image", &tag]).output().unwrap();
+    let config = serde_json::from_slice(&inspect.stdout).expect("buildah inspect");
+    let _ = Command::new("buildah").args(["rmi", &tag]).output();
+    (rootfs, config)
+}
+
+/// Runs `script` in new `namespaces` (`unshare`), with the tools it calls named in its
+/// environment; returns what it printed, its errors, and the server's log.
+fn run(dir: &TempDir, rootfs: &Path, namespaces: &[&str], script: &str) -> (String, String, String) {
+    let (curl, redis) = (require("curl", "curl"), require("redis-server", "redis-server"));
+    let (unshare, chroot) = (require("unshare", "util-linux"), require("chroot", "coreutils"));
+    let out = Command::new(unshare)
+        .args(namespaces)
+        .args(["--", "sh", "-c", script])
+        .env("DIR", dir.path())
+        .env("ROOTFS", rootfs)
+        .env("REDIS", redis)
+        .env("CURL", curl)
+        .env("CHROOT", chroot)
+        .env("SLUICE", common::bin())
+        .output()
+        .unwrap();
+    let log = std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
+    (String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned(), log)
 }

@@ -525,3 +525,35 @@ async fn the_rules_come_over_mutual_tls() {
     assert!(plane.seen().iter().all(|s| s.instance != "b"), "b reached a server its CA did not sign");
     assert!(log("b").contains("cannot connect"), "{}", log("b"));
 }
+
+/// A push past `XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES` is not read: the stream is dropped
+/// and opened again, the rules in force stay, and nothing is acknowledged.
+#[tokio::test]
+async fn a_push_past_the_size_bound_is_not_taken() {
+    let plane = Arc::new(Plane::default());
+    plane.push("1", per_user(4, 2));
+    let cp = ControlPlane::start(plane.clone(), 0);
+    let redis = RedisServer::start();
+    let dir = TempDir::new("sluice-xds-size");
+    let url = redis.addr().to_string();
+    let (_a, http, _, _) = instance(&dir, "a", cp.port, &url, &[("XDS_CLIENT_MAX_MSG_SIZE_IN_BYTES", "512")]);
+    let log = || std::fs::read_to_string(dir.path().join("a").join("sluice.log")).unwrap_or_default();
+    plane.answered(&["a"], "1", None, &log).await;
+    let rule = |i: usize| RateLimitDescriptor {
+        key: format!("a-rather-long-descriptor-key-{i}"),
+        rate_limit: Some(RateLimitPolicy { unit: 2, requests_per_unit: 1 }),
+    };
+    let config = RateLimitConfig { name: "big".into(), domain: "eg".into(), descriptors: (0..40).map(rule).collect() };
+    let big = vec![Any { type_url: TYPE_URL.into(), value: config.encode_to_vec() }];
+    assert!(big[0].value.len() > 512);
+    plane.push("2", big);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !log().contains("xDS stream lost") {
+        assert!(Instant::now() < deadline, "a push past the bound was taken:\n{}", log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(plane.seen().iter().all(|s| s.nonce != "2"), "answered a push it could not read");
+    let status: serde_json::Value =
+        reqwest::get(format!("http://{http}/v1/ratelimit?domain=eg&user=z")).await.unwrap().json().await.unwrap();
+    assert_eq!(status["statuses"][0]["policies"][0]["limit"], 4, "the rules in force stay: {status}");
+}

@@ -617,7 +617,7 @@ impl Limiter {
             };
             let d = &p.decision;
             let near = d.used as f64 >= ratio * d.limit as f64;
-            c.count(d.allowed, near, req.descriptors[di].hits_addend.unwrap_or(1));
+            c.count(d.allowed, near, req.descriptors[di].hits_addend.or(req.hits_addend).unwrap_or(1));
             if matches!(p.source, Source::NearCache(_)) {
                 domain.counters.near_cache.increment(1);
             }
