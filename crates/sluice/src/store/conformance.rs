@@ -390,6 +390,68 @@ pub async fn concurrent_reservations_never_pass_the_limit(s: Arc<dyn Store>) {
     assert_eq!(hit(&*s, t, op(1, l, 0), t0).await.used, 7 * (100 / 7));
 }
 
+/// Quota grants and reservations on one window: a grant is a share of what is neither
+/// committed nor held, a hold refuses what grants took, and a hold's deadline survives
+/// the grant's and the give-back's writes (its units come back at it).
+pub async fn reservations_and_grants_share_a_window(s: &dyn Store) {
+    if !s.grants() || !s.reservations() {
+        return;
+    }
+    let (t0, t) = (t0(), fresh_tag());
+    let l = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
+    assert!(s.reserve(t, &[op(1, l, 30)], Reservation { id: 1, ttl: 5_000 }, t0).await.unwrap()[0].allowed);
+    let g = s.grant(t, GrantAsk { key: 1, limit: l, need: 1, want: 1_000, id: 9, close: Vec::new() }, t0 + 1).await;
+    assert_eq!(g.unwrap().units, 35, "half of the 70 neither held nor committed");
+    let back = GiveBack { key: 1, limit: l, id: 9, unspent: 5, window: t0 + 60_000 };
+    assert_eq!(s.give_back(t, back, t0 + 2).await.unwrap(), 5);
+    assert_eq!(hit(s, t, op(1, l, 0), t0 + 4_999).await.used, 60, "30 held, 30 granted");
+    assert_eq!(hit(s, t, op(1, l, 0), t0 + 5_000).await.used, 30, "the hold released at its deadline");
+    let d = s.reserve(t, &[op(1, l, 71)], Reservation { id: 2, ttl: 5_000 }, t0 + 5_001).await.unwrap();
+    assert!(!d[0].allowed && d[0].used == 30, "what grants took is not reserved again: {d:?}");
+}
+
+/// A seeded random sequence of reservations, commits (of open, settled, released and
+/// unknown ids), plain charges and peeks on two windows (one aligned), the clock moving
+/// irregularly across holds' deadlines and windows' ends: every decision and settlement
+/// is the memory store's (which runs `algo::reservation` as is), step for step.
+pub async fn reservations_follow_the_model(s: &dyn Store) {
+    if !s.reservations() {
+        return;
+    }
+    let model = super::MemoryStore::new(1_000);
+    let limits = [
+        Limit::FixedWindow { limit: 100, window: 10_000, aligned: false },
+        Limit::FixedWindow { limit: 60, window: 5_000, aligned: true },
+    ];
+    let (t, mut now, mut rng) = (fresh_tag(), t0(), Rng(0x5eed_0041));
+    for step in 0..300u64 {
+        now += [0, 1, 250, 1_500, 4_000][rng.next(5) as usize];
+        let ops: Vec<Op> = match rng.next(3) {
+            0 => vec![op(1, limits[0], rng.next(40))],
+            1 => vec![op(2, limits[1], rng.next(30))],
+            _ => vec![op(1, limits[0], rng.next(40)), op(2, limits[1], rng.next(30))],
+        };
+        let what = rng.next(8);
+        let at = format!("step {step} ({what}) at {now}: {ops:?}");
+        match what {
+            0..=2 => {
+                let r = Reservation { id: rng.next(12), ttl: 500 + rng.next(6_000) };
+                let (want, got) = (model.reserve(t, &ops, r, now).await, s.reserve(t, &ops, r, now).await);
+                assert_eq!(got.unwrap(), want.unwrap(), "reserve, {at}");
+            }
+            3..=5 => {
+                let id = rng.next(12);
+                let commits: Vec<Commit> =
+                    ops.iter().map(|o| Commit { key: o.key, limit: o.limit, actual: rng.next(50) }).collect();
+                let (want, got) = (model.commit(t, id, &commits, now).await, s.commit(t, id, &commits, now).await);
+                assert_eq!(got.unwrap(), want.unwrap(), "commit of {id}, {at}");
+            }
+            6 => assert_eq!(s.apply(t, &ops, now).await.unwrap(), model.apply(t, &ops, now).await.unwrap(), "{at}"),
+            _ => assert_eq!(s.peek(t, &ops, now).await.unwrap(), model.peek(t, &ops, now).await.unwrap(), "{at}"),
+        }
+    }
+}
+
 /// Quota grants on a token bucket (`algo::grant::bucket_grant`): units held by open
 /// grants count as in the bucket for its refill; a give-back counts once and never fills
 /// past the burst; a spent grant named by the next ask, or one that lapsed, no longer

@@ -14,7 +14,7 @@
 
 use super::{
     Commit, GiveBack, GrantAsk, LocalRegistry, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store,
-    StoreError, no_grants_for, no_reservations_for,
+    StoreError, no_grants_for, only_windows,
 };
 use crate::algo::grant::{self, GrantBook, Granted};
 use crate::algo::reservation::{self, Ledger};
@@ -296,15 +296,6 @@ impl MemoryStore {
             true => shard.books.remove(&at),
             false => shard.books.insert(at, book),
         };
-    }
-}
-
-/// Reservations take fixed windows only: the first other limit's error, before anything
-/// is read or written.
-fn only_windows<'a>(mut limits: impl Iterator<Item = &'a Limit>) -> Result<(), StoreError> {
-    match limits.find(|l| !matches!(l, Limit::FixedWindow { .. })) {
-        Some(l) => Err(no_reservations_for(l)),
-        None => Ok(()),
     }
 }
 

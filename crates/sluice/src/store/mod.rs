@@ -302,12 +302,16 @@ pub(crate) fn no_grants_reason(kind: &str) -> String {
 
 /// Why a store of `kind` keeps no reservations.
 pub(crate) fn no_reservations_reason(kind: &str) -> String {
-    format!("the {kind} store keeps no reservations; use a memory store (the Redis stores are next)")
+    format!("the {kind} store keeps no reservations; use a redis or memory store")
 }
 
-/// The error of a reservation asked for on a limit reservations do not take.
-pub(crate) fn no_reservations_for(limit: &Limit) -> StoreError {
-    StoreError::protocol(format!("reservations take fixed windows, not {}", limit.algorithm()))
+/// Reservations take fixed windows only: the first other limit's error, before anything
+/// is read or written.
+pub(crate) fn only_windows<'a>(mut limits: impl Iterator<Item = &'a Limit>) -> Result<(), StoreError> {
+    match limits.find(|l| !matches!(l, Limit::FixedWindow { .. })) {
+        Some(l) => Err(StoreError::protocol(format!("reservations take fixed windows, not {}", l.algorithm()))),
+        None => Ok(()),
+    }
 }
 
 /// The error of a store asked for a registry it does not keep.

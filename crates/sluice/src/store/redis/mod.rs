@@ -21,7 +21,9 @@ mod sharded;
 pub use sentinel::{Auth, FOLLOW_EVERY, SentinelOptions};
 pub use sharded::ShardedRedisStore;
 
-use super::{GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Store, StoreError, b64};
+use super::{
+    Commit, GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError, b64,
+};
 use crate::algo::grant::Granted;
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
@@ -59,6 +61,8 @@ struct Scripts {
     registry: Script,
     grant: Script,
     give_back: Script,
+    reserve: Script,
+    commit: Script,
 }
 
 const LIB: &str = include_str!("lua/lib.lua");
@@ -80,6 +84,8 @@ impl Scripts {
             )),
             grant: Script::new(format!("{lib}{}", include_str!("lua/grant.lua"))),
             give_back: Script::new(format!("{lib}{}", include_str!("lua/give_back.lua"))),
+            reserve: Script::new(format!("{lib}{}", include_str!("lua/reserve.lua"))),
+            commit: Script::new(format!("{lib}{}", include_str!("lua/commit.lua"))),
         }
     }
 }
@@ -110,15 +116,18 @@ impl Kind {
         (Kind::Concurrency, "CONCURRENCY"),
     ];
 
-    /// The Lua line that names every algorithm's number, and the grants' constants
+    /// The Lua line that names every algorithm's number, the grants' constants
     /// (`algo::grant`: the most grants a book holds, a bucket grant's time to live and
-    /// the skew the store allows it).
+    /// the skew the store allows it) and the reservations' (`algo::reservation`: the most
+    /// holds a window keeps open, and settlements it remembers).
     fn prelude() -> String {
         use crate::algo::grant::{BUCKET_TTL, MAX_OPEN, SKEW};
+        use crate::algo::reservation::{MAX_OPEN as HOLDS_MAX, MAX_SETTLED};
         let names: Vec<&str> = Self::ALL.iter().map(|(_, n)| *n).collect();
         let numbers: Vec<String> = Self::ALL.iter().map(|(k, _)| (*k as u8).to_string()).collect();
         format!(
-            "local {}, MAX_OPEN, BUCKET_TTL, SKEW = {}, {MAX_OPEN}, {BUCKET_TTL}, {SKEW}\n",
+            "local {}, MAX_OPEN, BUCKET_TTL, SKEW, HOLDS_MAX, SETTLED_MAX = {}, {MAX_OPEN}, {BUCKET_TTL}, {SKEW}, \
+             {HOLDS_MAX}, {MAX_SETTLED}\n",
             names.join(", "),
             numbers.join(", ")
         )
@@ -961,6 +970,46 @@ impl Store for RedisStore {
         };
         let reply = self.writer.write(&self.writer.scripts.give_back, &[&at.key], fill).await?;
         redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("give-back reply: {e}")).because(e))
+    }
+
+    fn reservations(&self) -> bool {
+        true
+    }
+
+    async fn reserve(&self, tag: Tag, ops: &[Op], r: Reservation, now: Millis) -> Result<Vec<Decision>, StoreError> {
+        super::only_windows(ops.iter().map(|o| &o.limit))?;
+        let at = self.locate(tag, ops.iter().map(|o| (o.key, &o.limit)));
+        let fill = |cmd: &mut Cmd| {
+            cmd.arg(now).arg(GRACE_MS).arg(r.id).arg(r.ttl);
+            for (op, at) in ops.iter().zip(&at) {
+                cmd.arg(policy(&op.limit, op.shadow)).arg(op.cost).arg(&at.field);
+            }
+        };
+        let reply = self.writer.write(&self.writer.scripts.reserve, &keys(&at), fill).await?;
+        decisions(reply, ops.len())
+    }
+
+    async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {
+        super::only_windows(commits.iter().map(|c| &c.limit))?;
+        let at = self.locate(tag, commits.iter().map(|c| (c.key, &c.limit)));
+        let fill = |cmd: &mut Cmd| {
+            cmd.arg(now).arg(GRACE_MS).arg(id);
+            for (c, at) in commits.iter().zip(&at) {
+                cmd.arg(policy(&c.limit, false)).arg(c.actual).arg(&at.field);
+            }
+        };
+        let reply = self.writer.write(&self.writer.scripts.commit, &keys(&at), fill).await?;
+        let ints: Vec<u64> = redis::from_redis_value(reply)
+            .map_err(|e| StoreError::protocol(format!("commit reply: {e}")).because(e))?;
+        if ints.len() != 2 * commits.len() {
+            return Err(StoreError::protocol(format!("commit answered {} numbers", ints.len())));
+        }
+        let settled = |p: &[u64]| match p[0] {
+            0 => Settled::Committed { held: p[1] },
+            1 => Settled::Reported,
+            _ => Settled::Again,
+        };
+        Ok(ints.chunks(2).map(settled).collect())
     }
 
     fn keeps_registry(&self) -> bool {

@@ -11,9 +11,11 @@ local kind, p1, p2, p3 = p[1], p[2], p[3], p[4]
 local key, field, id, unspent, window = KEYS[1], ARGV[4], ARGV[5], int(ARGV[6]), int(ARGV[7])
 local open = book_load(key, field)
 if #open == 0 then return 0 end
-local lx, ly, _, le = load(kind, key, field, p2, now)
+local lx, ly, lz, le = load(kind, key, field, p2, now)
 local x, y, skew
 x, y, open, skew = granted_normalize(kind, lx, ly, open, {}, p1, p2, p3, now)
+local h = nil
+if y == ly then h = lz end
 if kind == FIXED_WINDOW and (lx == nil or y ~= window) then return 0 end
 for i = 1, #open, 3 do
   if open[i] == id then
@@ -25,7 +27,7 @@ for i = 1, #open, 3 do
     else
       x = min(x + back * p2, max(p3 - book_units(open), 0) * p2)
     end
-    store(kind, key, field, x, y, nil, p1, p2, p3, now, grace, lx, ly, nil, le, nil)
+    store(kind, key, field, x, y, h, p1, p2, p3, now, grace, lx, ly, lz, le, nil)
     book_store(key, field, open, skew, grace)
     return back
   end

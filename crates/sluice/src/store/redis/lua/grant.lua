@@ -12,8 +12,11 @@ local kind, p1, p2, p3 = p[1], p[2], p[3], p[4]
 local key, field, need, want, id = KEYS[1], ARGV[4], int(ARGV[5]), int(ARGV[6]), ARGV[7]
 local closing = {}
 for i = 8, #ARGV do closing[ARGV[i]] = true end
-local lx, ly, _, le = load(kind, key, field, p2, now)
+local lx, ly, lz, le = load(kind, key, field, p2, now)
 local x, y, open, skew = granted_normalize(kind, lx, ly, book_load(key, field), closing, p1, p2, p3, now)
+-- a fixed window's open reservations stay with it (their earliest deadline, lz)
+local h = nil
+if y == ly then h = lz end
 local n = #open / 3
 local units, expires = 0, y
 if kind == FIXED_WINDOW then
@@ -30,7 +33,7 @@ if units > 0 then
   open[#open + 1] = expires
   if kind == FIXED_WINDOW then x = x + units else x = x - units * p2 end
 end
-store(kind, key, field, x, y, nil, p1, p2, p3, now, grace, lx, ly, nil, le, nil)
+store(kind, key, field, x, y, h, p1, p2, p3, now, grace, lx, ly, lz, le, nil)
 book_store(key, field, open, skew, grace)
-local a, l, used, rem, reset, retry = charge(kind, x, y, nil, p1, p2, p3, 0, '', false, now)
+local a, l, used, rem, reset, retry = charge(kind, x, y, h, p1, p2, p3, 0, '', false, now)
 return {units, a, l, used, rem, reset, retry, #open / 3}

@@ -73,7 +73,9 @@ local function policy(s)
   return p
 end
 
--- Fixed window (algo::fixed_window): (u = used, r = resets_at), stored "r:u".
+-- Fixed window (algo::fixed_window): (u = used, r = resets_at, h), stored "r:u", or
+-- "r:u:h" while reservations are open on it, h the earliest of their deadlines (see
+-- Reservations below): h rides along every function here unchanged.
 
 -- fixed_window::window_end
 local function fixed_window_end(window, aligned, now)
@@ -81,17 +83,17 @@ local function fixed_window_end(window, aligned, now)
   return now + window
 end
 
--- fixed_window::normalize (u nil: fixed_window::fresh)
-local function fixed_window_normalize(u, r, window, aligned, now)
+-- fixed_window::normalize (u nil: fixed_window::fresh; a new window holds nothing)
+local function fixed_window_normalize(u, r, window, aligned, now, h)
   if u == nil or now >= r then return 0, fixed_window_end(window, aligned, now) end
-  return u, r
+  return u, r, h
 end
 
 -- fixed_window::charge
-local function fixed_window_charge(u, r, limit, cost, now)
+local function fixed_window_charge(u, r, h, limit, cost, now)
   local used = u + cost
   if used <= limit then
-    if cost > 0 then return 1, limit, used, limit - used, r, -1, used, r end
+    if cost > 0 then return 1, limit, used, limit - used, r, -1, used, r, h end
     return 1, limit, used, limit - used, r, -1
   end
   local retry = -1
@@ -100,8 +102,8 @@ local function fixed_window_charge(u, r, limit, cost, now)
 end
 
 -- fixed_window::refund
-local function fixed_window_refund(u, r, cost, charged_window)
-  if r == charged_window and u > 0 then return max(u - cost, 0), r end
+local function fixed_window_refund(u, r, h, cost, charged_window)
+  if r == charged_window and u > 0 then return max(u - cost, 0), r, h end
 end
 
 -- Token bucket (algo::token_bucket): (t = tokens in 1/per units, a = at), stored
@@ -241,7 +243,7 @@ end
 
 -- Limit::normalize: the state brought up to now; charges nothing.
 local function normalize(kind, x, y, z, p1, p2, p3, now)
-  if kind == FIXED_WINDOW then return fixed_window_normalize(x, y, p2, p3, now) end
+  if kind == FIXED_WINDOW then return fixed_window_normalize(x, y, p2, p3, now, z) end
   if kind == TOKEN_BUCKET then return token_bucket_normalize(x, y, p1, p2, p3, now) end
   if kind == SLIDING_WINDOW then return sliding_window_normalize(x, y, z, p2, now) end
   if x == nil then return 0 end
@@ -251,7 +253,7 @@ end
 -- Limit::charge: the decision, then the charged state (nothing when nothing was
 -- charged). `held` is whether a concurrency lease is already held (concurrency_held).
 local function charge(kind, x, y, z, p1, p2, p3, cost, lease, held, now)
-  if kind == FIXED_WINDOW then return fixed_window_charge(x, y, p1, cost, now) end
+  if kind == FIXED_WINDOW then return fixed_window_charge(x, y, z, p1, cost, now) end
   if kind == TOKEN_BUCKET then return token_bucket_charge(x, y, p1, p2, p3, cost, now) end
   if kind == SLIDING_WINDOW then return sliding_window_charge(x, y, z, p1, p2, cost, now) end
   if lease == '' or held then return concurrency_status(x, y, p1, p2, now) end
@@ -261,7 +263,7 @@ end
 -- Limit::refund: the state with `cost` given back in the window the charge was made
 -- in (`window`, the charging decision's reset_at), or nothing when nothing changes.
 local function refund(kind, x, y, z, p1, p2, p3, cost, window)
-  if kind == FIXED_WINDOW then return fixed_window_refund(x, y, cost, window) end
+  if kind == FIXED_WINDOW then return fixed_window_refund(x, y, z, cost, window) end
   if kind == TOKEN_BUCKET then return token_bucket_refund(x, y, p2, p3, cost) end
   if kind == SLIDING_WINDOW then return sliding_window_refund(x, y, z, p2, cost, window) end
 end
@@ -275,6 +277,114 @@ local function expires_at(kind, x, y, z, p1, p2, p3)
   return z + p2
 end
 
+-- Reservations (algo::reservation) on fixed windows. A window with open holds is stored
+-- "r:u:h", h the earliest of their deadlines, so a decision reads the ledger only when a
+-- hold is due (a window without reservations costs nothing more). The ledger lives in
+-- the field beside the state, `field .. '^'` (a field name never has '^'), as
+-- "e:w/id:units:expires,.../id:o:until,...": e the moment it stops mattering
+-- (Ledger::expires, which pruning reads), w the window (its reset) the holds were taken
+-- in, the open holds, then what was settled, oldest first (o: c committed, r released).
+-- Ids are text: a u64 is not exact in Lua. Holds and settlements are flat lists of three
+-- values each.
+
+-- Whether a script may write: peek runs on replicas, and reads a due hold as released
+-- without writing it.
+local WRITES = true
+
+-- The ledger of state `field`: its window (nil: none), open holds, settlements.
+local function ledger_load(key, field)
+  local open, settled = {}, {}
+  local v = redis.call('HGET', key, field .. '^')
+  if not v then return nil, open, settled end
+  local w, o, s = string.match(v, '^%d+:(%d+)/([^/]*)/(.*)$')
+  if w == nil then return nil, open, settled end
+  for id, units, e in string.gmatch(o, '(%d+):(%d+):(%d+)') do
+    open[#open + 1], open[#open + 2], open[#open + 3] = id, int(units), int(e)
+  end
+  for id, o2, e in string.gmatch(s, '(%d+):(%a):(%d+)') do
+    settled[#settled + 1], settled[#settled + 2], settled[#settled + 3] = id, o2, int(e)
+  end
+  return int(w), open, settled
+end
+
+-- Ledger::settle: remembers how `id` was settled, until `keep`, forgetting the oldest
+-- past SETTLED_MAX.
+local function ledger_settle(settled, id, outcome, keep)
+  for i = #settled - 2, 1, -3 do
+    if settled[i] == id then
+      for _ = 1, 3 do table.remove(settled, i) end
+    end
+  end
+  if #settled >= 3 * SETTLED_MAX then
+    for _ = 1, 3 do table.remove(settled, 1) end
+  end
+  settled[#settled + 1], settled[#settled + 2], settled[#settled + 3] = id, outcome, keep
+end
+
+-- reservation::normalize's ledger half, for the window (u, r) fixed_window_normalize
+-- left (w: the window the holds were taken in): holds of another window are dropped
+-- (their units went with it), lapsed ones released (their units back), settlements past
+-- their time forgotten. Returns u, the earliest open deadline (nil: none), the open
+-- holds and the settlements.
+local function ledger_normalize(u, r, w, open, settled, now)
+  local kept, h = {}, nil
+  for i = 1, #open, 3 do
+    local id, units, e = open[i], open[i + 1], open[i + 2]
+    if w ~= r or e <= now then
+      if w == r then u = max(u - units, 0) end
+      ledger_settle(settled, id, 'r', max(e, r))
+    else
+      kept[#kept + 1], kept[#kept + 2], kept[#kept + 3] = id, units, e
+      if h == nil or e < h then h = e end
+    end
+  end
+  local live = {}
+  for i = 1, #settled, 3 do
+    if settled[i + 2] > now then
+      live[#live + 1], live[#live + 2], live[#live + 3] = settled[i], settled[i + 1], settled[i + 2]
+    end
+  end
+  return u, h, kept, live
+end
+
+-- Writes a ledger back (empty: the field goes); the bucket lives `grace` past it (nil:
+-- its TTL already covers it).
+local function ledger_store(key, field, r, open, settled, grace)
+  if #open == 0 and #settled == 0 then
+    redis.call('HDEL', key, field .. '^')
+    return
+  end
+  local e, o, s = 0, {}, {}
+  for i = 1, #open, 3 do
+    e = max(e, open[i + 2])
+    o[#o + 1] = open[i] .. ':' .. num(open[i + 1]) .. ':' .. num(open[i + 2])
+  end
+  for i = 1, #settled, 3 do
+    e = max(e, settled[i + 2])
+    s[#s + 1] = settled[i] .. ':' .. settled[i + 1] .. ':' .. num(settled[i + 2])
+  end
+  local v = num(e) .. ':' .. num(r) .. '/' .. table.concat(o, ',') .. '/' .. table.concat(s, ',')
+  redis.call('HSET', key, field .. '^', v)
+  if grace ~= nil then redis.call('PEXPIREAT', key, num(e + grace), 'GT') end
+end
+
+-- A fixed window (u, r) with open holds, the earliest due at h, as loaded (`e`: its
+-- expiry's text): when a hold is due in this window, the lapsed holds are released and
+-- the window and ledger written back (a read-only script only reads them so). Returns
+-- the window as `load` does.
+local function holds_due(key, field, u, r, h, e, now)
+  if now < h or now >= r then return u, r, h, e end
+  local w, open, settled = ledger_load(key, field)
+  local u2, h2, kept, live = ledger_normalize(u, r, w, open, settled, now)
+  if WRITES then
+    ledger_store(key, field, r, kept, live, nil)
+    local v = e .. ':' .. num(u2)
+    if h2 ~= nil then v = v .. ':' .. num(h2) end
+    redis.call('HSET', key, field, v)
+  end
+  return u2, r, h2, e
+end
+
 -- Storage: reading and writing states where they live.
 
 -- Reads the stored state of one op (field `field` of bucket `key`; a concurrency limit:
@@ -286,7 +396,10 @@ local function load(kind, key, field, p2, now)
   if not v then return end
   local e, a, b = string.match(v, '^(%d+):(%d+):?(%d*)$')
   if e == nil then return end
-  if kind == FIXED_WINDOW then return int(a), int(e), nil, e end
+  if kind == FIXED_WINDOW then
+    if b == '' then return int(a), int(e), nil, e end
+    return holds_due(key, field, int(a), int(e), int(b), e, now)
+  end
   if kind == TOKEN_BUCKET then return int(a), int(e) - int(b), nil, e end
   return int(e) - 2 * p2, int(a), int(b), e
 end
@@ -294,7 +407,7 @@ end
 -- Whether a bucketed algorithm's state (x, y, z) equals the one loaded (lx, ly, lz).
 local function same(kind, x, y, z, lx, ly, lz)
   if lx == nil or kind == CONCURRENCY then return false end
-  return x == lx and y == ly and (kind ~= SLIDING_WINDOW or z == lz)
+  return x == lx and y == ly and (kind == TOKEN_BUCKET or z == lz)
 end
 
 -- Deletes the fields of bucket `key` that stopped mattering more than `grace` ago.
@@ -330,6 +443,7 @@ local function store(kind, key, field, x, y, z, p1, p2, p3, now, grace, lx, ly, 
   local rest
   if kind == FIXED_WINDOW then
     rest = num(x)
+    if z ~= nil then rest = rest .. ':' .. num(z) end
   elseif kind == TOKEN_BUCKET then
     rest = num(x) .. ':' .. num(e - y)
   else
@@ -433,4 +547,22 @@ local function granted_normalize(kind, lx, ly, open, closing, p1, p2, p3, now)
     return x, y, book_keep(open, closing, nil, now - SKEW), SKEW
   end
   error('sluice: grants take fixed windows and token buckets only')
+end
+
+-- A reserved window: state `field` of bucket `key` under the fixed window policy `p`,
+-- and its ledger, brought to `now` (reservation::normalize), as a table: u, r, h, the
+-- open holds, the settlements, and what was loaded (for `reserved_store`).
+local function reserved_load(key, field, p, now)
+  if p[1] ~= FIXED_WINDOW then error('sluice: reservations take fixed windows only') end
+  local lx, ly, lz, le = load(FIXED_WINDOW, key, field, p[3], now)
+  local u, r, h = fixed_window_normalize(lx, ly, p[3], p[4], now, lz)
+  local w, open, settled = ledger_load(key, field)
+  u, h, open, settled = ledger_normalize(u, r, w, open, settled, now)
+  return {u = u, r = r, h = h, open = open, settled = settled, lx = lx, ly = ly, lz = lz, le = le}
+end
+
+-- Writes a reserved window and its ledger back.
+local function reserved_store(s, key, field, p, now, grace)
+  store(FIXED_WINDOW, key, field, s.u, s.r, s.h, p[2], p[3], p[4], now, grace, s.lx, s.ly, s.lz, s.le, nil)
+  ledger_store(key, field, s.r, s.open, s.settled, grace)
 end

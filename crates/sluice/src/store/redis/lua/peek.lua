@@ -1,10 +1,12 @@
 -- peek: what every op would report now, writing nothing. Flagged no-writes, so it runs
 -- on replicas (EVALSHA_RO). A state whose stored reset has passed reads as fresh, also
--- on a replica that still holds it: expiry is decided here, not by Redis's TTL.
+-- on a replica that still holds it: expiry is decided here, not by Redis's TTL. A
+-- reservation past its deadline reads as released.
 -- KEYS[i]   where op i's state lives (as apply's)
 -- ARGV[1]   now, ms since the epoch
 -- ARGV[2..] 2 values per op: its policy (as apply's), its state's field
 -- Reply     6 integers per op, as apply's
+WRITES = false
 local now = int(ARGV[1])
 local reply = {}
 for i = 1, #KEYS do
