@@ -279,6 +279,14 @@ impl Limiter {
         Ok(Verdict { outcome, descriptors, binding, lease: None, degraded: tally.degraded, now, charges: Vec::new() })
     }
 
+    /// Charges each descriptor's cost to every matching fixed window, never refused (a
+    /// cost past a limit is taken): the work is done, and what it cost counts against the
+    /// requests after it (Kuadrant's `Report`, Envoy's `apply_on_stream_done`). A commit
+    /// of no reservation ([`crate::algo::reservation::REPORT`]).
+    pub async fn report(&self, req: &Request) -> Result<(), CheckError> {
+        self.commit(req, crate::algo::reservation::REPORT).await.map(|_| ())
+    }
+
     /// Commits reservation `id`: `req` names the descriptors it reserved, each with the
     /// amount actually spent as its cost (more or less than held; never refused, and a
     /// cost above a limit is taken). Settles once however often it is sent; a

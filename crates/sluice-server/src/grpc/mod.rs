@@ -2,9 +2,11 @@
 //! the rate limit quota service (RLQS, `rlqs.rs`), on connections bounded as
 //! `listen.rs` says, served by threads of their own.
 
+pub mod kuadrant;
 pub mod listen;
 pub mod rlqs;
 pub mod rls;
+pub mod unary;
 
 use crate::config::ServerConfig;
 use crate::state::AppState;
@@ -89,6 +91,7 @@ async fn grpc_thread(
         .max_concurrent_streams(Some(1_024))
         // a call that takes longer than a request head may is answered DEADLINE_EXCEEDED
         .timeout(ping)
+        .add_service(kuadrant::Kuadrant { state: state.clone() })
         .add_service(Rls { state })
         // a report of the most buckets a stream may hold fits many times over; one of
         // 100,000 (2.4 MB) is refused as it arrives

@@ -60,6 +60,11 @@ pub const MAX_OPEN: usize = 4_096;
 /// Without it a client settling reservations of 0 units grew its state without end.
 pub const MAX_SETTLED: usize = 4_096;
 
+/// The id of no reservation: a commit of it is a report (the actual charged, never
+/// refused), and nothing is remembered of it, so reports cost no ledger (Envoy's
+/// `apply_on_stream_done` charges, Kuadrant's `Report`). Reservations are never given it.
+pub const REPORT: u64 = 0;
+
 /// What a commit did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Settled {
@@ -163,6 +168,10 @@ pub fn commit(
     actual: u64,
     now: Millis,
 ) -> (Settled, WindowState, Ledger) {
+    if id == REPORT {
+        s.used = s.used.saturating_add(actual);
+        return (Settled::Reported, s, ledger);
+    }
     if ledger.settled.iter().any(|&(i, o, _)| i == id && o == Outcome::Committed) {
         return (Settled::Again, s, ledger);
     }
@@ -267,6 +276,17 @@ mod tests {
         assert_eq!((s.used, l.open.len()), (0, 0));
         let (late, s, _) = commit(s, l, 1, 35, 62_000);
         assert_eq!((late, s.used), (Settled::Reported, 35));
+    }
+
+    /// A report (id REPORT) charges its actual, past the limit too, and leaves nothing
+    /// in the ledger, however often it comes.
+    #[test]
+    fn a_report_charges_and_remembers_nothing() {
+        let (s, l) = at(1_000);
+        let (settled, s, l) = commit(s, l, REPORT, 150, 1_000);
+        assert_eq!((settled, s.used), (Settled::Reported, 150));
+        let (settled, s, l) = commit(s, l, REPORT, 10, 1_001);
+        assert_eq!((settled, s.used, l), (Settled::Reported, 160, Ledger::default()));
     }
 
     /// The ledger is bounded: past MAX_OPEN holds a reservation is refused, saying when

@@ -2,6 +2,7 @@
 -- algo::reservation::commit): an open hold's units are replaced by the actual; a
 -- reservation not open (released at its deadline, of another window, unknown) is
 -- charged its actual as a report, never refused; one committed already changes nothing.
+-- Id 0 (reservation::REPORT) is a report of no reservation, remembered nowhere.
 -- KEYS[i]   commit i's bucket
 -- ARGV      now, grace (as apply's), the reservation's id (decimal), then 3 values per
 --           commit: its policy (as apply's), the actual amount, its state's field
@@ -13,6 +14,10 @@ for i = 1, #KEYS do
   local p, actual, field = policy(ARGV[1 + 3 * i]), int(ARGV[2 + 3 * i]), ARGV[3 + 3 * i]
   local s = reserved_load(KEYS[i], field, p, now)
   local did, held = nil, 0
+  if id == '0' then
+    -- reservation::REPORT: charged, never refused, nothing remembered
+    s.u, did = s.u + actual, 1
+  end
   for j = 1, #s.settled, 3 do
     if s.settled[j] == id and s.settled[j + 1] == 'c' then did = 2 end
   end

@@ -23,13 +23,59 @@ use sluice::headers;
 use sluice::{CheckError, Descriptor, Entry, LimitOverride, Outcome, Request, RequestError, Verdict};
 use tonic::Status;
 
+pub mod budget;
+
+/// What a call asks of its request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ask {
+    /// A decision: charged when allowed (`ShouldRateLimit`).
+    Decide,
+    /// A check that charges nothing: over the limit when a descriptor's cost does not fit
+    /// (Kuadrant's `CheckRateLimit`; Envoy's filter with `x-sluice-mode: check`).
+    Check,
+    /// A charge never refused: the work is done (Kuadrant's `Report`; Envoy's
+    /// `apply_on_stream_done` calls, from a filter with `x-sluice-mode: report`).
+    Report,
+}
+
+impl Ask {
+    /// The ask an Envoy call's `x-sluice-mode` metadata names (none: a decision). Envoy's
+    /// rate limit filter sends it from its `grpc_service.initial_metadata`: a filter whose
+    /// calls are all checks, or all stream-done reports, says so once.
+    pub fn from_metadata(mode: Option<&[u8]>) -> Result<Ask, Status> {
+        match mode {
+            None | Some(b"decide") => Ok(Ask::Decide),
+            Some(b"check") => Ok(Ask::Check),
+            Some(b"report") => Ok(Ask::Report),
+            Some(other) => Err(Status::invalid_argument(format!(
+                "x-sluice-mode {:?} is not one of decide, check, report",
+                String::from_utf8_lossy(other)
+            ))),
+        }
+    }
+}
+
 /// One decision for Envoy: the engine's verdict as its response, or the status that
 /// says why there is none.
 pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<RateLimitResponse, Status> {
+    answer(state, r, Ask::Decide).await
+}
+
+/// What `ask` answers for Envoy's request.
+pub async fn answer(state: &AppState, r: RateLimitRequest, ask: Ask) -> Result<RateLimitResponse, Status> {
     let req = request(r)?;
     let engine = state.engine.load_full();
-    let decided = engine.limiter.check(&req).await;
-    crate::otel::decided(&engine.limiter, &req, &decided);
+    let decided = match ask {
+        Ask::Decide => engine.limiter.check(&req).await,
+        Ask::Check => engine.limiter.status(&req).await.map(|v| budget::as_check(v, &req)),
+        Ask::Report => match engine.limiter.report(&req).await {
+            Ok(()) => return Ok(RateLimitResponse { overall_code: Code::Ok as i32, ..Default::default() }),
+            Err(e) => Err(e),
+        },
+    };
+    if ask == Ask::Decide {
+        crate::otel::decided(&engine.limiter, &req, &decided);
+    }
     match decided {
         Ok(v) if v.outcome == Outcome::Unavailable => {
             Err(Status::unavailable("the rate limit store is unavailable (fail-closed)"))
@@ -39,11 +85,18 @@ pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<
             tracing::debug!(domain = %req.domain.escape_debug(), "unknown domain: answered OK");
             Ok(unknown_domain(&engine, &req))
         }
+        Err(e) => Err(status_of(e)),
+    }
+}
+
+/// The gRPC status of a request that has no verdict.
+pub fn status_of(e: CheckError) -> Status {
+    match e {
         // rules still to come, as envoyproxy/ratelimit answers before its first config:
         // an error, which Envoy's filter takes as allowed unless `failure_mode_deny`
-        Err(CheckError::Request(RequestError::NoRules(why))) => Err(Status::unavailable(why)),
-        Err(CheckError::Request(e)) => Err(Status::invalid_argument(e.to_string())),
-        Err(CheckError::Store(e)) => Err(Status::unavailable(e.to_string())),
+        CheckError::Request(RequestError::NoRules(why)) => Status::unavailable(why),
+        CheckError::Request(e) => Status::invalid_argument(e.to_string()),
+        CheckError::Store(e) => Status::unavailable(e.to_string()),
     }
 }
 
@@ -75,7 +128,7 @@ fn wire_unit(u: Unit) -> rate_limit::Unit {
 
 /// Envoy's request as the engine's. Request `hits_addend` 0 means unset (1); a
 /// descriptor's `hits_addend` 0 checks without charging.
-fn request(r: RateLimitRequest) -> Result<Request, Status> {
+pub fn request(r: RateLimitRequest) -> Result<Request, Status> {
     let descriptors = r
         .descriptors
         .into_iter()
@@ -103,7 +156,7 @@ fn request(r: RateLimitRequest) -> Result<Request, Status> {
 /// The engine's verdict as Envoy's response. A descriptor's status reports the limit
 /// that binds it (a shadow limit when it has no other, as envoyproxy/ratelimit does); an
 /// `unlimited` one reports no limit and the most remaining there is, 2^32 - 1.
-fn response(v: &Verdict, engine: &crate::state::Engine, req: &Request) -> RateLimitResponse {
+pub fn response(v: &Verdict, engine: &crate::state::Engine, req: &Request) -> RateLimitResponse {
     let statuses = v
         .descriptors
         .iter()
