@@ -9,7 +9,7 @@ mod common;
 mod envoy_kit;
 
 use common::start_with;
-use envoy_kit::{Envoy, bootstrap, grpc_cluster, ratelimit_filter};
+use envoy_kit::{Envoy, bootstrap, budget_filter, grpc_cluster, ratelimit_filter};
 use sluice_testkit::{Process, TempDir};
 use std::time::Duration;
 
@@ -321,4 +321,63 @@ async fn istios_sample_serves_on_ipv6() {
         codes.push(answer.into_inner().overall_code());
     }
     assert_eq!(codes, [Code::Ok, Code::OverLimit, Code::Ok], "the sample's limits: 1 a minute for /productpage");
+}
+
+/// A token budget behind a real Envoy, as an LLM gateway runs it: one filter checks the
+/// budget at the request (`x-sluice-mode: check`, charging nothing), another charges the
+/// tokens the upstream's response reports (`apply_on_stream_done`, its `hits_addend`
+/// from the response's `x-tokens`, `x-sluice-mode: report`: never refused). The budget
+/// falls by exactly what each response used, past the limit too, and the next request
+/// is refused.
+#[tokio::test]
+async fn a_token_budget_is_charged_what_each_response_used() {
+    let s = start_with(
+        "",
+        "  - domain: llm\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 1000}\n",
+    );
+    let grpc: u16 = s.grpc.rsplit(':').next().unwrap().parse().unwrap();
+    let per_route = r#"                typed_per_filter_config:
+                  budget-check:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+                    rate_limits:
+                    - actions: [{request_headers: {header_name: x-user, descriptor_key: user}}]
+                  budget-report:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+                    rate_limits:
+                    - actions: [{request_headers: {header_name: x-user, descriptor_key: user}}]
+                      apply_on_stream_done: true
+                      hits_addend: {format: "%RESP(x-tokens)%"}
+"#;
+    let filters = budget_filter("budget-check", "llm", "check") + &budget_filter("budget-report", "llm", "report");
+    let e = Envoy::start(|up| bootstrap(up, "", per_route, &filters, &grpc_cluster("sluice", &[grpc], ""))).await;
+    let client = reqwest::Client::new();
+    let used = || async {
+        let url = format!("{}/v1/ratelimit?domain=llm&user=ann", s.base);
+        let v: serde_json::Value = client.get(url).send().await.unwrap().json().await.unwrap();
+        v["statuses"][0]["policies"][0]["used"].as_u64().unwrap_or(0)
+    };
+    let mut expected = 0;
+    for tokens in [300u64, 650, 100] {
+        let r = client
+            .get(format!("http://127.0.0.1:{}/chat", e.port))
+            .header("x-user", "ann")
+            .header("x-echo-tokens", tokens.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{tokens} tokens: the budget had room\n{}", e.log());
+        expected += tokens;
+        // the stream-done call is Envoy's fire-and-forget: wait for it to land
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while used().await != expected {
+            assert!(std::time::Instant::now() < deadline, "used {} not {expected}\n{}", used().await, e.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(used().await, 1_050, "the last response's 100 tokens charged past the limit, never refused");
+    let r = client.get(format!("http://127.0.0.1:{}/chat", e.port)).header("x-user", "ann").send().await.unwrap();
+    assert_eq!(r.status(), 429, "the budget is spent: the check refuses");
+    let other = client.get(format!("http://127.0.0.1:{}/chat", e.port)).header("x-user", "bo").send().await.unwrap();
+    assert_eq!(other.status(), 200, "another user's budget is whole");
+    assert_eq!(e.hits.lock().unwrap().len(), 4, "the refused request never reached the upstream");
 }
