@@ -10,6 +10,11 @@
 //!    traffic passes through, so critical traffic keeps its reserved share. 503.
 //! 3. **concurrency and rate limits** of the request's descriptors, in one store call per
 //!    client ([`Limiter::admit`]). 429.
+//! 4. **a budget** whose cost the response tells (an LLM's tokens), when set
+//!    ([`SluiceLayerBuilder::budget`]): the request's estimate is reserved
+//!    ([`Limiter::reserve`]), 429 when it does not fit; the response's [`Actual`] (an
+//!    extension, or an `x-sluice-actual` header or trailer) is committed when the
+//!    response is done, and the estimate when it names none.
 //!
 //! Refusals answer `application/problem+json` with the rate limit headers and
 //! `Retry-After`. Leases (and the in-flight count) are given back when the response body
@@ -61,6 +66,25 @@ impl Extract {
     }
 }
 
+/// A budget's estimate of a request's cost, read from the request (its `max_tokens`, say).
+pub type EstimateFn = Arc<dyn Fn(&Parts) -> u64 + Send + Sync>;
+
+/// What a response cost a layer's budget: put it in the response's extensions (or send
+/// it as the header or trailer [`ACTUAL_HEADER`]); the layer commits it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Actual(pub u64);
+
+/// The response header or trailer that carries what a response cost, when it has no
+/// [`Actual`] extension. The layer takes it off the response.
+pub const ACTUAL_HEADER: &str = "x-sluice-actual";
+
+/// A budget: the descriptor its rules match, the estimate to hold, and how long at most.
+struct Budget {
+    descriptor: Vec<(String, Extract)>,
+    estimate: EstimateFn,
+    ttl: crate::time::Millis,
+}
+
 /// A request's priority class: 0 is the least important; the last class is critical.
 pub type Classifier = Arc<dyn Fn(&Parts) -> usize + Send + Sync>;
 
@@ -109,6 +133,7 @@ struct Shared {
     worker: Option<WorkerShedder>,
     fleet: Option<Fleet>,
     refund_on: Vec<StatusCode>,
+    budget: Option<Budget>,
     headers: HeadersConfig,
     clock: Arc<dyn Clock>,
     in_flight: Arc<AtomicUsize>,
@@ -160,6 +185,7 @@ impl SluiceLayer {
                 worker: None,
                 fleet: None,
                 refund_on: vec![StatusCode::NOT_MODIFIED],
+                budget: None,
                 headers: HeadersConfig::default(),
                 clock: Arc::new(SystemClock),
                 in_flight: Arc::new(AtomicUsize::new(0)),
@@ -206,6 +232,22 @@ impl SluiceLayerBuilder {
         self
     }
 
+    /// Meters a budget whose cost only the response knows (stage 4): each request with
+    /// the descriptor `entries` reserves `estimate(request)` for at most `ttl`, and the
+    /// response's [`Actual`] settles it (see [`crate::algo::reservation`]). The budget's
+    /// rules are fixed windows of the layer's domain.
+    pub fn budget(
+        mut self,
+        entries: Vec<(&str, Extract)>,
+        estimate: impl Fn(&Parts) -> u64 + Send + Sync + 'static,
+        ttl: std::time::Duration,
+    ) -> Self {
+        let descriptor = entries.into_iter().map(|(k, e)| (k.to_string(), e)).collect();
+        let ttl = ttl.as_millis() as crate::time::Millis;
+        self.shared.budget = Some(Budget { descriptor, estimate: Arc::new(estimate), ttl });
+        self
+    }
+
     /// Statuses whose charges are given back (default: 304).
     pub fn refund_on(mut self, statuses: Vec<StatusCode>) -> Self {
         self.shared.refund_on = statuses;
@@ -248,17 +290,43 @@ pub struct SluiceService<S> {
 struct Guard {
     shared: Arc<Shared>,
     leases: Vec<(Arc<Limiter>, LeaseId)>,
+    /// The budget's open reservation: the request (its cost the estimate), its number,
+    /// and the actual once the response told it.
+    hold: Option<(Request, u64, Option<u64>)>,
 }
 
 impl Drop for Guard {
     fn drop(&mut self) {
         self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if let Some((mut req, id, actual)) = self.hold.take() {
+            // the response is done (or dropped): its actual, else the estimate, stands
+            if let (Some(a), Some(d)) = (actual, req.descriptors.first_mut()) {
+                d.hits_addend = Some(a);
+            }
+            let limiter = self.shared.limiter.clone();
+            if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                rt.spawn(async move {
+                    if let Err(e) = limiter.commit(&req, id).await {
+                        tracing::debug!(error = %e, "budget commit failed; the hold lapses at its TTL");
+                    }
+                });
+            }
+        }
         for (limiter, lease) in self.leases.drain(..) {
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(async move {
                     let _ = limiter.release(&lease).await;
                 });
             }
+        }
+    }
+}
+
+impl Guard {
+    /// The response told what it cost.
+    fn told(&mut self, actual: u64) {
+        if let Some(hold) = self.hold.as_mut() {
+            hold.2 = Some(actual);
         }
     }
 }
@@ -285,6 +353,13 @@ impl<B: Body<Data = Bytes>> Body for SluiceBody<B> {
         }
         let Some(inner) = this.inner.as_pin_mut() else { return Poll::Ready(None) };
         let polled = inner.poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            // a streamed response tells its cost at the end, in a trailer
+            let told = frame.trailers_ref().and_then(|t| t.get(ACTUAL_HEADER)?.to_str().ok()?.parse().ok());
+            if let (Some(a), Some(g)) = (told, this.guard.as_mut()) {
+                g.told(a);
+            }
+        }
         if let Poll::Ready(None) = polled {
             // the body is finished: give the leases back now, not when it is dropped
             this.guard.take();
@@ -462,6 +537,43 @@ impl Shared {
     }
 }
 
+impl Shared {
+    /// Stage 4, the budget: reserves the request's estimate, or refuses with 429 when it
+    /// does not fit. The reservation goes in `guard`; a store that fails lets the
+    /// request through unmetered, as the other limits do.
+    async fn budget_stage<B>(&self, parts: &Parts, guard: &mut Guard) -> Option<Response<SluiceBody<B>>> {
+        let budget = self.budget.as_ref()?;
+        let entries: Option<Vec<Entry>> =
+            budget.descriptor.iter().map(|(k, e)| Some(Entry { key: k.clone(), value: e.value(parts)? })).collect();
+        let descriptor = Descriptor { entries: entries?, hits_addend: Some((budget.estimate)(parts)), limit: None };
+        let req =
+            Request { domain: self.domain.clone(), descriptors: vec![descriptor], hits_addend: None, lenient: false };
+        // unique across the fleet: every instance's reservations share the store
+        let mut b = [0u8; 8];
+        getrandom::fill(&mut b).ok()?;
+        let id = u64::from_le_bytes(b).max(1);
+        match self.limiter.reserve(&req, id, budget.ttl).await {
+            Ok(v) if v.outcome == Outcome::Allowed => {
+                guard.hold = Some((req, id, None));
+                None
+            }
+            Ok(v) => {
+                let detail = "the request's estimate does not fit in its budget; see Retry-After";
+                Some(refusal(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "Too Many Requests",
+                    detail,
+                    headers::render(&v, &self.headers),
+                ))
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "budget reservation failed; allowing");
+                None
+            }
+        }
+    }
+}
+
 impl<S, ReqBody, ResBody> tower::Service<http::Request<ReqBody>> for SluiceService<S>
 where
     S: tower::Service<http::Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
@@ -486,7 +598,7 @@ where
             let (parts, body) = req.into_parts();
             let class = (shared.classifier)(&parts).min(shared.classes - 1);
             shared.in_flight.fetch_add(1, Ordering::Relaxed);
-            let mut guard = Guard { shared: shared.clone(), leases: Vec::new() };
+            let mut guard = Guard { shared: shared.clone(), leases: Vec::new(), hold: None };
             if let Some(refused) = shared.worker_stage(class) {
                 return Ok(refused);
             }
@@ -497,8 +609,16 @@ where
                 Ok(v) => v,
                 Err(refused) => return Ok(refused),
             };
+            if let Some(refused) = shared.budget_stage(&parts, &mut guard).await {
+                return Ok(refused);
+            }
             let response = inner.call(http::Request::from_parts(parts, body)).await?;
             let (mut head, body) = response.into_parts();
+            let told = head.extensions.get::<Actual>().map(|a| a.0);
+            let header = head.headers.remove(ACTUAL_HEADER).and_then(|v| v.to_str().ok()?.parse().ok());
+            if let Some(a) = told.or(header) {
+                guard.told(a);
+            }
             if let Some((v, headers)) = verdict {
                 if shared.refund_on.contains(&head.status) {
                     // GitHub's rule: a 304 costs nothing

@@ -185,3 +185,88 @@ async fn the_limiters_apply_in_order_and_shedding_spares_critical_traffic() {
     assert!(text.contains("sluice_shed_total{shedder=\"fleet\",class=\"1\"} 1"), "{text}");
     assert!(text.contains("sluice_shed_amount 1"), "{text}");
 }
+
+/// A budget metered by the layer: each request reserves its estimate (`x-max-tokens`),
+/// refused with 429 when it does not fit beside what others hold; the response's cost,
+/// from an `Actual` extension, an `x-sluice-actual` header or a trailer, replaces it;
+/// a response that tells nothing is charged its estimate.
+#[tokio::test]
+async fn a_budget_reserves_the_estimate_and_commits_what_the_response_used() {
+    let clock = ManualClock::new(sluice::store::conformance::t0());
+    let rules = RulesBuilder::new()
+        .domain(
+            DomainBuilder::new("api")
+                .rule([("user", None), ("budget", None)], |r| r.fixed_window("tokens", 1_000, Duration::from_secs(60))),
+        )
+        .build()
+        .unwrap();
+    let l = Arc::new(Limiter::new(Arc::new(rules), Arc::new(MemoryStore::new(1000)), Arc::new(clock.clone())));
+    let estimate = |p: &http::request::Parts| {
+        p.headers.get("x-max-tokens").and_then(|v| v.to_str().ok()?.parse().ok()).unwrap_or(100)
+    };
+    let budget = vec![
+        ("user", Extract::Header("x-user".parse().unwrap())),
+        ("budget", Extract::Custom(Arc::new(|_: &http::request::Parts| Some("tokens".to_string())))),
+    ];
+    // the service answers its cost as the request asks: extension, header or trailer
+    let app = tower::service_fn(|req: Request<()>| async move {
+        let used: u64 = req.headers().get("x-used").map_or(0, |v| v.to_str().unwrap().parse().unwrap());
+        let how = req.headers().get("x-how").map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+        let mut trailers = http::HeaderMap::new();
+        let mut r = Response::builder();
+        match how.as_str() {
+            "extension" => r = r.extension(sluice::layer::Actual(used)),
+            "header" => r = r.header(sluice::layer::ACTUAL_HEADER, used),
+            "trailer" => _ = trailers.insert(sluice::layer::ACTUAL_HEADER, used.into()),
+            _ => {}
+        }
+        let frames = vec![
+            Ok::<_, Infallible>(http_body::Frame::data(Bytes::from("tokens..."))),
+            Ok(http_body::Frame::trailers(trailers)),
+        ];
+        Ok::<_, Infallible>(r.body(http_body_util::StreamBody::new(futures_util::stream::iter(frames))).unwrap())
+    });
+    let mut svc = SluiceLayer::builder(l.clone(), "api")
+        .clock(Arc::new(clock.clone()))
+        .budget(budget, estimate, Duration::from_secs(30))
+        .build()
+        .layer(app);
+    let ask = |max: u64, used: u64, how: &str| {
+        Request::builder()
+            .header("x-user", "ann")
+            .header("x-max-tokens", max)
+            .header("x-used", used)
+            .header("x-how", how)
+            .body(())
+            .unwrap()
+    };
+    let spent = || async {
+        let v =
+            l.status(&sluice::Request::new("api").descriptor([("user", "ann"), ("budget", "tokens")])).await.unwrap();
+        v.descriptors[0].policies[0].decision.used
+    };
+    let settled = || async {
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+    };
+    // held while the response streams; replaced by its cost when it ends
+    let r = svc.ready().await.unwrap().call(ask(600, 250, "extension")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(spent().await, 600, "the estimate is held while the response streams");
+    let refused = svc.ready().await.unwrap().call(ask(500, 0, "")).await.unwrap();
+    assert_eq!(refused.status(), 429, "600 held + 500 > 1000");
+    assert!(refused.headers().contains_key("x-ratelimit-remaining"));
+    r.into_body().collect().await.unwrap();
+    settled().await;
+    assert_eq!(spent().await, 250, "the extension's 250 replaced the 600 held");
+    let r = svc.ready().await.unwrap().call(ask(300, 120, "header")).await.unwrap();
+    assert!(!r.headers().contains_key(sluice::layer::ACTUAL_HEADER), "the layer takes its header off");
+    r.into_body().collect().await.unwrap();
+    let r = svc.ready().await.unwrap().call(ask(300, 400, "trailer")).await.unwrap();
+    r.into_body().collect().await.unwrap();
+    let r = svc.ready().await.unwrap().call(ask(50, 0, "")).await.unwrap();
+    r.into_body().collect().await.unwrap();
+    settled().await;
+    assert_eq!(spent().await, 250 + 120 + 400 + 50, "header, trailer (past its estimate), and an estimate that stands");
+}
