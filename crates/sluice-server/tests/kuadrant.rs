@@ -5,10 +5,13 @@
 //! field for field; Envoy's come from envoy-types.
 
 mod common;
+#[path = "common/kuadrant.rs"]
+mod kuadrant;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry};
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use kuadrant::{CommitRequest, CommitResponse, ReserveRequest, ReserveResponse, Settled, call};
 
 const DOMAINS: &str = "  - domain: llm
     descriptors:
@@ -17,59 +20,6 @@ const DOMAINS: &str = "  - domain: llm
           - key: tokens
             rate_limit: {unit: minute, requests_per_unit: 100}
 ";
-
-#[derive(Clone, PartialEq, prost::Message)]
-struct ReserveRequest {
-    #[prost(message, optional, tag = "1")]
-    request: Option<RateLimitRequest>,
-    #[prost(message, optional, tag = "2")]
-    ttl: Option<PbDuration>,
-}
-
-#[derive(Clone, PartialEq, prost::Message)]
-struct ReserveResponse {
-    #[prost(message, optional, tag = "1")]
-    response: Option<RateLimitResponse>,
-    #[prost(string, tag = "2")]
-    reservation_id: String,
-}
-
-#[derive(Clone, PartialEq, prost::Message)]
-struct CommitRequest {
-    #[prost(string, tag = "1")]
-    reservation_id: String,
-    #[prost(uint64, optional, tag = "2")]
-    actual: Option<u64>,
-    #[prost(uint64, repeated, tag = "3")]
-    actuals: Vec<u64>,
-}
-
-#[derive(Clone, PartialEq, prost::Message)]
-struct CommitResponse {
-    #[prost(enumeration = "Settled", repeated, tag = "1")]
-    settled: Vec<i32>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, prost::Enumeration)]
-enum Settled {
-    Committed = 0,
-    Reported = 1,
-    Again = 2,
-}
-
-/// A unary call of Kuadrant's `method`.
-async fn call<Q, A>(grpc: &str, method: &str, q: Q) -> Result<A, tonic::Status>
-where
-    Q: prost::Message + Send + Sync + 'static,
-    A: prost::Message + Default + Send + Sync + 'static,
-{
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{grpc}")).unwrap().connect().await.unwrap();
-    let mut client = tonic::client::Grpc::new(channel);
-    client.ready().await.unwrap();
-    let path = format!("/kuadrant.service.ratelimit.v1.RateLimitService/{method}").parse().unwrap();
-    let codec = tonic_prost::ProstCodec::<Q, A>::default();
-    client.unary(tonic::Request::new(q), path, codec).await.map(|r| r.into_inner())
-}
 
 fn request(user: &str, hits: u32) -> RateLimitRequest {
     let entries =

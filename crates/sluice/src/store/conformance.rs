@@ -411,7 +411,7 @@ pub async fn reservations_and_grants_share_a_window(s: &dyn Store) {
 }
 
 /// A seeded random sequence of reservations, commits (of open, settled, released and
-/// unknown ids), plain charges and peeks on two windows (one aligned), the clock moving
+/// unknown ids, and reports), plain charges and peeks on two windows (one aligned), the clock moving
 /// irregularly across holds' deadlines and windows' ends: every decision and settlement
 /// is the memory store's (which runs `algo::reservation` as is), step for step.
 pub async fn reservations_follow_the_model(s: &dyn Store) {
@@ -423,7 +423,7 @@ pub async fn reservations_follow_the_model(s: &dyn Store) {
         Limit::FixedWindow { limit: 100, window: 10_000, aligned: false },
         Limit::FixedWindow { limit: 60, window: 5_000, aligned: true },
     ];
-    let (t, mut now, mut rng) = (fresh_tag(), t0(), Rng(0x5eed_0041));
+    let (t, mut now, mut rng, mut next) = (fresh_tag(), t0(), Rng(0x5eed_0041), 1);
     for step in 0..300u64 {
         now += [0, 1, 250, 1_500, 4_000][rng.next(5) as usize];
         let ops: Vec<Op> = match rng.next(3) {
@@ -435,12 +435,15 @@ pub async fn reservations_follow_the_model(s: &dyn Store) {
         let at = format!("step {step} ({what}) at {now}: {ops:?}");
         match what {
             0..=2 => {
-                let r = Reservation { id: rng.next(12), ttl: 500 + rng.next(6_000) };
+                // ids are unique, as the servers make them (64 random bits)
+                let r = Reservation { id: next, ttl: 500 + rng.next(6_000) };
+                next += 1;
                 let (want, got) = (model.reserve(t, &ops, r, now).await, s.reserve(t, &ops, r, now).await);
                 assert_eq!(got.unwrap(), want.unwrap(), "reserve, {at}");
             }
             3..=5 => {
-                let id = rng.next(12);
+                // an open, settled, released or unknown reservation, or a report (0)
+                let id = rng.next(next + 2);
                 let commits: Vec<Commit> =
                     ops.iter().map(|o| Commit { key: o.key, limit: o.limit, actual: rng.next(50) }).collect();
                 let (want, got) = (model.commit(t, id, &commits, now).await, s.commit(t, id, &commits, now).await);

@@ -13,33 +13,32 @@ local reply = {}
 for i = 1, #KEYS do
   local p, actual, field = policy(ARGV[1 + 3 * i]), int(ARGV[2 + 3 * i]), ARGV[3 + 3 * i]
   local s = reserved_load(KEYS[i], field, p, now)
-  local did, held = nil, 0
+  local sk = settled_key(KEYS[i], field)
+  local did, held, keep = 1, 0, nil
+  local until_ = id ~= '0' and redis.call('ZSCORE', sk, id)
   if id == '0' then
-    -- reservation::REPORT: charged, never refused, nothing remembered
-    s.u, did = s.u + actual, 1
-  end
-  for j = 1, #s.settled, 3 do
-    if s.settled[j] == id and s.settled[j + 1] == 'c' then did = 2 end
-  end
-  if did == nil then
-    local at = nil
-    for j = #s.open - 2, 1, -3 do
-      if s.open[j] == id then at = j end
-    end
-    if at ~= nil then
-      local e = s.open[at + 2]
-      held = s.open[at + 1]
-      for _ = 1, 3 do table.remove(s.open, at) end
-      s.u, did = max(s.u - held, 0) + actual, 0
-      ledger_settle(s.settled, id, 'c', max(max(e, s.r), now))
-      s.h = nil
-      for j = 3, #s.open, 3 do
-        if s.h == nil or s.open[j] < s.h then s.h = s.open[j] end
+    s.u = s.u + actual
+  elseif until_ and tonumber(until_) > now then
+    did = 2
+  else
+    local hold = redis.call('HGET', s.hk, id)
+    if hold then
+      local units, e = string.match(hold, '^(%d+):(%d+)$')
+      held = int(units)
+      redis.call('HDEL', s.hk, id)
+      if redis.call('HLEN', s.hk) <= 1 then
+        redis.call('DEL', s.hk)
+        s.h = nil
       end
+      s.u, did, keep = max(s.u - held, 0) + actual, 0, max(max(int(e), s.r), now)
     else
-      s.u, did = s.u + actual, 1
-      ledger_settle(s.settled, id, 'c', max(s.r, now))
+      s.u, keep = s.u + actual, max(s.r, now)
     end
+    -- Ledger::settle: remembered until `keep`, the oldest forgotten past SETTLED_MAX
+    redis.call('ZREMRANGEBYSCORE', sk, '-inf', num(now))
+    redis.call('ZADD', sk, num(keep), id)
+    if redis.call('ZCARD', sk) > SETTLED_MAX then redis.call('ZREMRANGEBYRANK', sk, 0, 0) end
+    live_until(sk, keep + grace)
   end
   reserved_store(s, KEYS[i], field, p, now, grace)
   reply[2 * i - 1], reply[2 * i] = did, held

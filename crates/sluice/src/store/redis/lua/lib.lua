@@ -278,106 +278,69 @@ local function expires_at(kind, x, y, z, p1, p2, p3)
 end
 
 -- Reservations (algo::reservation) on fixed windows. A window with open holds is stored
--- "r:u:h", h the earliest of their deadlines, so a decision reads the ledger only when a
--- hold is due (a window without reservations costs nothing more). The ledger lives in
--- the field beside the state, `field .. '^'` (a field name never has '^'), as
--- "e:w/id:units:expires,.../id:o:until,...": e the moment it stops mattering
--- (Ledger::expires, which pruning reads), w the window (its reset) the holds were taken
--- in, the open holds, then what was settled, oldest first (o: c committed, r released).
--- Ids are text: a u64 is not exact in Lua. Holds and settlements are flat lists of three
--- values each.
+-- "r:u:h": u counts what is committed and what is held, and h is at most the earliest
+-- hold's deadline, so a decision looks at the holds only once h has passed (a window
+-- without reservations costs nothing more; a commit leaves h as it was, a bound still).
+-- The holds are a hash beside the window, `key .. field .. '^'` (in the bucket's slot:
+-- the same hash tag): id -> "units:expires", and 'w' -> the window (its reset) they were
+-- taken in. Committed reservations are a sorted set `key .. field .. '!'`: id by the
+-- moment it may be forgotten (Ledger::settle's `until`); a released hold is remembered
+-- nowhere, since a commit of it and of an unknown id are both reports. Every call on a
+-- reservation reads and writes O(1) entries; only a due h reads all the holds.
 
 -- Whether a script may write: peek runs on replicas, and reads a due hold as released
 -- without writing it.
 local WRITES = true
 
--- The ledger of state `field`: its window (nil: none), open holds, settlements.
-local function ledger_load(key, field)
-  local open, settled = {}, {}
-  local v = redis.call('HGET', key, field .. '^')
-  if not v then return nil, open, settled end
-  local w, o, s = string.match(v, '^%d+:(%d+)/([^/]*)/(.*)$')
-  if w == nil then return nil, open, settled end
-  for id, units, e in string.gmatch(o, '(%d+):(%d+):(%d+)') do
-    open[#open + 1], open[#open + 2], open[#open + 3] = id, int(units), int(e)
-  end
-  for id, o2, e in string.gmatch(s, '(%d+):(%a):(%d+)') do
-    settled[#settled + 1], settled[#settled + 2], settled[#settled + 3] = id, o2, int(e)
-  end
-  return int(w), open, settled
+-- The keys of a state's open holds and of its committed reservations.
+local function holds_key(key, field) return key .. field .. '^' end
+local function settled_key(key, field) return key .. field .. '!' end
+
+-- Gives `k` a TTL until at least `at` (PEXPIREAT GT treats a key without one as never
+-- expiring).
+local function live_until(k, at)
+  if redis.call('PEXPIRETIME', k) < at then redis.call('PEXPIREAT', k, num(at)) end
 end
 
--- Ledger::settle: remembers how `id` was settled, until `keep`, forgetting the oldest
--- past SETTLED_MAX.
-local function ledger_settle(settled, id, outcome, keep)
-  for i = #settled - 2, 1, -3 do
-    if settled[i] == id then
-      for _ = 1, 3 do table.remove(settled, i) end
+-- reservation::normalize for window (u, r): the holds past their deadline released,
+-- their units back (all of them dropped when taken in another window, their units gone
+-- with it). Returns u and the earliest deadline left (nil: none).
+local function holds_release(key, field, u, r, now)
+  local hk = holds_key(key, field)
+  local all = redis.call('HGETALL', hk)
+  local w, h, gone, left = nil, nil, {}, 0
+  for i = 1, #all, 2 do
+    if all[i] == 'w' then w = int(all[i + 1]) end
+  end
+  for i = 1, #all, 2 do
+    if all[i] ~= 'w' then
+      local units, e = string.match(all[i + 1], '^(%d+):(%d+)$')
+      units, e = int(units), int(e)
+      if w ~= r or e <= now then
+        if w == r then u = max(u - units, 0) end
+        gone[#gone + 1] = all[i]
+      else
+        left = left + 1
+        if h == nil or e < h then h = e end
+      end
     end
   end
-  if #settled >= 3 * SETTLED_MAX then
-    for _ = 1, 3 do table.remove(settled, 1) end
+  if WRITES and left == 0 then
+    redis.call('DEL', hk)
+  elseif WRITES and #gone > 0 then
+    redis.call('HDEL', hk, unpack(gone))
   end
-  settled[#settled + 1], settled[#settled + 2], settled[#settled + 3] = id, outcome, keep
+  return u, h
 end
 
--- reservation::normalize's ledger half, for the window (u, r) fixed_window_normalize
--- left (w: the window the holds were taken in): holds of another window are dropped
--- (their units went with it), lapsed ones released (their units back), settlements past
--- their time forgotten. Returns u, the earliest open deadline (nil: none), the open
--- holds and the settlements.
-local function ledger_normalize(u, r, w, open, settled, now)
-  local kept, h = {}, nil
-  for i = 1, #open, 3 do
-    local id, units, e = open[i], open[i + 1], open[i + 2]
-    if w ~= r or e <= now then
-      if w == r then u = max(u - units, 0) end
-      ledger_settle(settled, id, 'r', max(e, r))
-    else
-      kept[#kept + 1], kept[#kept + 2], kept[#kept + 3] = id, units, e
-      if h == nil or e < h then h = e end
-    end
-  end
-  local live = {}
-  for i = 1, #settled, 3 do
-    if settled[i + 2] > now then
-      live[#live + 1], live[#live + 2], live[#live + 3] = settled[i], settled[i + 1], settled[i + 2]
-    end
-  end
-  return u, h, kept, live
-end
-
--- Writes a ledger back (empty: the field goes); the bucket lives `grace` past it (nil:
--- its TTL already covers it).
-local function ledger_store(key, field, r, open, settled, grace)
-  if #open == 0 and #settled == 0 then
-    redis.call('HDEL', key, field .. '^')
-    return
-  end
-  local e, o, s = 0, {}, {}
-  for i = 1, #open, 3 do
-    e = max(e, open[i + 2])
-    o[#o + 1] = open[i] .. ':' .. num(open[i + 1]) .. ':' .. num(open[i + 2])
-  end
-  for i = 1, #settled, 3 do
-    e = max(e, settled[i + 2])
-    s[#s + 1] = settled[i] .. ':' .. settled[i + 1] .. ':' .. num(settled[i + 2])
-  end
-  local v = num(e) .. ':' .. num(r) .. '/' .. table.concat(o, ',') .. '/' .. table.concat(s, ',')
-  redis.call('HSET', key, field .. '^', v)
-  if grace ~= nil then redis.call('PEXPIREAT', key, num(e + grace), 'GT') end
-end
-
--- A fixed window (u, r) with open holds, the earliest due at h, as loaded (`e`: its
--- expiry's text): when a hold is due in this window, the lapsed holds are released and
--- the window and ledger written back (a read-only script only reads them so). Returns
--- the window as `load` does.
+-- A fixed window (u, r) with open holds, h at most the earliest deadline, as loaded
+-- (`e`: its expiry's text): once h has passed in this window the lapsed holds are
+-- released and the window written back (a read-only script only reads them so).
+-- Returns the window as `load` does.
 local function holds_due(key, field, u, r, h, e, now)
   if now < h or now >= r then return u, r, h, e end
-  local w, open, settled = ledger_load(key, field)
-  local u2, h2, kept, live = ledger_normalize(u, r, w, open, settled, now)
+  local u2, h2 = holds_release(key, field, u, r, now)
   if WRITES then
-    ledger_store(key, field, r, kept, live, nil)
     local v = e .. ':' .. num(u2)
     if h2 ~= nil then v = v .. ':' .. num(h2) end
     redis.call('HSET', key, field, v)
@@ -550,19 +513,22 @@ local function granted_normalize(kind, lx, ly, open, closing, p1, p2, p3, now)
 end
 
 -- A reserved window: state `field` of bucket `key` under the fixed window policy `p`,
--- and its ledger, brought to `now` (reservation::normalize), as a table: u, r, h, the
--- open holds, the settlements, and what was loaded (for `reserved_store`).
+-- brought to `now` (reservation::normalize; holds of a window that ended dropped), as a
+-- table: u, r, h, its holds' key, and what was loaded (for `reserved_store`).
 local function reserved_load(key, field, p, now)
   if p[1] ~= FIXED_WINDOW then error('sluice: reservations take fixed windows only') end
   local lx, ly, lz, le = load(FIXED_WINDOW, key, field, p[3], now)
   local u, r, h = fixed_window_normalize(lx, ly, p[3], p[4], now, lz)
-  local w, open, settled = ledger_load(key, field)
-  u, h, open, settled = ledger_normalize(u, r, w, open, settled, now)
-  return {u = u, r = r, h = h, open = open, settled = settled, lx = lx, ly = ly, lz = lz, le = le}
+  local hk = holds_key(key, field)
+  local w = redis.call('HGET', hk, 'w')
+  if w and int(w) ~= r then
+    redis.call('DEL', hk)
+    h = nil
+  end
+  return {u = u, r = r, h = h, hk = hk, lx = lx, ly = ly, lz = lz, le = le}
 end
 
--- Writes a reserved window and its ledger back.
+-- Writes a reserved window back.
 local function reserved_store(s, key, field, p, now, grace)
   store(FIXED_WINDOW, key, field, s.u, s.r, s.h, p[2], p[3], p[4], now, grace, s.lx, s.ly, s.lz, s.le, nil)
-  ledger_store(key, field, s.r, s.open, s.settled, grace)
 end

@@ -11,10 +11,13 @@ for i = 1, #KEYS do
   local p, cost = policy(ARGV[2 + 3 * i]), int(ARGV[3 + 3 * i])
   local s = reserved_load(KEYS[i], ARGV[4 + 3 * i], p, now)
   local a, l, used, rem, reset, retry
-  if #s.open >= 3 * HOLDS_MAX then
-    -- reservation::reserve: the ledger is full until its first hold ends
-    local first = s.open[3]
-    for j = 6, #s.open, 3 do first = min(first, s.open[j]) end
+  if redis.call('HLEN', s.hk) > HOLDS_MAX then
+    -- reservation::reserve: the holds are full until the first one ends
+    local all, first = redis.call('HGETALL', s.hk), nil
+    for j = 2, #all, 2 do
+      local e = tonumber(string.match(all[j], ':(%d+)$'))
+      if all[j - 1] ~= 'w' and (first == nil or e < first) then first = e end
+    end
     a, l, used, rem, reset, retry = fixed_window_charge(s.u, s.r, s.h, p[2], 0, now)
     a, rem, retry = 0, 0, max(first - now, 0)
   else
@@ -31,7 +34,8 @@ for i = 1, #KEYS do
   if s.admitted and not refused then
     local e = now + ttl
     if s.charged ~= nil then s.u = s.charged end
-    s.open[#s.open + 1], s.open[#s.open + 2], s.open[#s.open + 3] = id, s.cost, e
+    redis.call('HSET', s.hk, id, num(s.cost) .. ':' .. num(e), 'w', num(s.r))
+    live_until(s.hk, e + grace)
     if s.h == nil or e < s.h then s.h = e end
   end
   reserved_store(s, KEYS[i], ARGV[4 + 3 * i], s.p, now, grace)
