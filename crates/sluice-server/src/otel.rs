@@ -22,10 +22,10 @@ use crate::otlp::{self, KeyValue};
 use axum::http::{HeaderMap, HeaderName};
 use serde::{Deserialize, Deserializer, de};
 use sluice::algo::grant::Granted;
-use sluice::algo::{ConcurrencyState, Decision, Lease, Op};
+use sluice::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use sluice::config::Duration as ConfigDuration;
 use sluice::store::{
-    Commit, GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError,
+    Commit, GiveBack, GrantAsk, Hold, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError,
 };
 use sluice::tag::Tag;
 use sluice::time::{Clock, Millis, SystemClock, Throttle};
@@ -631,6 +631,10 @@ impl Store for TracedStore {
 
     async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {
         store_call("commit", self.0.commit(tag, id, commits, now)).await
+    }
+
+    async fn holds(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Hold>, StoreError> {
+        store_call("holds", self.0.holds(tag, key, limit, now)).await
     }
 
     fn keeps_registry(&self) -> bool {

@@ -505,3 +505,87 @@ async fn import_and_what_an_override_may_say() {
     assert_eq!(put(&c, &s.base, "everyone", everyone).await.status(), 200);
     assert_eq!(num(&hit(&c, &s.base, "d", &[("user", "zed")]).await, "x-ratelimit-limit"), 2, "meant: every client");
 }
+
+/// Reservations on Redis, as an operator sees them: inspect (the API and `sluice admin
+/// inspect`) lists a client's open reservations with their expiry; the metrics count
+/// them per policy (admitted, held units, committed, expired); the live page shows the
+/// units held; an orphan leaves all of them at its TTL. An override of the client's
+/// limit binds its reservations as it binds its decisions.
+#[tokio::test]
+async fn reservations_are_inspected_counted_and_shown() {
+    let redis = RedisServer::start();
+    let store = format!("  ui: true\nstore:\n  kind: redis\n  url: \"{}\"\n", redis.url());
+    let s = start_with(&sections(&store), DOMAINS);
+    let c = reqwest::Client::new();
+    let reserve = |amount: u64, ttl: &str| {
+        let body = json!({"domain": "d", "descriptors": [{"entries": [{"key": "user", "value": "ann"}]}], "amount": amount, "ttl": ttl});
+        c.post(format!("{}/v1/reservations", s.base)).json(&body).send()
+    };
+    let before = now_ms();
+    let kept: Value = reserve(2, "30s").await.unwrap().json().await.unwrap();
+    let kept = kept["reservation_id"].as_str().unwrap().to_string();
+    let orphan: Value = reserve(1, "1s").await.unwrap().json().await.unwrap();
+    let orphan = orphan["reservation_id"].as_str().unwrap().to_string();
+    assert_eq!(reserve(3, "30s").await.unwrap().status(), 429, "2 + 1 held, 3 more do not fit in 5");
+    // an override raising ann's limit to 6 lets 3 more in
+    assert_eq!(
+        put(&c, &s.base, "ann", json!({"domain": "d", "entries": [{"key": "user", "value": "ann"}], "limit": 6}))
+            .await
+            .status(),
+        200
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while reserve(3, "30s").await.unwrap().status() != 200 {
+        assert!(std::time::Instant::now() < deadline, "the override never bound the reservations");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let inspect = || async {
+        admin(&c, reqwest::Method::GET, &s.base, "/v1/admin/clients?domain=d&user=ann")
+            .await
+            .json::<Value>()
+            .await
+            .unwrap()
+    };
+    let seen = inspect().await;
+    let holds = seen["policies"][0]["reservations"].as_array().unwrap_or_else(|| panic!("{seen}")).clone();
+    let mut units: Vec<u64> = holds.iter().map(|h| h["units"].as_u64().unwrap()).collect();
+    units.sort();
+    assert_eq!(units, [1, 2, 3], "{seen}");
+    for h in &holds {
+        let expires = h["expires_at_ms"].as_u64().unwrap();
+        assert!(expires > before && expires <= now_ms() + 30_000, "{h}");
+    }
+    let cli = std::process::Command::new(common::bin())
+        .args(["admin", "--server", &s.base, "inspect", "--domain", "d", "user=ann"])
+        .env("SLUICE_ADMIN_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&cli.stdout);
+    assert_eq!(said.matches("    reservation ").count(), 3, "{said}");
+    assert!(said.contains("holds 2  lapses at"), "{said}");
+    let m = metrics(&c, &s.base).await;
+    let policy = "domain=\"d\",policy=\"hourly\"";
+    assert!(m.contains(&format!("sluice_reservations_total{{{policy},result=\"admitted\"}} 3")), "{m}");
+    assert!(m.contains(&format!("sluice_reservation_held_units{{{policy}}} 6")), "{m}");
+    let overview: Value = admin(&c, reqwest::Method::GET, &s.base, "/v1/admin/overview").await.json().await.unwrap();
+    assert_eq!(overview["reservations"], json!([{"domain": "d", "policy": "hourly", "open": 3, "held_units": 6}]));
+    // committed; the orphan lapses at its TTL, and its late commit counts as expired
+    let commit = |id: String, actual: u64| {
+        c.post(format!("{}/v1/reservations/{id}/commit", s.base)).json(&json!({"actual": actual})).send()
+    };
+    assert_eq!(commit(kept, 4).await.unwrap().status(), 200);
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let seen = inspect().await;
+    assert_eq!(seen["policies"][0]["reservations"].as_array().map(Vec::len), Some(1), "only the 3 left: {seen}");
+    assert_eq!(commit(orphan, 1).await.unwrap().json::<Value>().await.unwrap()["settled"], json!(["reported"]));
+    let m = metrics(&c, &s.base).await;
+    for want in [
+        format!("sluice_reservation_settlements_total{{{policy},settled=\"committed\"}} 1"),
+        format!("sluice_reservation_settlements_total{{{policy},settled=\"expired\"}} 1"),
+        format!("sluice_reservation_units_total{{{policy},kind=\"committed\"}} 5"),
+        format!("sluice_reservations_open{{{policy}}} 1"),
+        format!("sluice_reservation_held_units{{{policy}}} 3"),
+    ] {
+        assert!(m.contains(&want), "{want}\n{m}");
+    }
+}

@@ -3,11 +3,13 @@
 //! health stays open, and the admin API keeps its own token.
 
 mod common;
+#[path = "common/kuadrant.rs"]
+mod kuadrant;
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 
 #[tokio::test]
 async fn the_data_plane_needs_one_of_the_tokens() {
@@ -21,7 +23,13 @@ async fn the_data_plane_needs_one_of_the_tokens() {
             None => r,
         }
     };
-    for (path, token) in [("/v1/ratelimit", None), ("/v1/ratelimit", Some("wrong")), ("/v1/refund", None)] {
+    for (path, token) in [
+        ("/v1/ratelimit", None),
+        ("/v1/ratelimit", Some("wrong")),
+        ("/v1/refund", None),
+        ("/v1/reservations", None),
+        ("/v1/reservations/anything/commit", None),
+    ] {
         let r = post(path, token).send().await.unwrap();
         assert_eq!(r.status(), 401, "{path} with {token:?}");
         assert_eq!(common::header(&r, "www-authenticate"), "Bearer");
@@ -56,6 +64,14 @@ async fn envoys_calls_need_one_of_the_tokens_in_metadata() {
     let mut with = tonic::Request::new(request());
     with.metadata_mut().insert("authorization", "Bearer envoy-token-0123456789".parse().unwrap());
     assert!(rls.should_rate_limit(with).await.is_ok());
+    // Kuadrant's service on the same listener takes the same tokens
+    for method in ["CheckRateLimit", "Report"] {
+        let e = kuadrant::call::<_, RateLimitResponse>(&s.grpc, method, request()).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{method}: {e:?}");
+    }
+    let reserve = kuadrant::ReserveRequest { request: Some(request()), ttl: None };
+    let e = kuadrant::call::<_, kuadrant::ReserveResponse>(&s.grpc, "Reserve", reserve).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
 }
 
 #[tokio::test]

@@ -51,6 +51,11 @@ pub mod names {
     pub const GRANT_LOCAL: &str = "sluice_grant_decisions_local_total";
     pub const GRANT_STORE_CALLS: &str = "sluice_grant_store_calls_total";
     pub const MIGRATION_PERCENT: &str = "sluice_migration_percent";
+    pub const RESERVATIONS: &str = "sluice_reservations_total";
+    pub const RESERVATION_UNITS: &str = "sluice_reservation_units_total";
+    pub const RESERVATION_SETTLEMENTS: &str = "sluice_reservation_settlements_total";
+    pub const RESERVATIONS_OPEN: &str = "sluice_reservations_open";
+    pub const RESERVATION_HELD_UNITS: &str = "sluice_reservation_held_units";
 }
 
 /// Gives every metric of [`names`] its help text (Prometheus's `# HELP` line), once the
@@ -113,6 +118,24 @@ pub fn describe() {
     describe_counter!(GRANT_LOCAL, "Decisions answered from a grant, without a store call.");
     describe_counter!(GRANT_STORE_CALLS, "Store calls made for grants (taking and giving back).");
     describe_gauge!(MIGRATION_PERCENT, "A migrating store's share of clients on its `to` store.");
+    describe_reservations();
+}
+
+/// The reservation metrics' help texts.
+fn describe_reservations() {
+    use metrics::{describe_counter, describe_gauge};
+    use names::*;
+    describe_counter!(RESERVATIONS, "Reservations asked for, by domain, policy and result (admitted, refused).");
+    describe_counter!(RESERVATION_UNITS, "Reservation units held at admission, and committed (the actuals).");
+    describe_counter!(
+        RESERVATION_SETTLEMENTS,
+        "Commits, by what they found: committed, expired (the hold was released at its TTL), again, reported."
+    );
+    describe_gauge!(
+        RESERVATIONS_OPEN,
+        "Reservations this instance admitted that are neither committed nor past their TTL."
+    );
+    describe_gauge!(RESERVATION_HELD_UNITS, "Units those reservations hold.");
 }
 
 /// One admin action, for the audit log.
@@ -155,6 +178,10 @@ pub fn audit(a: &Audit<'_>) {
 /// bounded by rules, never by clients (docs/operations.md, "Metrics").
 pub(crate) struct PolicyCounters {
     near_limit: Counter,
+    /// The domain and policy, for the counters registered on first use.
+    names: (String, String),
+    /// The policy's reservation counters, registered when it first holds one.
+    reservations: std::sync::OnceLock<ReservationCounters>,
     decided: Decided,
     /// The same decisions under envoyproxy/ratelimit's names (`limiter.ratelimit_metrics`).
     ratelimit: Option<RatelimitCounters>,
@@ -189,7 +216,8 @@ impl PolicyCounters {
         } else {
             Decided::Enforced { allowed: decisions("allowed"), over_limit: decisions("over_limit") }
         };
-        Self { near_limit: counter!(names::NEAR_LIMIT, "domain" => d, "policy" => p), decided, ratelimit: None, top }
+        let near_limit = counter!(names::NEAR_LIMIT, "domain" => d.clone(), "policy" => p.clone());
+        Self { near_limit, names: (d, p), reservations: Default::default(), decided, ratelimit: None, top }
     }
 
     /// Also counted under envoyproxy/ratelimit's names, for the rule reached by `steps`
@@ -214,6 +242,55 @@ impl PolicyCounters {
         }
         if allowed && near {
             self.near_limit.increment(1);
+        }
+    }
+}
+
+impl PolicyCounters {
+    /// The domain and policy it counts.
+    pub(crate) fn names(&self) -> (&str, &str) {
+        (&self.names.0, &self.names.1)
+    }
+
+    /// The policy's reservation counters (registered on the first call: ten series a
+    /// policy that ever held a reservation).
+    pub(crate) fn reservations(&self) -> &ReservationCounters {
+        self.reservations.get_or_init(|| ReservationCounters::new(&self.names.0, &self.names.1))
+    }
+}
+
+/// One policy's reservation counters (`sluice_reservation*{domain, policy}`).
+pub(crate) struct ReservationCounters {
+    pub admitted: Counter,
+    pub refused: Counter,
+    pub held_units: Counter,
+    pub committed_units: Counter,
+    pub committed: Counter,
+    pub expired: Counter,
+    pub again: Counter,
+    pub reported: Counter,
+    pub open: Gauge,
+    pub held: Gauge,
+}
+
+impl ReservationCounters {
+    fn new(domain: &str, policy: &str) -> Self {
+        let (d, p) = (domain.to_string(), policy.to_string());
+        let result = |r| counter!(names::RESERVATIONS, "domain" => d.clone(), "policy" => p.clone(), "result" => r);
+        let units = |k| counter!(names::RESERVATION_UNITS, "domain" => d.clone(), "policy" => p.clone(), "kind" => k);
+        let settled =
+            |s| counter!(names::RESERVATION_SETTLEMENTS, "domain" => d.clone(), "policy" => p.clone(), "settled" => s);
+        Self {
+            admitted: result("admitted"),
+            refused: result("refused"),
+            held_units: units("held"),
+            committed_units: units("committed"),
+            committed: settled("committed"),
+            expired: settled("expired"),
+            again: settled("again"),
+            reported: settled("reported"),
+            open: gauge!(names::RESERVATIONS_OPEN, "domain" => d.clone(), "policy" => p.clone()),
+            held: gauge!(names::RESERVATION_HELD_UNITS, "domain" => d, "policy" => p),
         }
     }
 }

@@ -199,6 +199,10 @@ async fn inspect(State(state): Shared, query: Result<Query<Vec<(String, String)>
         Ok(h) => h,
         Err(e) => return check_error(e),
     };
+    let reserved = match limiter.holds(&req).await {
+        Ok(h) => h,
+        Err(e) => return check_error(e),
+    };
     match limiter.status(&req).await {
         Ok(v) => {
             let mut policies = Vec::new();
@@ -212,6 +216,14 @@ async fn inspect(State(state): Shared, query: Result<Query<Vec<(String, String)>
                             .map(|(id, expires)| json!({"lease_id": id.to_string(), "expires_at_ms": expires}))
                             .collect();
                         json["leases"] = Value::Array(leases);
+                    }
+                    if let Some(r) = reserved.iter().find(|r| r.descriptor == di && r.policy == p.name) {
+                        let holds: Vec<Value> = r
+                            .holds
+                            .iter()
+                            .map(|h| json!({"reservation": h.id.to_string(), "units": h.units, "expires_at_ms": h.expires}))
+                            .collect();
+                        json["reservations"] = Value::Array(holds);
                     }
                     policies.push(json);
                 }

@@ -20,7 +20,11 @@ pub(crate) async fn metrics(State(state): Shared) -> Response {
         return error(StatusCode::NOT_FOUND, "no_metrics", "metrics are not recorded in this process".into());
     };
     let _turn = m.turn.lock().await;
-    state.engine.load().limiter.grants().publish();
+    let engine = state.engine.load();
+    engine.limiter.grants().publish();
+    // reservations past their TTL leave the gauges
+    engine.limiter.issued().held(engine.limiter.now());
+    drop(engine);
     let rendering = state.clone();
     match tokio::task::spawn_blocking(move || rendering.metrics.as_ref().map(crate::state::Metrics::render)).await {
         Ok(Some(text)) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),

@@ -44,6 +44,11 @@ pub async fn overview(State(state): State<Arc<AppState>>) -> Response {
     let overrides = engine.limiter.overrides().list(None);
     body["overrides_held"] = json!(overrides.len());
     body["overrides"] = json!(&overrides[..overrides.len().min(OVERRIDES_SHOWN)]);
+    // at most one line a policy: bounded by the rules
+    let held = engine.limiter.issued().held(engine.limiter.now());
+    let held: Vec<Value> =
+        held.iter().map(|(d, p, n, u)| json!({"domain": d, "policy": p, "open": n, "held_units": u})).collect();
+    body["reservations"] = Value::Array(held);
     axum::Json(body).into_response()
 }
 

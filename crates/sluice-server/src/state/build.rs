@@ -61,7 +61,10 @@ pub fn engine(
     let remote = !matches!(config.store, StoreConfig::Memory { .. });
     let limiter = Limiter::new(Arc::new(rules), store, clock);
     let limiter = match previous {
-        Some(p) => limiter.with_overrides(p.overrides().clone()).with_grants(p.grants().clone()),
+        Some(p) => limiter
+            .with_overrides(p.overrides().clone())
+            .with_grants(p.grants().clone())
+            .with_issued(p.issued().clone()),
         None => {
             limiter.overrides().watch(sluice::overrides::REFRESH);
             limiter

@@ -13,7 +13,7 @@
 //! comes back as windows end; [`MemoryStats::full`] counts the calls that found none.
 
 use super::{
-    Commit, GiveBack, GrantAsk, LocalRegistry, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store,
+    Commit, GiveBack, GrantAsk, Hold, LocalRegistry, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store,
     StoreError, no_grants_for, only_windows,
 };
 use crate::algo::grant::{self, GrantBook, Granted};
@@ -479,6 +479,18 @@ impl Store for MemoryStore {
             out.push(settled);
         }
         Ok(out)
+    }
+
+    async fn holds(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Hold>, StoreError> {
+        only_windows(std::iter::once(limit))?;
+        let shard = self.shard(tag);
+        let at = slot(tag, key);
+        let (Some(State::Window(s)), Some(ledger)) = (shard.map.get(&at).map(|e| &e.state), shard.ledgers.get(&at))
+        else {
+            return Ok(Vec::new());
+        };
+        let open = ledger.open.iter().filter(|h| now < s.resets_at && h.expires > now);
+        Ok(open.copied().collect())
     }
 
     fn keeps_registry(&self) -> bool {

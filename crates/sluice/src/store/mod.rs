@@ -16,7 +16,7 @@ mod registry;
 mod resilient;
 
 use crate::algo::grant::Granted;
-pub use crate::algo::reservation::Settled;
+pub use crate::algo::reservation::{Hold, Settled};
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
 use crate::time::Millis;
@@ -237,6 +237,13 @@ pub trait Store: Send + Sync + 'static {
         Err(StoreError::protocol(no_reservations_reason(self.kind())))
     }
 
+    /// The reservations open on fixed window `key` of client `tag` at `now`, for
+    /// inspecting it (none on a store that keeps none). Reads only.
+    async fn holds(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Hold>, StoreError> {
+        let _ = (tag, key, limit, now);
+        Ok(Vec::new())
+    }
+
     /// Commits reservation `id` with each state's actual amount, in one atomic step:
     /// what each commit did. Never refused; a commit sent again settles once.
     async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {
@@ -376,6 +383,9 @@ impl<R: Router> Store for R {
     }
     async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {
         self.route(tag).commit(tag, id, commits, now).await
+    }
+    async fn holds(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Hold>, StoreError> {
+        self.route(tag).holds(tag, key, limit, now).await
     }
     fn keeps_registry(&self) -> bool {
         self.registry_home().is_some()

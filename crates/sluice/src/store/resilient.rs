@@ -6,9 +6,11 @@
 //! work; then one call is let through as a probe, and its success closes the breaker.
 //! What the client sees when a call fails is the engine's failure policy.
 
-use super::{Commit, GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError};
+use super::{
+    Commit, GiveBack, GrantAsk, Hold, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError,
+};
 use crate::algo::grant::Granted;
-use crate::algo::{ConcurrencyState, Decision, Lease, Op};
+use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
 use crate::telemetry::{StoreMetrics, StoreOp};
 use crate::time::Millis;
@@ -291,6 +293,9 @@ impl<S: Store> Store for Resilient<S> {
     async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {
         // a commit is never refused: a refund's path (it gives back or charges work done)
         self.call(StoreOp::Refund, self.inner.commit(tag, id, commits, now)).await
+    }
+    async fn holds(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Hold>, StoreError> {
+        self.call(StoreOp::Peek, self.inner.holds(tag, key, limit, now)).await
     }
     fn keeps_registry(&self) -> bool {
         self.inner.keeps_registry()

@@ -339,6 +339,14 @@ fn inspected(v: &Value) -> String {
             p["remaining"],
             p["reset"],
         ));
+        for r in p["reservations"].as_array().into_iter().flatten() {
+            out.push_str(&format!(
+                "    reservation {}  holds {}  lapses at {} ms\n",
+                r["reservation"].as_str().unwrap_or(""),
+                r["units"],
+                r["expires_at_ms"]
+            ));
+        }
         for l in p["leases"].as_array().into_iter().flatten() {
             out.push_str(&format!(
                 "    lease {}  lapses at {} ms\n",

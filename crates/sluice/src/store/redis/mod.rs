@@ -22,7 +22,7 @@ pub use sentinel::{Auth, FOLLOW_EVERY, SentinelOptions};
 pub use sharded::ShardedRedisStore;
 
 use super::{
-    Commit, GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError, b64,
+    Commit, GiveBack, GrantAsk, Hold, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError, b64,
 };
 use crate::algo::grant::Granted;
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
@@ -1010,6 +1010,30 @@ impl Store for RedisStore {
             _ => Settled::Again,
         };
         Ok(ints.chunks(2).map(settled).collect())
+    }
+
+    async fn holds(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Hold>, StoreError> {
+        super::only_windows(std::iter::once(limit))?;
+        let at = Location::of(tag, key, limit, self.writer.options.buckets);
+        let window =
+            self.writer.conn.query(redis::cmd("HGET").arg(&at.key).arg(&at.field)).await.map_err(store_error)?;
+        let window: Option<String> =
+            redis::from_redis_value(window).map_err(|e| StoreError::protocol(e.to_string()))?;
+        // "r:u:h": no h, no holds; a window that ended took its holds with it
+        let resets_at = window.as_deref().and_then(|v| v.split(':').next()?.parse::<Millis>().ok());
+        let Some(resets_at) = resets_at.filter(|r| now < *r) else { return Ok(Vec::new()) };
+        let held = format!("{}{}^", at.key, at.field);
+        let all = self.writer.conn.query(redis::cmd("HGETALL").arg(&held)).await.map_err(store_error)?;
+        let all: Vec<(String, String)> =
+            redis::from_redis_value(all).map_err(|e| StoreError::protocol(e.to_string()))?;
+        if !all.iter().any(|(k, v)| k == "w" && v.parse() == Ok(resets_at)) {
+            return Ok(Vec::new());
+        }
+        let hold = |(id, v): &(String, String)| {
+            let (units, expires) = v.split_once(':')?;
+            Some(Hold { id: id.parse().ok()?, units: units.parse().ok()?, expires: expires.parse().ok()? })
+        };
+        Ok(all.iter().filter_map(hold).filter(|h| h.expires > now).collect())
     }
 
     fn keeps_registry(&self) -> bool {

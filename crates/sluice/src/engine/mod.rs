@@ -15,12 +15,18 @@ use crate::overrides::{Override, OverrideError, Overrides};
 use crate::plan::{Group, Mode, Plan, plan, unevaluated};
 use crate::request::{Request, RequestError};
 use crate::rules::{Domain, GrantRule, Rules};
-use crate::store::{Commit, Refund, Reservation, Settled, Store, StoreError};
+use crate::store::{Refund, Store, StoreError};
 use crate::tag::Tag;
 use crate::telemetry;
 use crate::time::{Clock, Millis};
 use crate::verdict::{Code, DescriptorVerdict, LeaseId, Outcome, Source, Verdict, binding};
 use std::sync::Arc;
+
+mod reservations;
+
+/// An op a status reads: its client, the op, its policy's name, its descriptor.
+type PeekOp = (Tag, Op, Arc<str>, usize);
+pub use reservations::{HeldReservations, Issued};
 
 /// Why a request could not be decided at all.
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +83,8 @@ pub struct Limiter {
     failures: FailureLog,
     overrides: Arc<Overrides>,
     grants: Arc<Ledger>,
+    /// The reservations this instance issued, for its gauges.
+    issued: Arc<Issued>,
     /// When the grants held were last swept for revocations and idle keys.
     sweep: crate::time::Throttle,
 }
@@ -97,6 +105,7 @@ impl Limiter {
             failures: FailureLog::default(),
             overrides,
             grants: Arc::default(),
+            issued: Arc::default(),
             sweep: Default::default(),
         }
     }
@@ -106,6 +115,12 @@ impl Limiter {
     /// back at its next decision).
     pub fn with_grants(mut self, grants: Arc<Ledger>) -> Self {
         self.grants = grants;
+        self
+    }
+
+    /// Tracks its reservations in `issued` (the previous engine's, across a reload).
+    pub fn with_issued(mut self, issued: Arc<Issued>) -> Self {
+        self.issued = issued;
         self
     }
 
@@ -242,76 +257,6 @@ impl Limiter {
                 g.ops.iter().zip(current).map(|(o, d)| refund_of(o, o.cost, d.reset_at)).collect();
             self.store.refund(g.tag, &refunds, now).await?;
             self.forget(g.tag, &refunds);
-        }
-        Ok(())
-    }
-
-    /// Reserves each descriptor's cost (its `hits_addend`, else the request's) of every
-    /// matching fixed window as reservation `id`, held until `ttl` from now or until
-    /// [`Limiter::commit`]: admitted all or nothing, as a check is, counting the other
-    /// reservations held (see [`crate::algo::reservation`]). A matching policy of another
-    /// kind is refused with [`RequestError::NotReservable`]; quota grants are not used
-    /// (a reservation is a store call, and counts in the same window as grants do).
-    pub async fn reserve(&self, req: &Request, id: u64, ttl: Millis) -> Result<Verdict, CheckError> {
-        let now = self.clock.now();
-        let Plan { domain, mut descriptors, groups } =
-            plan(&self.rules, &self.overrides.current(), req, Mode::Charge, None, now)?;
-        reservable(&groups, &descriptors)?;
-        let r = Reservation { id, ttl };
-        let results = futures_util::future::join_all(groups.iter().map(|g| self.store.reserve(g.tag, &g.ops, r, now)));
-        let mut tally = Tally::default();
-        for (g, result) in groups.iter().zip(results.await) {
-            self.record(g, result.map(|d| (d, Source::Store)), Mode::Charge, now, &mut descriptors, &mut tally)?;
-        }
-        let allowed = tally.refused_groups == 0;
-        if !allowed {
-            // another client's part refused: what the others hold goes back
-            self.settle(&groups, id, now).await?;
-            for ((_, held), &(di, pi)) in tally.charges.drain(..).zip(&tally.charged) {
-                let d = &mut descriptors[di].policies[pi].decision;
-                d.used = d.used.saturating_sub(held.cost);
-                d.remaining = d.remaining.saturating_add(held.cost).min(d.limit);
-            }
-        }
-        let outcome = outcome(allowed, &mut descriptors);
-        self.count(domain, req, Mode::Charge, &descriptors, tally.degraded, false);
-        let binding = binding(&descriptors);
-        Ok(Verdict { outcome, descriptors, binding, lease: None, degraded: tally.degraded, now, charges: Vec::new() })
-    }
-
-    /// Charges each descriptor's cost to every matching fixed window, never refused (a
-    /// cost past a limit is taken): the work is done, and what it cost counts against the
-    /// requests after it (Kuadrant's `Report`, Envoy's `apply_on_stream_done`). A commit
-    /// of no reservation ([`crate::algo::reservation::REPORT`]).
-    pub async fn report(&self, req: &Request) -> Result<(), CheckError> {
-        self.commit(req, crate::algo::reservation::REPORT).await.map(|_| ())
-    }
-
-    /// Commits reservation `id`: `req` names the descriptors it reserved, each with the
-    /// amount actually spent as its cost (more or less than held; never refused, and a
-    /// cost above a limit is taken). Settles once however often it is sent; a
-    /// reservation released at its deadline is charged its actual as a report. One
-    /// answer per matching fixed window, in plan order.
-    pub async fn commit(&self, req: &Request, id: u64) -> Result<Vec<Settled>, CheckError> {
-        let now = self.clock.now();
-        let req = Request { lenient: true, ..req.clone() };
-        let Plan { descriptors, groups, .. } =
-            plan(&self.rules, &self.overrides.current(), &req, Mode::Charge, None, now)?;
-        reservable(&groups, &descriptors)?;
-        let mut settled = Vec::new();
-        for g in &groups {
-            let commits: Vec<Commit> =
-                g.ops.iter().map(|o| Commit { key: o.key, limit: o.limit, actual: o.cost }).collect();
-            settled.extend(self.store.commit(g.tag, id, &commits, now).await?);
-        }
-        Ok(settled)
-    }
-
-    /// Releases what reservation `id` holds on every group's windows (a commit of 0).
-    async fn settle(&self, groups: &[Group], id: u64, now: Millis) -> Result<(), StoreError> {
-        for g in groups {
-            let commits: Vec<Commit> = g.ops.iter().map(|o| Commit { key: o.key, limit: o.limit, actual: 0 }).collect();
-            self.store.commit(g.tag, id, &commits, now).await?;
         }
         Ok(())
     }
@@ -494,23 +439,28 @@ impl Limiter {
     /// The leases a client holds on each of its concurrency policies, with when each
     /// lapses, for inspecting it. Reads only (may be served by a replica).
     pub async fn leases(&self, req: &Request) -> Result<Vec<HeldLeases>, CheckError> {
-        let now = self.clock.now();
-        let Plan { descriptors, groups, .. } =
-            plan(&self.rules, &self.overrides.current(), req, Mode::Peek, None, now)?;
-        let mut out = Vec::new();
-        for g in &groups {
-            for (op, &(di, pi)) in g.ops.iter().zip(&g.slots) {
-                let Limit::Concurrency { lease_ttl, .. } = op.limit else { continue };
-                let held = self.store.leases(g.tag, op.key, lease_ttl, now).await?;
-                let leases = held
-                    .leases
-                    .into_iter()
-                    .map(|(lease, at)| (LeaseId { tag: g.tag, lease, keys: vec![op.key] }, at + lease_ttl))
-                    .collect();
-                out.push(HeldLeases { descriptor: di, policy: descriptors[di].policies[pi].name.clone(), leases });
-            }
+        let (now, mut out) = (self.clock.now(), Vec::new());
+        for (tag, op, policy, di) in self.peek_ops(req, now)? {
+            let Limit::Concurrency { lease_ttl, .. } = op.limit else { continue };
+            let held = self.store.leases(tag, op.key, lease_ttl, now).await?;
+            let leases =
+                held.leases.into_iter().map(|(lease, at)| (LeaseId { tag, lease, keys: vec![op.key] }, at + lease_ttl));
+            out.push(HeldLeases { descriptor: di, policy, leases: leases.collect() });
         }
         Ok(out)
+    }
+
+    /// Each op a status of `req` would read: its client, the op, its policy's name and
+    /// its descriptor.
+    fn peek_ops(&self, req: &Request, now: Millis) -> Result<Vec<PeekOp>, CheckError> {
+        let Plan { descriptors, groups, .. } =
+            plan(&self.rules, &self.overrides.current(), req, Mode::Peek, None, now)?;
+        let ops = groups.iter().flat_map(|g| {
+            let named =
+                |(op, &(di, pi)): (&Op, &(usize, usize))| (g.tag, *op, descriptors[di].policies[pi].name.clone(), di);
+            g.ops.iter().zip(&g.slots).map(named)
+        });
+        Ok(ops.collect())
     }
 
     /// The time now, by this engine's clock.
@@ -902,20 +852,6 @@ struct Tally {
     /// A group taking a lease allowed: the lease is held.
     leased: bool,
     degraded: Option<Failure>,
-}
-
-/// Whether every policy a plan reaches takes reservations (fixed windows do); the
-/// first that does not, named.
-fn reservable(groups: &[Group], descriptors: &[DescriptorVerdict]) -> Result<(), RequestError> {
-    for g in groups {
-        for (op, &(di, pi)) in g.ops.iter().zip(&g.slots) {
-            if !matches!(op.limit, Limit::FixedWindow { .. }) {
-                let policy = descriptors[di].policies[pi].name.to_string();
-                return Err(RequestError::NotReservable { descriptor: di, policy, algorithm: op.limit.algorithm() });
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Marks each descriptor refused by an enforced policy (over its limit), or by a
