@@ -132,3 +132,43 @@ async fn orphans_lapse_and_mistakes_are_named() {
         assert_eq!((code, e["error"]["code"].as_str()), (400, Some("bad_ttl")), "{ttl}: {e}");
     }
 }
+
+/// Where reservations cannot be served it is said, never silently skipped: memcached
+/// answers each one with the reason, `limiter.reservations: true` refuses it when the
+/// config loads (naming the line), and `limiter.reservations: false` turns them off.
+#[tokio::test]
+async fn a_store_without_reservations_says_so() {
+    let memcached = sluice_testkit::MemcachedServer::start();
+    let store = format!("store:\n  kind: memcached\n  servers: [\"{}\"]\n", memcached.addr());
+    let s = common::start_with(
+        &store,
+        "  - domain: llm\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 100}\n",
+    );
+    let client = reqwest::Client::new();
+    let body = json!({"domain": "llm", "descriptors": [{"entries": [{"key": "user", "value": "x"}]}], "amount": 1});
+    let (code, e) = reserve(&client, &s.base, body.clone()).await;
+    assert_eq!((code, e["error"]["code"].as_str()), (400, Some("no_reservations")), "{e}");
+    assert!(e["error"]["message"].as_str().unwrap().contains("memcached store keeps no reservations"), "{e}");
+    // asked for, with memcached: refused at load, at the line
+    let dir = sluice_testkit::TempDir::new("sluice-reservations-check");
+    let config = dir.path().join("sluice.yaml");
+    let text = format!("{store}limiter:\n  reservations: true\ndomains:\n  - domain: llm\n    descriptors: []\n");
+    std::fs::write(&config, &text).unwrap();
+    let out =
+        std::process::Command::new(common::bin()).args(["config", "check"]).arg(&config).output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("sluice.yaml:5:") && said.contains("store memcached keeps no reservations"), "{said}");
+    // turned off
+    let off = start_with_off().await;
+    let (code, e) = reserve(&client, &off.base, body).await;
+    assert_eq!((code, e["error"]["code"].as_str()), (400, Some("no_reservations")), "{e}");
+    assert!(e["error"]["message"].as_str().unwrap().contains("limiter.reservations: false"), "{e}");
+}
+
+async fn start_with_off() -> common::Sluice {
+    common::start_with(
+        "limiter:\n  reservations: false\n",
+        "  - domain: llm\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 100}\n",
+    )
+}

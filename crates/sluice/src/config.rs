@@ -69,6 +69,11 @@ pub struct LimiterConfig {
     /// (`ratelimit_service_rate_limit_*{domain, key1, key2}`), for dashboards that query
     /// those. Labels come from the rules, never from requests.
     pub ratelimit_metrics: bool,
+    /// Reservations (`POST /v1/reservations`, Kuadrant's `Reserve` and `Commit`): unset,
+    /// served when the store keeps them (memory and Redis; memcached answers each one
+    /// with the reason); `true`, required, so a store that cannot keep them is refused
+    /// when the config loads; `false`, refused, saying so.
+    pub reservations: Option<bool>,
 }
 
 /// `limiter.top_clients`: per rule, a list of the clients it refuses most and one of
@@ -176,6 +181,7 @@ impl Default for LimiterConfig {
             top_clients: Default::default(),
             max_overrides: 250_000,
             ratelimit_metrics: false,
+            reservations: None,
         }
     }
 }

@@ -121,6 +121,9 @@ pub enum RequestError {
          (`rate_limit:` or `fixed_window:`)"
     )]
     NotReservable { descriptor: usize, policy: String, algorithm: &'static str },
+    /// Reservations are not served here: the store keeps none, or they are turned off.
+    #[error("{0}")]
+    NoReservations(String),
     /// There are no rules yet: they are still to come (see [`crate::rules::Rules::pending`]).
     #[error("{0}")]
     NoRules(String),
@@ -138,6 +141,7 @@ impl RequestError {
             RequestError::BadLimit { .. } | RequestError::LimitRefused(_) => "bad_limit",
             RequestError::BadLeaseId(_) => "bad_lease_id",
             RequestError::NotReservable { .. } => "not_reservable",
+            RequestError::NoReservations(_) => "no_reservations",
             RequestError::NoRules(_) => "no_rules_yet",
         }
     }

@@ -106,6 +106,24 @@ pub fn store(store: &StoreConfig, rules: &Rules) -> Result<(), CheckError> {
     Ok(())
 }
 
+/// `limiter.reservations: true` asks for a store that keeps them: memcached (on either
+/// side of a migration too) is refused, saying so.
+pub fn reservations(limiter: &sluice::config::LimiterConfig, store: &StoreConfig) -> Result<(), CheckError> {
+    fn memcached(s: &StoreConfig) -> bool {
+        match s {
+            StoreConfig::Memcached { .. } => true,
+            StoreConfig::Migrating { from, to, .. } => memcached(from) || memcached(to),
+            _ => false,
+        }
+    }
+    if limiter.reservations == Some(true) && memcached(store) {
+        let why = "limiter.reservations is true, but store memcached keeps no reservations (it has no atomic \
+                   script to hold an estimate and settle it): use a redis store, or leave limiter.reservations unset";
+        return Err(CheckError::at(&["limiter", "reservations"], why.into()));
+    }
+    Ok(())
+}
+
 /// A store config that cannot be built, whatever the network says.
 #[derive(Debug, thiserror::Error)]
 pub enum UnfitStore {

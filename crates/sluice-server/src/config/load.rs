@@ -262,7 +262,8 @@ fn compile(config: Config, text: &str, file: &str) -> Result<Loaded, ConfigError
         rules = rules.pending(xds.waiting());
     }
     let checked = crate::config::checks::server(&config.server)
-        .and_then(|()| crate::config::checks::store(&config.store, &rules));
+        .and_then(|()| crate::config::checks::store(&config.store, &rules))
+        .and_then(|()| crate::config::checks::reservations(&config.limiter, &config.store));
     checked.map_err(|e| ConfigError { file: file.to_string(), at: locate(text, &e.anchors), message: e.message })?;
     Ok(Loaded { config, rules })
 }

@@ -73,6 +73,10 @@ pub fn ttl_error(ttl: sluice::config::Duration) -> Option<String> {
 
 /// Reserves `req` for `ttl` ms: the verdict and, when admitted, the reservation's id.
 pub async fn reserve(engine: &Engine, req: &Request, ttl: u64) -> Result<(Verdict, Option<String>), CheckError> {
+    if engine.reservations_off {
+        let off = "reservations are off here (limiter.reservations: false)";
+        return Err(CheckError::Request(sluice::RequestError::NoReservations(off.into())));
+    }
     let id = random_id();
     let v = engine.limiter.reserve(req, id, ttl).await?;
     let token = (v.outcome == Outcome::Allowed).then(|| seal(&engine.limiter, req, id));

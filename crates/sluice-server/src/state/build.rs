@@ -74,7 +74,8 @@ pub fn engine(
         n if remote && n > 0 => limiter.with_near_cache(n),
         _ => limiter,
     };
-    Engine { limiter, headers: config.headers, envoy: config.envoy }
+    let reservations_off = config.limiter.reservations == Some(false);
+    Engine { limiter, headers: config.headers, envoy: config.envoy, reservations_off }
 }
 
 /// The clock `limiter.clock` names.

@@ -19,6 +19,8 @@ pub struct Engine {
     pub headers: HeadersConfig,
     /// `envoy`: how Envoy's answers are written.
     pub envoy: crate::config::EnvoyConfig,
+    /// `limiter.reservations: false`: reservations are refused, saying so.
+    pub reservations_off: bool,
 }
 
 /// What every handler shares.

@@ -123,6 +123,7 @@ impl Limiter {
     /// kind is refused with [`RequestError::NotReservable`]; quota grants are not used
     /// (a reservation is a store call, and counts in the same window as grants do).
     pub async fn reserve(&self, req: &Request, id: u64, ttl: Millis) -> Result<Verdict, CheckError> {
+        self.keeps_reservations()?;
         let now = self.clock.now();
         let Plan { domain, mut descriptors, groups } =
             plan(&self.rules, &self.overrides.current(), req, Mode::Charge, None, now)?;
@@ -164,6 +165,7 @@ impl Limiter {
     /// reservation released at its deadline is charged its actual as a report. One
     /// answer per matching fixed window, in plan order.
     pub async fn commit(&self, req: &Request, id: u64) -> Result<Vec<Settled>, CheckError> {
+        self.keeps_reservations()?;
         let now = self.clock.now();
         let req = Request { lenient: true, ..req.clone() };
         let Plan { descriptors, groups, .. } =
@@ -192,6 +194,14 @@ impl Limiter {
             self.store.commit(g.tag, id, &commits, now).await?;
         }
         Ok(())
+    }
+
+    /// Whether the store keeps reservations; the reason when it does not.
+    fn keeps_reservations(&self) -> Result<(), RequestError> {
+        match self.store.reservations() {
+            true => Ok(()),
+            false => Err(RequestError::NoReservations(crate::store::no_reservations_reason(self.store.kind()))),
+        }
     }
 
     /// Counts a reservation's decision on each policy it reached and, admitted as
