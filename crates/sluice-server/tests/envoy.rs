@@ -9,7 +9,7 @@ mod common;
 mod envoy_kit;
 
 use common::start_with;
-use envoy_kit::{Envoy, bootstrap, budget_filter, grpc_cluster, ratelimit_filter};
+use envoy_kit::{Envoy, bootstrap, grpc_cluster, ratelimit_filter};
 use sluice_testkit::{Process, TempDir};
 use std::time::Duration;
 
@@ -323,61 +323,68 @@ async fn istios_sample_serves_on_ipv6() {
     assert_eq!(codes, [Code::Ok, Code::OverLimit, Code::Ok], "the sample's limits: 1 a minute for /productpage");
 }
 
-/// A token budget behind a real Envoy, as an LLM gateway runs it: one filter checks the
-/// budget at the request (`x-sluice-mode: check`, charging nothing), another charges the
-/// tokens the upstream's response reports (`apply_on_stream_done`, its `hits_addend`
-/// from the response's `x-tokens`, `x-sluice-mode: report`: never refused). The budget
-/// falls by exactly what each response used, past the limit too, and the next request
-/// is refused.
+/// docs/configuration.md's LLM budget, its Sluice and Envoy configs as written but for
+/// their addresses, with a real Envoy in front of an upstream that answers each request's
+/// token counts: one filter checks the budgets at the request (`x-sluice-mode: check`,
+/// charging nothing), another charges the input and output tokens after the response
+/// (`apply_on_stream_done`, `x-sluice-mode: report`, never refused). Each budget falls by
+/// exactly what each request used, the output past its limit too, and the next request
+/// is refused with 429 while another user's budget is whole.
 #[tokio::test]
-async fn a_token_budget_is_charged_what_each_response_used() {
-    let s = start_with(
-        "",
-        "  - domain: llm\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 1000}\n",
-    );
-    let grpc: u16 = s.grpc.rsplit(':').next().unwrap().parse().unwrap();
-    let per_route = r#"                typed_per_filter_config:
-                  budget-check:
-                    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
-                    rate_limits:
-                    - actions: [{request_headers: {header_name: x-user, descriptor_key: user}}]
-                  budget-report:
-                    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
-                    rate_limits:
-                    - actions: [{request_headers: {header_name: x-user, descriptor_key: user}}]
-                      apply_on_stream_done: true
-                      hits_addend: {format: "%RESP(x-tokens)%"}
-"#;
-    let filters = budget_filter("budget-check", "llm", "check") + &budget_filter("budget-report", "llm", "report");
-    let e = Envoy::start(|up| bootstrap(up, "", per_route, &filters, &grpc_cluster("sluice", &[grpc], ""))).await;
+async fn the_documented_llm_budget_runs_as_written() {
+    let sluice_yaml = common::doc_example("configuration.md", "llm-budget");
+    let s = start_with("", sluice_yaml.strip_prefix("domains:\n").expect("a config of domains"));
+    let grpc = s.grpc.rsplit(':').next().unwrap().to_string();
+    let envoy_yaml = common::doc_example("configuration.md", "llm-budget-envoy");
+    let e = Envoy::start(|up| {
+        let admin = "admin: {address: {socket_address: {address: 127.0.0.1, port_value: 0}}}\n";
+        admin.to_string()
+            + &envoy_yaml
+                .replace("address: 0.0.0.0, port_value: 10000", "address: 127.0.0.1, port_value: 0")
+                .replace("port_value: 9000", &format!("port_value: {up}"))
+                .replace("port_value: 8081", &format!("port_value: {grpc}"))
+    })
+    .await;
     let client = reqwest::Client::new();
-    let used = || async {
-        let url = format!("{}/v1/ratelimit?domain=llm&user=ann", s.base);
-        let v: serde_json::Value = client.get(url).send().await.unwrap().json().await.unwrap();
-        v["statuses"][0]["policies"][0]["used"].as_u64().unwrap_or(0)
+    let used_by = |user: &'static str, tokens: &'static str| {
+        let url = format!("{}/v1/ratelimit?domain=llm&user={user}&tokens={tokens}", s.base);
+        let client = client.clone();
+        async move {
+            let v: serde_json::Value = client.get(url).send().await.unwrap().json().await.unwrap();
+            v["statuses"][0]["policies"][0]["used"].as_u64().unwrap_or(0)
+        }
     };
-    let mut expected = 0;
-    for tokens in [300u64, 650, 100] {
-        let r = client
-            .get(format!("http://127.0.0.1:{}/chat", e.port))
-            .header("x-user", "ann")
-            .header("x-echo-tokens", tokens.to_string())
+    let used = |tokens: &'static str| used_by("ann", tokens);
+    let ask = |user: &str, input: u64, output: u64| {
+        client
+            .get(format!("http://127.0.0.1:{}/v1/chat", e.port))
+            .header("x-user", user)
+            .header("x-input-tokens", input.to_string())
+            .header("x-echo-x-output-tokens", output.to_string())
             .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200, "{tokens} tokens: the budget had room\n{}", e.log());
-        expected += tokens;
-        // the stream-done call is Envoy's fire-and-forget: wait for it to land
+    };
+    let (mut input, mut output) = (0, 0);
+    for (i, o) in [(1_000u64, 7_000u64), (2_000, 8_000), (500, 6_000)] {
+        let r = ask("ann", i, o).await.unwrap();
+        assert_eq!(r.status(), 200, "the budgets had room for {i} in\n{}", e.log());
+        (input, output) = (input + i, output + o);
+        // the stream-done calls are Envoy's fire-and-forget: wait for them to land
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        while used().await != expected {
-            assert!(std::time::Instant::now() < deadline, "used {} not {expected}\n{}", used().await, e.log());
+        while (used("input").await, used("output").await) != (input, output) {
+            let seen = (used("input").await, used("output").await);
+            assert!(std::time::Instant::now() < deadline, "used {seen:?}, not {:?}\n{}", (input, output), e.log());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
-    assert_eq!(used().await, 1_050, "the last response's 100 tokens charged past the limit, never refused");
-    let r = client.get(format!("http://127.0.0.1:{}/chat", e.port)).header("x-user", "ann").send().await.unwrap();
-    assert_eq!(r.status(), 429, "the budget is spent: the check refuses");
-    let other = client.get(format!("http://127.0.0.1:{}/chat", e.port)).header("x-user", "bo").send().await.unwrap();
-    assert_eq!(other.status(), 200, "another user's budget is whole");
-    assert_eq!(e.hits.lock().unwrap().len(), 4, "the refused request never reached the upstream");
+    assert_eq!(used("output").await, 21_000, "the last response's 6,000 charged past the 20,000, never refused");
+    assert_eq!(ask("ann", 10, 0).await.unwrap().status(), 429, "the output budget is spent: the check refuses");
+    assert_eq!(ask("ann", 200_000, 0).await.unwrap().status(), 429);
+    assert_eq!(ask("bo", 99_000, 10).await.unwrap().status(), 200, "another user's budgets are whole");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while used_by("bo", "input").await != 99_000 {
+        assert!(std::time::Instant::now() < deadline, "bo's 99,000 never charged\n{}", e.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(ask("bo", 1_001, 10).await.unwrap().status(), 429, "a prompt past what is left of the input budget");
+    assert_eq!(e.hits.lock().unwrap().len(), 4, "refused requests never reached the upstream");
 }

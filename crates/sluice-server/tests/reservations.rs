@@ -154,8 +154,7 @@ async fn a_store_without_reservations_says_so() {
     let config = dir.path().join("sluice.yaml");
     let text = format!("{store}limiter:\n  reservations: true\ndomains:\n  - domain: llm\n    descriptors: []\n");
     std::fs::write(&config, &text).unwrap();
-    let out =
-        std::process::Command::new(common::bin()).args(["config", "check"]).arg(&config).output().unwrap();
+    let out = std::process::Command::new(common::bin()).args(["config", "check"]).arg(&config).output().unwrap();
     let said = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success(), "{said}");
     assert!(said.contains("sluice.yaml:5:") && said.contains("store memcached keeps no reservations"), "{said}");

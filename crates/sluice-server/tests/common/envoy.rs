@@ -26,8 +26,8 @@ fn envoy() -> String {
 }
 
 /// An upstream that answers 200 to every request, keep-alive, and notes when each
-/// came (ms since the epoch) in `hits`. A request's `x-echo-tokens: N` is answered with
-/// `x-tokens: N`, as an LLM's usage comes back with its response.
+/// came (ms since the epoch) in `hits`. A request's header `x-echo-NAME: V` is answered
+/// with the header `NAME: V`, as an LLM's token counts come back with its response.
 pub async fn upstream(listener: tokio::net::TcpListener, hits: Hits) {
     loop {
         let Ok((mut s, _)) = listener.accept().await else { return };
@@ -45,12 +45,11 @@ pub async fn upstream(listener: tokio::net::TcpListener, hits: Hits) {
                 let end = buf.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
                 let head: Vec<u8> = buf.drain(..end).collect();
                 hits.lock().unwrap().push(now_ms());
-                let tokens = String::from_utf8_lossy(&head)
+                let echoed: String = String::from_utf8_lossy(&head)
                     .lines()
-                    .find_map(|l| l.to_ascii_lowercase().strip_prefix("x-echo-tokens:").map(|v| v.trim().to_string()))
-                    .map(|n| format!("x-tokens: {n}\r\n"))
-                    .unwrap_or_default();
-                let answer = format!("HTTP/1.1 200 OK\r\n{tokens}content-length: 2\r\n\r\nok");
+                    .filter_map(|l| Some(format!("{}\r\n", l.to_ascii_lowercase().strip_prefix("x-echo-")?)))
+                    .collect();
+                let answer = format!("HTTP/1.1 200 OK\r\n{echoed}content-length: 2\r\n\r\nok");
                 if s.write_all(answer.as_bytes()).await.is_err() {
                     return;
                 }
@@ -112,26 +111,6 @@ pub fn ratelimit_filter(domain: &str) -> String {
               rate_limit_service:
                 transport_api_version: V3
                 grpc_service: {{envoy_grpc: {{cluster_name: sluice}}}}
-"#
-    )
-}
-
-/// Envoy's rate limit filter named `name` for `domain`, whose calls carry
-/// `x-sluice-mode: mode` (`check` or `report`: see docs/envoy.md) and whose rate limits
-/// come from each route's `typed_per_filter_config` under its name.
-pub fn budget_filter(name: &str, domain: &str, mode: &str) -> String {
-    format!(
-        r#"          - name: {name}
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
-              domain: {domain}
-              failure_mode_deny: false
-              timeout: 1s
-              rate_limit_service:
-                transport_api_version: V3
-                grpc_service:
-                  envoy_grpc: {{cluster_name: sluice}}
-                  initial_metadata: [{{key: x-sluice-mode, value: {mode}}}]
 "#
     )
 }
