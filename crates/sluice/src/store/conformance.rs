@@ -410,6 +410,26 @@ pub async fn reservations_and_grants_share_a_window(s: &dyn Store) {
     assert!(!d[0].allowed && d[0].used == 30, "what grants took is not reserved again: {d:?}");
 }
 
+/// A budget of billions (tokens a month): holds, commits and reports past 2^32 are
+/// exact.
+pub async fn reservations_count_billions(s: &dyn Store) {
+    if !s.reservations() {
+        return;
+    }
+    let (t0, t) = (t0(), fresh_tag());
+    let month = Limit::FixedWindow { limit: 5_000_000_000, window: 30 * 86_400_000, aligned: false };
+    let r = Reservation { id: 1, ttl: 60_000 };
+    assert!(s.reserve(t, &[op(1, month, 4_000_000_000)], r, t0).await.unwrap()[0].allowed);
+    let d = s.reserve(t, &[op(1, month, 1_000_000_001)], Reservation { id: 2, ttl: 60_000 }, t0 + 1).await.unwrap();
+    assert!(!d[0].allowed && d[0].used == 4_000_000_000, "{d:?}");
+    let settled = s.commit(t, 1, &[Commit { key: 1, limit: month, actual: 4_600_000_000 }], t0 + 2).await.unwrap();
+    assert_eq!(settled, [Settled::Committed { held: 4_000_000_000 }]);
+    s.commit(t, crate::algo::reservation::REPORT, &[Commit { key: 1, limit: month, actual: 700_000_000 }], t0 + 3)
+        .await
+        .unwrap();
+    assert_eq!(hit(s, t, op(1, month, 0), t0 + 4).await.used, 5_300_000_000);
+}
+
 /// A seeded random sequence of reservations, commits (of open, settled, released and
 /// unknown ids, and reports), plain charges and peeks on two windows (one aligned), the clock moving
 /// irregularly across holds' deadlines and windows' ends: every decision and settlement
