@@ -311,14 +311,14 @@ mod tests {
     #[test]
     fn what_was_settled_is_bounded() {
         let (mut s, mut l) = at(1_000);
-        for id in 0..MAX_SETTLED as u64 + 10 {
+        for id in 1..=MAX_SETTLED as u64 + 10 {
             (s, l) = hold(s, l, 100, (id, 0, 30_000), 1_000).1.unwrap();
             let settled;
             (settled, s, l) = commit(s, l, id, 0, 1_000);
             assert_eq!(settled, Settled::Committed { held: 0 });
         }
         assert_eq!(l.settled.len(), MAX_SETTLED);
-        assert_eq!(commit(s, l.clone(), MAX_SETTLED as u64 + 9, 0, 1_000).0, Settled::Again, "the newest remembered");
-        assert_eq!(commit(s, l, 0, 0, 1_000).0, Settled::Reported, "the oldest forgotten");
+        assert_eq!(commit(s, l.clone(), MAX_SETTLED as u64 + 10, 0, 1_000).0, Settled::Again, "the newest remembered");
+        assert_eq!(commit(s, l, 1, 0, 1_000).0, Settled::Reported, "the oldest forgotten");
     }
 }
