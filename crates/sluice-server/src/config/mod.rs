@@ -297,6 +297,11 @@ pub enum StoreConfig {
         /// is spent (0 by default: set 1 when the primaries have replicas).
         #[serde(default)]
         grant_acks: u32,
+        /// Replicas of the owning primary that must acknowledge each write (`WAIT`)
+        /// before it counts (0 by default: a failover may then lose the last writes the
+        /// replica had not received, and the fleet admits them again).
+        #[serde(default)]
+        replica_acks: u32,
     },
     /// GitHub's old backend: fixed windows only, and a cache that evicts (see
     /// docs/operations.md). For migrating away from, with `migrating`.

@@ -95,6 +95,32 @@ pub fn resilience(limiter: &LimiterConfig) -> Resilience {
     }
 }
 
+/// The `redis_cluster` store.
+fn cluster(config: &StoreConfig) -> Result<RedisStore, BuildError> {
+    let StoreConfig::RedisCluster {
+        nodes,
+        read_from_replicas,
+        timeout,
+        retries,
+        tls: files,
+        buckets,
+        grant_acks,
+        replica_acks,
+    } = config
+    else {
+        unreachable!("called with a redis_cluster config")
+    };
+    let options = RedisOptions {
+        timeout: timeout.to_std(),
+        grant_acks: Some(*grant_acks),
+        replica_acks: *replica_acks,
+        cluster_retries: *retries,
+        tls: tls(files.as_ref())?,
+        buckets: buckets.0,
+    };
+    Ok(RedisStore::cluster(nodes, *read_from_replicas, options)?)
+}
+
 fn store(
     config: &StoreConfig,
     tuning: &Arc<Tuning>,
@@ -112,17 +138,7 @@ fn store(
             resilient(RedisStore::new(url, replicas, options(connection)?)?, tuning)
         }
         StoreConfig::RedisSentinel(c) => resilient(sentinel(c)?, tuning),
-        StoreConfig::RedisCluster { nodes, read_from_replicas, timeout, retries, tls: files, buckets, grant_acks } => {
-            let options = RedisOptions {
-                timeout: timeout.to_std(),
-                grant_acks: Some(*grant_acks),
-                cluster_retries: *retries,
-                tls: tls(files.as_ref())?,
-                buckets: buckets.0,
-                ..RedisOptions::default()
-            };
-            resilient(RedisStore::cluster(nodes, *read_from_replicas, options)?, tuning)
-        }
+        c @ StoreConfig::RedisCluster { .. } => resilient(cluster(c)?, tuning),
         StoreConfig::Memcached { servers, timeout } => {
             resilient(MemcachedStore::new(servers, timeout.to_std())?, tuning)
         }

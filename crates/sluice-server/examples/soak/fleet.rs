@@ -1,0 +1,262 @@
+//! The processes: the store's servers and the `sluice serve` instances, started on free
+//! loopback ports (read back, never guessed), restarted by the nemesis, stopped by PID
+//! when the run ends.
+
+use crate::{Args, Rng};
+use sluice_testkit::{Process, RedisCluster, RedisSentinels, RedisServer, TempDir};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+/// The admin token of every instance (overrides are set through it).
+pub const ADMIN_TOKEN: &str = "soak-admin-0123456789abcdef";
+
+/// The deadline every instance gives the store (`limiter.deadline`), in ms.
+pub const DEADLINE_MS: u64 = 100;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreKind {
+    Redis,
+    Replicas,
+    Sentinel,
+    Cluster,
+}
+
+impl StoreKind {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "redis" => Self::Redis,
+            "replicas" => Self::Replicas,
+            "sentinel" => Self::Sentinel,
+            "cluster" => Self::Cluster,
+            other => return Err(format!("--store {other}: give redis, replicas, sentinel or cluster")),
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Redis => "redis",
+            Self::Replicas => "replicas",
+            Self::Sentinel => "sentinel",
+            Self::Cluster => "cluster",
+        }
+    }
+}
+
+/// The store's servers.
+pub enum Servers {
+    Redis(RedisServer),
+    Replicas { primary: RedisServer, _replicas: Vec<RedisServer> },
+    Sentinel(RedisSentinels),
+    Cluster(RedisCluster),
+}
+
+/// Where an instance answers.
+pub struct Endpoint {
+    pub http: String,
+    pub grpc: tonic::transport::Channel,
+}
+
+struct Instance {
+    process: Option<Process>,
+    dir: PathBuf,
+}
+
+pub struct Fleet {
+    pub kind: StoreKind,
+    pub servers: Mutex<Servers>,
+    instances: Mutex<Vec<Instance>>,
+    /// Each instance's endpoint while it runs (None while the nemesis holds it down).
+    pub endpoints: RwLock<Vec<Option<Arc<Endpoint>>>>,
+    sluice: PathBuf,
+    store_section: String,
+    plant: Option<String>,
+    dir: TempDir,
+}
+
+/// The rules: every kind the promise covers (see `check::Rule`).
+pub fn domains(fw_limit: u64) -> String {
+    format!(
+        "domains:
+  - domain: soak
+    descriptors:
+      - key: fw
+        policies: [{{name: fw, fixed_window: {{limit: {fw_limit}, window: 2s}}}}]
+      - key: tb
+        policies: [{{name: tb, token_bucket: {{rate: 10, per: 1s, burst: 10}}}}]
+      - key: sw
+        policies: [{{name: sw, sliding_window: {{limit: 20, window: 2s}}}}]
+      - key: cc
+        policies: [{{name: cc, concurrency: {{limit: 3, lease_ttl: 10s}}}}]
+      - key: gr
+        grants: auto
+        policies: [{{name: gr, fixed_window: {{limit: 40, window: 2s}}}}]
+      - key: rv
+        policies: [{{name: rv, fixed_window: {{limit: 200, window: 2s}}}}]
+"
+    )
+}
+
+impl Fleet {
+    /// The store's servers and 2 to 4 instances (drawn from the seed).
+    pub async fn start(args: &Args, rng: &mut Rng) -> Self {
+        let (servers, store_section) = tokio::task::spawn_blocking({
+            let kind = args.store;
+            move || start_store(kind)
+        })
+        .await
+        .expect("start the store");
+        let n = rng.between(2, 4) as usize;
+        let fleet = Self {
+            kind: args.store,
+            servers: Mutex::new(servers),
+            instances: Mutex::new(Vec::new()),
+            endpoints: RwLock::new(Vec::new()),
+            sluice: args.sluice.clone(),
+            store_section,
+            plant: args.plant.clone(),
+            dir: TempDir::new("sluice-soak"),
+        };
+        for i in 0..n {
+            let dir = fleet.dir.path().join(format!("instance-{i}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            fleet.write_config(i, &dir, 20);
+            fleet.instances.lock().unwrap().push(Instance { process: None, dir });
+            fleet.endpoints.write().unwrap().push(None);
+            fleet.start_instance(i).await;
+        }
+        fleet
+    }
+
+    pub fn size(&self) -> usize {
+        self.endpoints.read().unwrap().len()
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Keeps the run's directory (logs and configs) after the run.
+    pub fn keep_logs(&self) {
+        let kept = std::env::temp_dir().join(format!("sluice-soak-kept-{}", std::process::id()));
+        let _ = std::fs::rename(self.dir.path(), &kept);
+        eprintln!("soak: logs kept in {}", kept.display());
+    }
+
+    /// Instance `i`'s config, with `fw_limit` for rule fw.
+    fn write_config(&self, i: usize, dir: &Path, fw_limit: u64) {
+        // the planted bug: instances that do not share a key secret count apart
+        let secret = match self.plant.as_deref() {
+            Some("split-secrets") => format!("soak-secret-{i}"),
+            _ => "soak-secret-shared".to_string(),
+        };
+        let text = format!(
+            "server:\n  http: 127.0.0.1:0\n  grpc: 127.0.0.1:0\n  admin_token: {ADMIN_TOKEN}\n\
+             limiter:\n  key_secret: {secret}\n  deadline: {DEADLINE_MS}ms\n  failure: open\n{}{}",
+            self.store_section,
+            domains(fw_limit)
+        );
+        std::fs::write(dir.join("sluice.yaml"), text).unwrap();
+    }
+
+    /// Rewrites every instance's config with `fw_limit` and reloads it (SIGHUP).
+    pub fn reload(&self, fw_limit: u64) {
+        let instances = self.instances.lock().unwrap();
+        for (i, inst) in instances.iter().enumerate() {
+            self.write_config(i, &inst.dir, fw_limit);
+            if let Some(p) = &inst.process {
+                p.signal("-HUP");
+            }
+        }
+    }
+
+    /// Starts instance `i` and waits until it answers.
+    pub async fn start_instance(&self, i: usize) {
+        let dir = self.instances.lock().unwrap()[i].dir.clone();
+        let ready = dir.join("ready");
+        let _ = std::fs::remove_file(&ready);
+        let mut cmd = std::process::Command::new(&self.sluice);
+        cmd.arg("serve").arg("--config").arg(dir.join("sluice.yaml")).arg("--ready-file").arg(&ready);
+        let log = dir.join(format!("sluice-{}.log", crate::check::Clock::epoch_ms()));
+        let mut process = Process::spawn_logging(&mut cmd, &log).expect("start sluice");
+        let started = Instant::now();
+        let text = loop {
+            if let Ok(text) = std::fs::read_to_string(&ready) {
+                break text;
+            }
+            let tail = || std::fs::read_to_string(&log).unwrap_or_default();
+            assert!(!process.exited(), "sluice exited at start:\n{}", tail());
+            assert!(started.elapsed() < Duration::from_secs(30), "sluice did not start in 30 s:\n{}", tail());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let addr = |name: &str| text.lines().find_map(|l| l.strip_prefix(name)).expect("a ready line").to_string();
+        let grpc = tonic::transport::Endpoint::from_shared(format!("http://{}", addr("grpc=")))
+            .unwrap()
+            .connect_timeout(Duration::from_secs(1))
+            .timeout(Duration::from_secs(2))
+            .connect_lazy();
+        let endpoint = Endpoint { http: format!("http://{}", addr("http=")), grpc };
+        self.instances.lock().unwrap()[i].process = Some(process);
+        self.endpoints.write().unwrap()[i] = Some(Arc::new(endpoint));
+    }
+
+    /// Takes instance `i` out of the clients' hands and stops it with `signal` (`-KILL`
+    /// or `-TERM`), waiting until it is gone.
+    pub async fn stop_instance(&self, i: usize, signal: &str) {
+        self.endpoints.write().unwrap()[i] = None;
+        let process = self.instances.lock().unwrap()[i].process.take();
+        if let Some(mut p) = process {
+            p.signal(signal);
+            let started = Instant::now();
+            while !p.exited() && started.elapsed() < Duration::from_secs(15) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            p.kill();
+        }
+    }
+
+    /// The base URL of a running instance other than none, for the admin API.
+    pub fn any_http(&self) -> Option<String> {
+        self.endpoints.read().unwrap().iter().flatten().next().map(|e| e.http.clone())
+    }
+}
+
+/// The store's servers and the config's `store:` section. Writes to the store wait for a
+/// replica where there are replicas (`replica_acks: 1`): without it a failover loses the
+/// writes the replica had not received, and the fleet admits them again.
+fn start_store(kind: StoreKind) -> (Servers, String) {
+    match kind {
+        StoreKind::Redis => {
+            let r = RedisServer::start();
+            let section = format!("store:\n  kind: redis\n  url: \"{}\"\n", r.url());
+            (Servers::Redis(r), section)
+        }
+        StoreKind::Replicas => {
+            let primary = RedisServer::start();
+            let replicas: Vec<RedisServer> = (0..2).map(|_| RedisServer::replica_of(&primary)).collect();
+            let urls: Vec<String> = replicas.iter().map(|r| format!("\"{}\"", r.url())).collect();
+            let section = format!(
+                "store:\n  kind: redis\n  url: \"{}\"\n  replicas: [{}]\n  replica_acks: 1\n",
+                primary.url(),
+                urls.join(", ")
+            );
+            (Servers::Replicas { primary, _replicas: replicas }, section)
+        }
+        StoreKind::Sentinel => {
+            let set = RedisSentinels::start(2, 3, 2_000);
+            let section = format!(
+                "store:\n  kind: redis_sentinel\n  sentinels: [{}]\n  master_name: {}\n  replica_acks: 1\n",
+                set.addrs().join(", "),
+                RedisSentinels::MASTER
+            );
+            (Servers::Sentinel(set), section)
+        }
+        StoreKind::Cluster => {
+            let c = RedisCluster::start();
+            let nodes: Vec<String> = c.urls().iter().map(|u| format!("\"{u}\"")).collect();
+            let section =
+                format!("store:\n  kind: redis_cluster\n  nodes: [{}]\n  replica_acks: 1\n", nodes.join(", "));
+            (Servers::Cluster(c), section)
+        }
+    }
+}
