@@ -189,6 +189,9 @@ const SHARDS: usize = 16;
 struct Turn {
     lock: tokio::sync::Mutex<()>,
     waiting: AtomicU64,
+    /// When an ask in this turn last failed (ms; 0: never): those waiting behind it do
+    /// not ask again, each after its own deadline.
+    failed_at: AtomicU64,
 }
 /// Give-backs sent at once by [`Ledger::settle`].
 const SETTLE_AT_ONCE: usize = 32;
@@ -292,12 +295,28 @@ impl Ledger {
     /// the answer is added. Also returns how many requests were waiting for that turn
     /// when it came: a grant for them all is asked for at once.
     pub(crate) async fn turn(&self, tag: Tag, key: u64) -> (tokio::sync::MutexGuard<'_, ()>, u64) {
-        let slot = (tag.0 as u64 ^ key).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56;
-        let turn = &self.turns[slot as usize % TURNS];
+        let turn = self.turn_of(tag, key);
         turn.waiting.fetch_add(1, Relaxed);
         let guard = turn.lock.lock().await;
         let waiting = turn.waiting.fetch_sub(1, Relaxed) - 1;
         (guard, waiting)
+    }
+
+    fn turn_of(&self, tag: Tag, key: u64) -> &Turn {
+        let slot = (tag.0 as u64 ^ key).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56;
+        &self.turns[slot as usize % TURNS]
+    }
+
+    /// An ask for `key` of `tag` failed at `now`.
+    pub(crate) fn ask_failed(&self, tag: Tag, key: u64, now: Millis) {
+        self.turn_of(tag, key).failed_at.store(now.max(1), Relaxed);
+    }
+
+    /// Whether an ask for `key` of `tag` (or another key of its turn) failed at or after
+    /// `since`: a decision that waited behind it fails too, at once, instead of asking
+    /// again after its own deadline (which queued decisions a deadline each).
+    pub(crate) fn failed_since(&self, tag: Tag, key: u64, since: Millis) -> bool {
+        self.turn_of(tag, key).failed_at.load(Relaxed) >= since.max(1)
     }
 
     /// A fresh grant id: unique among this instance's grants, and unlikely to be

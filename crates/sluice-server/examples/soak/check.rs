@@ -386,6 +386,9 @@ impl Report {
             for v in &self.violations {
                 *by.entry(v.kind).or_default() += 1;
             }
+            for v in self.violations.iter().take(10) {
+                println!("violation at {} ms: {:?} client {:?}: {}", v.at, v.rule, v.client, v.what);
+            }
             println!("violations by kind: {by:?}");
         }
         for f in faults {

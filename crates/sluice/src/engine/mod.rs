@@ -681,7 +681,7 @@ impl Limiter {
         rule: &Arc<GrantRule>,
         out: &mut Leftovers,
     ) -> Result<Decision, StoreError> {
-        let (mut turn, mut granted) = (None, None);
+        let (mut turn, mut granted, began) = (None, None, self.clock.now());
         loop {
             // the time now, not when the request came in: a grant's units lapse, and
             // waiting for a turn or the store takes time
@@ -697,6 +697,10 @@ impl Limiter {
                 // one request at a time asks for a key; the others then find its units
                 Take::Short(_) if turn.is_none() => turn = Some(self.grants.turn(tag, op.key).await),
                 Take::Short(_) if let Some(g) = &granted => return Ok(self.grants.refusal(tag, op, g, now)),
+                Take::Short(_) if self.grants.failed_since(tag, op.key, began) => {
+                    let why = "the grant asked for while this decision waited failed; not asked again";
+                    return Err(StoreError::unavailable(why));
+                }
                 Take::Short(mut ask) => {
                     // grants of a limit this one replaced go back first: the store counts
                     // them until then
@@ -708,7 +712,13 @@ impl Limiter {
                     let waiting = turn.as_ref().map_or(0, |(_, waiting)| *waiting);
                     let burst = op.cost.saturating_mul(waiting + 1).min(rule.grants.max.unwrap_or(u64::MAX));
                     ask.want = ask.want.max(burst);
-                    granted = Some(self.grants.ask_store(&*self.store, tag, ask, rule, now, out).await?)
+                    match self.grants.ask_store(&*self.store, tag, ask, rule, now, out).await {
+                        Ok(g) => granted = Some(g),
+                        Err(e) => {
+                            self.grants.ask_failed(tag, op.key, self.clock.now());
+                            return Err(e);
+                        }
+                    }
                 }
             }
         }
