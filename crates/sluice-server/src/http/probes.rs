@@ -23,7 +23,7 @@ pub(crate) async fn metrics(State(state): Shared) -> Response {
     let engine = state.engine.load();
     engine.limiter.grants().publish();
     // reservations past their TTL leave the gauges
-    engine.limiter.issued().held(engine.limiter.now());
+    engine.limiter.issued().sweep(engine.limiter.now());
     drop(engine);
     let rendering = state.clone();
     match tokio::task::spawn_blocking(move || rendering.metrics.as_ref().map(crate::state::Metrics::render)).await {

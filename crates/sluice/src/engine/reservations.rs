@@ -74,16 +74,26 @@ impl Issued {
         }
     }
 
-    /// Drops the reservations past their TTL at `now`; then, per (domain, policy), the
-    /// reservations still open and the units they hold.
-    pub fn held(&self, now: Millis) -> Vec<(String, String, u64, u64)> {
-        let mut inner = self.lock();
+    /// Drops the reservations past their TTL at `now` from the gauges (what a metrics
+    /// scrape needs, and no more).
+    pub fn sweep(&self, now: Millis) {
+        Self::sweep_locked(&mut self.lock(), now);
+    }
+
+    fn sweep_locked(inner: &mut IssuedInner, now: Millis) {
         while let Some(&(deadline, id)) = inner.by_deadline.first().filter(|(d, _)| *d <= now) {
             inner.by_deadline.remove(&(deadline, id));
             if let Some((_, held)) = inner.by_id.remove(&id) {
                 release(&held);
             }
         }
+    }
+
+    /// [`Issued::sweep`], then, per (domain, policy), the reservations still open and
+    /// the units they hold (the live page).
+    pub fn held(&self, now: Millis) -> Vec<(String, String, u64, u64)> {
+        let mut inner = self.lock();
+        Self::sweep_locked(&mut inner, now);
         let mut sums: std::collections::BTreeMap<(String, String), (u64, u64)> = Default::default();
         for (_, held) in inner.by_id.values() {
             for (c, units) in held {
@@ -183,7 +193,10 @@ impl Limiter {
             }
             settled.extend(done);
         }
-        self.issued.settle(id);
+        // a report settles no reservation (Envoy's stream-done path: no lock taken)
+        if id != REPORT {
+            self.issued.settle(id);
+        }
         Ok(settled)
     }
 
@@ -260,4 +273,25 @@ fn reservable(groups: &[Group], descriptors: &[DescriptorVerdict]) -> Result<(),
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Past MAX_ISSUED reservations tracked, one more is counted nowhere in the gauges
+    /// (memory bounded whatever clients reserve); settled and lapsed ones leave them.
+    #[test]
+    fn the_reservations_tracked_are_bounded() {
+        let c = Arc::new(PolicyCounters::new("d", "bounded", false, None));
+        let issued = Issued::default();
+        for id in 0..MAX_ISSUED as u64 + 10 {
+            issued.add(id, 1_000 + id, vec![(c.clone(), 2)]);
+        }
+        assert_eq!(issued.lock().by_id.len(), MAX_ISSUED);
+        assert_eq!(issued.held(0), [("d".into(), "bounded".into(), MAX_ISSUED as u64, 2 * MAX_ISSUED as u64)]);
+        issued.settle(0);
+        issued.sweep(1_000 + 10);
+        assert_eq!(issued.lock().by_id.len(), MAX_ISSUED - 11, "one settled, ten lapsed");
+    }
 }

@@ -410,6 +410,28 @@ pub async fn reservations_and_grants_share_a_window(s: &dyn Store) {
     assert!(!d[0].allowed && d[0].used == 30, "what grants took is not reserved again: {d:?}");
 }
 
+/// A window holds at most `reservation::MAX_OPEN` reservations open: one more is
+/// refused, told when the first ends, and a commit makes room again.
+pub async fn reservations_are_bounded(s: &dyn Store) {
+    use crate::algo::reservation::MAX_OPEN;
+    if !s.reservations() {
+        return;
+    }
+    let (t0, t) = (t0(), fresh_tag());
+    let l = Limit::FixedWindow { limit: 1_000_000, window: 60_000, aligned: false };
+    for id in 1..=MAX_OPEN as u64 {
+        let d = s.reserve(t, &[op(1, l, 1)], Reservation { id, ttl: 50_000 + id }, t0).await.unwrap();
+        assert!(d[0].allowed, "hold {id}: {d:?}");
+    }
+    let d = s.reserve(t, &[op(1, l, 1)], Reservation { id: 1 << 40, ttl: 1_000 }, t0 + 1).await.unwrap()[0];
+    assert!(!d.allowed && d.retry_after == Some(50_000), "full until the first ends: {d:?}");
+    assert_eq!(
+        s.commit(t, 1, &[Commit { key: 1, limit: l, actual: 1 }], t0 + 2).await.unwrap(),
+        [Settled::Committed { held: 1 }]
+    );
+    assert!(s.reserve(t, &[op(1, l, 1)], Reservation { id: 1 << 40, ttl: 1_000 }, t0 + 3).await.unwrap()[0].allowed);
+}
+
 /// A budget of billions (tokens a month): holds, commits and reports past 2^32 are
 /// exact.
 pub async fn reservations_count_billions(s: &dyn Store) {
