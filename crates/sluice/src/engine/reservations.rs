@@ -134,6 +134,10 @@ impl Limiter {
     /// (a reservation is a store call, and counts in the same window as grants do).
     pub async fn reserve(&self, req: &Request, id: u64, ttl: Millis) -> Result<Verdict, CheckError> {
         self.keeps_reservations()?;
+        if id == REPORT {
+            // a hold under it could never be committed: a commit of 0 is a report
+            return Err(RequestError::NoReservations("reservation id 0 is the reports'; draw another".into()).into());
+        }
         let now = self.clock.now();
         let Plan { domain, mut descriptors, groups } =
             plan(&self.rules, &self.overrides.current(), req, Mode::Charge, None, now)?;
@@ -278,6 +282,23 @@ fn reservable(groups: &[Group], descriptors: &[DescriptorVerdict]) -> Result<(),
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Id 0 is the reports': a reservation under it is refused, saying so.
+    #[tokio::test]
+    async fn id_zero_is_not_a_reservation() {
+        let rules = crate::RulesBuilder::new()
+            .domain(
+                crate::DomainBuilder::new("d")
+                    .rule([("user", None)], |r| r.fixed_window("w", 10, std::time::Duration::from_secs(60))),
+            )
+            .build()
+            .unwrap();
+        let limiter = Limiter::in_memory(rules);
+        let req = Request::new("d").descriptor([("user", "a")]);
+        let e = limiter.reserve(&req, REPORT, 1_000).await.unwrap_err();
+        assert!(e.to_string().contains("reservation id 0"), "{e}");
+        assert!(limiter.reserve(&req, 1, 1_000).await.unwrap().allowed());
+    }
 
     /// Past MAX_ISSUED reservations tracked, one more is counted nowhere in the gauges
     /// (memory bounded whatever clients reserve); settled and lapsed ones leave them.
