@@ -332,11 +332,14 @@ mod tests {
         statm.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 4096
     }
 
-    /// A million store-call samples (what a million decisions on a remote store record)
-    /// over ten seconds, nobody scraping: the upkeep folds them away, so memory stays
-    /// flat. (This binary's only test that installs the global recorder.)
+    /// Four million store-call samples (what four million decisions on a remote store
+    /// record) over ten seconds, nobody scraping: the upkeep folds them away, so memory
+    /// stays flat. Kept unfolded they take about 64 MB; the bound of 16 MB leaves room for
+    /// what this binary's other tests, running beside it, allocate (2.3 MB seen in CI
+    /// against a bound of 2 MB once). (This binary's only test that installs the global
+    /// recorder.)
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_million_decisions_unscraped_do_not_grow_memory() {
+    async fn four_million_decisions_unscraped_do_not_grow_memory() {
         let _handle = install_metrics().unwrap();
         let h = metrics::histogram!(sluice::metric_names::STORE_CALL_SECONDS, "store" => "redis", "op" => "apply");
         let batch = |n: usize| (0..n).for_each(|i| h.record(0.0001 * (i % 50) as f64));
@@ -345,11 +348,11 @@ mod tests {
         tokio::time::sleep(METRICS_UPKEEP * 2).await;
         let before = rss();
         for _ in 0..20 {
-            batch(50_000);
+            batch(200_000);
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
         tokio::time::sleep(METRICS_UPKEEP * 2).await;
         let grown = rss().saturating_sub(before);
-        assert!(grown < 2 << 20, "a million unscraped samples grew memory by {grown} bytes");
+        assert!(grown < 16 << 20, "four million unscraped samples grew memory by {grown} bytes");
     }
 }
