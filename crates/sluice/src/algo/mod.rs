@@ -19,6 +19,7 @@
 pub(crate) mod concurrency;
 pub(crate) mod fixed_window;
 pub mod grant;
+pub mod overload;
 pub mod reservation;
 pub mod shedder;
 pub(crate) mod sliding_window;
