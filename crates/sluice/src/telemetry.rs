@@ -38,6 +38,10 @@ pub mod names {
     pub const RATELIMIT_SHADOW_MODE: &str = "ratelimit_service_rate_limit_shadow_mode";
     pub const SHED: &str = "sluice_shed_total";
     pub const SHED_AMOUNT: &str = "sluice_shed_amount";
+    pub const ADAPTIVE_LIMIT: &str = "sluice_adaptive_limit";
+    pub const ADAPTIVE_IN_FLIGHT: &str = "sluice_adaptive_in_flight";
+    pub const ADAPTIVE_WAITING: &str = "sluice_adaptive_waiting";
+    pub const ADAPTIVE_BASE_SECONDS: &str = "sluice_adaptive_base_latency_seconds";
     pub const HTTP_OVER_LIMIT: &str = "sluice_http_connections_over_limit_total";
     pub const GRPC_CONNECTIONS: &str = "sluice_grpc_connections";
     pub const GRPC_OVER_LIMIT: &str = "sluice_grpc_connections_over_limit_total";
@@ -96,8 +100,6 @@ pub fn describe() {
     describe_counter!(MEMORY_FULL, "Calls that found the memory store full with a new client's state to hold.");
     describe_counter!(CONFIG_RELOADS, "Config reloads applied (ok) and refused (failed: the last good config stayed).");
     describe_counter!(DECISIONS_DETAILED, "Decisions by descriptor value, for rules with detailed_metric: true.");
-    describe_counter!(SHED, "Requests dropped by the load shedders, by shedder and priority class.");
-    describe_gauge!(SHED_AMOUNT, "The worker utilization shedder's controller amount (below 0: at rest).");
     describe_counter!(HTTP_OVER_LIMIT, "HTTP connections accepted past server.max_connections (one request each).");
     describe_gauge!(GRPC_CONNECTIONS, "gRPC connections open.");
     describe_counter!(GRPC_OVER_LIMIT, "gRPC connections closed at their accept, past server.max_connections.");
@@ -119,6 +121,19 @@ pub fn describe() {
     describe_counter!(GRANT_STORE_CALLS, "Store calls made for grants (taking and giving back).");
     describe_gauge!(MIGRATION_PERCENT, "A migrating store's share of clients on its `to` store.");
     describe_reservations();
+    describe_shedders();
+}
+
+/// The load shedders' help texts.
+fn describe_shedders() {
+    use metrics::{describe_counter, describe_gauge};
+    use names::*;
+    describe_counter!(SHED, "Requests dropped by the load shedders, by shedder and priority class.");
+    describe_gauge!(SHED_AMOUNT, "The worker utilization shedder's controller amount (below 0: at rest).");
+    describe_gauge!(ADAPTIVE_LIMIT, "The adaptive concurrency limit: how many requests may run at once.");
+    describe_gauge!(ADAPTIVE_IN_FLIGHT, "Requests running through the adaptive stage now.");
+    describe_gauge!(ADAPTIVE_WAITING, "Requests waiting for a slot of the adaptive stage now.");
+    describe_gauge!(ADAPTIVE_BASE_SECONDS, metrics::Unit::Seconds, "The no-load latency the adaptive stage learned.");
 }
 
 /// The reservation metrics' help texts.
@@ -452,6 +467,27 @@ fn admit_detailed(domain: &str, policy: &str, descriptor: &str) -> bool {
 #[cfg(feature = "tower")]
 pub(crate) fn shed(shedder: &'static str, class: usize) {
     counter!(names::SHED, "shedder" => shedder, "class" => class.to_string()).increment(1);
+}
+
+/// The adaptive stage's gauges, registered once.
+#[cfg(feature = "tower")]
+pub(crate) struct AdaptiveGauges {
+    pub limit: Gauge,
+    pub in_flight: Gauge,
+    pub waiting: Gauge,
+    pub base: Gauge,
+}
+
+#[cfg(feature = "tower")]
+impl AdaptiveGauges {
+    pub(crate) fn new() -> Self {
+        Self {
+            limit: gauge!(names::ADAPTIVE_LIMIT),
+            in_flight: gauge!(names::ADAPTIVE_IN_FLIGHT),
+            waiting: gauge!(names::ADAPTIVE_WAITING),
+            base: gauge!(names::ADAPTIVE_BASE_SECONDS),
+        }
+    }
 }
 
 /// The worker utilization controller's amount now (below 0: at rest, nothing shed).

@@ -15,6 +15,15 @@
 //!    ([`Limiter::reserve`]), 429 when it does not fit; the response's [`Actual`] (an
 //!    extension, or an `x-sluice-actual` header or trailer) is committed when the
 //!    response is done, and the estimate when it names none.
+//! 5. **the adaptive stage**, when set ([`SluiceLayerBuilder::adaptive`]): a concurrency
+//!    limit learned from the service's latency ([`crate::algo::overload`]), spent most
+//!    important class first, with a bounded wait. 503. It is last, around the service,
+//!    because it measures the service: a request refused earlier never holds a slot,
+//!    and a slot is held until the response body ends. It stands beside the worker
+//!    utilization shedder rather than replacing it: that one reads a utilization the
+//!    application may supply (a pool the layer does not see) and acts in minutes; this
+//!    one learns from latency and acts within a few of the service's latencies, needing
+//!    no threshold. Use one or the other for one resource.
 //!
 //! Refusals answer `application/problem+json` with the rate limit headers and
 //! `Retry-After`. Leases (and the in-flight count) are given back when the response body
@@ -22,6 +31,9 @@
 //! Modified) gives its charges back: GitHub's rule, charged at the start so a client
 //! cannot exceed its limit while its last request is in flight.
 
+mod adaptive;
+
+use crate::algo::overload::{GradientError, GradientParams};
 use crate::algo::shedder::{Shedder, ShedderParams};
 use crate::headers::{self, HeadersConfig};
 use crate::request::{Descriptor, Entry, Request};
@@ -134,6 +146,7 @@ struct Shared {
     fleet: Option<Fleet>,
     refund_on: Vec<StatusCode>,
     budget: Option<Budget>,
+    adaptive: Option<adaptive::Adaptive>,
     headers: HeadersConfig,
     clock: Arc<dyn Clock>,
     in_flight: Arc<AtomicUsize>,
@@ -186,6 +199,7 @@ impl SluiceLayer {
                 fleet: None,
                 refund_on: vec![StatusCode::NOT_MODIFIED],
                 budget: None,
+                adaptive: None,
                 headers: HeadersConfig::default(),
                 clock: Arc::new(SystemClock),
                 in_flight: Arc::new(AtomicUsize::new(0)),
@@ -248,6 +262,16 @@ impl SluiceLayerBuilder {
         self
     }
 
+    /// Turns the adaptive stage on (stage 5, around the service): a concurrency limit
+    /// learned from the service's latency, spent by priority class; refusals answer 503
+    /// with `Retry-After`. See [`crate::algo::overload`]; `GradientParams::default()`
+    /// needs no tuning. Set the classes ([`Self::priority`]) first.
+    pub fn adaptive(mut self, params: GradientParams) -> Result<Self, GradientError> {
+        params.validate()?;
+        self.shared.adaptive = Some(adaptive::Adaptive::new(params, self.shared.classes));
+        Ok(self)
+    }
+
     /// Statuses whose charges are given back (default: 304).
     pub fn refund_on(mut self, statuses: Vec<StatusCode>) -> Self {
         self.shared.refund_on = statuses;
@@ -272,6 +296,13 @@ impl SluiceLayerBuilder {
     }
 }
 
+impl SluiceLayer {
+    /// The adaptive stage's limit, requests in flight and waiting, when it is on.
+    pub fn adaptive_state(&self) -> Option<(u32, u32, u32)> {
+        self.shared.adaptive.as_ref().map(adaptive::Adaptive::state)
+    }
+}
+
 impl<S> tower::Layer<S> for SluiceLayer {
     type Service = SluiceService<S>;
     fn layer(&self, inner: S) -> Self::Service {
@@ -293,11 +324,18 @@ struct Guard {
     /// The budget's open reservation: the request (its cost the estimate), its number,
     /// and the actual once the response told it.
     hold: Option<(Request, u64, Option<u64>)>,
+    /// The adaptive stage's slot, the response's status and whether its body ended.
+    slot: Option<adaptive::Slot>,
+    status: StatusCode,
+    finished: bool,
 }
 
 impl Drop for Guard {
     fn drop(&mut self) {
         self.shared.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if let (Some(slot), Some(stage)) = (self.slot.take(), &self.shared.adaptive) {
+            stage.finish(slot, adaptive::outcome(self.status, self.finished));
+        }
         if let Some((mut req, id, actual)) = self.hold.take() {
             // the response is done (or dropped): its actual, else the estimate, stands
             if let (Some(a), Some(d)) = (actual, req.descriptors.first_mut()) {
@@ -362,6 +400,9 @@ impl<B: Body<Data = Bytes>> Body for SluiceBody<B> {
         }
         if let Poll::Ready(None) = polled {
             // the body is finished: give the leases back now, not when it is dropped
+            if let Some(g) = this.guard.as_mut() {
+                g.finished = true;
+            }
             this.guard.take();
         }
         polled
@@ -481,6 +522,23 @@ impl Shared {
         })
     }
 
+    /// Stage 5, the adaptive concurrency limit, around the service: a slot (held in
+    /// `guard` until the response ends), or 503 when none came within the wait allowed.
+    async fn adaptive_stage<B>(&self, class: usize, guard: &mut Guard) -> Option<Response<SluiceBody<B>>> {
+        let stage = self.adaptive.as_ref()?;
+        match stage.enter(class).await {
+            Some(slot) => {
+                guard.slot = Some(slot);
+                None
+            }
+            None => {
+                adaptive::Adaptive::shed(class);
+                let detail = "this service is at its concurrency limit; retry later";
+                Some(refusal(StatusCode::SERVICE_UNAVAILABLE, "Overloaded", detail, vec![("retry-after", "1".into())]))
+            }
+        }
+    }
+
     /// Stage 2, the fleet usage shedder: a non-critical request takes a lease on the
     /// fleet's concurrency policy, or is refused with 503. The lease goes in `guard`.
     async fn fleet_stage<B>(&self, class: usize, guard: &mut Guard) -> Option<Response<SluiceBody<B>>> {
@@ -598,7 +656,14 @@ where
             let (parts, body) = req.into_parts();
             let class = (shared.classifier)(&parts).min(shared.classes - 1);
             shared.in_flight.fetch_add(1, Ordering::Relaxed);
-            let mut guard = Guard { shared: shared.clone(), leases: Vec::new(), hold: None };
+            let mut guard = Guard {
+                shared: shared.clone(),
+                leases: Vec::new(),
+                hold: None,
+                slot: None,
+                status: StatusCode::OK,
+                finished: false,
+            };
             if let Some(refused) = shared.worker_stage(class) {
                 return Ok(refused);
             }
@@ -612,8 +677,12 @@ where
             if let Some(refused) = shared.budget_stage(&parts, &mut guard).await {
                 return Ok(refused);
             }
+            if let Some(refused) = shared.adaptive_stage(class, &mut guard).await {
+                return Ok(refused);
+            }
             let response = inner.call(http::Request::from_parts(parts, body)).await?;
             let (mut head, body) = response.into_parts();
+            guard.status = head.status;
             let told = head.extensions.get::<Actual>().map(|a| a.0);
             let header = head.headers.remove(ACTUAL_HEADER).and_then(|v| v.to_str().ok()?.parse().ok());
             if let Some(a) = told.or(header) {
