@@ -627,9 +627,28 @@ impl RedisCluster {
             if ok {
                 return;
             }
-            assert!(Instant::now() < deadline, "the cluster did not become ok within {timeout:?}");
+            assert!(Instant::now() < deadline, "the cluster did not become ok within {timeout:?}:\n{}", self.states());
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Each node's port, cluster state, role and replication link, one line a node.
+    pub fn states(&self) -> String {
+        let wanted = ["cluster_state:", "cluster_slots_ok:", "cluster_known_nodes:", "role:", "master_link_status:"];
+        self.nodes
+            .iter()
+            .map(|n| {
+                let reply = format!(
+                    "{}{}",
+                    n.command("CLUSTER INFO").unwrap_or_default(),
+                    n.command("INFO replication").unwrap_or_default()
+                );
+                let fields: Vec<&str> =
+                    reply.lines().map(str::trim).filter(|l| wanted.iter().any(|w| l.starts_with(w))).collect();
+                format!("  :{} {}", n.port(), if fields.is_empty() { "down".to_string() } else { fields.join(" ") })
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     /// Waits, after a primary was killed, until a replica took its place (three

@@ -138,7 +138,7 @@ impl Fleet {
 
     /// Keeps the run's directory (logs and configs) after the run.
     pub fn keep_logs(&self) {
-        let kept = std::env::temp_dir().join(format!("sluice-soak-kept-{}", std::process::id()));
+        let kept = kept_dir();
         let _ = std::fs::rename(self.dir.path(), &kept);
         eprintln!("soak: logs kept in {}", kept.display());
     }
@@ -259,4 +259,9 @@ fn start_store(kind: StoreKind) -> (Servers, String) {
             (Servers::Cluster(c), section)
         }
     }
+}
+
+/// Where a run's directory is kept when it fails.
+pub fn kept_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("sluice-soak-kept-{}", std::process::id()))
 }

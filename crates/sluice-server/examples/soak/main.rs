@@ -89,6 +89,7 @@ async fn main() {
     let mut rng = Rng(args.seed.max(1).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let started = Instant::now();
     let fleet = Arc::new(fleet::Fleet::start(&args, &mut rng).await);
+    keep_logs_on_panic(fleet.dir().to_path_buf());
     eprintln!(
         "soak: seed {} store {} instances {} for {} min",
         args.seed,
@@ -114,4 +115,18 @@ async fn main() {
         fleet.keep_logs();
         std::process::exit(1);
     }
+}
+
+/// A harness that fails (a store that never heals, a process that will not start) keeps
+/// the run's logs as a violation does: the panic hook runs before the directory is
+/// dropped.
+fn keep_logs_on_panic(dir: std::path::PathBuf) {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        let kept = fleet::kept_dir();
+        if std::fs::rename(&dir, &kept).is_ok() {
+            eprintln!("soak: the harness failed; logs kept in {}", kept.display());
+        }
+    }));
 }
