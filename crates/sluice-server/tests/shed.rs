@@ -46,27 +46,78 @@ fn plots_and_refuses_bad_schedules() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("outside 0 to 1"));
 }
 
-/// docs/operations.md's chart is what its documented command draws today, on labelled
-/// axes (time ticks in seconds, a share from 0 to 1).
-#[test]
-fn the_docs_chart_is_what_the_documented_command_draws() {
+/// docs/operations.md shows `sluice shed simulate ARGS --plot NAME.svg > NAME.csv` and
+/// its chart `images/NAME.svg`, which is what that command draws today; returns it.
+fn docs_chart(args: &[&str], name: &str) -> String {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let doc = std::fs::read_to_string(root.join("docs/operations.md")).unwrap();
-    let command = "sluice shed simulate --utilization 1.0:300s,0.5:300s,0.75:60s --plot shed.svg > shed.csv";
+    let command = format!("sluice shed simulate {} --plot {name}.svg > {name}.csv", args.join(" "));
     assert!(
-        doc.contains(command) && doc.contains("](images/shed.svg)"),
-        "docs/operations.md shows the command and its chart"
+        doc.contains(&command) && doc.contains(&format!("](images/{name}.svg)")),
+        "docs/operations.md shows {command}"
     );
     let dir = sluice_testkit::TempDir::new("sluice-shed-docs");
-    let plot = dir.path().join("shed.svg");
-    simulate(&["--utilization", "1.0:300s,0.5:300s,0.75:60s", "--plot", plot.to_str().unwrap()]);
+    let plot = dir.path().join(format!("{name}.svg"));
+    simulate(&[args, &["--plot", plot.to_str().unwrap()]].concat());
     let drawn = std::fs::read_to_string(&plot).unwrap();
-    let committed = std::fs::read_to_string(root.join("docs/images/shed.svg")).unwrap();
-    assert!(
-        drawn == committed,
-        "docs/images/shed.svg is stale: run the command above with --plot docs/images/shed.svg"
-    );
+    let committed = std::fs::read_to_string(root.join(format!("docs/images/{name}.svg"))).unwrap();
+    assert!(drawn == committed, "docs/images/{name}.svg is stale: run {command} with --plot docs/images/{name}.svg");
+    drawn
+}
+
+/// The worker utilization chart, on labelled axes (time ticks in seconds, a share from 0
+/// to 1).
+#[test]
+fn the_docs_chart_is_what_the_documented_command_draws() {
+    let drawn = docs_chart(&["--utilization", "1.0:300s,0.5:300s,0.75:60s"], "shed");
     for label in ["time (s)", "share (0 to 1)", ">0.5</text>", ">300</text>", ">600</text>", "class 2 dropped"] {
+        assert!(drawn.contains(label), "the chart has no {label}");
+    }
+}
+
+/// `--load`: the adaptive limit in front of a simulated service. Through an overload of
+/// three times the capacity the limit settles near the capacity, the critical class is
+/// served whole while the least important is shed, and nothing is shed once the load
+/// has fallen back.
+#[test]
+fn the_adaptive_limit_on_a_load_schedule() {
+    let (header, rows) =
+        simulate(&["--load", "0.5:5s,3:10s,0.5:5s", "--capacity", "20", "--service-time", "5ms", "--seed", "3"]);
+    let col = |name: &str| header.iter().position(|h| h == name).unwrap_or_else(|| panic!("no column {name}"));
+    let (t, limit, shed0, shed3, offered0) =
+        (col("t"), col("limit"), col("shed_class0"), col("shed_class3"), col("offered_class0"));
+    for r in rows.iter().filter(|r| (8.0..=15.0).contains(&r[t])) {
+        assert!((16.0..=32.0).contains(&r[limit]), "the limit {} at {} s", r[limit], r[t]);
+        assert_eq!(r[shed3], 0.0, "critical shed at {} s", r[t]);
+        assert!(r[shed0] > 0.5 * r[offered0], "test mode mostly shed at {} s", r[t]);
+    }
+    for r in rows.iter().filter(|r| r[t] >= 17.0) {
+        let shed: f64 = (0..4).map(|c| r[col(&format!("shed_class{c}"))]).sum();
+        assert_eq!(shed, 0.0, "shed at {} s, after the load fell", r[t]);
+    }
+}
+
+#[test]
+fn the_adaptive_simulation_refuses_what_it_cannot_run() {
+    for (args, says) in [
+        (&["--load", "3:10s", "--mix", "0.5,0.5"][..], "--mix needs 4 shares"),
+        (&["--load", "3:10s", "--utilization", "0.5:10s"][..], "cannot be used with"),
+        (&["--load", "200:10s"][..], "outside 0 to 100"),
+        (&["--load", "3:10s", "--capacity", "0"][..], "must be above 0"),
+    ] {
+        let out = Command::new(common::bin()).args(["shed", "simulate"]).args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} ran");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
+
+/// The adaptive chart: the limit, latency and shed share per class.
+#[test]
+fn the_docs_adaptive_chart_is_what_the_documented_command_draws() {
+    let args = ["--load", "0.5:10s,3:15s,0.5:10s", "--capacity", "10", "--service-time", "2ms"];
+    let drawn = docs_chart(&args, "adaptive");
+    for label in ["time (s)", "requests", "latency (ms)", "share shed", "class 3 shed", "capacity"] {
         assert!(drawn.contains(label), "the chart has no {label}");
     }
 }

@@ -38,9 +38,9 @@ pub enum Command {
 
 #[derive(Debug, Subcommand)]
 pub enum ShedCommand {
-    /// Run the worker utilization controller on a utilization schedule under a simulated
-    /// clock; prints CSV (t, utilization, shed, amount, then each class's drop
-    /// probability, least important first; the last class is critical).
+    /// Run the worker utilization controller on a utilization schedule (--utilization),
+    /// or the adaptive concurrency limit in front of a simulated service on a load
+    /// schedule (--load), under a simulated clock; prints CSV (see docs/operations.md).
     Simulate(shed::Args),
 }
 

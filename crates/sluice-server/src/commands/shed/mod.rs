@@ -1,6 +1,10 @@
 //! `sluice shed simulate`: runs the worker utilization controller on a utilization
-//! schedule under a simulated clock, so operators can see what it will do before
-//! enabling it. Prints CSV; `--plot FILE.svg` also draws it.
+//! schedule (`--utilization`), or the adaptive concurrency limit in front of a simulated
+//! service on a load schedule (`--load`, in [`adaptive`]), under a simulated clock, so
+//! operators can see what either will do before enabling it. Prints CSV; `--plot
+//! FILE.svg` also draws it.
+
+mod adaptive;
 
 use sluice::algo::shedder::{Shedder, ShedderParams};
 use std::fmt::Write as _;
@@ -8,9 +12,12 @@ use std::path::PathBuf;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
-    /// The schedule: UTILIZATION:DURATION pairs, like 1.0:300s,0.5:300s.
-    #[arg(long, value_parser = parse_schedule)]
-    pub utilization: std::vec::Vec<(f64, u64)>,
+    /// The worker utilization controller's schedule: UTILIZATION:DURATION pairs, like
+    /// 1.0:300s,0.5:300s.
+    #[arg(long, value_parser = parse_schedule, required_unless_present = "load", conflicts_with = "load")]
+    pub utilization: Option<std::vec::Vec<(f64, u64)>>,
+    #[command(flatten)]
+    pub adaptive: adaptive::LoadArgs,
     /// Time between samples.
     #[arg(long, default_value = "1s", value_parser = sluice::config::Duration::parse)]
     pub step: sluice::config::Duration,
@@ -41,6 +48,10 @@ pub enum ShedError {
     Params(#[from] sluice::algo::shedder::ShedderError),
     #[error("--classes must be at least 2 (the last class is critical and never shed)")]
     Classes,
+    #[error(transparent)]
+    Adaptive(#[from] sluice::algo::overload::GradientError),
+    #[error("{0}")]
+    Setup(String),
     #[error("cannot write {path}: {source}")]
     Plot {
         path: String,
@@ -74,6 +85,9 @@ pub fn parse_schedule(s: &str) -> Result<Vec<(f64, u64)>, String> {
 
 /// Runs the simulation and prints CSV.
 pub fn simulate(args: Args) -> Result<(), ShedError> {
+    let Some(schedule) = args.utilization.clone() else {
+        return adaptive::simulate(&args.adaptive, args.classes, args.step.0, args.plot.as_deref());
+    };
     let params =
         ShedderParams { good: args.good, bad: args.bad, before: args.before.0, to_shed_all: args.to_shed_all.0 };
     params.validate()?;
@@ -84,7 +98,7 @@ pub fn simulate(args: Args) -> Result<(), ShedError> {
     let mut shedder = Shedder::new(params);
     let mut rows = Vec::new();
     let mut now = 0;
-    for (utilization, length) in &args.utilization {
+    for (utilization, length) in &schedule {
         let end = now + length;
         while now < end {
             let amount = shedder.update(*utilization, now);
@@ -118,7 +132,7 @@ pub fn simulate(args: Args) -> Result<(), ShedError> {
 /// A line chart: utilization, shed amount and each class's drop probability over time,
 /// on labelled axes (time in seconds, ticks at a round step; share from 0 to 1).
 fn svg(rows: &[Row], classes: usize) -> String {
-    let plot = Plot { w: 900.0, h: 400.0, left: 60.0, right: 20.0, top: 40.0, bottom: 50.0 };
+    let plot = Plot::shares(900.0, 400.0, 40.0, 50.0);
     let t_max = rows.last().map_or(1.0, |r| r.t.max(1.0));
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"12\">\n",
@@ -154,7 +168,8 @@ fn svg(rows: &[Row], classes: usize) -> String {
     s + "</svg>\n"
 }
 
-/// Where a chart draws: its size and margins, in pixels.
+/// Where a chart draws: its size and margins, in pixels, and what its y axis shows
+/// (from 0 to `y_max`).
 struct Plot {
     w: f64,
     h: f64,
@@ -162,15 +177,22 @@ struct Plot {
     right: f64,
     top: f64,
     bottom: f64,
+    y_max: f64,
+    y_title: String,
 }
 
 impl Plot {
+    /// A chart of shares, from 0 to 1.
+    fn shares(w: f64, h: f64, top: f64, bottom: f64) -> Self {
+        Plot { w, h, left: 60.0, right: 20.0, top, bottom, y_max: 1.0, y_title: "share (0 to 1)".into() }
+    }
+
     fn x(&self, t: f64, t_max: f64) -> f64 {
         self.left + t / t_max * (self.w - self.left - self.right)
     }
 
-    fn y(&self, share: f64) -> f64 {
-        self.h - self.bottom - share.clamp(0.0, 1.0) * (self.h - self.top - self.bottom)
+    fn y(&self, value: f64) -> f64 {
+        self.h - self.bottom - (value / self.y_max).clamp(0.0, 1.0) * (self.h - self.top - self.bottom)
     }
 
     /// The axes, their ticks and grid lines, and their titles.
@@ -178,9 +200,9 @@ impl Plot {
         let (x0, x1, y0, y1) = (self.left, self.w - self.right, self.h - self.bottom, self.top);
         let mut s = String::new();
         for share in [0.0, 0.25, 0.5, 0.75, 1.0] {
-            let y = self.y(share);
+            let (value, y) = (share * self.y_max, self.y(share * self.y_max));
             s += &format!("<line x1=\"{x0}\" y1=\"{y:.1}\" x2=\"{x1}\" y2=\"{y:.1}\" stroke=\"#e5e5e5\"/>\n");
-            s += &format!("<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{share}</text>\n", x0 - 6.0, y + 4.0);
+            s += &format!("<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{value}</text>\n", x0 - 6.0, y + 4.0);
         }
         // a round step giving 4 to 12 ticks
         let step = [1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0]
@@ -202,9 +224,10 @@ impl Plot {
             self.h - 12.0
         );
         s + &format!(
-            "<text x=\"16\" y=\"{:.1}\" text-anchor=\"middle\" transform=\"rotate(-90 16 {:.1})\">share (0 to 1)</text>\n",
+            "<text x=\"16\" y=\"{:.1}\" text-anchor=\"middle\" transform=\"rotate(-90 16 {:.1})\">{}</text>\n",
             (y0 + y1) / 2.0,
-            (y0 + y1) / 2.0
+            (y0 + y1) / 2.0,
+            self.y_title
         )
     }
 }

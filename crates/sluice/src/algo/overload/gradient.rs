@@ -23,8 +23,8 @@
 //! keep `base` honest through an overload of any length, without Envoy's probes that
 //! pin concurrency low and refuse requests while they measure. A service that became
 //! slower for its own reasons is told apart by the cut: if cutting the limit did not
-//! bring latency at least halfway down toward what queueing predicts, the latency is
-//! not queueing, and `base` is reset to it at once instead of the limit collapsing.
+//! bring latency down by a quarter of what queueing predicts, the latency is not
+//! queueing, and `base` is reset to it at once instead of the limit collapsing.
 //!
 //! A dropped request (timed out or abandoned) counts as congestion: a window with drops
 //! cuts by at least a tenth. The limit stays within `floor..=ceiling`.
@@ -252,9 +252,10 @@ impl Gradient {
         let mean = w.total / f64::from(w.samples);
         let base = self.base.get_or_insert(Baseline { current: mean, previous: f64::INFINITY, since: now });
         if let Some(c) = cut {
-            // queueing predicts `c.mean * c.ratio` (floored at base); halfway is enough
-            let predicted = (c.mean * c.ratio).max(base.get());
-            if mean > (c.mean + predicted) / 2.0 {
+            // queueing predicts a fall of latency in proportion to the cut; less than a
+            // quarter of it says the latency is not queueing (a window's mean, taken
+            // while the overload built, may understate it, so the prediction is rough)
+            if mean > c.mean * (1.0 - (1.0 - c.ratio) / 4.0) {
                 base.reset(mean, now);
             }
         }
