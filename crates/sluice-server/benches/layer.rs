@@ -1,6 +1,7 @@
-//! The tower layer's overhead per request: the same axum handler bare and behind
-//! `SluiceLayer` (memory store, one fixed window that always admits), side by side in
-//! one run, called in process (no network) so the layer's own cost shows.
+//! The tower layer's overhead per request: the same axum handler bare, behind
+//! `SluiceLayer` (memory store, one fixed window that always admits), and behind the
+//! same layer with its adaptive stage on, side by side in one run, called in process (no
+//! network) so the layer's own cost shows.
 //!
 //! Run: `cargo bench -p sluice-server --bench layer`.
 
@@ -26,11 +27,18 @@ fn requests(c: &mut Criterion) {
         .build()
         .unwrap();
     let limiter = Arc::new(Limiter::in_memory(rules));
+    let shared = limiter.clone();
     let bare = Router::new().route("/", get(|| async { "hello" }));
     let layer = SluiceLayer::builder(limiter, "api")
         .descriptor(vec![("user", Extract::Header("x-user".parse().unwrap()))])
         .build();
     let limited = Router::new().route("/", get(|| async { "hello" })).route_layer(layer);
+    let adaptive = SluiceLayer::builder(shared, "api")
+        .descriptor(vec![("user", Extract::Header("x-user".parse().unwrap()))])
+        .adaptive(sluice::algo::overload::GradientParams::default())
+        .unwrap()
+        .build();
+    let adaptive = Router::new().route("/", get(|| async { "hello" })).route_layer(adaptive);
     let request =
         |i: u64| Request::builder().uri("/").header("x-user", format!("u{}", i % 1000)).body(Body::empty()).unwrap();
     let mut g = c.benchmark_group("layer");
@@ -45,6 +53,12 @@ fn requests(c: &mut Criterion) {
         b.iter(|| {
             i += 1;
             black_box(rt.block_on(limited.clone().oneshot(request(i))).unwrap())
+        })
+    });
+    g.bench_function("behind_sluice_layer_adaptive", |b| {
+        b.iter(|| {
+            i += 1;
+            black_box(rt.block_on(adaptive.clone().oneshot(request(i))).unwrap())
         })
     });
     g.finish();

@@ -6,6 +6,10 @@
 //! measures the whole `Limiter::check` path (descriptor matching, keyed hashing, the
 //! future) for comparison.
 //!
+//! The `adaptive` group measures the adaptive stage's decision: taking a slot of the
+//! learned limit and giving it back with the request's latency, under the lock the tower
+//! layer takes (the time read included).
+//!
 //! Run: `cargo bench -p sluice --bench memory_store`.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -130,9 +134,27 @@ fn engine(c: &mut Criterion) {
     g.finish();
 }
 
+fn adaptive(c: &mut Criterion) {
+    use sluice::algo::overload::{Admission, Entry, GradientParams, Outcome};
+    let epoch = Instant::now();
+    let admission = std::sync::Mutex::new(Admission::<()>::new(GradientParams::default(), 4, 0));
+    let mut g = c.benchmark_group("adaptive");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("enter_and_finish", |b| {
+        b.iter(|| {
+            let now = epoch.elapsed().as_micros() as u64;
+            let entry = admission.lock().unwrap().enter(3, now, ());
+            assert!(matches!(entry, Entry::Run));
+            let done = epoch.elapsed().as_micros() as u64;
+            black_box(admission.lock().unwrap().finish(done, done - now + 1_000, Outcome::Served))
+        })
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2)).sample_size(30);
-    targets = decisions, engine
+    targets = decisions, engine, adaptive
 }
 criterion_main!(benches);
