@@ -29,7 +29,7 @@ fn chromium(args: &[&str], url: &str) -> String {
 
 #[tokio::test]
 async fn the_live_page_shows_what_its_endpoint_returns() {
-    let s = start_with(&format!("  admin_token: {TOKEN}\n  ui: true\n"), DOMAINS);
+    let s = start_with(&format!("  admin_token: {TOKEN}\n  ui: true\n  adaptive_concurrency: true\n"), DOMAINS);
     let c = reqwest::Client::new();
     for _ in 0..25 {
         hit(&c, &s.base, "api", &[("user", "heavy")]).await;
@@ -58,6 +58,10 @@ async fn the_live_page_shows_what_its_endpoint_returns() {
     let top = &j["top_refused"][0]["clients"][0];
     assert_eq!((top["client"].as_str(), top["count"].as_u64()), (Some("user=heavy"), Some(20)), "{j}");
     assert_eq!((j["store"]["kind"].as_str(), j["overrides"][0]["id"].as_str()), (Some("memory"), Some("vip")));
+    // server.adaptive_concurrency: the data plane's adaptive stage, at rest (one request
+    // at a time: its initial limit, nothing waiting)
+    let adaptive = (j["store"]["adaptive_limit"].as_f64(), j["store"]["adaptive_in_flight"].as_f64());
+    assert_eq!(adaptive, (Some(20.0), Some(0.0)), "{j}");
     // the page, in a browser logging in with Basic: the same figures in its DOM
     let url = format!("{}/ui", s.base.replace("http://", &format!("http://admin:{TOKEN}@")));
     let dom = chromium(&["--dump-dom"], &url);
@@ -68,6 +72,7 @@ async fn the_live_page_shows_what_its_endpoint_returns() {
         format!("<td class=\"client\">user=heavy</td><td class=\"count\">{}<", top["count"]),
         "data-override=\"vip\">vip: api user=vip limit 100 (ticket 9)<".to_string(),
         "id=\"status\">updated".to_string(),
+        "id=\"adaptive-limit\">20<".to_string(),
     ] {
         assert!(dom.contains(&shown), "the page does not show {shown}:\n{dom}");
     }

@@ -174,6 +174,9 @@ pub struct ServerConfig {
     pub tls: Option<ListenerTls>,
     /// The live page, `GET /ui`, and the overview it polls (needs `admin_token`).
     pub ui: bool,
+    /// The HTTP data plane runs through the tower layer's adaptive stage: a concurrency
+    /// limit learned from its own latency (a slow store's, mostly), 503 past it.
+    pub adaptive_concurrency: bool,
     /// Threads serving gRPC, each a single-threaded runtime of its own (default: one a
     /// core). A connection stays on the thread that accepted it.
     pub grpc_threads: Option<usize>,
@@ -244,6 +247,7 @@ impl Default for ServerConfig {
             shutdown_grace: Duration(10_000),
             tls: None,
             ui: false,
+            adaptive_concurrency: false,
             grpc_threads: None,
             rlqs: RlqsBounds::default(),
             metrics: None,

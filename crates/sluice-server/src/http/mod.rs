@@ -37,6 +37,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/json", post(envoy::json));
     // the data plane: behind `server.api_tokens` when there are any (a layer only then:
     // without tokens a decision pays nothing for it)
+    if let Some(adaptive) = &state.adaptive {
+        data = data.route_layer(adaptive.clone());
+    }
     if !state.api_tokens.is_empty() {
         data = data.route_layer(axum::middleware::from_fn_with_state(state.clone(), api::data_plane_token));
     }

@@ -113,7 +113,8 @@ fn rates(samples: &VecDeque<Sample>) -> Value {
 }
 
 /// The store's health: its kind, apply latency over the last minute (p50, p99), the
-/// breaker, a migration's percentage, the shedder's amount.
+/// breaker, a migration's percentage, the shedder's amount, the adaptive stage's limit
+/// and requests in flight.
 fn store(samples: &VecDeque<Sample>, kind: &str) -> Value {
     let Some(last) = samples.back() else { return json!({"kind": kind}) };
     // the newest sample a minute older than the last, else the oldest
@@ -130,7 +131,8 @@ fn store(samples: &VecDeque<Sample>, kind: &str) -> Value {
     };
     let breaker = last.breaker.map(|b| ["closed", "open", "half_open"][(b as usize).min(2)]);
     json!({"kind": kind, "p50_ms": quantile(0.5), "p99_ms": quantile(0.99), "breaker": breaker,
-           "migration_percent": last.migration, "shed_amount": last.shed_amount})
+           "migration_percent": last.migration, "shed_amount": last.shed_amount,
+           "adaptive_limit": last.adaptive_limit, "adaptive_in_flight": last.adaptive_in_flight})
 }
 
 /// The most refused clients (five each) of the [`RULES_SHOWN`] rules whose top client

@@ -51,6 +51,9 @@ pub struct Sample {
     pub breaker: Option<f64>,
     pub migration: Option<f64>,
     pub shed_amount: Option<f64>,
+    /// The adaptive stage's limit and requests in flight, when one runs here.
+    pub adaptive_limit: Option<f64>,
+    pub adaptive_in_flight: Option<f64>,
 }
 
 /// The last five minutes of samples.
@@ -129,7 +132,7 @@ impl std::io::Write for Folding {
 impl Folding {
     fn fold(&mut self, line: &str) {
         // most lines are of series the page does not show: skip them before any parsing
-        const SHOWN: [&str; 7] = [
+        const SHOWN: [&str; 9] = [
             "sluice_decisions_total{",
             "sluice_degraded_total{",
             "sluice_shed_total",
@@ -137,6 +140,8 @@ impl Folding {
             "sluice_circuit_breaker_state",
             "sluice_migration_percent",
             "sluice_shed_amount",
+            "sluice_adaptive_limit",
+            "sluice_adaptive_in_flight",
         ];
         if !SHOWN.iter().any(|p| line.starts_with(p)) {
             return;
@@ -173,6 +178,8 @@ impl Folding {
             ("sluice_circuit_breaker_state", _, _) => s.breaker = Some(v),
             ("sluice_migration_percent", _, _) => s.migration = Some(v),
             ("sluice_shed_amount", _, _) => s.shed_amount = Some(v),
+            ("sluice_adaptive_limit", _, _) => s.adaptive_limit = Some(v),
+            ("sluice_adaptive_in_flight", _, _) => s.adaptive_in_flight = Some(v),
             _ => {}
         }
     }

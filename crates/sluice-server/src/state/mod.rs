@@ -46,6 +46,8 @@ pub struct AppState {
     pub tracer: Option<Arc<crate::otel::Tracer>>,
     /// `server.ui`: the samples the live page shows, when on (set at start).
     pub ui: Option<Arc<history::History>>,
+    /// `server.adaptive_concurrency`: the HTTP data plane's adaptive stage, when on.
+    pub adaptive: Option<sluice::layer::SluiceLayer>,
     /// The Envoy RLQS streams open here.
     pub rlqs: rlqs::Streams,
     /// With `xds:`, the rules pushed and whether any were (set at start).
@@ -99,6 +101,7 @@ impl AppState {
             metrics,
             tracer: None,
             ui: None,
+            adaptive: server.adaptive_concurrency.then(sluice::layer::SluiceLayer::adaptive_only),
             rlqs: rlqs::Streams::new(server.rlqs, server.header_timeout.to_std()),
             xds: None,
         }

@@ -297,6 +297,14 @@ impl SluiceLayerBuilder {
 }
 
 impl SluiceLayer {
+    /// A layer of the adaptive stage alone, on its defaults and the default classes, in
+    /// front of anything (no rate limits: it decides nothing else).
+    pub fn adaptive_only() -> SluiceLayer {
+        let rules = crate::RulesBuilder::new().build().expect("no rules are valid rules");
+        let builder = SluiceLayer::builder(Arc::new(Limiter::in_memory(rules)), "");
+        builder.adaptive(GradientParams::default()).expect("the defaults are valid").build()
+    }
+
     /// The adaptive stage's limit, requests in flight and waiting, when it is on.
     pub fn adaptive_state(&self) -> Option<(u32, u32, u32)> {
         self.shared.adaptive.as_ref().map(adaptive::Adaptive::state)
