@@ -22,9 +22,9 @@
 //! memory). Cuts land at capacity, where no request queues, so the windows after a cut
 //! keep `base` honest through an overload of any length, without Envoy's probes that
 //! pin concurrency low and refuse requests while they measure. A service that became
-//! slower for its own reasons is told apart by the cut: if cutting the limit did not
+//! slower for its own reasons is told apart by the cuts: if two cuts in a row did not
 //! bring latency down by a quarter of what queueing predicts, the latency is not
-//! queueing, and `base` is reset to it at once instead of the limit collapsing.
+//! queueing, and `base` is reset to it instead of the limit collapsing.
 //!
 //! A dropped request (timed out or abandoned) counts as congestion: a window with drops
 //! cuts by at least a tenth. The limit stays within `floor..=ceiling`.
@@ -174,6 +174,8 @@ pub struct Gradient {
     window: Window,
     slow_start: bool,
     cut: Option<Cut>,
+    /// Cuts in a row that did not lower latency.
+    failed_cuts: u32,
 }
 
 impl Gradient {
@@ -186,6 +188,7 @@ impl Gradient {
             window: Window { start: now, ..Window::default() },
             slow_start: true,
             cut: None,
+            failed_cuts: 0,
         }
     }
 
@@ -253,10 +256,14 @@ impl Gradient {
         let base = self.base.get_or_insert(Baseline { current: mean, previous: f64::INFINITY, since: now });
         if let Some(c) = cut {
             // queueing predicts a fall of latency in proportion to the cut; less than a
-            // quarter of it says the latency is not queueing (a window's mean, taken
-            // while the overload built, may understate it, so the prediction is rough)
-            if mean > c.mean * (1.0 - (1.0 - c.ratio) / 4.0) {
+            // quarter of it, twice in a row, says the latency is not queueing (once is
+            // not enough: the window that caused a cut may have begun before the
+            // overload did, and so understate the latency at that limit)
+            let failed = mean > c.mean * (1.0 - (1.0 - c.ratio) / 4.0);
+            self.failed_cuts = if failed { self.failed_cuts + 1 } else { 0 };
+            if self.failed_cuts >= 2 {
                 base.reset(mean, now);
+                self.failed_cuts = 0;
             }
         }
         base.observe(mean, now, p.horizon);

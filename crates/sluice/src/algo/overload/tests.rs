@@ -36,24 +36,30 @@ fn p99(periods: &[&Period]) -> u64 {
 /// p99 from 5 s after the step, and nothing is shed once the overload has drained.
 #[test]
 fn the_same_defaults_serve_every_service() {
-    for (c, s) in [(10, 2), (200, 2), (10, 50), (200, 50)] {
-        let periods = run(setup(c, s, &[(0.5, 10), (3.0, 15), (0.5, 10)], u64::from(c) + s));
+    let seeds: u64 = std::env::var("SLUICE_SIM_SEEDS").map_or(2, |v| v.parse().unwrap());
+    for (c, s, seed) in
+        [(10, 2), (200, 2), (10, 50), (200, 50)].into_iter().flat_map(|(c, s)| (0..seeds).map(move |k| (c, s, k)))
+    {
+        let periods = run(setup(c, s, &[(0.5, 10), (3.0, 15), (0.5, 10)], u64::from(c) + s + 1000 * seed));
         let unloaded = p99(&between(&periods, 2.0, 10.0).collect::<Vec<_>>());
         let settled: Vec<&Period> = between(&periods, 15.0, 25.0).collect();
         for p in &settled {
             let limit = f64::from(p.limit);
-            assert!(limit >= 0.8 * f64::from(c) && limit <= 1.6 * f64::from(c), "C {c} S {s}: {p:?}");
+            assert!(limit >= 0.8 * f64::from(c) && limit <= 1.6 * f64::from(c), "C {c} S {s} seed {seed}: {p:?}");
         }
         let loaded = p99(&settled);
-        assert!(loaded <= 2 * unloaded, "C {c} S {s}: p99 {loaded} µs under overload, {unloaded} µs unloaded");
+        assert!(
+            loaded <= 2 * unloaded,
+            "C {c} S {s} seed {seed}: p99 {loaded} µs under overload, {unloaded} µs unloaded"
+        );
         let overload: Vec<&Period> = between(&periods, 10.0, 25.0).collect();
         let offered: u64 = overload.iter().map(|p| p.offered[3]).sum();
         let served: u64 = overload.iter().map(|p| p.served[3]).sum();
-        assert!(served as f64 >= 0.99 * offered as f64, "C {c} S {s}: critical {served} of {offered}");
+        assert!(served as f64 >= 0.99 * offered as f64, "C {c} S {s} seed {seed}: critical {served} of {offered}");
         let shed_lower: u64 = overload.iter().map(|p| p.shed[0] + p.shed[1]).sum();
-        assert!(shed_lower > 0, "C {c} S {s}: the overload shed nothing below");
+        assert!(shed_lower > 0, "C {c} S {s} seed {seed}: the overload shed nothing below");
         for p in between(&periods, 25.5, 30.0) {
-            assert_eq!(p.shed.iter().sum::<u64>(), 0, "C {c} S {s}: shed after the load fell: {p:?}");
+            assert_eq!(p.shed.iter().sum::<u64>(), 0, "C {c} S {s} seed {seed}: shed after the load fell: {p:?}");
         }
     }
 }
@@ -106,9 +112,9 @@ fn window(g: &mut Gradient, now: &mut u64, latency: u64, saturated: bool) -> u32
     g.limit()
 }
 
-/// A service that became slower for its own reasons is not mistaken for a queue: the
-/// cut does not bring latency down, so the no-load latency is learned again instead of
-/// the limit falling to its floor.
+/// A service that became slower for its own reasons is not mistaken for a queue: two
+/// cuts in a row do not bring latency down, so the no-load latency is learned again
+/// instead of the limit falling to its floor.
 #[test]
 fn a_slower_service_is_not_a_queue() {
     let mut g = Gradient::new(GradientParams { initial: 100, ..GradientParams::default() }, 0);
@@ -119,7 +125,10 @@ fn a_slower_service_is_not_a_queue() {
     let cut = window(&mut g, &mut now, 3_000, true);
     assert!(cut < learned / 2, "latency tripled: {learned} -> {cut}");
     window(&mut g, &mut now, 3_000, true); // the window after a cut is not judged
-    window(&mut g, &mut now, 3_000, true); // the cut did nothing: the service is slower
+    let again = window(&mut g, &mut now, 3_000, true); // the cut did nothing: once may be chance
+    assert!(again < cut && g.base() == Some(1_000.0), "cut again: {again}, base {:?}", g.base());
+    window(&mut g, &mut now, 3_000, true);
+    window(&mut g, &mut now, 3_000, true); // twice: the service is slower
     assert!((2_900.0..=3_100.0).contains(&g.base().unwrap()), "base {:?}", g.base());
     for _ in 0..10 {
         window(&mut g, &mut now, 3_000, true);
@@ -166,8 +175,8 @@ fn classes_share_one_limit_most_important_first() {
 }
 
 /// Random arrivals, finishes and withdrawals: nobody starts while the requests in
-/// flight are at the limit (so the classes together never pass it), and the queue never
-/// holds more than the limit.
+/// flight are at the limit (so the classes together never pass it), and an arrival
+/// never grows the queue past the limit.
 #[test]
 fn nobody_starts_at_the_limit() {
     for seed in 0..20 {
@@ -177,7 +186,7 @@ fn nobody_starts_at_the_limit() {
         let (mut now, mut running, mut tickets) = (0u64, 0u32, Vec::new());
         for id in 0..5_000u64 {
             now += (rng.unit() * 300.0) as u64;
-            let (limit, before) = (a.gradient().limit(), a.in_flight());
+            let (limit, before, queued) = (a.gradient().limit(), a.in_flight(), a.waiting());
             let r = rng.unit();
             if r < 0.5 {
                 match a.enter((rng.unit() * 4.0) as usize, now, id) {
@@ -188,7 +197,8 @@ fn nobody_starts_at_the_limit() {
                     Entry::Wait { ticket, .. } => tickets.push(ticket),
                     Entry::Shed(_) => {}
                 }
-                assert!(a.waiting() <= limit.max(a.gradient().limit()), "seed {seed}");
+                // the queue grows only below the limit (after a cut it may hold more)
+                assert!(a.waiting() <= limit.max(queued), "seed {seed}");
             } else if r < 0.9 && running > 0 {
                 running -= 1;
                 a.finish(now, (rng.unit() * 5_000.0) as u64 + 1, Outcome::Served);
