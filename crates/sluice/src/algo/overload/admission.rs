@@ -7,16 +7,17 @@
 //! wait longest and are the ones shed, and a class is only shed once every class below
 //! it has nothing left to give.
 //!
-//! The wait is bounded the CoDel way (as in Facebook's "Fail at Scale"): while the queue
-//! has emptied within the last `interval`, a request may wait `interval`, which absorbs
-//! a burst; once it has stayed non-empty longer, that is overload, not a burst, and a
-//! request may wait only `target` (except the most important class: see `max_wait`).
-//! Under overload the queue is also served newest first
-//! (adaptive LIFO): the newest request is the one whose client still waits, and the
-//! oldest are the ones about to be shed anyway. Both spans follow the learned no-load
-//! latency (`interval` is two no-load latencies, `target` a quarter of one), so they need no
-//! tuning either. The queue holds at most `limit` requests; when it is full a
-//! newcomer takes the place of the oldest waiter of the least important class below it, or is shed.
+//! The wait is bounded the CoDel way (as in Facebook's "Fail at Scale"). A request may
+//! wait `interval`, which absorbs a burst; once the queue has stood non-empty longer
+//! than `interval`, that is overload, not a burst, and a request may wait only `target`
+//! (except the most important class: see `max_wait`) until the queue has stood empty as
+//! long. Under overload the queue is also served newest first (adaptive LIFO): the
+//! newest request is the one whose client still waits, and the oldest are the ones
+//! about to be shed anyway (in the simulation it lowered p50 by 2 to 8% and p99 by up to
+//! 8%, for the same goodput). Both spans follow the learned no-load latency (`interval`
+//! is two no-load latencies, `target` a quarter of one), so they need no tuning either.
+//! The queue holds at most `limit` requests; when it is full a newcomer takes the place
+//! of the oldest waiter of the least important class below its own, or is shed.
 //!
 //! Pure and generic over what a waiter carries (the layer's wake-up channel, a number
 //! in tests).
