@@ -615,6 +615,13 @@ impl RedisCluster {
     /// Waits until every running node says `cluster_state:ok`, agrees on all slots being
     /// assigned, and every replica's link is up.
     pub fn wait_ok(&self, timeout: Duration) {
+        if let Err(states) = self.ok_within(timeout) {
+            panic!("the cluster did not become ok within {timeout:?}:\n{states}");
+        }
+    }
+
+    /// What [`Self::wait_ok`] waits for, or each node's state when `timeout` passed.
+    pub fn ok_within(&self, timeout: Duration) -> Result<(), String> {
         let deadline = Instant::now() + timeout;
         loop {
             let ok = self.nodes.iter().filter(|n| ping(n.port()).is_ok()).all(|n| {
@@ -625,11 +632,24 @@ impl RedisCluster {
                     && (repl.contains("role:master") || repl.contains("master_link_status:up"))
             });
             if ok {
-                return;
+                return Ok(());
             }
-            assert!(Instant::now() < deadline, "the cluster did not become ok within {timeout:?}:\n{}", self.states());
+            if Instant::now() >= deadline {
+                return Err(self.states());
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// `redis-cli --cluster fix` through the first node that answers: what an operator
+    /// runs when a node's view of the slots does not converge.
+    pub fn fix(&self) -> String {
+        let Some(node) = self.nodes.iter().find(|n| ping(n.port()).is_ok()) else { return "no node answers".into() };
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "fix", &format!("127.0.0.1:{}", node.port()), "--cluster-yes"])
+            .output()
+            .expect("run redis-cli --cluster fix");
+        String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
     /// Each node's port, cluster state, role and replication link, one line a node.
@@ -654,14 +674,20 @@ impl RedisCluster {
     /// Waits, after a primary was killed, until a replica took its place (three
     /// primaries answer) and the cluster is ok; returns how long the promotion took.
     pub fn wait_promotion(&self, timeout: Duration) -> Duration {
+        let promoted = self.wait_primaries(timeout);
+        self.wait_ok(timeout);
+        promoted
+    }
+
+    /// Waits, after a primary was killed, until a replica took its place (three
+    /// primaries answer); returns how long that took.
+    pub fn wait_primaries(&self, timeout: Duration) -> Duration {
         let started = Instant::now();
         while self.primaries().len() < 3 {
             assert!(started.elapsed() < timeout, "no replica was promoted within {timeout:?}");
             std::thread::sleep(Duration::from_millis(50));
         }
-        let promoted = started.elapsed();
-        self.wait_ok(timeout);
-        promoted
+        started.elapsed()
     }
 
     /// A node's cluster id.
