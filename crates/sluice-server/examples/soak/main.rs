@@ -111,8 +111,14 @@ async fn main() {
     let report = check::check(&seen, &faults, clock);
     report.print(&seen, &faults);
     eprintln!("soak: {:.0} s in all; logs in {}", started.elapsed().as_secs_f64(), fleet.dir().display());
-    if !report.violations.is_empty() {
+    let failed = !report.violations.is_empty();
+    if failed {
         fleet.keep_logs();
+    }
+    // the fleet's processes are stopped when it is dropped: before exiting, which would
+    // skip it (a run with violations left its instances and Redis servers running)
+    drop(fleet);
+    if failed {
         std::process::exit(1);
     }
 }
