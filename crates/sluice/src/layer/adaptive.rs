@@ -41,7 +41,7 @@ impl Drop for Waiting<'_> {
         let now = self.stage.now();
         let mut a = self.stage.lock();
         if !a.withdraw(self.ticket, now) && self.rx.try_recv().is_ok() {
-            a.finish(now, 0, Outcome::Ignored);
+            self.stage.done(&mut a, now, 0, Outcome::Ignored);
             self.stage.hand_over(&mut a, now);
         }
         self.stage.publish(&a);
@@ -50,11 +50,13 @@ impl Drop for Waiting<'_> {
 
 impl Adaptive {
     pub(super) fn new(params: GradientParams, classes: usize) -> Self {
-        Self {
+        let stage = Self {
             admission: Mutex::new(Admission::new(params, classes, 0)),
             epoch: Instant::now(),
             gauges: AdaptiveGauges::new(),
-        }
+        };
+        stage.publish_limit(&stage.lock());
+        stage
     }
 
     fn now(&self) -> Micros {
@@ -103,25 +105,43 @@ impl Adaptive {
     pub(super) fn finish(&self, slot: Slot, outcome: Outcome) {
         let now = self.now();
         let mut a = self.lock();
-        a.finish(now, now.saturating_sub(slot.started), outcome);
+        self.done(&mut a, now, now.saturating_sub(slot.started), outcome);
         self.hand_over(&mut a, now);
         self.publish(&a);
+    }
+
+    /// A slot given back; the limit's gauges follow when that ended a window (the only
+    /// time the limit and the base change).
+    fn done(&self, a: &mut Admission<oneshot::Sender<()>>, now: Micros, latency: Micros, outcome: Outcome) {
+        if a.finish(now, latency, outcome).is_some() {
+            self.publish_limit(a);
+        }
     }
 
     /// Hands the free slots to waiters; one whose client left gives its slot back.
     fn hand_over(&self, a: &mut Admission<oneshot::Sender<()>>, now: Micros) {
         while let Some(tx) = a.next(now) {
             if tx.send(()).is_err() {
-                a.finish(now, 0, Outcome::Ignored);
+                self.done(a, now, 0, Outcome::Ignored);
             }
         }
     }
 
+    /// The requests running and waiting, which every entry and exit changes.
     fn publish(&self, a: &Admission<oneshot::Sender<()>>) {
-        self.gauges.limit.set(f64::from(a.gradient().limit()));
         self.gauges.in_flight.set(f64::from(a.in_flight()));
         self.gauges.waiting.set(f64::from(a.waiting()));
+    }
+
+    fn publish_limit(&self, a: &Admission<oneshot::Sender<()>>) {
+        self.gauges.limit.set(f64::from(a.gradient().limit()));
         self.gauges.base.set(a.gradient().base().unwrap_or(0.0) / 1e6);
+    }
+
+    /// The limit, in flight and waiting now (for tests and the layer's users).
+    pub(super) fn state(&self) -> (u32, u32, u32) {
+        let a = self.lock();
+        (a.gradient().limit(), a.in_flight(), a.waiting())
     }
 
     /// A refusal counted, by class.
@@ -138,13 +158,5 @@ pub(super) fn outcome(status: http::StatusCode, finished: bool) -> Outcome {
         500..=599 => Outcome::Ignored,
         _ if finished => Outcome::Served,
         _ => Outcome::Ignored,
-    }
-}
-
-impl Adaptive {
-    /// The limit, in flight and waiting now (for tests and the layer's users).
-    pub(super) fn state(&self) -> (u32, u32, u32) {
-        let a = self.lock();
-        (a.gradient().limit(), a.in_flight(), a.waiting())
     }
 }
