@@ -104,6 +104,7 @@ fn the_adaptive_simulation_refuses_what_it_cannot_run() {
         (&["--load", "3:10s", "--utilization", "0.5:10s"][..], "cannot be used with"),
         (&["--load", "200:10s"][..], "outside 0 to 100"),
         (&["--load", "3:10s", "--capacity", "0"][..], "must be above 0"),
+        (&["--load", "100:100000s"][..], "at most 20000000 are simulated"),
     ] {
         let out = Command::new(common::bin()).args(["shed", "simulate"]).args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?} ran");

@@ -10,6 +10,10 @@ use sluice::algo::overload::sim::{self, Period, Setup};
 use std::fmt::Write as _;
 use std::path::Path;
 
+/// The most requests one simulation offers (each is held until the run ends: about
+/// 32 bytes, so 640 MB at most).
+const MAX_REQUESTS: f64 = 20_000_000.0;
+
 /// The adaptive simulation's arguments (with `--load`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct LoadArgs {
@@ -57,6 +61,14 @@ pub fn simulate(args: &LoadArgs, classes: usize, step: u64, plot: Option<&Path>)
     }
     if args.capacity == 0 || args.service_time.0 == 0 {
         return Err(ShedError::Setup("--capacity and --service-time must be above 0".into()));
+    }
+    // the simulation holds every request it offers: bound what one run may ask for
+    let per_ms = f64::from(args.capacity) / args.service_time.0 as f64;
+    let offered: f64 = schedule.iter().map(|&(load, ms)| load * per_ms * ms as f64).sum();
+    if offered > MAX_REQUESTS {
+        return Err(ShedError::Setup(format!(
+            "the schedule offers about {offered:.0} requests; at most {MAX_REQUESTS:.0} are simulated (shorten it or lower the load)"
+        )));
     }
     let params = GradientParams::default();
     params.validate()?;
