@@ -645,10 +645,18 @@ impl RedisCluster {
     /// runs when a node's view of the slots does not converge.
     pub fn fix(&self) -> String {
         let Some(node) = self.nodes.iter().find(|n| ping(n.port()).is_ok()) else { return "no node answers".into() };
-        let out = Command::new("redis-cli")
+        // redis-cli 7.0 still asks before it covers an uncovered slot, --cluster-yes
+        // or not: answer each question yes on its stdin
+        let mut child = Command::new("redis-cli")
             .args(["--cluster", "fix", &format!("127.0.0.1:{}", node.port()), "--cluster-yes"])
-            .output()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
             .expect("run redis-cli --cluster fix");
+        if let Some(mut stdin) = child.stdin.take() {
+            let _ = stdin.write_all("yes\n".repeat(16).as_bytes());
+        }
+        let out = child.wait_with_output().expect("wait for redis-cli --cluster fix");
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
