@@ -117,3 +117,46 @@ async fn the_adaptive_stage_sheds_lower_classes_and_keeps_critical_traffic() {
     assert!(text.contains("sluice_adaptive_limit "), "{text}");
     assert!(text.contains("sluice_shed_total{shedder=\"adaptive\",class=\"0\"}"), "{text}");
 }
+
+/// Reads a body the way hyper sends one: frames until `is_end_stream` says there are
+/// no more (hyper never polls a whole body a second time, to see its end).
+async fn read_as_hyper_does<B: http_body::Body + Unpin>(mut body: B) {
+    while !body.is_end_stream() {
+        match body.frame().await {
+            Some(Ok(_)) => {}
+            _ => return,
+        }
+    }
+}
+
+/// A response read as hyper reads it is a latency sample: the limit, held at its
+/// initial 20 by requests 30 at a time, grows. (Once, it never did: only a body polled
+/// to its `None` counted as finished, so behind hyper every response was ignored and
+/// the limit never moved from where it started.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_as_hyper_sends_them_teach_the_limit() {
+    let layer = SluiceLayer::adaptive_only();
+    let svc = layer.clone().layer(tower::service_fn(|_req: Request<()>| async {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("ok"))))
+    }));
+    let initial = layer.adaptive_state().unwrap().0;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_millis(600) {
+        let round: Vec<_> = (0..30)
+            .map(|i| {
+                let svc = svc.clone();
+                tokio::spawn(async move {
+                    let r = svc.oneshot(request(i % 4)).await.unwrap();
+                    read_as_hyper_does(r.into_body()).await;
+                })
+            })
+            .collect();
+        for t in round {
+            t.await.unwrap();
+        }
+    }
+    let (limit, in_flight, _) = layer.adaptive_state().unwrap();
+    assert!(limit > initial, "the limit stayed at {limit}: no response counted as a sample");
+    assert_eq!(in_flight, 0, "every slot is given back");
+}

@@ -29,7 +29,13 @@ pub async fn run(capacity: usize, service_us: u64, front: &str) {
     let app = match front {
         "none" => app,
         "static" => app.layer(static_shedders(capacity)),
-        "adaptive" => app.layer(adaptive()),
+        "adaptive" => {
+            let layer = adaptive();
+            if std::env::var_os("OVERLOAD_TRACE").is_some() {
+                tokio::spawn(trace(layer.clone()));
+            }
+            app.layer(layer)
+        }
         other => super::fail(&format!("--front {other}: none, static or adaptive")),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -74,4 +80,16 @@ fn adaptive() -> SluiceLayer {
         .adaptive(GradientParams::default())
         .unwrap()
         .build()
+}
+
+/// With `OVERLOAD_TRACE` set, the adaptive stage's limit, in flight and waiting every
+/// 50 ms on stderr, to see how it follows a run.
+async fn trace(layer: SluiceLayer) {
+    let start = std::time::Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Some((limit, in_flight, waiting)) = layer.adaptive_state() {
+            eprintln!("trace {} {limit} {in_flight} {waiting}", start.elapsed().as_millis());
+        }
+    }
 }

@@ -397,8 +397,8 @@ impl<B: Body<Data = Bytes>> Body for SluiceBody<B> {
         if let Some(b) = this.refusal.take() {
             return Poll::Ready(Some(Ok(Frame::data(b))));
         }
-        let Some(inner) = this.inner.as_pin_mut() else { return Poll::Ready(None) };
-        let polled = inner.poll_frame(cx);
+        let Some(mut inner) = this.inner.as_pin_mut() else { return Poll::Ready(None) };
+        let polled = inner.as_mut().poll_frame(cx);
         if let Poll::Ready(Some(Ok(frame))) = &polled {
             // a streamed response tells its cost at the end, in a trailer
             let told = frame.trailers_ref().and_then(|t| t.get(ACTUAL_HEADER)?.to_str().ok()?.parse().ok());
@@ -406,8 +406,15 @@ impl<B: Body<Data = Bytes>> Body for SluiceBody<B> {
                 g.told(a);
             }
         }
-        if let Poll::Ready(None) = polled {
-            // the body is finished: give the leases back now, not when it is dropped
+        // the body is finished when it says so: hyper stops polling a body once
+        // `is_end_stream` is true (a whole body is one frame, never followed by `None`)
+        let ended = match &polled {
+            Poll::Ready(None) => true,
+            Poll::Ready(Some(Ok(_))) => inner.is_end_stream(),
+            _ => false,
+        };
+        if ended {
+            // give the leases back now, not when the body is dropped
             if let Some(g) = this.guard.as_mut() {
                 g.finished = true;
             }
@@ -691,6 +698,8 @@ where
             let response = inner.call(http::Request::from_parts(parts, body)).await?;
             let (mut head, body) = response.into_parts();
             guard.status = head.status;
+            // an empty body is never polled: the response is whole as it stands
+            guard.finished = body.is_end_stream();
             let told = head.extensions.get::<Actual>().map(|a| a.0);
             let header = head.headers.remove(ACTUAL_HEADER).and_then(|v| v.to_str().ok()?.parse().ok());
             if let Some(a) = told.or(header) {
