@@ -109,6 +109,8 @@ pub struct Reserved {
     pub actual: u64,
     /// Its commit answered `committed` (not a late report, not lost with an instance).
     pub committed: bool,
+    /// The failure policy granted it (the store did not answer): counted apart.
+    pub degraded: bool,
 }
 
 /// One fault, from its injection to its repair.
@@ -168,7 +170,8 @@ pub fn check(seen: &Seen, faults: &[Fault], clock: Clock) -> Report {
     Report {
         decisions: seen.decisions.len() + seen.leases.len() + seen.reservations.len(),
         grpc: seen.decisions.iter().filter(|d| d.grpc).count(),
-        degraded: seen.decisions.iter().filter(|d| d.degraded).count(),
+        degraded: seen.decisions.iter().filter(|d| d.degraded).count()
+            + seen.reservations.iter().filter(|r| r.degraded).count(),
         violations: v,
         longest_to_exact,
         kinds,
@@ -305,10 +308,17 @@ fn leases(ls: &[Lease], v: &mut Vec<Violation>) {
 }
 
 /// Reservations (upper-bound estimates): what a window's committed reservations used
-/// never passes its limit.
+/// never passes its limit. Degraded ones are counted apart (their window is unknown: a
+/// 1-hour Cluster run once summed them all into one window "ending 0"); an exact one
+/// must say its window.
 fn reservations(rs: &[Reserved], v: &mut Vec<Violation>) {
     let mut by: HashMap<u32, Vec<&Reserved>> = HashMap::new();
-    for r in rs.iter().filter(|r| r.committed) {
+    for r in rs.iter().filter(|r| r.committed && !r.degraded) {
+        if r.reset == 0 {
+            let what = "an exact reservation answered without its window".to_string();
+            v.push(Violation { at: 0, kind: "reservation without a window", what, rule: None, client: Some(r.client) });
+            continue;
+        }
         by.entry(r.client).or_default().push(r);
     }
     for (client, mut rs) in by {
@@ -515,5 +525,32 @@ mod tests {
         let report = check(&seen, &[fault], Clock::now());
         assert!(report.violations.is_empty());
         assert_eq!(report.longest_to_exact, 4_000);
+    }
+
+    /// Committed reservations past a window's limit are caught; degraded ones (the
+    /// failure policy granted them, their window unknown) are counted apart, not summed
+    /// into a window; an exact one that names no window is itself a violation.
+    #[test]
+    fn reservations_are_checked_per_window_degraded_apart() {
+        let r = |reset, actual, degraded| Reserved {
+            client: 1,
+            reset,
+            limit: 200,
+            estimate: actual,
+            actual,
+            committed: true,
+            degraded,
+        };
+        let mut seen = Seen { reservations: vec![r(5_000, 120, false), r(5_000, 70, false)], ..Seen::default() };
+        assert!(kinds(&seen, &[]).is_empty());
+        seen.reservations.push(r(5_001, 20, false));
+        assert_eq!(kinds(&seen, &[]), ["reservations over the limit"]);
+        seen.reservations.pop();
+        seen.reservations.extend([r(0, 150, true), r(0, 150, true)]);
+        let report = check(&seen, &[], Clock::now());
+        assert!(report.violations.is_empty(), "{:?}", report.violations);
+        assert_eq!(report.degraded, 2);
+        seen.reservations.push(r(0, 10, false));
+        assert_eq!(kinds(&seen, &[]), ["reservation without a window"]);
     }
 }

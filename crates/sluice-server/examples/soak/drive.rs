@@ -193,6 +193,9 @@ impl Client {
         let Some(id) = v["reservation_id"].as_str().map(str::to_string) else { return Some(()) };
         let p = &v["statuses"][0]["policies"][0];
         let (limit, reset) = (p["limit"].as_u64().unwrap_or(0), p["reset_at_ms"].as_u64().unwrap_or(0));
+        // a reservation the store did not answer in time is granted by the failure
+        // policy, its window unknown; its script may still run once the store wakes
+        let degraded = v.get("degraded").is_some() || p["source"] == "degraded";
         tokio::time::sleep(Duration::from_millis(self.rng.between(20, 200))).await;
         let back = self.pick().map(|(_, e)| e.http.clone()).unwrap_or_else(|| at.http.clone());
         let settled =
@@ -201,7 +204,8 @@ impl Client {
             Ok(r) => r.json::<Value>().await.ok().is_some_and(|v| v["settled"][0] == "committed"),
             Err(_) => false,
         };
-        self.log.with(|s| s.reservations.push(Reserved { client, reset, limit, estimate, actual, committed }));
+        self.log
+            .with(|s| s.reservations.push(Reserved { client, reset, limit, estimate, actual, committed, degraded }));
         Some(())
     }
 }
