@@ -20,7 +20,7 @@
 //!   a band as Vegas has. Without it, a limit under a long overload sawed between the
 //!   capacity and 1.4 times it, and each cut left the requests above the new limit to
 //!   drain: on a real service of 10 slots and 50 ms the admitted p99 was 1.9 times the
-//!   unloaded one; with it, 1.7.
+//!   unloaded one; with it, 1.6 to 1.7.
 //!
 //! `base` is the lowest window mean of the last 30 s (two half-horizon minima, O(1)
 //! memory). Cuts land at capacity, where no request queues, so the windows after a cut

@@ -246,8 +246,8 @@ impl Sim {
     /// `service_time` give or take a tenth, plus a machine's noise, which does not
     /// scale with the service: up to a millisecond from a timer's rounding, and, one
     /// request in fifty, a stall of a few milliseconds (on the machine that runs
-    /// `scripts/bench-overload`, a 2 ms service answers in 3.7 ms at p50 and 7.4 ms at
-    /// p99, a 50 ms one in 51.6 and 54.9 ms).
+    /// `scripts/bench-overload`, a 2 ms service answers in 3.6 ms at p50 and 5 to 7 ms
+    /// at p99, a 50 ms one in 51.5 and 52 to 55 ms).
     fn service_time(&mut self) -> Micros {
         let s = self.setup.service_time as f64;
         let mut t = s * (0.9 + 0.2 * self.rng.unit()) + 1_000.0 * self.rng.unit();
