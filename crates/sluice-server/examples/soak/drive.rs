@@ -114,7 +114,7 @@ impl Client {
             self.http.post(format!("{}/v1/ratelimit", at.http)).json(&body(rule.key(), client)).send().await.ok()?;
         let v: Value = r.json().await.ok()?;
         let p = &v["statuses"][0]["policies"][0];
-        let degraded = v.get("degraded").is_some() || p["source"] == "degraded";
+        let degraded = degraded(&v);
         Some(Decision {
             rule,
             client,
@@ -195,7 +195,7 @@ impl Client {
         let (limit, reset) = (p["limit"].as_u64().unwrap_or(0), p["reset_at_ms"].as_u64().unwrap_or(0));
         // a reservation the store did not answer in time is granted by the failure
         // policy, its window unknown; its script may still run once the store wakes
-        let degraded = v.get("degraded").is_some() || p["source"] == "degraded";
+        let degraded = degraded(&v);
         tokio::time::sleep(Duration::from_millis(self.rng.between(20, 200))).await;
         let back = self.pick().map(|(_, e)| e.http.clone()).unwrap_or_else(|| at.http.clone());
         let settled =
@@ -208,4 +208,10 @@ impl Client {
             .with(|s| s.reservations.push(Reserved { client, reset, limit, estimate, actual, committed, degraded }));
         Some(())
     }
+}
+
+/// Whether an HTTP answer was decided by the failure policy (the store did not answer):
+/// said at the top, or by its first policy's source.
+fn degraded(v: &Value) -> bool {
+    v.get("degraded").is_some() || v["statuses"][0]["policies"][0]["source"] == "degraded"
 }
