@@ -107,7 +107,15 @@ impl Held {
             _ => Some(self.window.saturating_sub(now)),
         };
         let remaining = if allowed { remaining } else { 0 };
-        Decision { allowed, limit, used: limit - remaining, remaining, reset_at: self.reset_at, retry_after }
+        Decision {
+            holds: false,
+            allowed,
+            limit,
+            used: limit - remaining,
+            remaining,
+            reset_at: self.reset_at,
+            retry_after,
+        }
     }
 
     /// Drops the grants lapsed by `now` (a bucket's), counting their units as expired.
@@ -541,6 +549,7 @@ mod tests {
 
     fn granted(units: u64, remaining: u64) -> Granted {
         let decision = Decision {
+            holds: false,
             allowed: true,
             limit: 100,
             used: 100 - remaining,

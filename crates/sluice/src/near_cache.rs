@@ -79,7 +79,9 @@ impl NearCache {
 
     /// Remembers a refusal of `op` until its retry time.
     pub fn put(&self, tag: Tag, op: &Op, d: &Decision, now: Millis) {
-        let Some(wait) = d.retry_after.filter(|&w| w > 0 && !d.allowed && Self::cacheable(op)) else { return };
+        let Some(wait) = d.retry_after.filter(|&w| w > 0 && !d.allowed && !d.holds && Self::cacheable(op)) else {
+            return;
+        };
         let mut shard = self.shard(tag);
         if shard.len() >= self.per_shard && !shard.contains_key(&(tag.0, op.key)) {
             shard.retain(|_, e| e.until > now);
@@ -122,7 +124,15 @@ mod tests {
     const FW: Limit = Limit::FixedWindow { limit: 5, window: 1000, aligned: false };
 
     fn denied(retry: u64) -> Decision {
-        Decision { allowed: false, limit: 5, used: 5, remaining: 0, reset_at: 2000, retry_after: Some(retry) }
+        Decision {
+            holds: false,
+            allowed: false,
+            limit: 5,
+            used: 5,
+            remaining: 0,
+            reset_at: 2000,
+            retry_after: Some(retry),
+        }
     }
 
     #[test]

@@ -105,7 +105,15 @@ pub(crate) struct Plan<'r> {
 /// The placeholder decision of a policy that was not evaluated: allowed, nothing known.
 pub(crate) fn unevaluated(limit: &Limit) -> Decision {
     let capacity = limit.capacity();
-    Decision { allowed: true, limit: capacity, used: 0, remaining: capacity, reset_at: 0, retry_after: None }
+    Decision {
+        holds: false,
+        allowed: true,
+        limit: capacity,
+        used: 0,
+        remaining: capacity,
+        reset_at: 0,
+        retry_after: None,
+    }
 }
 
 /// Validates `req` and plans it in `mode` under the overrides in force at `now`;

@@ -249,8 +249,11 @@ proptest! {
                     prop_assert_eq!(d.allowed, committed + held + units <= limit);
                     if let Some((ns, hold)) = next {
                         s = ns;
-                        ledger.open.push(hold);
-                        open.push((next_id, units, now + ttl));
+                        ledger.open.extend(hold);
+                        // a reservation of nothing holds nothing: its commit is a report
+                        if units > 0 {
+                            open.push((next_id, units, now + ttl));
+                        }
                     }
                 }
                 Step::Commit { pick, actual } => {

@@ -37,6 +37,7 @@ pub fn normalize(mut s: ConcurrencyState, ttl: Millis, now: Millis) -> Concurren
 pub fn status(s: &ConcurrencyState, limit: u64, ttl: Millis, now: Millis) -> Decision {
     let used = s.leases.len() as u64;
     Decision {
+        holds: false,
         allowed: true,
         limit,
         used,
@@ -65,6 +66,7 @@ pub fn acquire(
     } else {
         let reset_at = s.earliest_expiry(ttl, now);
         let d = Decision {
+            holds: false,
             allowed: false,
             limit,
             used: s.leases.len() as u64,

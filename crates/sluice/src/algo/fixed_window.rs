@@ -38,11 +38,19 @@ pub fn normalize(s: WindowState, window: Millis, aligned: bool, now: Millis) -> 
 pub fn charge(s: WindowState, limit: u64, cost: u64, now: Millis) -> (Decision, Option<WindowState>) {
     let used = s.used.saturating_add(cost);
     if used <= limit {
-        let d =
-            Decision { allowed: true, limit, used, remaining: limit - used, reset_at: s.resets_at, retry_after: None };
+        let d = Decision {
+            holds: false,
+            allowed: true,
+            limit,
+            used,
+            remaining: limit - used,
+            reset_at: s.resets_at,
+            retry_after: None,
+        };
         (d, (cost > 0).then_some(WindowState { used, ..s }))
     } else {
         let d = Decision {
+            holds: false,
             allowed: false,
             limit,
             used: s.used,

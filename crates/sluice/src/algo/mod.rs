@@ -89,8 +89,13 @@ pub struct Decision {
     /// When the quota is whole again, in ms since the epoch. For a fixed window, the
     /// stored reset.
     pub reset_at: Millis,
-    /// When refused: how long until the same request could succeed, in ms.
+    /// When refused: how long until the same request could succeed, in ms. On a fixed
+    /// window with reservations open, at most until the first of them lapses.
     pub retry_after: Option<Millis>,
+    /// Whether reservations hold part of `used` (a fixed window with holds open, see
+    /// [`reservation`]): a commit on any instance may give units back at any moment, so
+    /// such a refusal is never answered from the near-cache.
+    pub holds: bool,
 }
 
 /// A limit that is not well formed, or that no store could count exactly.

@@ -57,7 +57,8 @@ pub const MAX_OPEN: usize = 4_096;
 
 /// Settled reservations one state remembers at most: past it the oldest is forgotten
 /// (a commit of it sent again after 4,096 later settlements is charged as a report).
-/// Without it a client settling reservations of 0 units grew its state without end.
+/// Without it a client settling reservations (or reporting unknown ids) grew its state
+/// without end.
 pub const MAX_SETTLED: usize = 4_096;
 
 /// The id of no reservation: a commit of it is a report (the actual charged, never
@@ -138,25 +139,48 @@ pub fn state_at(s: WindowState, ledger: &Ledger, (window, aligned): (Millis, boo
 
 /// Reserves `units` of `limit` as reservation `id` until `now + ttl`, on a normalized
 /// window (the ledger only read): the decision, and when admitted, the charged state and
-/// the hold to add to the ledger.
+/// the hold to add to the ledger (none for 0 units: a reservation of nothing holds
+/// nothing, and takes no place among the [`MAX_OPEN`]).
 pub fn reserve(
     s: WindowState,
     ledger: &Ledger,
     limit: u64,
     (id, units, ttl): (u64, u64, Millis),
     now: Millis,
-) -> (Decision, Option<(WindowState, Hold)>) {
-    if ledger.open.len() >= MAX_OPEN {
-        let first = ledger.open.iter().map(|h| h.expires).min().unwrap_or(now);
+) -> (Decision, Option<(WindowState, Option<Hold>)>) {
+    if units > 0 && ledger.open.len() >= MAX_OPEN {
+        // full until the first hold lapses (with_holds says when)
         let (d, _) = fixed_window::charge(s, limit, 0, now);
-        let full = Decision { allowed: false, remaining: 0, retry_after: Some(first.saturating_sub(now)), ..d };
-        return (full, None);
+        let full = Decision { allowed: false, remaining: 0, retry_after: Some(Millis::MAX), ..d };
+        return (with_holds(full, ledger, now), None);
     }
     let (d, charged) = fixed_window::charge(s, limit, units, now);
+    let d = with_holds(d, ledger, now);
     if !d.allowed {
         return (d, None);
     }
-    (d, Some((charged.unwrap_or(s), Hold { id, units, expires: now + ttl })))
+    (d, Some((charged.unwrap_or(s), (units > 0).then_some(Hold { id, units, expires: now + ttl }))))
+}
+
+/// Whether a refusal of a reservation of `units` came from [`MAX_OPEN`] (the window has
+/// room for them, its holds do not): the reason a client is told.
+pub fn too_many_holds(d: &Decision, units: u64) -> bool {
+    !d.allowed && d.holds && d.used.saturating_add(units) <= d.limit
+}
+
+/// A fixed window's decision on a normalized window with `ledger`: marked
+/// [`Decision::holds`] while reservations are open, and a refusal's wait cut to when the
+/// first of them lapses (its units may be enough; a commit may come sooner, anywhere).
+pub fn with_holds(d: Decision, ledger: &Ledger, now: Millis) -> Decision {
+    let Some(first) = ledger.open.iter().map(|h| h.expires).filter(|&e| e > now).min() else { return d };
+    if now >= d.reset_at {
+        return d;
+    }
+    let retry_after = match d.retry_after {
+        Some(wait) if !d.allowed => Some(wait.min(first.saturating_sub(now))),
+        other => other,
+    };
+    Decision { holds: true, retry_after, ..d }
 }
 
 /// Commits reservation `id` with `actual` units, on a normalized window: what it did,
@@ -212,7 +236,7 @@ mod tests {
     ) -> (Decision, Option<(WindowState, Ledger)>) {
         let (d, admitted) = reserve(s, &l, limit, r, now);
         let next = admitted.map(|(s, h)| {
-            l.open.push(h);
+            l.open.extend(h);
             (s, l)
         });
         (d, next)
@@ -312,10 +336,10 @@ mod tests {
     fn what_was_settled_is_bounded() {
         let (mut s, mut l) = at(1_000);
         for id in 1..=MAX_SETTLED as u64 + 10 {
-            (s, l) = hold(s, l, 100, (id, 0, 30_000), 1_000).1.unwrap();
+            (s, l) = hold(s, l, 100, (id, 1, 30_000), 1_000).1.unwrap();
             let settled;
             (settled, s, l) = commit(s, l, id, 0, 1_000);
-            assert_eq!(settled, Settled::Committed { held: 0 });
+            assert_eq!(settled, Settled::Committed { held: 1 });
         }
         assert_eq!(l.settled.len(), MAX_SETTLED);
         assert_eq!(commit(s, l.clone(), MAX_SETTLED as u64 + 10, 0, 1_000).0, Settled::Again, "the newest remembered");

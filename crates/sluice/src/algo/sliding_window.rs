@@ -75,6 +75,7 @@ pub fn charge(s: SlidingState, limit: u64, window: Millis, cost: u64, now: Milli
     if count.saturating_add(cost) <= limit {
         let after = SlidingState { cur: s.cur + cost, ..s };
         let d = Decision {
+            holds: false,
             allowed: true,
             limit,
             used: count + cost,
@@ -90,6 +91,7 @@ pub fn charge(s: SlidingState, limit: u64, window: Millis, cost: u64, now: Milli
             _ => s.start + window + first_fit(s.cur, window, limit.saturating_sub(cost)),
         };
         let d = Decision {
+            holds: false,
             allowed: false,
             limit,
             used: count.min(limit),

@@ -62,6 +62,7 @@ pub fn charge(
         let after = BucketState { tokens: s.tokens - need, at: s.at };
         let remaining = after.tokens / per;
         let d = Decision {
+            holds: false,
             allowed: true,
             limit: burst,
             used: burst - remaining,
@@ -72,6 +73,7 @@ pub fn charge(
         (d, (cost > 0).then_some(after))
     } else {
         let d = Decision {
+            holds: false,
             allowed: false,
             limit: burst,
             used: burst - s.tokens / per,

@@ -430,6 +430,67 @@ pub async fn reservations_are_bounded(s: &dyn Store) {
         [Settled::Committed { held: 1 }]
     );
     assert!(s.reserve(t, &[op(1, l, 1)], Reservation { id: 1 << 40, ttl: 1_000 }, t0 + 3).await.unwrap()[0].allowed);
+    let d = s.reserve(t, &[op(1, l, 1)], Reservation { id: 1 << 41, ttl: 1_000 }, t0 + 4).await.unwrap()[0];
+    assert!(crate::algo::reservation::too_many_holds(&d, 1), "refused for its holds, not its units: {d:?}");
+    // a reservation of nothing holds nothing, so it takes no place: never refused so
+    let zero = s.reserve(t, &[op(1, l, 0)], Reservation { id: 1 << 42, ttl: 1_000 }, t0 + 5).await.unwrap()[0];
+    assert!(zero.allowed, "a reservation of 0 units: {zero:?}");
+}
+
+/// A refusal on a window whose units reservations hold says when the first of them
+/// lapses (not the window's end), and is marked so (no near-cache keeps it: a commit
+/// may give units back at any moment); once no hold is open, neither.
+pub async fn refusals_with_holds_say_when_the_first_lapses(s: &dyn Store) {
+    if !s.reservations() {
+        return;
+    }
+    let (t0, t) = (t0(), fresh_tag());
+    let l = Limit::FixedWindow { limit: 10, window: 60_000, aligned: false };
+    assert!(s.reserve(t, &[op(1, l, 6)], Reservation { id: 1, ttl: 9_000 }, t0).await.unwrap()[0].holds);
+    assert!(s.reserve(t, &[op(1, l, 4)], Reservation { id: 2, ttl: 5_000 }, t0).await.unwrap()[0].allowed);
+    let d = hit(s, t, op(1, l, 1), t0 + 1).await;
+    assert_eq!((d.allowed, d.holds, d.retry_after), (false, true, Some(4_999)), "hold 2 lapses first: {d:?}");
+    let peeked = s.peek(t, &[op(1, l, 0)], t0 + 1).await.unwrap()[0];
+    assert!(peeked.holds && peeked.used == 10, "{peeked:?}");
+    // hold 2 committed: hold 1 is the first to lapse now
+    s.commit(t, 2, &[Commit { key: 1, limit: l, actual: 4 }], t0 + 2).await.unwrap();
+    let d = hit(s, t, op(1, l, 1), t0 + 3).await;
+    assert_eq!((d.allowed, d.retry_after), (false, Some(8_997)), "{d:?}");
+    s.commit(t, 1, &[Commit { key: 1, limit: l, actual: 0 }], t0 + 4).await.unwrap();
+    let d = hit(s, t, op(1, l, 1), t0 + 5).await;
+    assert_eq!((d.allowed, d.holds, d.used), (true, false, 5), "no hold open: {d:?}");
+    let d = hit(s, t, op(1, l, 6), t0 + 6).await;
+    assert_eq!((d.allowed, d.holds, d.retry_after), (false, false, Some(59_994)), "the window's end: {d:?}");
+}
+
+/// Real time: a hold whose deadline passed is given back when its window is first
+/// touched late, by a decision, a status read, a reservation or a commit. The rest of the
+/// suite moves its own clock; a Redis server expires keys on the real one, and a store
+/// that let the holds go at their deadline (plus a grace) kept their units for the rest
+/// of the window.
+pub async fn lapsed_holds_come_back_when_touched_late(s: &dyn Store) {
+    if !s.reservations() {
+        return;
+    }
+    let real = || crate::time::SystemClock.now();
+    let l = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
+    let tags: Vec<Tag> = (0..4).map(|_| fresh_tag()).collect();
+    for &t in &tags {
+        let d = s.reserve(t, &[op(1, l, 30)], Reservation { id: 1, ttl: 100 }, real()).await.unwrap()[0];
+        assert!(d.allowed, "{d:?}");
+    }
+    // past the deadline by more than the grace a store keeps keys for (Redis: 1 s)
+    tokio::time::sleep(std::time::Duration::from_millis(2_600)).await;
+    let now = real();
+    let d = hit(s, tags[0], op(1, l, 5), now).await;
+    assert_eq!((d.allowed, d.used, d.holds), (true, 5, false), "a decision, late: {d:?}");
+    let d = s.peek(tags[1], &[op(1, l, 0)], now).await.unwrap()[0];
+    assert_eq!((d.used, d.holds), (0, false), "a status read, late: {d:?}");
+    let d = s.reserve(tags[2], &[op(1, l, 100)], Reservation { id: 2, ttl: 1_000 }, now).await.unwrap()[0];
+    assert_eq!((d.allowed, d.used), (true, 100), "a reservation, late: {d:?}");
+    let c = s.commit(tags[3], 1, &[Commit { key: 1, limit: l, actual: 7 }], now).await.unwrap();
+    assert_eq!(c, [Settled::Reported], "a commit, late: released, so charged as a report");
+    assert_eq!(hit(s, tags[3], op(1, l, 0), now + 1).await.used, 7, "only the actual counts");
 }
 
 /// A budget of billions (tokens a month): holds, commits and reports past 2^32 are

@@ -236,10 +236,18 @@ fn fixed_only(limit: &Limit) -> Result<u64, StoreError> {
 
 fn decision(allowed: bool, limit: u64, used: u64, reset: Millis, cost: u64, now: Millis) -> Decision {
     if allowed {
-        Decision { allowed, limit, used, remaining: limit.saturating_sub(used), reset_at: reset, retry_after: None }
+        Decision {
+            holds: false,
+            allowed,
+            limit,
+            used,
+            remaining: limit.saturating_sub(used),
+            reset_at: reset,
+            retry_after: None,
+        }
     } else {
         let retry_after = (cost <= limit).then(|| reset.saturating_sub(now));
-        Decision { allowed, limit, used, remaining: 0, reset_at: reset, retry_after }
+        Decision { holds: false, allowed, limit, used, remaining: 0, reset_at: reset, retry_after }
     }
 }
 

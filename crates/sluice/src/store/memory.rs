@@ -169,7 +169,11 @@ impl MemoryStore {
         let before = shard.map.len();
         shard.map.retain(|_, e| e.expires_at > now);
         shard.books.retain(|_, b| b.expires() + grant::SKEW > now);
-        shard.ledgers.retain(|_, l| l.expires() > now);
+        // a ledger lives as long as its window: a hold past its deadline is given back
+        // when the window is next touched, however late (collected at the hold's own
+        // deadline, its units were never given back)
+        let Shard { map, ledgers, .. } = shard;
+        ledgers.retain(|at, l| l.expires() > now || map.contains_key(at));
         shard.next_collect = now + 1000;
         self.stats.collected.fetch_add((before - shard.map.len()) as u64, Ordering::Relaxed);
     }
@@ -183,12 +187,31 @@ impl MemoryStore {
     /// into `out`. [`StoreError::Full`] when a new state finds no room (nothing written).
     pub fn apply_into(&self, tag: Tag, ops: &[Op], now: Millis, out: &mut Vec<Decision>) -> Result<(), StoreError> {
         let mut shard = self.shard(tag);
+        if shard.ledgers.is_empty() {
+            return self.apply_locked(&mut shard, tag, ops, now, out);
+        }
         // reservations past their deadline give their units back before anything counts
-        if !shard.ledgers.is_empty() {
-            for op in ops {
-                Self::settle_lapsed(&mut shard, slot(tag, op.key), &op.limit, now);
+        for op in ops {
+            Self::settle_lapsed(&mut shard, slot(tag, op.key), &op.limit, now);
+        }
+        let from = out.len();
+        self.apply_locked(&mut shard, tag, ops, now, out)?;
+        for (op, d) in ops.iter().zip(&mut out[from..]) {
+            if let Some(l) = shard.ledgers.get(&slot(tag, op.key)) {
+                *d = reservation::with_holds(*d, l, now);
             }
         }
+        Ok(())
+    }
+
+    fn apply_locked(
+        &self,
+        shard: &mut Shard,
+        tag: Tag,
+        ops: &[Op],
+        now: Millis,
+        out: &mut Vec<Decision>,
+    ) -> Result<(), StoreError> {
         // the common case, one limit: one lookup, no allocation
         if let [op] = ops {
             let key = slot(tag, op.key);
@@ -202,7 +225,7 @@ impl MemoryStore {
         // counting the new states costs a lookup each: only when the shard may be full
         if shard.map.len() + ops.len() > self.per_shard {
             let new = ops.iter().filter(|op| !shard.map.contains_key(&slot(tag, op.key))).count();
-            self.make_room(&mut shard, new, now)?;
+            self.make_room(shard, new, now)?;
         }
         let mut states: Vec<Option<State>> =
             ops.iter().map(|op| shard.map.get_mut(&slot(tag, op.key)).map(|e| std::mem::take(&mut e.state))).collect();
@@ -333,7 +356,14 @@ impl Store for MemoryStore {
             _ => Self::get(&shard, tag, op.key),
         };
         let states = ops.iter().map(state).collect();
-        Ok(algo::peek_all(ops, states, now))
+        let mut out = algo::peek_all(ops, states, now);
+        for (op, d) in ops.iter().zip(&mut out) {
+            let at = slot(tag, op.key);
+            if let Some(l) = shard.ledgers.get(&at).filter(|_| now < Self::window(&shard, at).resets_at) {
+                *d = reservation::with_holds(*d, l, now);
+            }
+        }
+        Ok(out)
     }
 
     async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, _now: Millis) -> Result<bool, StoreError> {
@@ -394,6 +424,8 @@ impl Store for MemoryStore {
         if !shard.map.contains_key(&at) {
             self.make_room(&mut shard, 1, now)?;
         }
+        // lapsed reservations give their units back first, as for a decision
+        Self::settle_lapsed(&mut shard, at, &ask.limit, now);
         let (state, book) = Self::granted(&shard, at, &ask.limit, now);
         let a = grant::Ask { need: ask.need, want: ask.want, id: ask.id, close: &ask.close };
         let (granted, state, book) = match (ask.limit, state) {
@@ -409,7 +441,10 @@ impl Store for MemoryStore {
             (limit, _) => return Err(no_grants_for(&limit)),
         };
         Self::put_granted(&mut shard, at, &ask.limit, state, book);
-        Ok(granted)
+        match shard.ledgers.get(&at) {
+            Some(l) => Ok(Granted { decision: reservation::with_holds(granted.decision, l, now), ..granted }),
+            None => Ok(granted),
+        }
     }
 
     async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
@@ -456,13 +491,13 @@ impl Store for MemoryStore {
             // refused as a whole: the windows as brought to now, nothing held
             let s = match next {
                 Some((charged, hold)) if admitted => {
-                    ledger.open.push(hold);
+                    ledger.open.extend(hold);
                     charged
                 }
                 _ => s,
             };
+            out.push(reservation::with_holds(d, &ledger, now));
             Self::put_reserved(&mut shard, slot(tag, op.key), &op.limit, s, ledger);
-            out.push(d);
         }
         Ok(out)
     }
@@ -503,5 +538,31 @@ impl Store for MemoryStore {
 
     fn kind(&self) -> &'static str {
         "memory"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Collecting past a hold's deadline keeps its ledger while its window lives: the
+    /// first call after it, however late, gives the units back (the collector ran every
+    /// few seconds in a server and, dropping ledgers at their last deadline, kept lapsed
+    /// holds' units for the rest of the window).
+    #[tokio::test]
+    async fn collecting_keeps_a_lapsed_hold_until_its_window_gives_it_back() {
+        let store = MemoryStore::new(1_000);
+        let (t, now) = (Tag(7), 1_000_000);
+        let l = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
+        let op = |cost| Op { key: 1, limit: l, cost, lease: None, shadow: false };
+        assert!(store.reserve(t, &[op(30)], Reservation { id: 1, ttl: 1_000 }, now).await.unwrap()[0].allowed);
+        for late in [2_000, 3_000, 5_000] {
+            store.collect(now + late);
+        }
+        let d = store.apply(t, &[op(1)], now + 5_001).await.unwrap()[0];
+        assert_eq!((d.used, d.holds), (1, false), "{d:?}");
+        store.collect(now + 60_000);
+        assert!(store.is_empty(), "the window's end takes window and ledger");
+        assert!(lock(&store.shards[((t.0 >> 64) as usize) % SHARDS]).ledgers.is_empty());
     }
 }

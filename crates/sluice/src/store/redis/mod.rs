@@ -251,10 +251,12 @@ fn decisions(v: Value, n: usize) -> Result<Vec<Decision>, StoreError> {
     Ok(ints.chunks_exact(6).map(decision).collect())
 }
 
-/// One decision of a script's reply: its 6 integers (see `lua/apply.lua`).
+/// One decision of a script's reply: its 6 integers (see `lua/apply.lua`; the first
+/// holds flags: 1 allowed, 2 reservations open on the window).
 fn decision(d: &[i64]) -> Decision {
     Decision {
-        allowed: d[0] == 1,
+        allowed: d[0] & 1 == 1,
+        holds: d[0] & 2 == 2,
         limit: d[1] as u64,
         used: d[2] as u64,
         remaining: d[3] as u64,

@@ -8,9 +8,9 @@
 --           TIME), the number of ops n, then 3 values per op: its policy
 --           ("kind:p1:p2:p3:shadow"), its cost, and its state's field in its bucket (a
 --           concurrency limit: the lease to take, hex, '' = none)
--- Reply     one array: per call, 6 integers per op (allowed (0/1), limit, used,
---           remaining, reset_at, retry_after (-1 = none)), or in their place the error
---           that stopped that call (one string)
+-- Reply     one array: per call, 6 integers per op (flags: 1 allowed, 2 holds open on a
+--           fixed window (see with_holds); limit, used, remaining, reset_at, retry_after
+--           (-1 = none)), or in their place the error that stopped that call (one string)
 local grace = int(ARGV[1])
 local reply, out = {}, 0
 
@@ -46,6 +46,10 @@ local function apply(k, a, n, now)
       D[d - 5], D[d - 4], D[d - 3], D[d - 2], D[d - 1], D[d] = charge(kind, x, y, z, p1, p2, p3, 0, '', false, now)
     end
     store(kind, key, arg, x, y, z, p1, p2, p3, now, grace, LX[i], LY[i], LZ[i], LE[i], add)
+    if kind == FIXED_WINDOW and z ~= nil then
+      D[d - 5], D[d - 4], D[d - 3], D[d - 2], D[d - 1], D[d] =
+        with_holds(D[d - 5], D[d - 4], D[d - 3], D[d - 2], D[d - 1], D[d], z, now)
+    end
     for j = d - 5, d do
       out = out + 1
       reply[out] = D[j]

@@ -26,10 +26,9 @@ for i = 1, #KEYS do
       local units, e = string.match(hold, '^(%d+):(%d+)$')
       held = int(units)
       redis.call('HDEL', s.hk, id)
-      if redis.call('HLEN', s.hk) <= 1 then
-        redis.call('DEL', s.hk)
-        s.h = nil
-      end
+      redis.call('ZREM', s.dk, id)
+      s.h = holds_first(s.dk, now)
+      if s.h == nil then redis.call('DEL', s.hk, s.dk) end
       s.u, did, keep = max(s.u - held, 0) + actual, 0, max(max(int(e), s.r), now)
     else
       s.u, keep = s.u + actual, max(s.r, now)

@@ -36,4 +36,5 @@ end
 store(kind, key, field, x, y, h, p1, p2, p3, now, grace, lx, ly, lz, le, nil)
 book_store(key, field, open, skew, grace)
 local a, l, used, rem, reset, retry = charge(kind, x, y, h, p1, p2, p3, 0, '', false, now)
+if kind == FIXED_WINDOW then a, l, used, rem, reset, retry = with_holds(a, l, used, rem, reset, retry, h, now) end
 return {units, a, l, used, rem, reset, retry, #open / 3}

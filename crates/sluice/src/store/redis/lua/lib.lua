@@ -278,22 +278,29 @@ local function expires_at(kind, x, y, z, p1, p2, p3)
 end
 
 -- Reservations (algo::reservation) on fixed windows. A window with open holds is stored
--- "r:u:h": u counts what is committed and what is held, and h is at most the earliest
--- hold's deadline, so a decision looks at the holds only once h has passed (a window
--- without reservations costs nothing more; a commit leaves h as it was, a bound still).
+-- "r:u:h": u counts what is committed and what is held, and h is the earliest hold's
+-- deadline, so a decision looks at the holds only once h has passed (a window without
+-- reservations costs nothing more), and a refusal says when the first hold lapses.
 -- The holds are a hash beside the window, `key .. field .. '^'` (in the bucket's slot:
 -- the same hash tag): id -> "units:expires", and 'w' -> the window (its reset) they were
--- taken in. Committed reservations are a sorted set `key .. field .. '!'`: id by the
--- moment it may be forgotten (Ledger::settle's `until`); a released hold is remembered
--- nowhere, since a commit of it and of an unknown id are both reports. Every call on a
--- reservation reads and writes O(1) entries; only a due h reads all the holds.
+-- taken in; their deadlines are a sorted set `key .. field .. '>'` (id by deadline), so
+-- the earliest and the lapsed are found without reading them all. Both live as long as
+-- their window (its reset plus the grace), never less: a hold whose deadline passed is
+-- given back when the window is next touched, however late (a TTL at the hold's own
+-- deadline let Redis drop the holds first, and their units were never given back).
+-- Committed reservations are a sorted set `key .. field .. '!'`: id by the moment it may
+-- be forgotten (Ledger::settle's `until`); a released hold is remembered nowhere, since
+-- a commit of it and of an unknown id are both reports. Every call on a reservation
+-- reads and writes O(log n) entries; a due h reads only the lapsed holds.
 
 -- Whether a script may write: peek runs on replicas, and reads a due hold as released
 -- without writing it.
 local WRITES = true
 
--- The keys of a state's open holds and of its committed reservations.
+-- The keys of a state's open holds, of their deadlines, and of its committed
+-- reservations.
 local function holds_key(key, field) return key .. field .. '^' end
+local function deadlines_key(key, field) return key .. field .. '>' end
 local function settled_key(key, field) return key .. field .. '!' end
 
 -- Gives `k` a TTL until at least `at` (PEXPIREAT GT treats a key without one as never
@@ -302,41 +309,59 @@ local function live_until(k, at)
   if redis.call('PEXPIRETIME', k) < at then redis.call('PEXPIREAT', k, num(at)) end
 end
 
+-- The earliest deadline after `now` of the holds in deadlines `dk` (nil: none).
+local function holds_first(dk, now)
+  local f = redis.call('ZRANGEBYSCORE', dk, '(' .. num(now), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if f[2] then return tonumber(f[2]) end
+end
+
+-- Holds written by a Sluice that kept no sorted set of deadlines (one still running beside
+-- this one in a rolling upgrade): their deadlines indexed from the hash.
+-- A replica's read sees them unindexed, as held.
+local function holds_index(hk, dk)
+  if not WRITES then return end
+  local all = redis.call('HGETALL', hk)
+  for i = 1, #all, 2 do
+    if all[i] ~= 'w' then
+      local e = string.match(all[i + 1], ':(%d+)$')
+      if e then redis.call('ZADD', dk, e, all[i]) end
+    end
+  end
+  local t = redis.call('PTTL', hk)
+  if t > 0 then redis.call('PEXPIRE', dk, t) end
+end
+
 -- reservation::normalize for window (u, r): the holds past their deadline released,
 -- their units back (all of them dropped when taken in another window, their units gone
 -- with it). Returns u and the earliest deadline left (nil: none).
 local function holds_release(key, field, u, r, now)
-  local hk = holds_key(key, field)
-  local all = redis.call('HGETALL', hk)
-  local w, h, gone, left = nil, nil, {}, 0
-  for i = 1, #all, 2 do
-    if all[i] == 'w' then w = int(all[i + 1]) end
+  local hk, dk = holds_key(key, field), deadlines_key(key, field)
+  local w = redis.call('HGET', hk, 'w')
+  if not w or int(w) ~= r then
+    if WRITES then redis.call('DEL', hk, dk) end
+    return u, nil
   end
-  for i = 1, #all, 2 do
-    if all[i] ~= 'w' then
-      local units, e = string.match(all[i + 1], '^(%d+):(%d+)$')
-      units, e = int(units), int(e)
-      if w ~= r or e <= now then
-        if w == r then u = max(u - units, 0) end
-        gone[#gone + 1] = all[i]
-      else
-        left = left + 1
-        if h == nil or e < h then h = e end
-      end
+  if redis.call('EXISTS', dk) == 0 then holds_index(hk, dk) end
+  local lapsed = redis.call('ZRANGEBYSCORE', dk, '-inf', num(now))
+  if #lapsed > 0 then
+    local held = redis.call('HMGET', hk, unpack(lapsed))
+    for i = 1, #held do
+      if held[i] then u = max(u - int(string.match(held[i], '^(%d+)')), 0) end
+    end
+    if WRITES then
+      redis.call('HDEL', hk, unpack(lapsed))
+      redis.call('ZREMRANGEBYSCORE', dk, '-inf', num(now))
     end
   end
-  if WRITES and left == 0 then
-    redis.call('DEL', hk)
-  elseif WRITES and #gone > 0 then
-    redis.call('HDEL', hk, unpack(gone))
-  end
+  local h = holds_first(dk, now)
+  if WRITES and h == nil then redis.call('DEL', hk, dk) end
   return u, h
 end
 
--- A fixed window (u, r) with open holds, h at most the earliest deadline, as loaded
--- (`e`: its expiry's text): once h has passed in this window the lapsed holds are
--- released and the window written back (a read-only script only reads them so).
--- Returns the window as `load` does.
+-- A fixed window (u, r) with open holds, h the earliest deadline, as loaded (`e`: its
+-- expiry's text): once h has passed in this window the lapsed holds are released and
+-- the window written back (a read-only script only reads them so). Returns the window
+-- as `load` does.
 local function holds_due(key, field, u, r, h, e, now)
   if now < h or now >= r then return u, r, h, e end
   local u2, h2 = holds_release(key, field, u, r, now)
@@ -346,6 +371,15 @@ local function holds_due(key, field, u, r, h, e, now)
     redis.call('HSET', key, field, v)
   end
   return u2, r, h2, e
+end
+
+-- A fixed window's decision as a reply carries it: the first number's bit 2 set when
+-- holds are open on the window (h), and a refusal's wait cut to the first hold's lapse
+-- (reservation::with_holds).
+local function with_holds(a, l, used, rem, reset, retry, h, now)
+  if h == nil or now >= reset then return a, l, used, rem, reset, retry end
+  if a == 0 and retry >= 0 then retry = min(retry, max(h - now, 0)) end
+  return a + 2, l, used, rem, reset, retry
 end
 
 -- Storage: reading and writing states where they live.
@@ -514,18 +548,18 @@ end
 
 -- A reserved window: state `field` of bucket `key` under the fixed window policy `p`,
 -- brought to `now` (reservation::normalize; holds of a window that ended dropped), as a
--- table: u, r, h, its holds' key, and what was loaded (for `reserved_store`).
+-- table: u, r, h, its holds' keys, and what was loaded (for `reserved_store`).
 local function reserved_load(key, field, p, now)
   if p[1] ~= FIXED_WINDOW then error('sluice: reservations take fixed windows only') end
   local lx, ly, lz, le = load(FIXED_WINDOW, key, field, p[3], now)
   local u, r, h = fixed_window_normalize(lx, ly, p[3], p[4], now, lz)
-  local hk = holds_key(key, field)
+  local hk, dk = holds_key(key, field), deadlines_key(key, field)
   local w = redis.call('HGET', hk, 'w')
   if w and int(w) ~= r then
-    redis.call('DEL', hk)
+    redis.call('DEL', hk, dk)
     h = nil
   end
-  return {u = u, r = r, h = h, hk = hk, lx = lx, ly = ly, lz = lz, le = le}
+  return {u = u, r = r, h = h, hk = hk, dk = dk, lx = lx, ly = ly, lz = lz, le = le}
 end
 
 -- Writes a reserved window back.

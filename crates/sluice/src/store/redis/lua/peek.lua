@@ -17,5 +17,9 @@ for i = 1, #KEYS do
   local d = 6 * i
   reply[d - 5], reply[d - 4], reply[d - 3], reply[d - 2], reply[d - 1], reply[d] =
     charge(kind, x, y, z, p1, p2, p3, 0, '', false, now)
+  if kind == FIXED_WINDOW and z ~= nil then
+    reply[d - 5], reply[d - 4], reply[d - 3], reply[d - 2], reply[d - 1], reply[d] =
+      with_holds(reply[d - 5], reply[d - 4], reply[d - 3], reply[d - 2], reply[d - 1], reply[d], z, now)
+  end
 end
 return reply

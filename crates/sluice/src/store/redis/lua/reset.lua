@@ -10,7 +10,7 @@ for i = 1, #KEYS do
   else
     gone = gone + redis.call('HDEL', KEYS[i], ARGV[i])
     redis.call('HDEL', KEYS[i], ARGV[i] .. '~')
-    redis.call('DEL', KEYS[i] .. ARGV[i] .. '^', KEYS[i] .. ARGV[i] .. '!')
+    redis.call('DEL', KEYS[i] .. ARGV[i] .. '^', KEYS[i] .. ARGV[i] .. '>', KEYS[i] .. ARGV[i] .. '!')
   end
 end
 return gone
