@@ -105,6 +105,14 @@ pub enum RequestError {
     )]
     CostAboveCapacity { descriptor: usize, cost: u64, policy: String, capacity: u64 },
     #[error(
+        "descriptors[{descriptor}]: hits_addend {cost} is above 9007199254740991 (2^53 - 1), the most any limit \
+         counts exactly; send less"
+    )]
+    CostNotExact { descriptor: usize, cost: u64 },
+    /// A reservation or a commit that cannot be taken as sent.
+    #[error("{0}")]
+    BadReservation(String),
+    #[error(
         "descriptors[{0}] carries its own limit, which this server does not take (limiter.request_bounds.limits: false)"
     )]
     LimitRefused(usize),
@@ -137,7 +145,8 @@ impl RequestError {
             RequestError::NoDescriptors | RequestError::EmptyDescriptor(_) => "empty_descriptors",
             RequestError::TooManyDescriptors { .. } | RequestError::TooManyEntries { .. } => "too_many_descriptors",
             RequestError::TooLong { .. } | RequestError::EmptyKey { .. } => "bad_entry",
-            RequestError::CostAboveCapacity { .. } => "cost_above_capacity",
+            RequestError::CostAboveCapacity { .. } | RequestError::CostNotExact { .. } => "cost_above_capacity",
+            RequestError::BadReservation(_) => "bad_reservation",
             RequestError::BadLimit { .. } | RequestError::LimitRefused(_) => "bad_limit",
             RequestError::BadLeaseId(_) => "bad_lease_id",
             RequestError::NotReservable { .. } => "not_reservable",
@@ -178,8 +187,7 @@ pub(crate) fn validate(req: &Request, bounds: &RequestBounds) -> Result<(), Requ
         }
         let cost = d.hits_addend.or(req.hits_addend).unwrap_or(1);
         if cost > MAX_EXACT {
-            let policy = "any".into();
-            return Err(RequestError::CostAboveCapacity { descriptor: di, cost, policy, capacity: MAX_EXACT });
+            return Err(RequestError::CostNotExact { descriptor: di, cost });
         }
     }
     Ok(())

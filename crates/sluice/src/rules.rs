@@ -138,9 +138,34 @@ pub(crate) struct Domain {
     pub counters: DomainCounters,
     /// The decision counters of limits that come with a request (policy `override`).
     pub override_counters: Arc<PolicyCounters>,
+    /// Counters by a digest of the policy's name (see [`Domain::counters_of`]).
+    by_digest: std::sync::OnceLock<HashMap<u64, Arc<PolicyCounters>>>,
 }
 
 impl Domain {
+    /// The counters of the policy whose name has digest `digest` (`digest` of each name,
+    /// a map made at the first call).
+    pub(crate) fn counters_of(&self, digest: u64, of: fn(&str) -> u64) -> Option<&Arc<PolicyCounters>> {
+        let by = self.by_digest.get_or_init(|| self.policy_counters().into_iter().map(|(n, c)| (of(&n), c)).collect());
+        by.get(&digest)
+    }
+
+    /// Every policy's name and counters (the same name may come several times), with
+    /// the limits that come with a request's.
+    fn policy_counters(&self) -> Vec<(Arc<str>, Arc<PolicyCounters>)> {
+        let mut all = vec![(Arc::from(REQUEST_LIMIT), self.override_counters.clone())];
+        let mut levels = vec![&self.root];
+        while let Some(level) = levels.pop() {
+            for rules in level.by_key.values() {
+                for node in rules.exact.values().chain(rules.wildcards.iter().map(|(_, n)| n)).chain(&rules.any) {
+                    all.extend(node.policies.iter().map(|p| (p.name.clone(), p.counters.clone())));
+                    levels.push(&node.children);
+                }
+            }
+        }
+        all
+    }
+
     /// The rule a descriptor's entries reach, if any.
     pub(crate) fn find<'a, 'e>(&'a self, entries: impl IntoIterator<Item = (&'e str, &'e str)>) -> Option<&'a Node> {
         let mut level = &self.root;
@@ -348,6 +373,7 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
         root,
         counters: DomainCounters::new(&d.domain.0),
         override_counters: Arc::new(PolicyCounters::new(&d.domain.0, REQUEST_LIMIT, false, inherited.lists())),
+        by_digest: Default::default(),
     })
 }
 

@@ -118,13 +118,12 @@ async fn reserve(state: &AppState, r: ReserveRequest) -> Result<ReserveResponse,
 /// `Commit`.
 async fn commit(state: &AppState, c: CommitRequest) -> Result<CommitResponse, Status> {
     let engine = state.engine.load_full();
-    let Some(token) = budget::open(&engine.limiter, &c.reservation_id) else {
+    let Some(reserved) = budget::open(&engine.limiter, &c.reservation_id) else {
         return Err(Status::invalid_argument("the reservation id is not one this fleet issued (or was altered)"));
     };
     let given = (!c.actuals.is_empty()).then_some(c.actuals);
-    let actuals = budget::actuals(c.actual, given, token.descriptors()).map_err(Status::invalid_argument)?;
-    let (req, id) = token.commit(actuals);
-    let settled = engine.limiter.commit(&req, id).await.map_err(service::status_of)?;
+    let actuals = budget::actuals(c.actual, given, reserved.descriptors()).map_err(Status::invalid_argument)?;
+    let settled = engine.limiter.commit(&reserved, &actuals).await.map_err(service::status_of)?;
     let code = |s: &sluice::store::Settled| match s {
         sluice::store::Settled::Committed { .. } => 0,
         sluice::store::Settled::Reported => 1,

@@ -60,20 +60,22 @@ pub(crate) async fn read_body(state: &AppState, headers: &HeaderMap, body: Body)
 /// the settings of the engine that decided, not whatever a reload has put in
 /// force since.
 fn verdict_response(engine: &Engine, v: &Verdict, status: StatusCode) -> Response {
-    verdict_response_with(engine, v, status, None)
+    verdict_response_with(engine, v, status, None, None)
 }
 
-/// [`verdict_response`], with the id of the reservation it made, if any.
+/// [`verdict_response`], with the id of the reservation it made, if any, or why it made
+/// none when that is not plain from the statuses.
 pub(crate) fn verdict_response_with(
     engine: &Engine,
     v: &Verdict,
     status: StatusCode,
     reservation_id: Option<String>,
+    reason: Option<&'static str>,
 ) -> Response {
     // written once into a buffer that holds a one-descriptor answer (a growing buffer
     // copies what it holds at each step)
     let mut body = Vec::with_capacity(RESPONSE_BYTES);
-    let json = super::json::ResponseJson { reservation_id, ..response_json(v) };
+    let json = super::json::ResponseJson { reservation_id, reason, ..response_json(v) };
     serde_json::to_writer(&mut body, &json).expect("strings, numbers and lists write to a Vec");
     let rendered = headers::render(v, &engine.headers);
     let mut resp = Response::new(Body::from(body));
@@ -165,7 +167,9 @@ pub(crate) async fn status(
         let decided = engine.limiter.status(&req).await;
         crate::otel::decided(&engine.limiter, &req, &decided);
         match decided {
-            Ok(v) => verdict_response(&engine, &v, StatusCode::OK),
+            // what a request of the query's cost (1) would get now: a client with nothing
+            // left reads OVER_LIMIT (HTTP 200 still: a status read is answered)
+            Ok(v) => verdict_response(&engine, &crate::service::budget::as_check(v, &req), StatusCode::OK),
             Err(e) => check_error(e),
         }
     };

@@ -103,6 +103,10 @@ pub struct ResponseJson<'a> {
     /// The reservation made (`POST /v1/reservations`), to commit.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reservation_id: Option<String>,
+    /// Why a reservation was refused when its units would fit: `too_many_holds` (the
+    /// window's holds are full until the first lapses, `retry_after_ms` from now).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<&'static str>,
     /// `fail-open` or `fail-closed` when the store could not answer and the failure
     /// policy decided.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -218,6 +222,7 @@ pub fn response_json(v: &Verdict) -> ResponseJson<'_> {
         statuses: v.descriptors.iter().map(|d| status_json(d, v.now)).collect(),
         lease_id: v.lease.as_ref().map(|l| l.to_string()),
         reservation_id: None,
+        reason: None,
         degraded: v.degraded.map(|f| f.header_value()),
         shadow_denials: v.shadow_denials().map(|p| &*p.name).collect(),
     }

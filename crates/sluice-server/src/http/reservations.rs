@@ -63,8 +63,11 @@ pub async fn reserve(State(state): State<Arc<AppState>>, headers: HeaderMap, bod
     };
     let engine = state.engine.load_full();
     match budget::reserve(&engine, &req, parsed.ttl.0).await {
-        Ok((v, Some(token))) => verdict_response_with(&engine, &v, StatusCode::OK, Some(token)),
-        Ok((v, None)) => verdict_response_with(&engine, &v, super::api::code(&v), None),
+        Ok((v, Some(token))) => verdict_response_with(&engine, &v, StatusCode::OK, Some(token), None),
+        Ok((v, None)) => {
+            let reason = budget::too_many_holds(&v, &req).then_some("too_many_holds");
+            verdict_response_with(&engine, &v, super::api::code(&v), None, reason)
+        }
         Err(e) => check_error(e),
     }
 }
@@ -81,19 +84,18 @@ pub async fn commit(
         Err(refused) => return refused,
     };
     let engine = state.engine.load_full();
-    let Some(token) = budget::open(&engine.limiter, &id) else {
+    let Some(reserved) = budget::open(&engine.limiter, &id) else {
         let message = "the reservation id is not one this fleet issued (or was altered)".to_string();
         return error(StatusCode::BAD_REQUEST, "bad_reservation_id", message);
     };
     let actuals = match serde_json::from_slice::<CommitJson>(&bytes)
         .map_err(|e| e.to_string())
-        .and_then(|c| budget::actuals(c.actual, c.actuals, token.descriptors()))
+        .and_then(|c| budget::actuals(c.actual, c.actuals, reserved.descriptors()))
     {
         Ok(a) => a,
         Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_json", format!("the body is not a commit: {e}")),
     };
-    let (req, id) = token.commit(actuals);
-    match engine.limiter.commit(&req, id).await {
+    match engine.limiter.commit(&reserved, &actuals).await {
         Ok(settled) => {
             let words: Vec<&str> = settled.iter().map(|s| word(*s)).collect();
             axum::Json(serde_json::json!({"settled": words})).into_response()

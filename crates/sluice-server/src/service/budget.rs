@@ -4,16 +4,19 @@
 //! nothing. The HTTP API (`/v1/reservations`), Kuadrant's service (`grpc/kuadrant.rs`)
 //! and Envoy's calls with `x-sluice-mode` (`grpc/rls.rs`) share them.
 //!
-//! A reservation id is a token that carries what a commit needs (the domain, each
-//! descriptor's entries, the reservation's number), sealed with a keyed digest under
+//! A reservation id is a token that carries what a commit needs, resolved when it was
+//! admitted (`sluice::Reserved`: the domain, each window held as a client tag, a state
+//! and its limit, and the reservation's number), sealed with a keyed digest under
 //! `limiter.key_secret`, so any instance of the fleet takes it back and none takes one it
-//! did not issue or one altered. The store keeps the holds; the token keeps nothing a
-//! client could use to charge another client.
+//! did not issue or one altered. It names no descriptor value (tags and states are
+//! keyed digests: an id in a proxy's log gives away no API key or user), and it is
+//! bounded whatever was reserved (at most `MAX_RESERVED_WINDOWS` windows: about 60 bytes
+//! each). The store keeps the holds; the token keeps nothing a client could use to
+//! charge another client.
 
 use crate::state::Engine;
 use base64::Engine as _;
-use serde::{Deserialize, Serialize};
-use sluice::{CheckError, Code, Descriptor, Entry, Outcome, Request, Verdict};
+use sluice::{CheckError, Code, Outcome, Request, Reserved, Verdict};
 
 /// The longest a reservation may be held: a response that takes longer is committed as
 /// a report.
@@ -21,39 +24,6 @@ pub const MAX_TTL: sluice::config::Duration = sluice::config::Duration(3_600_000
 
 /// A reservation's TTL when the caller gives none.
 pub const DEFAULT_TTL: sluice::config::Duration = sluice::config::Duration(30_000);
-
-/// What a reservation id carries.
-#[derive(Serialize, Deserialize)]
-pub struct Token {
-    /// The domain.
-    d: String,
-    /// Each descriptor's entries.
-    e: Vec<Vec<(String, String)>>,
-    /// The reservation's number.
-    i: u64,
-}
-
-impl Token {
-    /// How many descriptors the reservation named (one actual each).
-    pub fn descriptors(&self) -> usize {
-        self.e.len()
-    }
-
-    /// The request that commits it, each descriptor's actual as its cost; and its number.
-    pub fn commit(self, actuals: Vec<u64>) -> (Request, u64) {
-        let descriptors = self
-            .e
-            .into_iter()
-            .zip(actuals)
-            .map(|(entries, actual)| Descriptor {
-                entries: entries.into_iter().map(|(key, value)| Entry { key, value }).collect(),
-                hits_addend: Some(actual),
-                limit: None,
-            })
-            .collect();
-        (Request { domain: self.d, descriptors, hits_addend: None, lenient: false }, self.i)
-    }
-}
 
 /// Each descriptor's actual, for `n` descriptors, from a commit's `actual` (for every
 /// descriptor) or `actuals` (one each).
@@ -77,10 +47,25 @@ pub async fn reserve(engine: &Engine, req: &Request, ttl: u64) -> Result<(Verdic
         let off = "reservations are off here (limiter.reservations: false)";
         return Err(CheckError::Request(sluice::RequestError::NoReservations(off.into())));
     }
-    let id = random_id();
-    let v = engine.limiter.reserve(req, id, ttl).await?;
-    let token = (v.outcome == Outcome::Allowed).then(|| seal(&engine.limiter, req, id));
-    Ok((v, token))
+    let (mut v, reserved) = engine.limiter.reserve(req, random_id(), ttl).await?;
+    if reserved.is_none() {
+        // a refused estimate is told what is left (a decision's 0 says "not even one")
+        for p in v.descriptors.iter_mut().flat_map(|d| d.policies.iter_mut()) {
+            if !p.decision.allowed {
+                p.decision.remaining = p.decision.limit.saturating_sub(p.decision.used);
+            }
+        }
+    }
+    Ok((v, reserved.map(|r| seal(&engine.limiter, &r))))
+}
+
+/// Whether a refused reservation was refused for the holds of a window (full until the
+/// first lapses), not for its units.
+pub fn too_many_holds(v: &Verdict, req: &Request) -> bool {
+    v.descriptors.iter().zip(&req.descriptors).any(|(d, asked)| {
+        let cost = asked.hits_addend.or(req.hits_addend).unwrap_or(1);
+        d.policies.iter().any(|p| !p.shadow && sluice::algo::reservation::too_many_holds(&p.decision, cost))
+    })
 }
 
 /// A status verdict (nothing charged) read as a check of `req`'s costs: a descriptor is
@@ -108,21 +93,25 @@ fn random_id() -> u64 {
     u64::from_le_bytes(b).max(1)
 }
 
-/// The token of reservation `id` of `req`.
-fn seal(limiter: &sluice::Limiter, req: &Request, id: u64) -> String {
-    let e =
-        req.descriptors.iter().map(|d| d.entries.iter().map(|e| (e.key.clone(), e.value.clone())).collect()).collect();
-    let token = Token { d: req.domain.clone(), e, i: id };
-    let payload = serde_json::to_vec(&token).expect("strings and numbers serialize");
-    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
-    format!("{}.{:032x}", b64.encode(&payload), limiter.seal(&payload))
+/// The token of reservation `r`: its bytes and their seal, in one URL-safe word.
+fn seal(limiter: &sluice::Limiter, r: &Reserved) -> String {
+    let mut bytes = r.to_bytes();
+    bytes.extend(limiter.seal(&bytes).to_le_bytes());
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&bytes)
 }
 
-/// What a token carries, if it is one this fleet sealed (its seal written exactly as
-/// [`seal`] writes it: one spelling a token).
-pub fn open(limiter: &sluice::Limiter, token: &str) -> Option<Token> {
-    let (payload, mac) = token.split_once('.')?;
-    let payload = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(payload).ok()?;
-    let sealed = crate::state::same(mac.as_bytes(), format!("{:032x}", limiter.seal(&payload)).as_bytes());
-    sealed.then(|| serde_json::from_slice(&payload).ok()).flatten()
+/// The reservation a token names, if it is one this fleet sealed.
+pub fn open(limiter: &sluice::Limiter, token: &str) -> Option<Reserved> {
+    // a token is at most a few KB: a longer one is not ours, and is not decoded
+    if token.len() > MAX_TOKEN {
+        return None;
+    }
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token).ok()?;
+    let (payload, mac) = bytes.split_at_checked(bytes.len().checked_sub(16)?)?;
+    let sealed = crate::state::same(mac, &limiter.seal(payload).to_le_bytes());
+    sealed.then(|| Reserved::from_bytes(payload)).flatten()
 }
+
+/// The longest token [`seal`] writes (a reservation of `sluice::MAX_RESERVED_WINDOWS`
+/// windows, each reached by a few descriptors, under a long domain name), with room.
+pub const MAX_TOKEN: usize = 8_192;

@@ -4,11 +4,12 @@
 //! instance issued, for its gauges and the live page.
 
 use super::{CheckError, Limiter, Tally, outcome};
-use crate::algo::Limit;
 use crate::algo::reservation::{Hold, REPORT};
+use crate::algo::{Limit, MAX_EXACT, Op};
 use crate::plan::{Group, Mode, Plan, plan};
 use crate::request::{Request, RequestError};
 use crate::store::{Commit, Reservation, Settled, StoreError};
+use crate::tag::Tag;
 use crate::telemetry::{PolicyCounters, ReservationCounters};
 use crate::time::Millis;
 use crate::verdict::{DescriptorVerdict, Source, Verdict, binding};
@@ -125,14 +126,173 @@ fn count_settled(r: &ReservationCounters, s: Settled, id: u64, actual: u64) {
     r.committed_units.increment(actual);
 }
 
+/// A reservation as its commit needs it, resolved when it was admitted: its number, the
+/// request's domain, and each window it holds (client tag, state, limit) with the
+/// descriptors whose actuals it takes. The commit settles exactly these windows, on
+/// any instance, whatever the rules or overrides have become since, and names no
+/// descriptor value (tags and states are keyed digests). [`Reserved::to_bytes`] is
+/// bounded: a reservation holds at most [`MAX_RESERVED_WINDOWS`] windows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    id: u64,
+    domain: String,
+    descriptors: u16,
+    groups: Vec<(Tag, Vec<HeldWindow>)>,
+}
+
+/// One window a reservation holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct HeldWindow {
+    key: u64,
+    limit: Limit,
+    /// A digest of the policy's name, for its counters at the commit.
+    policy: u64,
+    /// The descriptors (by index) whose actuals it takes: more than one when a request
+    /// names one window twice (their holds are summed into one, and so are their actuals).
+    of: Vec<u16>,
+}
+
+/// The most windows one reservation may hold (a request whose descriptors reach more is
+/// refused, saying so): what keeps a reservation's id short whatever was reserved.
+pub const MAX_RESERVED_WINDOWS: usize = 64;
+
+/// The version byte of [`Reserved::to_bytes`].
+const RESERVED_V1: u8 = 1;
+
+impl Reserved {
+    /// The reservation's number.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// How many descriptors the reservation named (a commit sends one actual each, or
+    /// one for all).
+    pub fn descriptors(&self) -> usize {
+        self.descriptors.into()
+    }
+
+    /// The request's domain.
+    pub fn domain(&self) -> &str {
+        &self.domain
+    }
+
+    /// A compact binary form (for a token a client carries; seal it against forgery).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = vec![RESERVED_V1];
+        b.extend(self.id.to_le_bytes());
+        b.extend((self.domain.len() as u16).to_le_bytes());
+        b.extend(self.domain.as_bytes());
+        b.extend(self.descriptors.to_le_bytes());
+        b.push(self.groups.len() as u8);
+        for (tag, windows) in &self.groups {
+            b.extend(tag.0.to_le_bytes());
+            b.push(windows.len() as u8);
+            for w in windows {
+                let Limit::FixedWindow { limit, window, aligned } = w.limit else { unreachable!("fixed windows only") };
+                b.extend(w.key.to_le_bytes());
+                b.extend(limit.to_le_bytes());
+                b.extend(window.to_le_bytes());
+                b.push(u8::from(aligned));
+                b.extend(w.policy.to_le_bytes());
+                b.push(w.of.len() as u8);
+                for d in &w.of {
+                    b.extend(d.to_le_bytes());
+                }
+            }
+        }
+        b
+    }
+
+    /// What [`Reserved::to_bytes`] wrote, if it is that.
+    pub fn from_bytes(b: &[u8]) -> Option<Self> {
+        let mut r = Reader(b);
+        if r.u8()? != RESERVED_V1 {
+            return None;
+        }
+        let id = r.u64()?;
+        let n = r.u16()? as usize;
+        let domain = String::from_utf8(r.take(n)?.to_vec()).ok()?;
+        let descriptors = r.u16()?;
+        let mut groups = Vec::new();
+        for _ in 0..r.u8()? {
+            let tag = Tag(u128::from_le_bytes(r.take(16)?.try_into().ok()?));
+            let mut windows = Vec::new();
+            for _ in 0..r.u8()? {
+                let key = r.u64()?;
+                let limit = Limit::FixedWindow { limit: r.u64()?, window: r.u64()?, aligned: r.u8()? == 1 };
+                let policy = r.u64()?;
+                let of = (0..r.u8()?).map(|_| r.u16()).collect::<Option<Vec<u16>>>()?;
+                if of.iter().any(|&d| d >= descriptors) {
+                    return None;
+                }
+                windows.push(HeldWindow { key, limit, policy, of });
+            }
+            groups.push((tag, windows));
+        }
+        r.0.is_empty().then_some(Self { id, domain, descriptors, groups })
+    }
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = (self.0.get(..n)?, self.0.get(n..)?);
+        self.0 = rest;
+        Some(head)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        Some(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Option<u16> {
+        Some(u16::from_le_bytes(self.take(2)?.try_into().ok()?))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+}
+
+/// A group's ops with each window once (costs of a window named twice summed), and for
+/// each op of the group the index of its window.
+fn merged(ops: &[Op]) -> (Vec<Op>, Vec<usize>) {
+    let (mut once, mut at): (Vec<Op>, Vec<usize>) = (Vec::new(), Vec::with_capacity(ops.len()));
+    for op in ops {
+        match once.iter().position(|o| o.key == op.key) {
+            Some(i) => {
+                once[i].cost = once[i].cost.saturating_add(op.cost);
+                once[i].shadow &= op.shadow;
+                at.push(i);
+            }
+            None => {
+                at.push(once.len());
+                once.push(*op);
+            }
+        }
+    }
+    (once, at)
+}
+
+/// A digest of a policy's name, as a reservation carries it.
+fn policy_digest(name: &str) -> u64 {
+    // FNV-1a: the same on every instance and every build
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
 impl Limiter {
     /// Reserves each descriptor's cost (its `hits_addend`, else the request's) of every
     /// matching fixed window as reservation `id`, held until `ttl` from now or until
     /// [`Limiter::commit`]: admitted all or nothing, as a check is, counting the other
-    /// reservations held (see [`crate::algo::reservation`]). A matching policy of another
-    /// kind is refused with [`RequestError::NotReservable`]; quota grants are not used
-    /// (a reservation is a store call, and counts in the same window as grants do).
-    pub async fn reserve(&self, req: &Request, id: u64, ttl: Millis) -> Result<Verdict, CheckError> {
+    /// reservations held (see [`crate::algo::reservation`]). A window two descriptors
+    /// name holds the sum of their costs, once. A matching policy of another kind is
+    /// refused with [`RequestError::NotReservable`]; quota grants are not used (a
+    /// reservation is a store call, and counts in the same window as grants do). When
+    /// admitted, what its commit needs.
+    pub async fn reserve(
+        &self,
+        req: &Request,
+        id: u64,
+        ttl: Millis,
+    ) -> Result<(Verdict, Option<Reserved>), CheckError> {
         self.keeps_reservations()?;
         if id == REPORT {
             // a hold under it could never be committed: a commit of 0 is a report
@@ -142,27 +302,71 @@ impl Limiter {
         let Plan { domain, mut descriptors, groups } =
             plan(&self.rules, &self.overrides.current(), req, Mode::Charge, None, now)?;
         reservable(&groups, &descriptors)?;
+        let merges: Vec<(Vec<Op>, Vec<usize>)> = groups.iter().map(|g| merged(&g.ops)).collect();
+        let windows: usize = merges.iter().map(|m| m.0.len()).sum();
+        if windows > MAX_RESERVED_WINDOWS {
+            let why =
+                format!("the request reaches {windows} windows; a reservation holds at most {MAX_RESERVED_WINDOWS}");
+            return Err(RequestError::BadReservation(why).into());
+        }
         let r = Reservation { id, ttl };
-        let results = futures_util::future::join_all(groups.iter().map(|g| self.store.reserve(g.tag, &g.ops, r, now)));
+        let results = futures_util::future::join_all(
+            groups.iter().zip(&merges).map(|(g, (once, _))| self.store.reserve(g.tag, once, r, now)),
+        );
         let mut tally = Tally::default();
-        for (g, result) in groups.iter().zip(results.await) {
-            self.record(g, result.map(|d| (d, Source::Store)), Mode::Charge, now, &mut descriptors, &mut tally)?;
+        for ((g, (_, at)), result) in groups.iter().zip(&merges).zip(results.await) {
+            // each op answered by its window's decision
+            let result = result.map(|d| (at.iter().map(|&i| d[i]).collect(), Source::Store));
+            self.record(g, result, Mode::Charge, now, &mut descriptors, &mut tally)?;
         }
         let allowed = tally.refused_groups == 0;
         if !allowed {
             // another client's part refused: what the others hold goes back
-            self.settle(&groups, id, now).await?;
-            for ((_, held), &(di, pi)) in tally.charges.drain(..).zip(&tally.charged) {
-                let d = &mut descriptors[di].policies[pi].decision;
-                d.used = d.used.saturating_sub(held.cost);
-                d.remaining = d.remaining.saturating_add(held.cost).min(d.limit);
+            self.settle(&groups, &merges, id, now).await?;
+            for (g, (once, at)) in groups.iter().zip(&merges) {
+                for (slot, &i) in g.slots.iter().zip(at) {
+                    if tally.charged.contains(slot) {
+                        let d = &mut descriptors[slot.0].policies[slot.1].decision;
+                        d.used = d.used.saturating_sub(once[i].cost);
+                        d.remaining = d.remaining.saturating_add(once[i].cost).min(d.limit);
+                    }
+                }
             }
         }
         let outcome = outcome(allowed, &mut descriptors);
         self.count(domain, req, Mode::Charge, &descriptors, tally.degraded, false);
         self.reserved(&groups, &descriptors, allowed.then_some((id, now + ttl)));
+        let reserved = allowed.then(|| Reserved {
+            id,
+            domain: req.domain.clone(),
+            descriptors: descriptors.len() as u16,
+            groups: groups
+                .iter()
+                .zip(&merges)
+                .map(|(g, (once, at))| {
+                    let windows = once
+                        .iter()
+                        .enumerate()
+                        .map(|(w, op)| {
+                            let mine = || g.slots.iter().zip(at).filter(move |(_, i)| **i == w).map(|(s, _)| s);
+                            let (di, pi) = *mine().next().expect("every window has an op");
+                            let policy = policy_digest(&descriptors[di].policies[pi].name);
+                            HeldWindow {
+                                key: op.key,
+                                limit: op.limit,
+                                policy,
+                                of: mine().map(|s| s.0 as u16).collect(),
+                            }
+                        })
+                        .collect();
+                    (g.tag, windows)
+                })
+                .collect(),
+        });
         let binding = binding(&descriptors);
-        Ok(Verdict { outcome, descriptors, binding, lease: None, degraded: tally.degraded, now, charges: Vec::new() })
+        let v =
+            Verdict { outcome, descriptors, binding, lease: None, degraded: tally.degraded, now, charges: Vec::new() };
+        Ok((v, reserved))
     }
 
     /// Charges each descriptor's cost to every matching fixed window, never refused (a
@@ -170,44 +374,88 @@ impl Limiter {
     /// requests after it (Kuadrant's `Report`, Envoy's `apply_on_stream_done`). A commit
     /// of no reservation ([`crate::algo::reservation::REPORT`]).
     pub async fn report(&self, req: &Request) -> Result<(), CheckError> {
-        self.commit(req, crate::algo::reservation::REPORT).await.map(|_| ())
-    }
-
-    /// Commits reservation `id`: `req` names the descriptors it reserved, each with the
-    /// amount actually spent as its cost (more or less than held; never refused, and a
-    /// cost above a limit is taken). Settles once however often it is sent; a
-    /// reservation released at its deadline is charged its actual as a report. One
-    /// answer per matching fixed window, in plan order.
-    pub async fn commit(&self, req: &Request, id: u64) -> Result<Vec<Settled>, CheckError> {
         self.keeps_reservations()?;
         let now = self.clock.now();
         let req = Request { lenient: true, ..req.clone() };
         let Plan { descriptors, groups, .. } =
             plan(&self.rules, &self.overrides.current(), &req, Mode::Charge, None, now)?;
         reservable(&groups, &descriptors)?;
-        let mut settled = Vec::new();
         for g in &groups {
             let commits: Vec<Commit> =
                 g.ops.iter().map(|o| Commit { key: o.key, limit: o.limit, actual: o.cost }).collect();
-            let done = self.store.commit(g.tag, id, &commits, now).await?;
+            let done = self.store.commit(g.tag, REPORT, &commits, now).await?;
             for ((op, &(di, pi)), s) in g.ops.iter().zip(&g.slots).zip(&done) {
                 if let Some(c) = &descriptors[di].policies[pi].counters {
-                    count_settled(c.reservations(), *s, id, op.cost);
+                    count_settled(c.reservations(), *s, REPORT, op.cost);
                 }
             }
+            self.forget_cached(g.tag, &commits);
+        }
+        Ok(())
+    }
+
+    /// Commits reservation `r` with `actuals`, one per descriptor it named: each window
+    /// it holds is settled with the sum of the actuals of the descriptors that reached
+    /// it (more or less than held; never refused, and a cost above a limit is taken, up
+    /// to [`MAX_EXACT`] in one commit). Settles once however often it is sent; a
+    /// reservation released at its deadline is charged its actual as a report. One
+    /// answer per window held.
+    pub async fn commit(&self, r: &Reserved, actuals: &[u64]) -> Result<Vec<Settled>, CheckError> {
+        self.keeps_reservations()?;
+        if actuals.len() != r.descriptors() {
+            let why = format!("{} actuals for a reservation of {} descriptors", actuals.len(), r.descriptors());
+            return Err(RequestError::BadReservation(why).into());
+        }
+        let mut plans = Vec::with_capacity(r.groups.len());
+        for (tag, windows) in &r.groups {
+            let mut commits = Vec::with_capacity(windows.len());
+            for w in windows {
+                let actual = w.of.iter().fold(0u64, |sum, &d| sum.saturating_add(actuals[d as usize]));
+                if actual > MAX_EXACT {
+                    let why = format!(
+                        "an actual of {actual} is more than one commit may add ({MAX_EXACT}, 2^53 - 1, the most \
+                         any limit counts exactly)"
+                    );
+                    return Err(RequestError::BadReservation(why).into());
+                }
+                commits.push(Commit { key: w.key, limit: w.limit, actual });
+            }
+            plans.push((*tag, commits));
+        }
+        let now = self.clock.now();
+        let domain = self.rules.domain(&r.domain);
+        let mut settled = Vec::new();
+        for ((tag, windows), (_, commits)) in r.groups.iter().zip(&plans) {
+            let done = self.store.commit(*tag, r.id, commits, now).await?;
+            for ((w, c), s) in windows.iter().zip(commits).zip(&done) {
+                if let Some(counters) = domain.and_then(|d| d.counters_of(w.policy, policy_digest)) {
+                    count_settled(counters.reservations(), *s, r.id, c.actual);
+                }
+            }
+            // units given back here are not refused from this instance's cache
+            self.forget_cached(*tag, commits);
             settled.extend(done);
         }
-        // a report settles no reservation (Envoy's stream-done path: no lock taken)
-        if id != REPORT {
-            self.issued.settle(id);
-        }
+        self.issued.settle(r.id);
         Ok(settled)
     }
 
+    fn forget_cached(&self, tag: Tag, commits: &[Commit]) {
+        if let Some(cache) = &self.near_cache {
+            cache.forget(tag, commits.iter().map(|c| c.key));
+        }
+    }
+
     /// Releases what reservation `id` holds on every group's windows (a commit of 0).
-    async fn settle(&self, groups: &[Group], id: u64, now: Millis) -> Result<(), StoreError> {
-        for g in groups {
-            let commits: Vec<Commit> = g.ops.iter().map(|o| Commit { key: o.key, limit: o.limit, actual: 0 }).collect();
+    async fn settle(
+        &self,
+        groups: &[Group],
+        merges: &[(Vec<Op>, Vec<usize>)],
+        id: u64,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        for (g, (once, _)) in groups.iter().zip(merges) {
+            let commits: Vec<Commit> = once.iter().map(|o| Commit { key: o.key, limit: o.limit, actual: 0 }).collect();
             self.store.commit(g.tag, id, &commits, now).await?;
         }
         Ok(())
@@ -297,7 +545,7 @@ mod tests {
         let req = Request::new("d").descriptor([("user", "a")]);
         let e = limiter.reserve(&req, REPORT, 1_000).await.unwrap_err();
         assert!(e.to_string().contains("reservation id 0"), "{e}");
-        assert!(limiter.reserve(&req, 1, 1_000).await.unwrap().allowed());
+        assert!(limiter.reserve(&req, 1, 1_000).await.unwrap().0.allowed());
     }
 
     /// Past MAX_ISSUED reservations tracked, one more is counted nowhere in the gauges

@@ -329,9 +329,9 @@ pub struct SluiceService<S> {
 struct Guard {
     shared: Arc<Shared>,
     leases: Vec<(Arc<Limiter>, LeaseId)>,
-    /// The budget's open reservation: the request (its cost the estimate), its number,
-    /// and the actual once the response told it.
-    hold: Option<(Request, u64, Option<u64>)>,
+    /// The budget's open reservation, its estimate, and the actual once the response
+    /// told it.
+    hold: Option<(crate::Reserved, u64, Option<u64>)>,
     /// The adaptive stage's slot, the response's status and whether its body ended.
     slot: Option<adaptive::Slot>,
     status: StatusCode,
@@ -344,15 +344,12 @@ impl Drop for Guard {
         if let (Some(slot), Some(stage)) = (self.slot.take(), &self.shared.adaptive) {
             stage.finish(slot, adaptive::outcome(self.status, self.finished));
         }
-        if let Some((mut req, id, actual)) = self.hold.take() {
+        if let Some((reserved, estimate, actual)) = self.hold.take() {
             // the response is done (or dropped): its actual, else the estimate, stands
-            if let (Some(a), Some(d)) = (actual, req.descriptors.first_mut()) {
-                d.hits_addend = Some(a);
-            }
             let limiter = self.shared.limiter.clone();
             if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 rt.spawn(async move {
-                    if let Err(e) = limiter.commit(&req, id).await {
+                    if let Err(e) = limiter.commit(&reserved, &[actual.unwrap_or(estimate)]).await {
                         tracing::debug!(error = %e, "budget commit failed; the hold lapses at its TTL");
                     }
                 });
@@ -618,7 +615,8 @@ impl Shared {
         let budget = self.budget.as_ref()?;
         let entries: Option<Vec<Entry>> =
             budget.descriptor.iter().map(|(k, e)| Some(Entry { key: k.clone(), value: e.value(parts)? })).collect();
-        let descriptor = Descriptor { entries: entries?, hits_addend: Some((budget.estimate)(parts)), limit: None };
+        let estimate = (budget.estimate)(parts);
+        let descriptor = Descriptor { entries: entries?, hits_addend: Some(estimate), limit: None };
         let req =
             Request { domain: self.domain.clone(), descriptors: vec![descriptor], hits_addend: None, lenient: false };
         // unique across the fleet: every instance's reservations share the store
@@ -626,11 +624,11 @@ impl Shared {
         getrandom::fill(&mut b).ok()?;
         let id = u64::from_le_bytes(b).max(1);
         match self.limiter.reserve(&req, id, budget.ttl).await {
-            Ok(v) if v.outcome == Outcome::Allowed => {
-                guard.hold = Some((req, id, None));
+            Ok((_, Some(reserved))) => {
+                guard.hold = Some((reserved, estimate, None));
                 None
             }
-            Ok(v) => {
+            Ok((v, None)) => {
                 let detail = "the request's estimate does not fit in its budget; see Retry-After";
                 Some(refusal(
                     StatusCode::TOO_MANY_REQUESTS,
