@@ -252,24 +252,42 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// A group's ops with each window once (costs of a window named twice summed), and for
-/// each op of the group the index of its window.
-fn merged(ops: &[Op]) -> (Vec<Op>, Vec<usize>) {
-    let (mut once, mut at): (Vec<Op>, Vec<usize>) = (Vec::new(), Vec::with_capacity(ops.len()));
-    for op in ops {
-        match once.iter().position(|o| o.key == op.key) {
-            Some(i) => {
-                once[i].cost = once[i].cost.saturating_add(op.cost);
-                once[i].shadow &= op.shadow;
-                at.push(i);
-            }
+/// One client tag's windows of a reservation.
+type Part = (Tag, Vec<Op>);
+
+/// A plan's windows, each once: per client tag (groups of one tag joined), its ops with
+/// the costs of a window named twice summed; and for each op of each group, where its
+/// window is (part, op).
+fn merged(groups: &[Group]) -> (Vec<Part>, Vec<Vec<(usize, usize)>>) {
+    let mut parts: Vec<Part> = Vec::new();
+    let mut at = Vec::with_capacity(groups.len());
+    for g in groups {
+        let p = match parts.iter().position(|(t, _)| *t == g.tag) {
+            Some(p) => p,
             None => {
-                at.push(once.len());
-                once.push(*op);
+                parts.push((g.tag, Vec::new()));
+                parts.len() - 1
             }
-        }
+        };
+        let once = &mut parts[p].1;
+        at.push(
+            g.ops
+                .iter()
+                .map(|op| match once.iter().position(|o| o.key == op.key) {
+                    Some(i) => {
+                        once[i].cost = once[i].cost.saturating_add(op.cost);
+                        once[i].shadow &= op.shadow;
+                        (p, i)
+                    }
+                    None => {
+                        once.push(*op);
+                        (p, once.len() - 1)
+                    }
+                })
+                .collect(),
+        );
     }
-    (once, at)
+    (parts, at)
 }
 
 /// A digest of a policy's name, as a reservation carries it.
@@ -302,33 +320,38 @@ impl Limiter {
         let Plan { domain, mut descriptors, groups } =
             plan(&self.rules, &self.overrides.current(), req, Mode::Charge, None, now)?;
         reservable(&groups, &descriptors)?;
-        let merges: Vec<(Vec<Op>, Vec<usize>)> = groups.iter().map(|g| merged(&g.ops)).collect();
-        let windows: usize = merges.iter().map(|m| m.0.len()).sum();
+        let (parts, at) = merged(&groups);
+        let windows: usize = parts.iter().map(|p| p.1.len()).sum();
         if windows > MAX_RESERVED_WINDOWS {
             let why =
                 format!("the request reaches {windows} windows; a reservation holds at most {MAX_RESERVED_WINDOWS}");
             return Err(RequestError::BadReservation(why).into());
         }
         let r = Reservation { id, ttl };
-        let results = futures_util::future::join_all(
-            groups.iter().zip(&merges).map(|(g, (once, _))| self.store.reserve(g.tag, once, r, now)),
-        );
+        let results =
+            futures_util::future::join_all(parts.iter().map(|(tag, once)| self.store.reserve(*tag, once, r, now)))
+                .await;
         let mut tally = Tally::default();
-        for ((g, (_, at)), result) in groups.iter().zip(&merges).zip(results.await) {
+        for (g, at) in groups.iter().zip(&at) {
             // each op answered by its window's decision
-            let result = result.map(|d| (at.iter().map(|&i| d[i]).collect(), Source::Store));
+            let result = at
+                .iter()
+                .map(|&(p, i)| results[p].as_ref().map(|d| d[i]).map_err(Clone::clone))
+                .collect::<Result<Vec<_>, _>>()
+                .map(|d| (d, Source::Store));
             self.record(g, result, Mode::Charge, now, &mut descriptors, &mut tally)?;
         }
         let allowed = tally.refused_groups == 0;
         if !allowed {
             // another client's part refused: what the others hold goes back
-            self.settle(&groups, &merges, id, now).await?;
-            for (g, (once, at)) in groups.iter().zip(&merges) {
-                for (slot, &i) in g.slots.iter().zip(at) {
+            self.settle(&parts, id, now).await?;
+            for (g, at) in groups.iter().zip(&at) {
+                for (slot, &(p, i)) in g.slots.iter().zip(at) {
                     if tally.charged.contains(slot) {
+                        let cost = parts[p].1[i].cost;
                         let d = &mut descriptors[slot.0].policies[slot.1].decision;
-                        d.used = d.used.saturating_sub(once[i].cost);
-                        d.remaining = d.remaining.saturating_add(once[i].cost).min(d.limit);
+                        d.used = d.used.saturating_sub(cost);
+                        d.remaining = d.remaining.saturating_add(cost).min(d.limit);
                     }
                 }
             }
@@ -336,32 +359,28 @@ impl Limiter {
         let outcome = outcome(allowed, &mut descriptors);
         self.count(domain, req, Mode::Charge, &descriptors, tally.degraded, false);
         self.reserved(&groups, &descriptors, allowed.then_some((id, now + ttl)));
-        let reserved = allowed.then(|| Reserved {
-            id,
-            domain: req.domain.clone(),
-            descriptors: descriptors.len() as u16,
-            groups: groups
+        let reserved = allowed.then(|| {
+            // each window with the descriptors that reached it, and its policy's name
+            let mut held: Vec<(Tag, Vec<HeldWindow>)> = parts
                 .iter()
-                .zip(&merges)
-                .map(|(g, (once, at))| {
+                .map(|(tag, once)| {
                     let windows = once
                         .iter()
-                        .enumerate()
-                        .map(|(w, op)| {
-                            let mine = || g.slots.iter().zip(at).filter(move |(_, i)| **i == w).map(|(s, _)| s);
-                            let (di, pi) = *mine().next().expect("every window has an op");
-                            let policy = policy_digest(&descriptors[di].policies[pi].name);
-                            HeldWindow {
-                                key: op.key,
-                                limit: op.limit,
-                                policy,
-                                of: mine().map(|s| s.0 as u16).collect(),
-                            }
-                        })
+                        .map(|op| HeldWindow { key: op.key, limit: op.limit, policy: 0, of: Vec::new() })
                         .collect();
-                    (g.tag, windows)
+                    (*tag, windows)
                 })
-                .collect(),
+                .collect();
+            for (g, at) in groups.iter().zip(&at) {
+                for (&(di, pi), &(p, i)) in g.slots.iter().zip(at) {
+                    let w = &mut held[p].1[i];
+                    if w.of.is_empty() {
+                        w.policy = policy_digest(&descriptors[di].policies[pi].name);
+                    }
+                    w.of.push(di as u16);
+                }
+            }
+            Reserved { id, domain: req.domain.clone(), descriptors: descriptors.len() as u16, groups: held }
         });
         let binding = binding(&descriptors);
         let v =
@@ -447,16 +466,10 @@ impl Limiter {
     }
 
     /// Releases what reservation `id` holds on every group's windows (a commit of 0).
-    async fn settle(
-        &self,
-        groups: &[Group],
-        merges: &[(Vec<Op>, Vec<usize>)],
-        id: u64,
-        now: Millis,
-    ) -> Result<(), StoreError> {
-        for (g, (once, _)) in groups.iter().zip(merges) {
+    async fn settle(&self, parts: &[Part], id: u64, now: Millis) -> Result<(), StoreError> {
+        for (tag, once) in parts {
             let commits: Vec<Commit> = once.iter().map(|o| Commit { key: o.key, limit: o.limit, actual: 0 }).collect();
-            self.store.commit(g.tag, id, &commits, now).await?;
+            self.store.commit(*tag, id, &commits, now).await?;
         }
         Ok(())
     }
