@@ -7,8 +7,9 @@
 //!
 //! It never refuses what the store would allow: an entry only answers for a cost at least
 //! as large as the one refused (quota only grows back with time), never for concurrency
-//! limits (a release frees a place at any moment), and a refund through this process drops
-//! the entry. A refund through another process is not seen here: that client may wait
+//! limits (a release frees a place at any moment) nor for a window with reservations open
+//! (a commit frees units at any moment, on any instance: [`Decision::holds`]), and a
+//! refund, commit or report through this process drops the entry. A refund through another process is not seen here: that client may wait
 //! until the cached time, never longer than the store said. Bounded: when full, expired
 //! entries are dropped, and if none had expired nothing new is cached.
 
