@@ -290,6 +290,55 @@ fn merged(groups: &[Group]) -> (Vec<Part>, Vec<Vec<(usize, usize)>>) {
     (parts, at)
 }
 
+/// Each window a reservation holds with the descriptors that reached it, and its
+/// policy's name (the first descriptor's: one window is one policy's state).
+fn held_windows(
+    parts: &[Part],
+    groups: &[Group],
+    at: &[Vec<(usize, usize)>],
+    descriptors: &[DescriptorVerdict],
+) -> Vec<(Tag, Vec<HeldWindow>)> {
+    let mut held: Vec<(Tag, Vec<HeldWindow>)> = parts
+        .iter()
+        .map(|(tag, once)| {
+            let windows =
+                once.iter().map(|op| HeldWindow { key: op.key, limit: op.limit, policy: 0, of: Vec::new() }).collect();
+            (*tag, windows)
+        })
+        .collect();
+    for (g, at) in groups.iter().zip(at) {
+        for (&(di, pi), &(p, i)) in g.slots.iter().zip(at) {
+            let w = &mut held[p].1[i];
+            if w.of.is_empty() {
+                w.policy = policy_digest(&descriptors[di].policies[pi].name);
+            }
+            w.of.push(di as u16);
+        }
+    }
+    held
+}
+
+/// A refused reservation's answer as what is true once the holds it took are given back:
+/// each charged slot less its window's whole cost.
+fn given_back(
+    parts: &[Part],
+    groups: &[Group],
+    at: &[Vec<(usize, usize)>],
+    charged: &[(usize, usize)],
+    descriptors: &mut [DescriptorVerdict],
+) {
+    for (g, at) in groups.iter().zip(at) {
+        for (slot, &(p, i)) in g.slots.iter().zip(at) {
+            if charged.contains(slot) {
+                let cost = parts[p].1[i].cost;
+                let d = &mut descriptors[slot.0].policies[slot.1].decision;
+                d.used = d.used.saturating_sub(cost);
+                d.remaining = d.remaining.saturating_add(cost).min(d.limit);
+            }
+        }
+    }
+}
+
 /// A digest of a policy's name, as a reservation carries it.
 fn policy_digest(name: &str) -> u64 {
     // FNV-1a: the same on every instance and every build
@@ -345,42 +394,16 @@ impl Limiter {
         if !allowed {
             // another client's part refused: what the others hold goes back
             self.settle(&parts, id, now).await?;
-            for (g, at) in groups.iter().zip(&at) {
-                for (slot, &(p, i)) in g.slots.iter().zip(at) {
-                    if tally.charged.contains(slot) {
-                        let cost = parts[p].1[i].cost;
-                        let d = &mut descriptors[slot.0].policies[slot.1].decision;
-                        d.used = d.used.saturating_sub(cost);
-                        d.remaining = d.remaining.saturating_add(cost).min(d.limit);
-                    }
-                }
-            }
+            given_back(&parts, &groups, &at, &tally.charged, &mut descriptors);
         }
         let outcome = outcome(allowed, &mut descriptors);
         self.count(domain, req, Mode::Charge, &descriptors, tally.degraded, false);
         self.reserved(&groups, &descriptors, allowed.then_some((id, now + ttl)));
-        let reserved = allowed.then(|| {
-            // each window with the descriptors that reached it, and its policy's name
-            let mut held: Vec<(Tag, Vec<HeldWindow>)> = parts
-                .iter()
-                .map(|(tag, once)| {
-                    let windows = once
-                        .iter()
-                        .map(|op| HeldWindow { key: op.key, limit: op.limit, policy: 0, of: Vec::new() })
-                        .collect();
-                    (*tag, windows)
-                })
-                .collect();
-            for (g, at) in groups.iter().zip(&at) {
-                for (&(di, pi), &(p, i)) in g.slots.iter().zip(at) {
-                    let w = &mut held[p].1[i];
-                    if w.of.is_empty() {
-                        w.policy = policy_digest(&descriptors[di].policies[pi].name);
-                    }
-                    w.of.push(di as u16);
-                }
-            }
-            Reserved { id, domain: req.domain.clone(), descriptors: descriptors.len() as u16, groups: held }
+        let reserved = allowed.then(|| Reserved {
+            id,
+            domain: req.domain.clone(),
+            descriptors: descriptors.len() as u16,
+            groups: held_windows(&parts, &groups, &at, &descriptors),
         });
         let binding = binding(&descriptors);
         let v =
