@@ -93,3 +93,35 @@ async fn malformed_calls_are_invalid_arguments() {
     let e = grpc.unary(tonic::Request::new(request("d", "raw").encode_to_vec()), other, common::Raw).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unimplemented, "{e:?}");
 }
+
+/// `limiter.count_refused_hits`: a call that a `rate_limit:` rule refuses is charged its
+/// hits all the same, as envoyproxy/ratelimit counts (limit 100: 90, then a report of 50
+/// refused and counted, leaves nothing); the other `rate_limit:` rules of the call are
+/// charged too, and a Sluice policy keeps all or nothing. Off (a config file's default),
+/// the refused 50 cost nothing.
+#[tokio::test]
+async fn refused_hits_count_as_envoyproxy_ratelimit_counts_them() {
+    let domains = "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 100}\n      - key: team\n        rate_limit: {unit: hour, requests_per_unit: 1000}\n      - key: org\n        policies:\n          - {name: own, fixed_window: {limit: 1000, window: 1h}}\n";
+    // the last call asks 1 (Envoy's 0): counted refused where on, admitted where off
+    for (on, left) in [(true, [0, 1000 - 141, 910]), (false, [9, 909, 909])] {
+        let s = common::start_with(&format!("limiter:\n  count_refused_hits: {on}\n"), domains);
+        let mut rls = RateLimitServiceClient::connect(format!("http://{}", s.grpc)).await.unwrap();
+        let call = |hits: u32| {
+            let d = |k: &str| RateLimitDescriptor {
+                entries: vec![Entry { key: k.into(), value: "a".into() }],
+                ..Default::default()
+            };
+            RateLimitRequest {
+                domain: "d".into(),
+                descriptors: vec![d("user"), d("team"), d("org")],
+                hits_addend: hits,
+            }
+        };
+        assert_eq!(rls.should_rate_limit(call(90)).await.unwrap().into_inner().overall_code, Code::Ok as i32);
+        let r = rls.should_rate_limit(call(50)).await.unwrap().into_inner();
+        assert_eq!(r.overall_code, Code::OverLimit as i32);
+        let r = rls.should_rate_limit(call(0)).await.unwrap().into_inner();
+        let got: Vec<u32> = r.statuses.iter().map(|s| s.limit_remaining).collect();
+        assert_eq!(got, left, "count_refused_hits {on}: user, team (rate_limit), org (policies)");
+    }
+}

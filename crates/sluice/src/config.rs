@@ -74,6 +74,15 @@ pub struct LimiterConfig {
     /// with the reason); `true`, required, so a store that cannot keep them is refused
     /// when the config loads; `false`, refused, saying so.
     pub reservations: Option<bool>,
+    /// Count the hits of a call that envoyproxy/ratelimit-style rules (`rate_limit:`, and
+    /// limits that come with a request) refuse, as envoyproxy/ratelimit does (its counters
+    /// are incremented, then compared): a usage report Envoy sends when a response ends
+    /// (`apply_on_stream_done`) is charged even past the limit. A fixed window admits the
+    /// same calls of one hit either way; a refused call of many hits spends them. Unset:
+    /// on where the rules are envoyproxy/ratelimit's (`--ratelimit-env`, and rules pushed
+    /// over `xds`), off for a config file's `domains`. Sluice's own `policies:` are never
+    /// charged when refused.
+    pub count_refused_hits: Option<bool>,
 }
 
 /// `limiter.top_clients`: per rule, a list of the clients it refuses most and one of
@@ -182,6 +191,7 @@ impl Default for LimiterConfig {
             max_overrides: 250_000,
             ratelimit_metrics: false,
             reservations: None,
+            count_refused_hits: None,
         }
     }
 }

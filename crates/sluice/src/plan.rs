@@ -194,6 +194,7 @@ fn request_policy(rules: &Rules, domain: &Domain, d: &Descriptor, di: usize) -> 
         metric: None,
         anonymous: true,
         grants: None,
+        count_refused: rules.count_refused,
     })
 }
 
@@ -252,6 +253,7 @@ impl Plan<'_> {
             counters: Some(p.counters.clone()),
             metric: p.metric.clone(),
             anonymous: p.anonymous,
+            count_refused: p.count_refused,
         });
         let first = self.groups.iter().position(|g| g.tag == tag);
         let g = match first.filter(|&i| !self.groups[i].ops.iter().any(|o| o.key == op.key)) {

@@ -34,6 +34,8 @@ pub(crate) struct Policy {
     pub anonymous: bool,
     /// Decided from quota grants (`grants:` on its rule).
     pub grants: Option<Arc<GrantRule>>,
+    /// A refused call's hits are counted all the same (`limiter.count_refused_hits`).
+    pub count_refused: bool,
 }
 
 /// A policy's quota grants (`grants:` on its rule): its settings, and its counters
@@ -233,6 +235,8 @@ pub struct Rules {
     pub(crate) request_bounds: crate::config::RequestBounds,
     /// The most stored overrides (`limiter.max_overrides`).
     pub(crate) max_overrides: u64,
+    /// `limiter.count_refused_hits`, for limits that come with a request.
+    pub(crate) count_refused: bool,
     /// Why there are no rules yet, when they are still to come (pushed by a control
     /// plane): every request is answered [`crate::RequestError::NoRules`] until then.
     pub(crate) pending: Option<Arc<str>>,
@@ -271,6 +275,7 @@ impl Rules {
             near_limit_ratio: limiter.near_limit_ratio,
             request_bounds: limiter.request_bounds,
             max_overrides: limiter.max_overrides,
+            count_refused: limiter.count_refused_hits.unwrap_or(false),
             pending: None,
         })
     }
@@ -363,6 +368,7 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
         shadow: limiter.shadow_mode || d.shadow_mode,
         failure: limiter.failure,
         ratelimit_metrics: limiter.ratelimit_metrics,
+        count_refused: limiter.count_refused_hits.unwrap_or(false),
     };
     for (i, c) in d.descriptors.iter().enumerate() {
         add(&mut root, c, inherited, &[], &anchors, &format!("{path}.descriptors[{i}]"))?;
@@ -389,6 +395,8 @@ struct Inherited<'a> {
     failure: Failure,
     /// `limiter.ratelimit_metrics`.
     ratelimit_metrics: bool,
+    /// `limiter.count_refused_hits`.
+    count_refused: bool,
 }
 
 impl Inherited<'_> {
@@ -514,6 +522,7 @@ fn add(
             metric: own.metric.clone(),
             anonymous: false,
             grants: grants_for(c, inherited.domain, &p.name.0, &limit).map_err(at)?,
+            count_refused: false,
         });
     }
     if node.unlimited && !node.policies.is_empty() {
@@ -575,6 +584,7 @@ fn node(
             metric: own.metric.clone(),
             anonymous: rl.name.is_none(),
             grants,
+            count_refused: inherited.count_refused,
         });
     }
     Ok(node)

@@ -86,6 +86,8 @@ pub struct PolicyDecision {
     /// The config gave this limit no name (`name` is made up, and Envoy's answer names
     /// none).
     pub anonymous: bool,
+    /// A refused call's hits are counted all the same (`limiter.count_refused_hits`).
+    pub(crate) count_refused: bool,
 }
 
 /// One descriptor's outcome.

@@ -81,6 +81,7 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
         "server": {"http": host("HOST", "PORT", "8080"), "grpc": host("GRPC_HOST", "GRPC_PORT", "8081")},
         "store": store,
         "limiter": {"near_cache": near_cache, "shadow_mode": on("SHADOW_MODE"), "key_secret": secret,
+            "count_refused_hits": true,
             "near_limit_ratio": get("NEAR_LIMIT_RATIO").and_then(|r| r.parse::<f64>().ok()).unwrap_or(0.8)},
         "headers": {"github": false, "ietf": false, "envoy_ratelimit": headers},
         "envoy": {"merge_domains": on("MERGE_DOMAIN_CONFIG"), "response_dynamic_metadata": on("RESPONSE_DYNAMIC_METADATA")},

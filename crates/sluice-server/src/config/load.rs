@@ -239,7 +239,11 @@ pub fn domain_file(text: &str, file: &str) -> Result<DomainConfig, ConfigError> 
 /// Compiles a parsed config (whose text is `text`, from `file`). A config without any
 /// domain is refused: it would answer every request "unknown domain", and it is what an
 /// editor that truncates a file before writing it leaves for a moment.
-fn compile(config: Config, text: &str, file: &str) -> Result<Loaded, ConfigError> {
+fn compile(mut config: Config, text: &str, file: &str) -> Result<Loaded, ConfigError> {
+    if config.xds.is_some() {
+        // rules in envoyproxy/ratelimit's form, from its control planes: counted as it does
+        config.limiter.count_refused_hits.get_or_insert(true);
+    }
     if config.xds.is_some() && (!config.domains.is_empty() || config.domains_from.is_some()) {
         let message = "`xds` and `domains`/`domains_from` are both set: with `xds` the rules are the management \
                        server's alone, and a config never mixes them; remove one";

@@ -15,7 +15,7 @@ use crate::overrides::{Override, OverrideError, Overrides};
 use crate::plan::{Group, Mode, Plan, plan, unevaluated};
 use crate::request::{Request, RequestError};
 use crate::rules::{Domain, GrantRule, Rules};
-use crate::store::{Refund, Store, StoreError};
+use crate::store::{Commit, Refund, Store, StoreError};
 use crate::tag::Tag;
 use crate::telemetry;
 use crate::time::{Clock, Millis};
@@ -494,6 +494,10 @@ impl Limiter {
         }
         let allowed = tally.refused_groups == 0;
         let lease = lease.and_then(|l| lease_id(&groups, l));
+        if !allowed && mode == Mode::Charge {
+            // envoyproxy/ratelimit's rules count a refused call's hits all the same
+            self.count_refused(&groups, &descriptors, &mut tally, now).await;
+        }
         if !allowed {
             // another tag refused: give back what the allowing tags were charged, and
             // report what is true once it is given back
@@ -512,6 +516,45 @@ impl Limiter {
         self.count(domain, req, mode, &descriptors, tally.degraded, lease.is_some());
         let binding = binding(&descriptors);
         Ok(Verdict { outcome, descriptors, binding, lease, degraded: tally.degraded, now, charges: tally.charges })
+    }
+
+    /// Charges, as reports (never refused), the hits of a refused call on the policies that
+    /// count them (`limiter.count_refused_hits`): those the store decided and did not
+    /// charge; their charges in groups that admitted stay (taken out of what is given
+    /// back). A refusal answered from the near-cache is not counted, as
+    /// envoyproxy/ratelimit's local cache does not count it. A store that keeps no
+    /// reservations (memcached) cannot take a report: nothing is counted there.
+    async fn count_refused(&self, groups: &[Group], descriptors: &[DescriptorVerdict], tally: &mut Tally, now: Millis) {
+        let counts = |&(di, pi): &(usize, usize)| descriptors[di].policies[pi].count_refused;
+        let charges = std::mem::take(&mut tally.charges).into_iter().zip(std::mem::take(&mut tally.charged));
+        (tally.charges, tally.charged) = charges.filter(|(_, slot)| !counts(slot)).unzip();
+        if !self.store.reservations() {
+            return;
+        }
+        for g in groups {
+            let from_store = g.slots.iter().all(|&(di, pi)| descriptors[di].policies[pi].source == Source::Store);
+            let refused = g
+                .ops
+                .iter()
+                .zip(&g.slots)
+                .any(|(o, &(di, pi))| !o.shadow && !descriptors[di].policies[pi].decision.allowed);
+            if !from_store || !refused {
+                continue;
+            }
+            let commits: Vec<Commit> = g
+                .ops
+                .iter()
+                .zip(&g.slots)
+                .filter(|(o, slot)| counts(slot) && o.cost > 0 && matches!(o.limit, Limit::FixedWindow { .. }))
+                .map(|(o, _)| Commit { key: o.key, limit: o.limit, actual: o.cost })
+                .collect();
+            if commits.is_empty() {
+                continue;
+            }
+            if let Err(e) = self.store.commit(g.tag, crate::algo::reservation::REPORT, &commits, now).await {
+                tracing::debug!(error = %e, "the hits of a refused call could not be counted");
+            }
+        }
     }
 
     /// Writes one group's decisions into the verdict's slots, and tallies what it means
