@@ -388,3 +388,132 @@ async fn the_documented_llm_budget_runs_as_written() {
     assert_eq!(ask("bo", 1_001, 10).await.unwrap().status(), 429, "a prompt past what is left of the input budget");
     assert_eq!(e.hits.lock().unwrap().len(), 4, "refused requests never reached the upstream");
 }
+
+/// Under Envoy Gateway (and Envoy AI Gateway, whose token rules Envoy Gateway renders),
+/// usage reports are charged past the limit. The filter and the route's rate limits are
+/// shaped as Envoy Gateway generates them for a rule with a response cost (its
+/// `internal/xds/translator/ratelimit.go` and `backendtrafficpolicy.go`): no
+/// `initial_metadata`, the listener's name as domain, in the route's
+/// `typed_per_filter_config` one entry checking at the request (`hits_addend: {number:
+/// 0}`) and the same descriptors charged when the stream ends with the tokens AI
+/// Gateway's ext_proc writes into dynamic metadata (`io.envoy.ai_gateway:llm_total_token`,
+/// a number; here Envoy's header_to_metadata writes it from the upstream's answer).
+/// Sluice runs from their environment, its rules as Envoy Gateway renders them. A budget
+/// of 100 tokens: 90, then a response of 50 (refused at the stream's end, counted all the
+/// same), then the next request is refused; another tenant's budget is whole.
+#[tokio::test]
+async fn envoy_gateways_usage_reports_are_charged_past_the_limit() {
+    let dir = TempDir::new("sluice-eg");
+    let redis = sluice_testkit::RedisServer::start();
+    let files = dir.path().join("runtime/ratelimit/config");
+    std::fs::create_dir_all(&files).unwrap();
+    let route = "httproute/default/llm/rule/0/match/0/*";
+    let rules = format!(
+        "domain: default/eg/http\ndescriptors:\n  - key: {route}\n    value: {route}\n    descriptors:\n      - key: rule-0-match-0\n        rate_limit: {{requests_per_unit: 100, unit: HOUR}}\n"
+    );
+    std::fs::write(files.join("eg.yaml"), rules).unwrap();
+    let mut cmd = std::process::Command::new(common::bin());
+    cmd.args(["serve", "--ratelimit-env"]);
+    let runtime = dir.path().join("runtime").display().to_string();
+    let (host, port) = redis
+        .url()
+        .trim_start_matches("redis://")
+        .split_once(':')
+        .map(|(h, p)| (h.to_string(), p.to_string()))
+        .unwrap();
+    for (name, value) in [
+        ("HOST", "127.0.0.1".to_string()),
+        ("PORT", "0".into()),
+        ("GRPC_HOST", "127.0.0.1".into()),
+        ("GRPC_PORT", "0".into()),
+        ("USE_STATSD", "false".into()),
+        ("REDIS_SOCKET_TYPE", "tcp".into()),
+        ("REDIS_URL", format!("{host}:{port}")),
+        ("RUNTIME_ROOT", runtime),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit".into()),
+    ] {
+        cmd.env(name, value);
+    }
+    let (_sluice, http, grpc) = common::spawn_command(cmd, dir.path());
+    let log = || std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
+    let grpc: u16 = grpc.rsplit(':').next().unwrap().parse().unwrap();
+    let filters = r#"          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              response_rules:
+              - header: llm-total-token
+                on_header_present: {metadata_namespace: io.envoy.ai_gateway, key: llm_total_token, type: NUMBER}
+                remove: true
+          - name: envoy.filters.http.ratelimit
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+              domain: default/eg/http
+              enable_x_ratelimit_headers: DRAFT_VERSION_03
+              disable_x_envoy_ratelimited_header: true
+              rate_limit_service:
+                transport_api_version: V3
+                grpc_service: {envoy_grpc: {cluster_name: ratelimit_cluster}}
+"#;
+    let actions = format!(
+        "[{{generic_key: {{descriptor_key: \"{route}\", descriptor_value: \"{route}\"}}}}, {{request_headers: {{header_name: x-tenant-id, descriptor_key: rule-0-match-0}}}}]"
+    );
+    let per_route = format!(
+        r#"                name: "{route}"
+                typed_per_filter_config:
+                  envoy.filters.http.ratelimit:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+                    domain: default/eg/http
+                    rate_limits:
+                    - actions: {actions}
+                      hits_addend: {{number: 0}}
+                    - actions: {actions}
+                      apply_on_stream_done: true
+                      hits_addend: {{format: "%DYNAMIC_METADATA(io.envoy.ai_gateway:llm_total_token)%"}}
+"#
+    );
+    let e = Envoy::start(|up| {
+        // the route's own keys go beside `route:` (16 spaces), not under it
+        bootstrap(up, "", "", filters, &grpc_cluster("ratelimit_cluster", &[grpc], "")).replace(
+            "                route:\n                  cluster: upstream\n",
+            &format!("{per_route}                route:\n                  cluster: upstream\n"),
+        )
+    })
+    .await;
+    let client = reqwest::Client::new();
+    let ask = |tenant: &str, tokens: u64| {
+        client
+            .get(format!("http://127.0.0.1:{}/v1/chat/completions", e.port))
+            .header("x-tenant-id", tenant)
+            .header("x-echo-llm-total-token", tokens.to_string())
+            .send()
+    };
+    let used = || {
+        let url = format!("http://{http}/v1/ratelimit?domain=default/eg/http&{route}={route}&rule-0-match-0=t1");
+        let client = client.clone();
+        async move {
+            let v: serde_json::Value = client.get(url).send().await.unwrap().json().await.unwrap();
+            v["statuses"][0]["policies"][0]["used"].as_u64().unwrap_or(0)
+        }
+    };
+    for (tokens, total) in [(90u64, 90u64), (50, 140)] {
+        let r = ask("t1", tokens).await.unwrap();
+        assert_eq!(
+            r.status(),
+            200,
+            "{} used of 100: the check at the request admits\n{}\n{}",
+            total - tokens,
+            e.log(),
+            log()
+        );
+        // the stream-done call is Envoy's fire-and-forget: wait for it to land
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while used().await != total {
+            let seen = used().await;
+            assert!(std::time::Instant::now() < deadline, "used {seen}, not {total}\n{}\n{}", e.log(), log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(ask("t1", 1).await.unwrap().status(), 429, "140 of 100 spent: refused at the request");
+    assert_eq!(ask("t2", 10).await.unwrap().status(), 200, "another tenant's budget is whole");
+    assert_eq!(e.hits.lock().unwrap().len(), 3, "the refused request never reached the upstream");
+}

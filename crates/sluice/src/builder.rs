@@ -92,7 +92,7 @@ pub struct DomainBuilder {
 }
 
 impl DomainBuilder {
-    /// A domain named `name` (1 to 64 of `A-Z a-z 0-9 _ . -`; checked by `build`).
+    /// A domain named `name` (1 to 256 of `A-Z a-z 0-9 _ . - /`; checked by `build`).
     pub fn new(name: impl Into<String>) -> Self {
         Self { name: name.into(), client_key: None, shadow: false, rules: Vec::new() }
     }

@@ -601,19 +601,22 @@ impl<'de> Deserialize<'de> for Unit {
     }
 }
 
-/// A name of a domain or policy: 1 to 64 characters of `A-Z a-z 0-9 _ . -`, so it is
-/// safe in keys, metrics labels and headers.
+/// A name of a domain or policy: 1 to 256 characters of `A-Z a-z 0-9 _ . - /`, so it is
+/// safe in keys, metrics labels and headers. `/` because Envoy Gateway names each domain
+/// after its listener, `NAMESPACE/GATEWAY/LISTENER`; 256 because those parts are
+/// Kubernetes names of up to 63 characters and more.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Name(pub String);
 
 impl Name {
     /// Checks a name.
     pub fn parse(s: &str) -> Result<Self, String> {
-        let ok = !s.is_empty() && s.len() <= 64 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+        let ok =
+            !s.is_empty() && s.len() <= 256 && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"_.-/".contains(&b));
         if ok {
             Ok(Name(s.to_string()))
         } else {
-            Err(format!("invalid name `{s}`: use 1 to 64 characters of letters, digits, `_`, `.` and `-`"))
+            Err(format!("invalid name `{s}`: use 1 to 256 characters of letters, digits, `_`, `.`, `-` and `/`"))
         }
     }
 }
