@@ -21,8 +21,8 @@
 //! This module is the reference: every store runs it (the memory store as is, Redis in
 //! Lua), and the conformance suite holds them to it.
 
-use super::Decision;
 use super::fixed_window::{self, WindowState};
+use super::{Decision, MAX_EXACT};
 use crate::time::Millis;
 
 /// One open reservation.
@@ -184,7 +184,8 @@ pub fn with_holds(d: Decision, ledger: &Ledger, now: Millis) -> Decision {
 }
 
 /// Commits reservation `id` with `actual` units, on a normalized window: what it did,
-/// and the state and ledger to store.
+/// and the state and ledger to store. The count stops at [`MAX_EXACT`]: past it a store
+/// of doubles (Redis's Lua) would count inexactly, and the window is over by far anyway.
 pub fn commit(
     mut s: WindowState,
     mut ledger: Ledger,
@@ -193,7 +194,7 @@ pub fn commit(
     now: Millis,
 ) -> (Settled, WindowState, Ledger) {
     if id == REPORT {
-        s.used = s.used.saturating_add(actual);
+        s.used = s.used.saturating_add(actual).min(MAX_EXACT);
         return (Settled::Reported, s, ledger);
     }
     if ledger.settled.iter().any(|&(i, o, _)| i == id && o == Outcome::Committed) {
@@ -203,12 +204,12 @@ pub fn commit(
     let settled = match ledger.open.iter().position(|h| h.id == id) {
         Some(at) => {
             let h = ledger.open.remove(at);
-            s.used = s.used.saturating_sub(h.units).saturating_add(actual);
+            s.used = s.used.saturating_sub(h.units).saturating_add(actual).min(MAX_EXACT);
             ledger.settle(id, Outcome::Committed, until(h.expires));
             Settled::Committed { held: h.units }
         }
         None => {
-            s.used = s.used.saturating_add(actual);
+            s.used = s.used.saturating_add(actual).min(MAX_EXACT);
             ledger.settle(id, Outcome::Committed, until(now));
             Settled::Reported
         }

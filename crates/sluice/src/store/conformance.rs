@@ -511,6 +511,13 @@ pub async fn reservations_count_billions(s: &dyn Store) {
         .await
         .unwrap();
     assert_eq!(hit(s, t, op(1, month, 0), t0 + 4).await.used, 5_300_000_000);
+    // commits past 2^53 - 1 in all: the count stops there, exactly, on every store
+    let most = crate::algo::MAX_EXACT;
+    for at in 5..8 {
+        let c = [Commit { key: 1, limit: month, actual: most - 1 }];
+        s.commit(t, crate::algo::reservation::REPORT, &c, t0 + at).await.unwrap();
+    }
+    assert_eq!(hit(s, t, op(1, month, 0), t0 + 9).await.used, most, "the count stops at 2^53 - 1");
 }
 
 /// A seeded random sequence of reservations, commits (of open, settled, released and

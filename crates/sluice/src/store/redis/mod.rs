@@ -121,13 +121,14 @@ impl Kind {
     /// the skew the store allows it) and the reservations' (`algo::reservation`: the most
     /// holds a window keeps open, and settlements it remembers).
     fn prelude() -> String {
+        use crate::algo::MAX_EXACT;
         use crate::algo::grant::{BUCKET_TTL, MAX_OPEN, SKEW};
         use crate::algo::reservation::{MAX_OPEN as HOLDS_MAX, MAX_SETTLED};
         let names: Vec<&str> = Self::ALL.iter().map(|(_, n)| *n).collect();
         let numbers: Vec<String> = Self::ALL.iter().map(|(k, _)| (*k as u8).to_string()).collect();
         format!(
-            "local {}, MAX_OPEN, BUCKET_TTL, SKEW, HOLDS_MAX, SETTLED_MAX = {}, {MAX_OPEN}, {BUCKET_TTL}, {SKEW}, \
-             {HOLDS_MAX}, {MAX_SETTLED}\n",
+            "local {}, MAX_OPEN, BUCKET_TTL, SKEW, HOLDS_MAX, SETTLED_MAX, MAX_EXACT = {}, {MAX_OPEN}, {BUCKET_TTL}, \
+             {SKEW}, {HOLDS_MAX}, {MAX_SETTLED}, {MAX_EXACT}\n",
             names.join(", "),
             numbers.join(", ")
         )

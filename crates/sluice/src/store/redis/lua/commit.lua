@@ -2,7 +2,8 @@
 -- algo::reservation::commit): an open hold's units are replaced by the actual; a
 -- reservation not open (released at its deadline, of another window, unknown) is
 -- charged its actual as a report, never refused; one committed already changes nothing.
--- Id 0 (reservation::REPORT) is a report of no reservation, remembered nowhere.
+-- Id 0 (reservation::REPORT) is a report of no reservation, remembered nowhere. A
+-- window's count stops at MAX_EXACT (2^53 - 1), the last integer a double holds exactly.
 -- KEYS[i]   commit i's bucket
 -- ARGV      now, grace (as apply's), the reservation's id (decimal), then 3 values per
 --           commit: its policy (as apply's), the actual amount, its state's field
@@ -17,7 +18,7 @@ for i = 1, #KEYS do
   local did, held, keep = 1, 0, nil
   local until_ = id ~= '0' and redis.call('ZSCORE', sk, id)
   if id == '0' then
-    s.u = s.u + actual
+    s.u = min(s.u + actual, MAX_EXACT)
   elseif until_ and tonumber(until_) > now then
     did = 2
   else
@@ -29,9 +30,9 @@ for i = 1, #KEYS do
       redis.call('ZREM', s.dk, id)
       s.h = holds_first(s.dk, now)
       if s.h == nil then redis.call('DEL', s.hk, s.dk) end
-      s.u, did, keep = max(s.u - held, 0) + actual, 0, max(max(int(e), s.r), now)
+      s.u, did, keep = min(max(s.u - held, 0) + actual, MAX_EXACT), 0, max(max(int(e), s.r), now)
     else
-      s.u, keep = s.u + actual, max(s.r, now)
+      s.u, keep = min(s.u + actual, MAX_EXACT), max(s.r, now)
     end
     -- Ledger::settle: remembered until `keep`, the oldest forgotten past SETTLED_MAX
     redis.call('ZREMRANGEBYSCORE', sk, '-inf', num(now))
