@@ -60,7 +60,9 @@ pub mod topk;
 mod verdict;
 
 pub use builder::{DomainBuilder, RuleBuilder, RulesBuilder};
-pub use engine::{CheckError, HeldLeases, HeldReservations, Issued, Limiter, MAX_RESERVED_WINDOWS, Reserved};
+pub use engine::{
+    CheckError, HeldLeases, HeldReservations, Issued, Limiter, MAX_RESERVED_DESCRIPTORS, MAX_RESERVED_WINDOWS, Reserved,
+};
 pub use overrides::{Override, OverrideError, Overrides, Rejected};
 pub use request::{Descriptor, Entry, LimitOverride, Request, RequestError};
 pub use telemetry::names as metric_names;

@@ -26,7 +26,7 @@ mod reservations;
 
 /// An op a status reads: its client, the op, its policy's name, its descriptor.
 type PeekOp = (Tag, Op, Arc<str>, usize);
-pub use reservations::{HeldReservations, Issued, MAX_RESERVED_WINDOWS, Reserved};
+pub use reservations::{HeldReservations, Issued, MAX_RESERVED_DESCRIPTORS, MAX_RESERVED_WINDOWS, Reserved};
 
 /// Why a request could not be decided at all.
 #[derive(Debug, thiserror::Error)]

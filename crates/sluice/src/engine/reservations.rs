@@ -156,6 +156,10 @@ struct HeldWindow {
 /// refused, saying so): what keeps a reservation's id short whatever was reserved.
 pub const MAX_RESERVED_WINDOWS: usize = 64;
 
+/// The most descriptors one reservation may name (however high
+/// `limiter.request_bounds.descriptors` is set): each window counts its own in a byte.
+pub const MAX_RESERVED_DESCRIPTORS: usize = 255;
+
 /// The version byte of [`Reserved::to_bytes`].
 const RESERVED_V1: u8 = 1;
 
@@ -339,6 +343,22 @@ fn given_back(
     }
 }
 
+/// Whether a reservation of `descriptors` reaching `windows` windows can be held (its id
+/// stays bounded); the reason when it cannot.
+fn bounded(descriptors: usize, windows: usize) -> Result<(), RequestError> {
+    if descriptors > MAX_RESERVED_DESCRIPTORS {
+        let why = format!(
+            "the request names {descriptors} descriptors; a reservation names at most {MAX_RESERVED_DESCRIPTORS}"
+        );
+        return Err(RequestError::BadReservation(why));
+    }
+    if windows > MAX_RESERVED_WINDOWS {
+        let why = format!("the request reaches {windows} windows; a reservation holds at most {MAX_RESERVED_WINDOWS}");
+        return Err(RequestError::BadReservation(why));
+    }
+    Ok(())
+}
+
 /// A digest of a policy's name, as a reservation carries it.
 fn policy_digest(name: &str) -> u64 {
     // FNV-1a: the same on every instance and every build
@@ -370,12 +390,7 @@ impl Limiter {
             plan(&self.rules, &self.overrides.current(), req, Mode::Charge, None, now)?;
         reservable(&groups, &descriptors)?;
         let (parts, at) = merged(&groups);
-        let windows: usize = parts.iter().map(|p| p.1.len()).sum();
-        if windows > MAX_RESERVED_WINDOWS {
-            let why =
-                format!("the request reaches {windows} windows; a reservation holds at most {MAX_RESERVED_WINDOWS}");
-            return Err(RequestError::BadReservation(why).into());
-        }
+        bounded(descriptors.len(), parts.iter().map(|p| p.1.len()).sum())?;
         let r = Reservation { id, ttl };
         let results =
             futures_util::future::join_all(parts.iter().map(|(tag, once)| self.store.reserve(*tag, once, r, now)))
@@ -582,6 +597,34 @@ mod tests {
         let e = limiter.reserve(&req, REPORT, 1_000).await.unwrap_err();
         assert!(e.to_string().contains("reservation id 0"), "{e}");
         assert!(limiter.reserve(&req, 1, 1_000).await.unwrap().0.allowed());
+    }
+
+    /// A reservation names at most MAX_RESERVED_DESCRIPTORS descriptors, however many a
+    /// request may carry (an id counts each window's in a byte): one more is refused,
+    /// saying so; and a request of one window named 255 times holds it once.
+    #[tokio::test]
+    async fn a_reservation_names_at_most_255_descriptors() {
+        let mut limiter = crate::config::LimiterConfig::default();
+        limiter.request_bounds.descriptors = 1_000;
+        let rule = serde_json::json!([{"domain": "d", "descriptors": [
+            {"key": "user", "rate_limit": {"unit": "hour", "requests_per_unit": 1000}}]}]);
+        let domains: Vec<crate::config::DomainConfig> = serde_json::from_value(rule).unwrap();
+        let limiter = Limiter::in_memory(crate::rules::Rules::compile(&limiter, &domains).unwrap());
+        let req = |n: usize| {
+            let mut r = Request::new("d");
+            for _ in 0..n {
+                r = r.descriptor([("user", "a")]);
+            }
+            r
+        };
+        let e = limiter.reserve(&req(MAX_RESERVED_DESCRIPTORS + 1), 1, 1_000).await.unwrap_err();
+        assert!(e.to_string().contains("at most 255"), "{e}");
+        let (v, held) = limiter.reserve(&req(MAX_RESERVED_DESCRIPTORS), 2, 1_000).await.unwrap();
+        assert!(v.allowed());
+        let held = held.unwrap();
+        assert_eq!(Reserved::from_bytes(&held.to_bytes()), Some(held.clone()), "its bytes read back");
+        let settled = limiter.commit(&held, &[1; MAX_RESERVED_DESCRIPTORS]).await.unwrap();
+        assert_eq!(settled, [Settled::Committed { held: MAX_RESERVED_DESCRIPTORS as u64 }], "one window");
     }
 
     /// Past MAX_ISSUED reservations tracked, one more is counted nowhere in the gauges
