@@ -9,8 +9,9 @@
 //! as large as the one refused (quota only grows back with time), never for concurrency
 //! limits (a release frees a place at any moment) nor for a window with reservations open
 //! (a commit frees units at any moment, on any instance: [`Decision::holds`]), and a
-//! refund, commit or report through this process drops the entry. A refund through another process is not seen here: that client may wait
-//! until the cached time, never longer than the store said. Bounded: when full, expired
+//! refund, commit or report through this process drops the entry. A refund through
+//! another process is not seen here: that client may wait until the cached time, never
+//! longer than the store said. Bounded: when full, expired
 //! entries are dropped, and if none had expired nothing new is cached.
 
 use crate::algo::{Decision, Limit, Op};

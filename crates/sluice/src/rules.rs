@@ -145,22 +145,23 @@ pub(crate) struct Domain {
 }
 
 impl Domain {
-    /// The counters of the policy whose name has digest `digest` (`digest` of each name,
-    /// a map made at the first call).
-    pub(crate) fn counters_of(&self, digest: u64, of: fn(&str) -> u64) -> Option<&Arc<PolicyCounters>> {
-        let by = self.by_digest.get_or_init(|| self.policy_counters().into_iter().map(|(n, c)| (of(&n), c)).collect());
+    /// The counters of the policy whose name has [`policy_digest`] `digest` (a map made
+    /// at the first call; the limits that come with a request's under `request_limit`).
+    pub(crate) fn counters_of(&self, digest: u64) -> Option<&Arc<PolicyCounters>> {
+        let by = self.by_digest.get_or_init(|| {
+            let own = self.policies().into_iter().map(|p| (policy_digest(&p.name), p.counters.clone()));
+            own.chain([(policy_digest(REQUEST_LIMIT), self.override_counters.clone())]).collect()
+        });
         by.get(&digest)
     }
 
-    /// Every policy's name and counters (the same name may come several times), with
-    /// the limits that come with a request's.
-    fn policy_counters(&self) -> Vec<(Arc<str>, Arc<PolicyCounters>)> {
-        let mut all = vec![(Arc::from(REQUEST_LIMIT), self.override_counters.clone())];
-        let mut levels = vec![&self.root];
+    /// Every policy of every rule of the domain.
+    fn policies(&self) -> Vec<&Policy> {
+        let (mut levels, mut all) = (vec![&self.root], Vec::new());
         while let Some(level) = levels.pop() {
             for rules in level.by_key.values() {
                 for node in rules.exact.values().chain(rules.wildcards.iter().map(|(_, n)| n)).chain(&rules.any) {
-                    all.extend(node.policies.iter().map(|p| (p.name.clone(), p.counters.clone())));
+                    all.extend(&node.policies);
                     levels.push(&node.children);
                 }
             }
@@ -219,6 +220,12 @@ impl Domain {
             None => tagger.tag_of(&self.name, entries),
         }
     }
+}
+
+/// A digest of a policy's name, as a reservation carries it (FNV-1a: the same on every
+/// instance and every build).
+pub(crate) fn policy_digest(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Everything the engine needs from a config: the compiled domains, and the settings
@@ -300,19 +307,8 @@ impl Rules {
     pub fn top_lists(&self, domain: &str) -> Option<Vec<(&str, Vec<&crate::topk::RuleLists>)>> {
         let d = self.domains.get(domain)?;
         let mut by_name: std::collections::BTreeMap<&str, Vec<&crate::topk::RuleLists>> = Default::default();
-        let mut levels = vec![&d.root];
-        let mut all: Vec<&Policy> = Vec::new();
-        while let Some(level) = levels.pop() {
-            for rules in level.by_key.values() {
-                let nodes = rules.exact.values().chain(rules.wildcards.iter().map(|(_, n)| n)).chain(&rules.any);
-                for node in nodes {
-                    all.extend(&node.policies);
-                    levels.push(&node.children);
-                }
-            }
-        }
         by_name.entry(REQUEST_LIMIT).or_default().extend(d.override_counters.top.as_ref());
-        for p in all {
+        for p in d.policies() {
             by_name.entry(&p.name).or_default().extend(p.counters.top.as_ref());
         }
         Some(by_name.into_iter().collect())
@@ -337,18 +333,7 @@ impl Rules {
 
     /// Calls `f` with every policy of every rule.
     fn each_policy(&self, f: &mut dyn FnMut(&Policy)) {
-        fn walk(level: &Level, f: &mut dyn FnMut(&Policy)) {
-            for rules in level.by_key.values() {
-                let nodes = rules.exact.values().chain(rules.wildcards.iter().map(|(_, n)| n)).chain(rules.any.iter());
-                for n in nodes {
-                    n.policies.iter().for_each(&mut *f);
-                    walk(&n.children, f);
-                }
-            }
-        }
-        for d in self.domains.values() {
-            walk(&d.root, f);
-        }
+        self.domains.values().flat_map(Domain::policies).for_each(f);
     }
 
     /// Configured domain names, sorted.

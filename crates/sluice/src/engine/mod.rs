@@ -256,7 +256,7 @@ impl Limiter {
             let refunds: Vec<Refund> =
                 g.ops.iter().zip(current).map(|(o, d)| refund_of(o, o.cost, d.reset_at)).collect();
             self.store.refund(g.tag, &refunds, now).await?;
-            self.forget(g.tag, &refunds);
+            self.forget(g.tag, refunds.iter().map(|r| r.key));
         }
         Ok(())
     }
@@ -425,9 +425,7 @@ impl Limiter {
             let ops: Vec<Op> = chosen.iter().map(|(op, _)| *op).collect();
             self.store.reset(g.tag, &ops, now).await?;
             self.grants.forget(g.tag, ops.iter().map(|o| o.key));
-            if let Some(cache) = &self.near_cache {
-                cache.forget(g.tag, ops.iter().map(|o| o.key));
-            }
+            self.forget(g.tag, ops.iter().map(|o| o.key));
             names.extend(chosen.into_iter().map(|(_, name)| name));
         }
         if !names.is_empty() {
@@ -521,7 +519,9 @@ impl Limiter {
     /// Charges, as reports (never refused), the hits of a refused call on the policies that
     /// count them (`limiter.count_refused_hits`): those the store decided and did not
     /// charge; their charges in groups that admitted stay (taken out of what is given
-    /// back). A refusal answered from the near-cache is not counted, as
+    /// back). A window already past its limit is not charged again: every call is refused
+    /// there until it ends whatever more it counts, so a flood of refused calls costs one
+    /// store call each, not two. A refusal answered from the near-cache is not counted, as
     /// envoyproxy/ratelimit's local cache does not count it. A store that keeps no
     /// reservations (memcached) cannot take a report: nothing is counted there.
     async fn count_refused(&self, groups: &[Group], descriptors: &[DescriptorVerdict], tally: &mut Tally, now: Millis) {
@@ -545,7 +545,10 @@ impl Limiter {
                 .ops
                 .iter()
                 .zip(&g.slots)
-                .filter(|(o, slot)| counts(slot) && o.cost > 0 && matches!(o.limit, Limit::FixedWindow { .. }))
+                .filter(|(o, slot)| {
+                    let d = &descriptors[slot.0].policies[slot.1].decision;
+                    counts(slot) && o.cost > 0 && d.used <= d.limit && matches!(o.limit, Limit::FixedWindow { .. })
+                })
                 .map(|(o, _)| Commit { key: o.key, limit: o.limit, actual: o.cost })
                 .collect();
             if commits.is_empty() {
@@ -840,9 +843,11 @@ impl Limiter {
         (decisions, worst)
     }
 
-    fn forget(&self, tag: Tag, refunds: &[Refund]) {
+    /// Drops this instance's near-cache entries for states whose quota came back (a
+    /// refund, a commit, a report).
+    fn forget(&self, tag: Tag, keys: impl Iterator<Item = u64>) {
         if let Some(cache) = &self.near_cache {
-            cache.forget(tag, refunds.iter().map(|r| r.key));
+            cache.forget(tag, keys);
         }
     }
 
@@ -864,7 +869,7 @@ impl Limiter {
         }
         for (tag, refunds) in by_tag {
             self.store.refund(tag, &refunds, now).await?;
-            self.forget(tag, &refunds);
+            self.forget(tag, refunds.iter().map(|r| r.key));
         }
         Ok(())
     }

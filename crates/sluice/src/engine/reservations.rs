@@ -8,6 +8,7 @@ use crate::algo::reservation::{Hold, REPORT};
 use crate::algo::{Limit, MAX_EXACT, Op};
 use crate::plan::{Group, Mode, Plan, plan};
 use crate::request::{Request, RequestError};
+use crate::rules::policy_digest;
 use crate::store::{Commit, Reservation, Settled, StoreError};
 use crate::tag::Tag;
 use crate::telemetry::{PolicyCounters, ReservationCounters};
@@ -164,20 +165,10 @@ pub const MAX_RESERVED_DESCRIPTORS: usize = 255;
 const RESERVED_V1: u8 = 1;
 
 impl Reserved {
-    /// The reservation's number.
-    pub fn id(&self) -> u64 {
-        self.id
-    }
-
     /// How many descriptors the reservation named (a commit sends one actual each, or
     /// one for all).
     pub fn descriptors(&self) -> usize {
         self.descriptors.into()
-    }
-
-    /// The request's domain.
-    pub fn domain(&self) -> &str {
-        &self.domain
     }
 
     /// A compact binary form (for a token a client carries; seal it against forgery).
@@ -359,12 +350,6 @@ fn bounded(descriptors: usize, windows: usize) -> Result<(), RequestError> {
     Ok(())
 }
 
-/// A digest of a policy's name, as a reservation carries it.
-fn policy_digest(name: &str) -> u64 {
-    // FNV-1a: the same on every instance and every build
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
-}
-
 impl Limiter {
     /// Reserves each descriptor's cost (its `hits_addend`, else the request's) of every
     /// matching fixed window as reservation `id`, held until `ttl` from now or until
@@ -446,7 +431,7 @@ impl Limiter {
                     count_settled(c.reservations(), *s, REPORT, op.cost);
                 }
             }
-            self.forget_cached(g.tag, &commits);
+            self.forget(g.tag, commits.iter().map(|c| c.key));
         }
         Ok(())
     }
@@ -464,7 +449,7 @@ impl Limiter {
             return Err(RequestError::BadReservation(why).into());
         }
         let mut plans = Vec::with_capacity(r.groups.len());
-        for (tag, windows) in &r.groups {
+        for (_, windows) in &r.groups {
             let mut commits = Vec::with_capacity(windows.len());
             for w in windows {
                 let actual = w.of.iter().fold(0u64, |sum, &d| sum.saturating_add(actuals[d as usize]));
@@ -477,30 +462,24 @@ impl Limiter {
                 }
                 commits.push(Commit { key: w.key, limit: w.limit, actual });
             }
-            plans.push((*tag, commits));
+            plans.push(commits);
         }
         let now = self.clock.now();
         let domain = self.rules.domain(&r.domain);
         let mut settled = Vec::new();
-        for ((tag, windows), (_, commits)) in r.groups.iter().zip(&plans) {
+        for ((tag, windows), commits) in r.groups.iter().zip(&plans) {
             let done = self.store.commit(*tag, r.id, commits, now).await?;
             for ((w, c), s) in windows.iter().zip(commits).zip(&done) {
-                if let Some(counters) = domain.and_then(|d| d.counters_of(w.policy, policy_digest)) {
+                if let Some(counters) = domain.and_then(|d| d.counters_of(w.policy)) {
                     count_settled(counters.reservations(), *s, r.id, c.actual);
                 }
             }
             // units given back here are not refused from this instance's cache
-            self.forget_cached(*tag, commits);
+            self.forget(*tag, commits.iter().map(|c| c.key));
             settled.extend(done);
         }
         self.issued.settle(r.id);
         Ok(settled)
-    }
-
-    fn forget_cached(&self, tag: Tag, commits: &[Commit]) {
-        if let Some(cache) = &self.near_cache {
-            cache.forget(tag, commits.iter().map(|c| c.key));
-        }
     }
 
     /// Releases what reservation `id` holds on every group's windows (a commit of 0).

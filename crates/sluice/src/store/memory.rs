@@ -489,14 +489,18 @@ impl Store for MemoryStore {
         let mut out = Vec::with_capacity(ops.len());
         for (op, d, s, mut ledger, next) in held {
             // refused as a whole: the windows as brought to now, nothing held
+            // reservation::reserve marked the decision for the holds open; a hold it adds too
             let s = match next {
                 Some((charged, hold)) if admitted => {
+                    out.push(Decision { holds: d.holds || hold.is_some(), ..d });
                     ledger.open.extend(hold);
                     charged
                 }
-                _ => s,
+                _ => {
+                    out.push(d);
+                    s
+                }
             };
-            out.push(reservation::with_holds(d, &ledger, now));
             Self::put_reserved(&mut shard, slot(tag, op.key), &op.limit, s, ledger);
         }
         Ok(out)
