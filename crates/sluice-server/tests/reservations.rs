@@ -172,3 +172,29 @@ async fn start_with_off() -> common::Sluice {
         "  - domain: llm\n    descriptors:\n      - key: user\n        rate_limit: {unit: minute, requests_per_unit: 100}\n",
     )
 }
+
+/// Ids are bounded whatever is reserved: a reservation of the most windows it may hold
+/// (64: 32 users under two policies each, values of 1,000 bytes) gets an id under the
+/// longest one taken back (8 KB, `service::budget::MAX_TOKEN`) that commits; one more
+/// window is refused with the reason; an id past 8 KB is refused without being decoded.
+#[tokio::test]
+async fn ids_are_bounded_at_every_size() {
+    let two = "  - domain: wide\n    descriptors:\n      - key: user\n        policies:\n          - {name: minute, fixed_window: {limit: 100000, window: 1m}}\n          - {name: hour, fixed_window: {limit: 100000, window: 1h}}\n";
+    let s = start(two);
+    let (client, base) = (reqwest::Client::new(), s.base.clone());
+    let users = |n: usize| -> Vec<Value> {
+        (0..n).map(|i| json!({"entries": [{"key": "user", "value": format!("{i:0>1000}")}]})).collect()
+    };
+    let (code, held) = reserve(&client, &base, json!({"domain": "wide", "descriptors": users(32), "amount": 1})).await;
+    assert_eq!(code, 200, "{held}");
+    let id = held["reservation_id"].as_str().unwrap();
+    assert!(id.len() < 8_192, "the id of 64 windows is {} bytes", id.len());
+    let (code, settled) = commit(&client, &base, id, json!({"actual": 1})).await;
+    assert_eq!((code, settled["settled"].as_array().map(Vec::len)), (200, Some(64)), "{settled}");
+    let (code, e) = reserve(&client, &base, json!({"domain": "wide", "descriptors": users(33), "amount": 1})).await;
+    assert_eq!((code, e["error"]["code"].as_str()), (400, Some("bad_reservation")), "{e}");
+    assert!(e["error"]["message"].as_str().unwrap().contains("66 windows"), "{e}");
+    let long = "A".repeat(8_193);
+    let (code, e) = commit(&client, &base, &long, json!({"actual": 1})).await;
+    assert_eq!((code, e["error"]["code"].as_str()), (400, Some("bad_reservation_id")), "{e}");
+}
