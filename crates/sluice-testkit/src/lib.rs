@@ -786,9 +786,48 @@ fn send(port: u16, line: &str) -> std::io::Result<String> {
     let mut s = TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], port)), Duration::from_secs(1))?;
     s.set_read_timeout(Some(Duration::from_secs(2)))?;
     s.write_all(format!("{line}\r\n").as_bytes())?;
-    let mut buf = vec![0u8; 64 * 1024];
-    let n = s.read(&mut buf)?;
-    Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    // A long reply (INFO commandstats, KEYS) can come in several reads: read until it is whole.
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    while !whole(&reply) {
+        let n = s.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        reply.extend_from_slice(&buf[..n]);
+    }
+    Ok(String::from_utf8_lossy(&reply).into_owned())
+}
+
+/// Whether `reply` is a whole answer: one RESP value from Redis, or from memcached's text
+/// protocol a line that ends the answer (`END`, or any single line that is not a `STAT`).
+fn whole(reply: &[u8]) -> bool {
+    match reply.first() {
+        None => false,
+        Some(b'+' | b'-' | b':' | b'$' | b'*' | b'_' | b'#' | b',' | b'%') => resp_end(reply, 0).is_some(),
+        Some(_) => {
+            reply.ends_with(b"END\r\n")
+                || (reply.ends_with(b"\r\n") && !reply.starts_with(b"STAT ") && !reply.starts_with(b"VALUE "))
+        }
+    }
+}
+
+/// Where the RESP value starting at `at` ends, if `reply` holds all of it.
+fn resp_end(reply: &[u8], at: usize) -> Option<usize> {
+    let line_end = at + reply.get(at..)?.windows(2).position(|w| w == b"\r\n")?;
+    let header = std::str::from_utf8(&reply[at + 1..line_end]).ok()?;
+    let next = line_end + 2;
+    match reply[at] {
+        b'$' => match header.parse::<i64>().ok()? {
+            n if n < 0 => Some(next),
+            n => (reply.len() >= next + n as usize + 2).then_some(next + n as usize + 2),
+        },
+        b'*' | b'%' => {
+            let items = header.parse::<i64>().ok()?.max(0) as usize * if reply[at] == b'%' { 2 } else { 1 };
+            (0..items).try_fold(next, |end, _| resp_end(reply, end))
+        }
+        _ => Some(next),
+    }
 }
 
 /// PINGs a Redis on `port` (a server that wants a password, and says so, answers too).
@@ -811,4 +850,24 @@ pub fn wait_for_port(port: u16, timeout: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(20));
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::whole;
+
+    #[test]
+    fn a_reply_is_whole_only_when_all_of_it_came() {
+        let info = b"$19\r\n# Commandstats\r\nabc\r\n";
+        assert!(whole(info));
+        assert!(!whole(&info[..12]), "a bulk string cut short");
+        assert!(whole(b"*2\r\n$1\r\na\r\n$-1\r\n"));
+        assert!(!whole(b"*2\r\n$1\r\na\r\n"), "an array missing its second item");
+        assert!(whole(b"*1\r\n*2\r\n:1\r\n:2\r\n"));
+        assert!(!whole(b"*1\r\n*2\r\n:1\r\n"), "a nested array cut short");
+        assert!(whole(b"+PONG\r\n") && whole(b"-NOAUTH Authentication required.\r\n"));
+        assert!(!whole(b"+PON"));
+        assert!(whole(b"STAT pid 1\r\nEND\r\n") && !whole(b"STAT pid 1\r\n"));
+        assert!(whole(b"VERSION 1.6.21\r\n") && !whole(b""));
+    }
 }
