@@ -21,7 +21,14 @@ use std::process::ExitCode;
 
 fn main() -> ExitCode {
     alloc::init();
-    let result: Result<(), Box<dyn std::error::Error>> = match Cli::parse_from(commands::arguments()).command {
+    let args = match commands::arguments() {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result: Result<(), Box<dyn std::error::Error>> = match Cli::parse_from(args).command {
         Command::Serve(args) => runtime().and_then(|rt| Ok(rt.block_on(commands::serve::serve(args))?)),
         Command::Admin(args) => runtime().and_then(|rt| Ok(rt.block_on(commands::admin::run(args))?)),
         Command::Bench(args) => runtime().and_then(|rt| Ok(rt.block_on(commands::bench::bench(args))?)),

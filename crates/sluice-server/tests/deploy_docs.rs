@@ -39,25 +39,15 @@ fn the_systemd_unit_verifies() {
     assert!(out.status.success() && said.trim().is_empty(), "systemd-analyze verify:\n{said}");
 }
 
-/// The documents of deploy/kubernetes as `kubectl kustomize` renders them, where kubectl
-/// is installed; else the files its kustomization.yaml lists, each parsed, so that
-/// neither a machine without kubectl nor one with it skips the checks.
-fn kubernetes_documents() -> Vec<serde_json::Value> {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes");
-    let parse = |text: &str| -> Vec<serde_json::Value> {
-        text.split("\n---\n")
-            .filter(|d| !d.trim().is_empty())
-            .map(|d| serde_norway::from_str(d).unwrap_or_else(|e| panic!("not YAML ({e}):\n{d}")))
-            .collect()
-    };
-    if let Ok(out) = Command::new("kubectl").arg("kustomize").arg(&dir).output() {
-        assert!(out.status.success(), "kubectl kustomize: {}", String::from_utf8_lossy(&out.stderr));
-        return parse(&String::from_utf8_lossy(&out.stdout));
-    }
-    let kustomization: serde_json::Value =
-        serde_norway::from_str(&std::fs::read_to_string(dir.join("kustomization.yaml")).unwrap()).unwrap();
-    let files = kustomization["resources"].as_array().expect("resources");
-    files.iter().flat_map(|f| parse(&std::fs::read_to_string(dir.join(f.as_str().unwrap())).unwrap())).collect()
+/// The keys of the Secret `name` as docs/operations.md creates it (`kubectl create secret
+/// generic NAME --from-literal=KEY=...`).
+fn secret_keys(name: &serde_json::Value) -> Vec<String> {
+    let create = example("kubernetes-secret");
+    assert!(create.contains(&format!("kubectl create secret generic {}", name.as_str().unwrap())), "{create}");
+    let keys: Vec<String> =
+        create.split("--from-literal=").skip(1).map(|rest| rest.split('=').next().unwrap().to_string()).collect();
+    assert!(!keys.is_empty(), "{create}");
+    keys
 }
 
 /// deploy/kubernetes, applied as it is (`kubectl apply -k`): every document parses, the
@@ -66,22 +56,41 @@ fn kubernetes_documents() -> Vec<serde_json::Value> {
 /// and with each other.
 #[test]
 fn the_kubernetes_manifests_parse_and_agree() {
-    let docs = kubernetes_documents();
+    let docs = common::kubernetes_documents();
     let kind = |k: &str| docs.iter().find(|d| d["kind"] == k).unwrap_or_else(|| panic!("no {k}"));
     let (config_map, deployment, service) = (kind("ConfigMap"), kind("Deployment"), kind("Service"));
 
-    // the config it mounts is one Sluice accepts
-    let config = config_map["data"]["sluice.yaml"].as_str().expect("data.sluice.yaml");
-    let dir = TempDir::new("sluice-k8s");
-    let file = dir.path().join("sluice.yaml");
-    std::fs::write(&file, config).unwrap();
-    let check = Command::new(common::bin()).args(["config", "check"]).arg(&file).output().unwrap();
-    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
-
     let pod = &deployment["spec"]["template"]["spec"];
     let container = &pod["containers"][0];
+    // the image's entry point is /bin/ratelimit, which takes no arguments
+    assert_eq!(container["command"], serde_json::json!(["/bin/sluice"]), "the Deployment names Sluice's command");
     let args: Vec<&str> = container["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
     assert_eq!(args[0], "serve");
+
+    // the config it mounts is one Sluice accepts, with the Secret docs/operations.md
+    // creates mounted where the Deployment mounts it; a placeholder left in it is refused
+    let config = config_map["data"]["sluice.yaml"].as_str().expect("data.sluice.yaml");
+    let secrets = pod["volumes"].as_array().unwrap().iter().find(|v| v["secret"].is_object()).expect("a Secret volume");
+    let mounted = container["volumeMounts"].as_array().unwrap().iter().find(|m| m["name"] == secrets["name"]).unwrap();
+    let at = mounted["mountPath"].as_str().unwrap();
+    let dir = TempDir::new("sluice-k8s");
+    let (file, secret_dir) = (dir.path().join("sluice.yaml"), dir.path().join("secrets"));
+    std::fs::create_dir(&secret_dir).unwrap();
+    let keys = secret_keys(&secrets["secret"]["secretName"]);
+    for (i, key) in keys.iter().enumerate() {
+        std::fs::write(secret_dir.join(key), format!("{i}-{}\n", "0123456789abcdef".repeat(2))).unwrap();
+    }
+    let named: Vec<&str> = config.matches(&format!("{at}/")).collect();
+    assert_eq!(named.len(), keys.len(), "the config reads every key of the Secret, and no other file under {at}");
+    std::fs::write(&file, config.replace(at, &secret_dir.display().to_string())).unwrap();
+    let check = || Command::new(common::bin()).args(["config", "check"]).arg(&file).output().unwrap();
+    let out = check();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    std::fs::write(secret_dir.join(&keys[0]), "CHANGE-ME-to-openssl-rand-hex-16").unwrap();
+    let out = check();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && said.contains("placeholder"), "a placeholder secret passed: {said}");
+
     flags_exist(&args[1..]);
     let mount = container["volumeMounts"][0]["mountPath"].as_str().unwrap();
     let config_arg = args.iter().position(|a| *a == "--config").map(|i| args[i + 1]).unwrap();

@@ -142,6 +142,94 @@ fn the_image_runs_under_envoy_gateways_deployment() {
     }
 }
 
+/// Runs in a network and mount namespace: Redis as the Service `redis`, then the
+/// Deployment's own command and arguments on the image's root made read-only, as the
+/// Deployment's user; then a decision with an API token and one without, and the image's
+/// entry point given the Deployment's arguments (what ran when the manifest named none).
+const DEPLOYMENT: &str = r#"
+set -u
+ip link set lo up
+mount --bind "$ROOTFS" "$ROOTFS" && mount -o remount,bind,ro "$ROOTFS"
+"$REDIS" --port 6379 --bind 127.0.0.1 --save '' --appendonly no >"$DIR/redis.log" 2>&1 &
+redis=$!
+env -i HOME=/ "$CHROOT" --userspec="$USERSPEC" "$ROOTFS" $COMMAND_LINE >"$DIR/sluice.log" 2>&1 &
+sluice=$!
+for _ in $(seq 100); do
+  "$CURL" -sf http://127.0.0.1:8080/readyz >/dev/null && break
+  sleep 0.1
+done
+echo "readyz: $("$CURL" -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8080/readyz)"
+decide() {
+  "$CURL" -s -o /dev/null -w '%{http_code}' "$@" -H 'content-type: application/json'     -d '{"domain":"api","descriptors":[{"entries":[{"key":"user","value":"alice"}]}]}'     http://127.0.0.1:8080/v1/ratelimit
+}
+echo "with token: $(decide -H "authorization: Bearer $TOKEN")"
+echo "without: $(decide)"
+kill "$sluice"
+wait "$sluice"
+echo "exit: $?"
+env -i HOME=/ "$CHROOT" --userspec="$USERSPEC" "$ROOTFS" /bin/ratelimit $ARGS 2>"$DIR/entrypoint.log"
+echo "entrypoint exit: $?"
+echo "entrypoint said: $(cat "$DIR/entrypoint.log")"
+kill "$redis"
+wait
+"#;
+
+/// deploy/kubernetes's Deployment, run as it is on the image: its `command` and `args`
+/// read from the manifest, the ConfigMap's config and the Secret's files (made as
+/// docs/operations.md makes them, owned by the pod's group, mode 0440) mounted where it
+/// mounts them, as its user, on a read-only root. It serves, requires the token, and
+/// stops cleanly; the image's entry point given the same arguments says to call
+/// /bin/sluice. (The manifest set `args` alone, and `/bin/ratelimit serve ...` exited 2.)
+#[test]
+fn the_kubernetes_deployment_runs_on_the_image() {
+    let dir = TempDir::new("sluice-image-k8s");
+    let (rootfs, _) = build(&dir);
+    let docs = common::kubernetes_documents();
+    let kind = |k: &str| docs.iter().find(|d| d["kind"] == k).unwrap_or_else(|| panic!("no {k}"));
+    let pod = &kind("Deployment")["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
+    let words = |v: &serde_json::Value| -> Vec<String> {
+        v.as_array().map(|a| a.iter().map(|w| w.as_str().unwrap().to_string()).collect()).unwrap_or_default()
+    };
+    let (command, args) = (words(&container["command"]), words(&container["args"]));
+    let mount = |volume: &str| -> PathBuf {
+        let name = pod["volumes"].as_array().unwrap().iter().find(|v| v[volume].is_object()).unwrap()["name"].clone();
+        let m = container["volumeMounts"].as_array().unwrap().iter().find(|m| m["name"] == name).unwrap();
+        rootfs.join(m["mountPath"].as_str().unwrap().trim_start_matches('/'))
+    };
+    let (config_dir, secret_dir) = (mount("configMap"), mount("secret"));
+    std::fs::create_dir_all(&config_dir).unwrap();
+    let config = kind("ConfigMap")["data"]["sluice.yaml"].as_str().unwrap();
+    std::fs::write(config_dir.join("sluice.yaml"), config).unwrap();
+    std::fs::create_dir_all(&secret_dir).unwrap();
+    let token = "7f3a9c0e5b2d4f6a8c1e3b5d7f9a0c2e";
+    let group = pod["securityContext"]["fsGroup"].as_u64().expect("an fsGroup for the Secret's files");
+    for (key, value) in
+        [("admin-token", "a".repeat(32)), ("api-tokens", token.to_string()), ("key-secret", "k".repeat(64))]
+    {
+        let file = secret_dir.join(key);
+        std::fs::write(&file, value).unwrap();
+        std::os::unix::fs::chown(&file, Some(0), Some(group as u32)).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o440)).unwrap();
+    }
+    std::fs::write(rootfs.join("etc/hosts"), "127.0.0.1 localhost redis\n").unwrap();
+    let user = format!("{}:{}", pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]);
+    let env = [
+        ("COMMAND_LINE", [command.clone(), args.clone()].concat().join(" ")),
+        ("ARGS", args.join(" ")),
+        ("USERSPEC", user),
+        ("TOKEN", token.to_string()),
+    ];
+    let (said, stderr, log) = run_with(&dir, &rootfs, &["--net", "--mount"], DEPLOYMENT, &env);
+    let all = format!("{said}\n{stderr}\n{log}");
+    assert!(said.contains("readyz: 200"), "{all}");
+    assert!(said.contains("with token: 200") && said.contains("without: 401"), "{all}");
+    assert!(said.contains("exit: 0\n"), "a clean stop on SIGTERM: {all}");
+    assert!(said.contains("entrypoint exit: 2"), "{all}");
+    assert!(said.contains("call /bin/sluice"), "the entry point says what to run: {all}");
+}
+
 /// Builds the image from the binary under test with scripts/image (buildah), leaving its
 /// root filesystem in `dir/rootfs`; returns that and the image's config (`buildah
 /// inspect`), the image itself removed.
@@ -167,9 +255,21 @@ fn build(dir: &TempDir) -> (PathBuf, serde_json::Value) {
 /// Runs `script` in new `namespaces` (`unshare`), with the tools it calls named in its
 /// environment; returns what it printed, its errors, and the server's log.
 fn run(dir: &TempDir, rootfs: &Path, namespaces: &[&str], script: &str) -> (String, String, String) {
+    run_with(dir, rootfs, namespaces, script, &[])
+}
+
+/// [`run`], with more variables in the script's environment.
+fn run_with(
+    dir: &TempDir,
+    rootfs: &Path,
+    namespaces: &[&str],
+    script: &str,
+    env: &[(&str, String)],
+) -> (String, String, String) {
     let (curl, redis) = (require("curl", "curl"), require("redis-server", "redis-server"));
     let (unshare, chroot) = (require("unshare", "util-linux"), require("chroot", "coreutils"));
     let out = Command::new(unshare)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .args(namespaces)
         .args(["--", "sh", "-c", script])
         .env("DIR", dir.path())

@@ -32,6 +32,9 @@ pub struct LimiterConfig {
     /// Secret for client tags. Every server sharing a store must use the same one; change
     /// it from the default so clients cannot predict where their state lives.
     pub key_secret: String,
+    /// A file whose content is `key_secret` (a mounted secret): `sluice serve` reads it
+    /// at start and at each reload. The library itself does not read it.
+    pub key_secret_file: Option<std::path::PathBuf>,
     /// Where `now` comes from: `system` (precise to the millisecond, see
     /// [`crate::time::SystemClock`]) or `coarse` (the kernel tick, 1 to 4 ms, a little
     /// cheaper to read; see [`crate::time::CoarseClock`]).
@@ -178,6 +181,7 @@ impl Default for LimiterConfig {
     fn default() -> Self {
         Self {
             key_secret: DEFAULT_KEY_SECRET.into(),
+            key_secret_file: None,
             clock: ClockKind::System,
             failure: Failure::Open,
             deadline: Duration(100),

@@ -60,12 +60,24 @@ pub enum ConfigCommand {
 
 /// The command line, as `sluice` was called. Called by the name `ratelimit` (the image's
 /// `/bin/ratelimit`, the path Envoy Gateway and Istio run envoyproxy/ratelimit's image
-/// by), it is `sluice serve --ratelimit-env`: their environment, their way.
-pub fn arguments() -> Vec<std::ffi::OsString> {
+/// by), it is `sluice serve --ratelimit-env`: their environment, their way. That name
+/// takes no arguments, as theirs takes none: arguments given to it (a Deployment that
+/// sets `args: [serve, ...]` and no `command` on the image, whose entry point it is) are
+/// refused, saying to call `/bin/sluice`.
+pub fn arguments() -> Result<Vec<std::ffi::OsString>, String> {
     let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let called = args.first().and_then(|a| std::path::Path::new(a).file_name().map(|n| n == "ratelimit"));
     if called == Some(true) {
+        if args.len() > 1 {
+            let given: Vec<_> = args[1..].iter().map(|a| a.to_string_lossy()).collect();
+            return Err(format!(
+                "/bin/ratelimit takes no arguments (it is envoyproxy/ratelimit's entry point: `sluice serve \
+                 --ratelimit-env`, configured by their environment variables), but was given `{}`; to run \
+                 Sluice's own commands call /bin/sluice (in a Kubernetes container: command: [\"/bin/sluice\"])",
+                given.join(" ")
+            ));
+        }
         args.splice(1..1, ["serve".into(), "--ratelimit-env".into()]);
     }
-    args
+    Ok(args)
 }

@@ -21,7 +21,7 @@ pub struct CheckError {
 }
 
 impl CheckError {
-    fn at(anchors: &[&str], message: String) -> Self {
+    pub(crate) fn at(anchors: &[&str], message: String) -> Self {
         Self { anchors: anchors.iter().map(|a| a.to_string()).collect(), message }
     }
 }

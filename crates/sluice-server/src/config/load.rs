@@ -256,6 +256,11 @@ fn compile(mut config: Config, text: &str, file: &str) -> Result<Loaded, ConfigE
         };
         return Err(ConfigError { file: file.to_string(), at: None, message: message.into() });
     }
+    crate::config::secrets::read(&mut config).map_err(|e| ConfigError {
+        file: file.to_string(),
+        at: locate(text, &e.anchors),
+        message: e.message,
+    })?;
     let mut rules = config.rules().map_err(|e| ConfigError {
         file: file.to_string(),
         at: locate(text, &e.anchors),

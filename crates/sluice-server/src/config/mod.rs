@@ -5,6 +5,7 @@
 pub mod checks;
 pub mod env;
 pub mod load;
+pub mod secrets;
 
 use serde::{Deserialize, Deserializer, de};
 use sluice::config::{DomainConfig, Duration, LimiterConfig};
@@ -149,11 +150,16 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Enables the admin endpoints; callers must send `Authorization: Bearer <token>`.
     pub admin_token: Option<String>,
+    /// A file whose content is `admin_token` (a Kubernetes Secret's key mounted as a
+    /// file, say): the token stays out of the config. Read at start and at each reload.
+    pub admin_token_file: Option<std::path::PathBuf>,
     /// Credentials of the data plane: when any are set, every decision, lease, refund and
     /// status call (HTTP `Authorization: Bearer <token>`, gRPC metadata `authorization`)
     /// must carry one of them. Several, so they can be rotated. Off by default for the
     /// loopback default; required when a listener is not on loopback.
     pub api_tokens: Vec<String>,
+    /// A file of more `api_tokens`, one a line (blank lines and `#` comments skipped).
+    pub api_tokens_file: Option<std::path::PathBuf>,
     /// A request head must arrive within this; a keep-alive connection that sends no
     /// next request is closed after it too (HTTP). gRPC: a connection's first call must
     /// open within it, and the HTTP/2 keep-alive ping must be answered within it.
@@ -239,7 +245,9 @@ impl Default for ServerConfig {
             grpc: SocketAddr::from(([127, 0, 0, 1], 8081)),
             max_body_bytes: 64 * 1024,
             admin_token: None,
+            admin_token_file: None,
             api_tokens: Vec::new(),
+            api_tokens_file: None,
             header_timeout: Duration(10_000),
             body_timeout: Duration(10_000),
             max_connections: 4_096,

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use sluice_testkit::{Process, TempDir};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -271,4 +271,52 @@ pub fn doc_example(page: &str, name: &str) -> String {
     let body = &doc[start + marker.len()..];
     let body = &body[body.find('\n').unwrap() + 1..];
     body[..body.find("\n```").expect("a closed block")].to_string() + "\n"
+}
+
+/// The documents of deploy/kubernetes with every optional component of it on, as `kubectl
+/// kustomize` renders them where kubectl is installed; else the files its
+/// kustomization.yaml and its components list, each parsed, so that neither a machine
+/// without kubectl nor one with it skips the checks.
+pub fn kubernetes_documents() -> Vec<serde_json::Value> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/kubernetes").canonicalize().unwrap();
+    let parse = |text: &str| -> Vec<serde_json::Value> {
+        text.split("\n---\n")
+            .filter(|d| !d.trim().is_empty())
+            .map(|d| serde_norway::from_str(d).unwrap_or_else(|e| panic!("not YAML ({e}):\n{d}")))
+            .collect()
+    };
+    let yaml = |path: &Path| -> serde_json::Value {
+        serde_norway::from_str(&std::fs::read_to_string(path.join("kustomization.yaml")).unwrap()).unwrap()
+    };
+    let mut components: Vec<PathBuf> =
+        std::fs::read_dir(dir.join("components")).unwrap().map(|e| e.unwrap().path()).collect();
+    components.sort();
+    if Command::new("kubectl").arg("version").arg("--client").output().is_ok() {
+        // kustomize takes relative paths only: a kustomization beside the target dir
+        let at = TempDir::new("sluice-kustomize");
+        let up = |p: &Path| relative(at.path(), p);
+        let listed: Vec<String> = components.iter().map(|c| format!("  - {}\n", up(c))).collect();
+        let text = format!("resources:\n  - {}\ncomponents:\n{}", up(&dir), listed.concat());
+        std::fs::write(at.path().join("kustomization.yaml"), text).unwrap();
+        let out = Command::new("kubectl").arg("kustomize").arg(at.path()).output().unwrap();
+        assert!(out.status.success(), "kubectl kustomize: {}", String::from_utf8_lossy(&out.stderr));
+        return parse(&String::from_utf8_lossy(&out.stdout));
+    }
+    let resources = |d: &Path| -> Vec<serde_json::Value> {
+        let listed = yaml(d)["resources"].as_array().cloned().unwrap_or_default();
+        listed.iter().flat_map(|f| parse(&std::fs::read_to_string(d.join(f.as_str().unwrap())).unwrap())).collect()
+    };
+    std::iter::once(&dir).chain(&components).flat_map(|d| resources(d)).collect()
+}
+
+/// `to` as a path relative to the directory `from` (both absolute).
+fn relative(from: &Path, to: &Path) -> String {
+    let (from, to) = (from.canonicalize().unwrap(), to.canonicalize().unwrap());
+    let common = from.components().zip(to.components()).take_while(|(a, b)| a == b).count();
+    let ups = from.components().count() - common;
+    let rest: Vec<String> =
+        to.components().skip(common).map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+    let mut parts = vec![".."; ups].into_iter().map(String::from).collect::<Vec<_>>();
+    parts.extend(rest);
+    parts.join("/")
 }

@@ -1,0 +1,183 @@
+//! Credentials kept out of the config file: `server.admin_token_file`,
+//! `server.api_tokens_file` and `limiter.key_secret_file` name files whose content is the
+//! secret, as a Kubernetes Secret mounted as a volume gives them (one file per key), so
+//! the config can live in a ConfigMap that anyone who reads the namespace may read.
+//!
+//! The files are read where the config is (at start, by `config check`, and at each
+//! reload), and a secret that is still the examples' placeholder is refused wherever it
+//! comes from: a deployment copied as written must not run with a credential everyone
+//! can read in this repository.
+
+use crate::config::Config;
+use crate::config::checks::{CheckError, token_ok};
+use std::path::Path;
+
+/// How every placeholder the examples ship begins: a secret that begins so was never set.
+pub const PLACEHOLDER: &str = "CHANGE-ME";
+
+/// The largest secret file read: a token is tens of bytes; a file this large is the
+/// wrong file.
+const MAX_FILE_BYTES: u64 = 64 * 1024;
+
+/// Reads the secrets `config` names by file into their keys (`admin_token`, `api_tokens`,
+/// `key_secret`), and refuses any secret that is still a placeholder.
+pub fn read(config: &mut Config) -> Result<(), CheckError> {
+    let server = &mut config.server;
+    if let Some(path) = &server.admin_token_file {
+        if server.admin_token.is_some() {
+            return Err(both("server", "admin_token"));
+        }
+        let token = single(path, "server.admin_token_file")?;
+        token_ok(&token).map_err(|why| at_file("server", "admin_token_file", path, why))?;
+        server.admin_token = Some(token);
+    }
+    if let Some(path) = &server.api_tokens_file {
+        let text = file(path, "server", "api_tokens_file")?;
+        let tokens: Vec<(usize, &str)> = lines(&text).collect();
+        if tokens.is_empty() {
+            let why = "holds no token (one a line; blank lines and # comments are skipped)".to_string();
+            return Err(at_file("server", "api_tokens_file", path, why));
+        }
+        for (line, token) in tokens {
+            token_ok(token)
+                .map_err(|why| at_file("server", "api_tokens_file", path, format!("line {line}: the token {why}")))?;
+            server.api_tokens.push(token.to_string());
+        }
+    }
+    let limiter = &mut config.limiter;
+    if let Some(path) = &limiter.key_secret_file {
+        if limiter.key_secret != sluice::config::DEFAULT_KEY_SECRET {
+            return Err(both("limiter", "key_secret"));
+        }
+        limiter.key_secret = single(path, "limiter.key_secret_file")?;
+    }
+    placeholders(config)
+}
+
+/// Refuses a secret that is still one of the examples' placeholders.
+fn placeholders(config: &Config) -> Result<(), CheckError> {
+    let (server, limiter) = (&config.server, &config.limiter);
+    let secrets = server
+        .admin_token
+        .iter()
+        .map(|t| ("admin_token", "server", t))
+        .chain(server.api_tokens.iter().map(|t| ("api_tokens", "server", t)))
+        .chain(std::iter::once(("key_secret", "limiter", &limiter.key_secret)));
+    for (key, section, secret) in secrets {
+        if is_placeholder(secret) {
+            let message = format!(
+                "{section}.{key} is still the placeholder {PLACEHOLDER}...: the examples' secrets are public; put \
+                 your own in a Secret (`openssl rand -hex 16`) and name its file with {section}.{key}_file \
+                 (docs/operations.md, \"Secrets\")"
+            );
+            return Err(CheckError::at(&[section, key], message));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `secret` is a placeholder (`CHANGE-ME...`, in any case).
+fn is_placeholder(secret: &str) -> bool {
+    secret.trim().get(..PLACEHOLDER.len()).is_some_and(|head| head.eq_ignore_ascii_case(PLACEHOLDER))
+}
+
+/// A file's lines that hold a value, numbered from 1: blank lines and `#` comments are
+/// skipped, and each value is trimmed (a file written by `echo` ends in a newline).
+fn lines(text: &str) -> impl Iterator<Item = (usize, &str)> {
+    text.lines().enumerate().map(|(i, l)| (i + 1, l.trim())).filter(|(_, l)| !l.is_empty() && !l.starts_with('#'))
+}
+
+/// A file that holds one secret, trimmed.
+fn single(path: &Path, key: &str) -> Result<String, CheckError> {
+    let (section, name) = key.split_once('.').expect("section.key");
+    let text = file(path, section, name)?;
+    let value = text.trim();
+    if value.is_empty() {
+        return Err(at_file(section, name, path, "is empty".into()));
+    }
+    Ok(value.to_string())
+}
+
+/// A secret file's text: present, readable, small, UTF-8.
+fn file(path: &Path, section: &str, key: &str) -> Result<String, CheckError> {
+    let err = |why: String| at_file(section, key, path, why);
+    let meta = std::fs::metadata(path).map_err(|e| err(format!("cannot be read: {e}")))?;
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(err(format!("is {} bytes, past the {MAX_FILE_BYTES} a secret file may hold", meta.len())));
+    }
+    let bytes = std::fs::read(path).map_err(|e| err(format!("cannot be read: {e}")))?;
+    String::from_utf8(bytes).map_err(|_| err("is not UTF-8 text".into()))
+}
+
+fn at_file(section: &str, key: &str, path: &Path, why: String) -> CheckError {
+    CheckError::at(&[section, key], format!("{section}.{key}: the file {} {why}", path.display()))
+}
+
+fn both(section: &str, key: &str) -> CheckError {
+    CheckError::at(
+        &[section, key],
+        format!(
+            "{section}.{key} and {section}.{key}_file are both set: keep one (the file, to keep the secret out of the config)"
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(yaml: &str) -> Config {
+        serde_norway::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn secrets_are_read_from_their_files() {
+        let dir = sluice_testkit::TempDir::new("sluice-secrets");
+        let (admin, api, key) = (dir.path().join("admin"), dir.path().join("api"), dir.path().join("key"));
+        std::fs::write(&admin, "0123456789abcdef0123\n").unwrap();
+        std::fs::write(&api, "# rotated on Mondays\nfedcba9876543210fedc\n\n  aaaaaaaaaaaaaaaaaaaa  \n").unwrap();
+        std::fs::write(&key, "a-key-secret-of-our-own\n").unwrap();
+        let yaml = format!(
+            "server: {{admin_token_file: {}, api_tokens: [bbbbbbbbbbbbbbbbbbbb], api_tokens_file: {}}}\nlimiter: {{key_secret_file: {}}}\n",
+            admin.display(),
+            api.display(),
+            key.display()
+        );
+        let mut c = config(&yaml);
+        read(&mut c).unwrap();
+        assert_eq!(c.server.admin_token.as_deref(), Some("0123456789abcdef0123"));
+        assert_eq!(c.server.api_tokens, ["bbbbbbbbbbbbbbbbbbbb", "fedcba9876543210fedc", "aaaaaaaaaaaaaaaaaaaa"]);
+        assert_eq!(c.limiter.key_secret, "a-key-secret-of-our-own");
+
+        // each failure names the key, the file and the fix
+        std::fs::write(&api, "fedcba9876543210fedc\nshort\n").unwrap();
+        let e = read(&mut config(&yaml)).unwrap_err().message;
+        assert!(e.contains("server.api_tokens_file") && e.contains("line 2") && e.contains("too short"), "{e}");
+        std::fs::write(&api, "# nothing yet\n").unwrap();
+        assert!(read(&mut config(&yaml)).unwrap_err().message.contains("holds no token"));
+        std::fs::remove_file(&admin).unwrap();
+        let e = read(&mut config(&yaml)).unwrap_err().message;
+        assert!(e.contains("server.admin_token_file") && e.contains("cannot be read"), "{e}");
+        let e = read(&mut config(&format!("server: {{admin_token: x, admin_token_file: {}}}", key.display())))
+            .unwrap_err()
+            .message;
+        assert!(e.contains("are both set"), "{e}");
+    }
+
+    #[test]
+    fn placeholders_are_refused_wherever_they_come_from() {
+        let dir = sluice_testkit::TempDir::new("sluice-placeholders");
+        let file = dir.path().join("key");
+        std::fs::write(&file, "change-me-to-openssl-rand-hex-16\n").unwrap();
+        for (yaml, key) in [
+            ("server: {api_tokens: [CHANGE-ME-to-openssl-rand-hex-16]}".to_string(), "server.api_tokens"),
+            ("server: {admin_token: CHANGE-ME-to-openssl-rand-hex-16}".to_string(), "server.admin_token"),
+            ("limiter: {key_secret: CHANGE-ME-too}".to_string(), "limiter.key_secret"),
+            (format!("limiter: {{key_secret_file: {}}}", file.display()), "limiter.key_secret"),
+        ] {
+            let e = read(&mut config(&yaml)).unwrap_err().message;
+            assert!(e.starts_with(key) && e.contains("placeholder") && e.contains("openssl rand"), "{yaml}: {e}");
+        }
+        read(&mut config("limiter: {key_secret: changed-and-mine}")).unwrap();
+    }
+}
