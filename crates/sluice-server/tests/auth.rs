@@ -45,6 +45,18 @@ async fn the_data_plane_needs_one_of_the_tokens() {
     }
     assert_eq!(client.get(format!("{}/healthz", s.base)).send().await.unwrap().status(), 200);
     assert_eq!(client.get(format!("{}/readyz", s.base)).send().await.unwrap().status(), 200);
+    // each refusal is counted; the log says it once (at most every 10 s), with the peer
+    let metrics = common::metrics(&client, &s.base).await;
+    assert!(metrics.contains("sluice_unauthenticated_total{listener=\"http\"} 7\n"), "{metrics}");
+    refusals_logged_once(&s.log());
+}
+
+/// The log holds one line for the refusals (they came within 10 s), naming the peer and
+/// where the fix is.
+fn refusals_logged_once(log: &str) {
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("refused for their credentials")).collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    assert!(lines[0].contains("peer=127.0.0.1:") && lines[0].contains("When Sluice requires credentials"), "{log}");
 }
 
 #[tokio::test]
@@ -72,6 +84,10 @@ async fn envoys_calls_need_one_of_the_tokens_in_metadata() {
     let reserve = kuadrant::ReserveRequest { request: Some(request()), ttl: None };
     let e = kuadrant::call::<_, kuadrant::ReserveResponse>(&s.grpc, "Reserve", reserve).await.unwrap_err();
     assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+    // Envoy fails open on UNAUTHENTICATED: what it lets through is counted and logged
+    let metrics = common::metrics(&reqwest::Client::new(), &s.base).await;
+    assert!(metrics.contains("sluice_unauthenticated_total{listener=\"grpc\"} 4\n"), "{metrics}");
+    refusals_logged_once(&s.log());
 }
 
 #[tokio::test]

@@ -82,10 +82,10 @@ impl RateLimitQuotaService for Rlqs {
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
         let given = request.metadata().get("authorization").map(|v| v.as_bytes());
-        if !self.state.api_token_matches(given) {
+        let peer = request.extensions().get::<crate::grpc::listen::Peer>().and_then(|p| p.addr);
+        if !self.state.api_token_matches(given, "grpc", peer) {
             return Err(Status::unauthenticated("send metadata authorization: Bearer <one of server.api_tokens>"));
         }
-        let peer = request.extensions().get::<crate::grpc::listen::Peer>().and_then(|p| p.addr);
         self.state.rlqs.open_stream(peer.map(|a| a.ip()))?;
         let (tx, rx) = mpsc::channel(16);
         let stream = Stream::new(self.state.clone(), peer, tx);

@@ -55,7 +55,8 @@ pub fn ended(answer: &GrpcResponse) -> crate::otel::Ended {
 pub async fn read<M: prost::Message + Default>(state: &AppState, req: GrpcRequest) -> Result<M, Status> {
     use http_body_util::BodyExt;
     let given = req.headers().get("authorization").map(|v| v.as_bytes());
-    if !state.api_token_matches(given) {
+    let peer = req.extensions().get::<crate::grpc::listen::Peer>().and_then(|p| p.addr);
+    if !state.api_token_matches(given, "grpc", peer) {
         return Err(Status::unauthenticated("send metadata authorization: Bearer <one of server.api_tokens>"));
     }
     let body = match http_body_util::Limited::new(req.into_body(), MAX_REQUEST).collect().await {

@@ -260,5 +260,10 @@ pub(crate) async fn data_plane_token(
     next: axum::middleware::Next,
 ) -> Response {
     let given = request.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
-    if state.api_token_matches(given) { next.run(request).await } else { unauthorized_for("one of server.api_tokens") }
+    let peer = request.extensions().get::<crate::http::listen::PeerAddr>().and_then(|p| p.0);
+    if state.api_token_matches(given, "http", peer) {
+        next.run(request).await
+    } else {
+        unauthorized_for("one of server.api_tokens")
+    }
 }

@@ -117,12 +117,13 @@ pub async fn serve(
         while connections.try_join_next().is_some() {}
         let (router, open, closed, stop_rx, tls) =
             (router.clone(), open.clone(), closed.clone(), stop_rx.clone(), tls.clone());
+        let peer = PeerAddr(stream.peer_addr().ok());
         connections.spawn(async move {
             match tls {
-                None => connection(stream, router, bounds, full, stop_rx).await,
+                None => connection(stream, router, peer, bounds, full, stop_rx).await,
                 // boxed: a TLS connection's future is several times a plain one's, and
                 // every plain connection's task would be allocated at its size
-                Some(tls) => Box::pin(secure_connection(stream, &tls, router, bounds, full, stop_rx)).await,
+                Some(tls) => Box::pin(secure_connection(stream, &tls, router, peer, bounds, full, stop_rx)).await,
             }
             open.fetch_sub(1, Ordering::Relaxed);
             closed.fetch_add(1, Ordering::Relaxed);
@@ -135,6 +136,11 @@ pub async fn serve(
     let _ = tokio::task::spawn_blocking(move || front.join()).await;
     Ok(dropped)
 }
+
+/// The address a request's connection came from, in its extensions (for the log line of
+/// a call refused for its credentials).
+#[derive(Debug, Clone, Copy)]
+pub struct PeerAddr(pub Option<std::net::SocketAddr>);
 
 /// Counts a connection over `server.max_connections`, and says so at most every 10 s.
 fn over_limit(log: &Sometimes, max_connections: usize) {
@@ -254,6 +260,7 @@ async fn health(stream: tokio::net::TcpStream, router: Router) {
 async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static>(
     stream: S,
     router: Router,
+    peer: PeerAddr,
     bounds: Bounds,
     over_limit: bool,
     mut stop: watch::Receiver<bool>,
@@ -266,7 +273,11 @@ async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Se
         builder.header_read_timeout(bounds.header_timeout);
     }
     let stream = Lingering { io: stream, shut: false, until: None, discarded: 0 };
-    let conn = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(router));
+    let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
+        request.extensions_mut().insert(peer);
+        tower::ServiceExt::oneshot(router.clone(), request)
+    });
+    let conn = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(conn);
     tokio::select! {
         _ = conn.as_mut() => return,
@@ -286,12 +297,13 @@ async fn secure_connection(
     stream: tokio::net::TcpStream,
     tls: &crate::tls::Tls,
     router: Router,
+    peer: PeerAddr,
     bounds: Bounds,
     over_limit: bool,
     stop: watch::Receiver<bool>,
 ) {
     match tokio::time::timeout(bounds.header_timeout, tls.http().accept(stream)).await {
-        Ok(Ok(stream)) => connection(stream, router, bounds, over_limit, stop).await,
+        Ok(Ok(stream)) => connection(stream, router, peer, bounds, over_limit, stop).await,
         Ok(Err(e)) => tracing::debug!(error = %e, "HTTP TLS handshake refused"),
         Err(_) => tracing::debug!("HTTP TLS handshake timed out"),
     }

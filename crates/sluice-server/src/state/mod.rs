@@ -2,6 +2,7 @@
 //! handles a reload or an admin call changes.
 
 pub mod build;
+pub mod credentials;
 pub mod history;
 pub mod rlqs;
 pub mod xds;
@@ -35,6 +36,8 @@ pub struct AppState {
     pub admin_token: Option<String>,
     /// `server.api_tokens`: when any, the data plane (HTTP and gRPC) needs one of them.
     pub api_tokens: Vec<String>,
+    /// The data-plane calls refused for their credentials.
+    pub refusals: credentials::Refusals,
     pub max_body_bytes: usize,
     /// `server.body_timeout`.
     pub body_timeout: std::time::Duration,
@@ -96,6 +99,7 @@ impl AppState {
             tuning: ArcSwap::new(built.tuning),
             admin_token: server.admin_token.clone(),
             api_tokens: server.api_tokens.clone(),
+            refusals: credentials::Refusals::default(),
             max_body_bytes: server.max_body_bytes,
             body_timeout: server.body_timeout.to_std(),
             metrics,
@@ -122,9 +126,18 @@ impl AppState {
     }
 
     /// Whether `authorization` (a header value) carries one of `server.api_tokens`, or
-    /// none is configured.
-    pub fn api_token_matches(&self, authorization: Option<&[u8]>) -> bool {
-        self.api_tokens.is_empty() || self.api_tokens.iter().any(|t| bearer_is(authorization, t))
+    /// none is configured; a call refused is counted and logged, by `listener` and `peer`.
+    pub fn api_token_matches(
+        &self,
+        authorization: Option<&[u8]>,
+        listener: &'static str,
+        peer: Option<std::net::SocketAddr>,
+    ) -> bool {
+        let ok = self.api_tokens.is_empty() || self.api_tokens.iter().any(|t| bearer_is(authorization, t));
+        if !ok {
+            self.refusals.refused(listener, peer, authorization.is_some());
+        }
+        ok
     }
 
     /// Puts a freshly built engine in force.

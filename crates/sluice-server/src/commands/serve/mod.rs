@@ -275,6 +275,7 @@ fn install_metrics() -> Result<Metrics, ServeError> {
     crate::grpc::rlqs::names::describe();
     crate::otel::describe_metrics();
     crate::xds::describe_metrics();
+    crate::state::credentials::describe();
     Ok(Metrics { recorder: handle, process, turn: Default::default() })
 }
 
