@@ -76,6 +76,10 @@ struct Plane {
     current: Mutex<(String, Vec<Any>)>,
     changed: tokio::sync::Notify,
     seen: Mutex<Vec<Seen>>,
+    /// Streams opened, and whether new ones get nothing (as go-control-plane sends a
+    /// node it has no snapshot for).
+    opened: std::sync::atomic::AtomicUsize,
+    silent: std::sync::atomic::AtomicBool,
 }
 
 impl Plane {
@@ -155,6 +159,12 @@ impl AggregatedDiscoveryService for Ads {
             plane.seen.lock().unwrap().push(seen);
         };
         record(&plane, &first);
+        plane.opened.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if plane.silent.load(std::sync::atomic::Ordering::SeqCst) {
+            // hold the stream open and send nothing, for as long as the client stays
+            tokio::spawn(async move { while let Ok(Some(_)) = requests.message().await {} });
+            return Ok(tonic::Response::new(Box::pin(futures_util::stream::pending())));
+        }
         let listening = plane.clone();
         tokio::spawn(async move {
             while let Ok(Some(r)) = requests.message().await {
@@ -556,4 +566,80 @@ async fn a_push_past_the_size_bound_is_not_taken() {
     let status: serde_json::Value =
         reqwest::get(format!("http://{http}/v1/ratelimit?domain=eg&user=z")).await.unwrap().json().await.unwrap();
     assert_eq!(status["statuses"][0]["policies"][0]["limit"], 4, "the rules in force stay: {status}");
+}
+
+/// A control plane that accepts the stream and sends nothing (go-control-plane, for a
+/// node id it has no snapshot for): past `xds.initial_fetch_timeout` the instance says
+/// so with the likely cause, counts it and opens the stream again, instead of waiting in
+/// silence. Ready at once under `start_without_config`, every decision meanwhile is
+/// answered without rules and counted; once rules come, the scrape shows the stream
+/// open, the version in force and when it was pushed; with the control plane gone, the
+/// stream closed.
+#[tokio::test]
+async fn a_silent_control_plane_is_said_counted_and_retried() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let plane = Arc::new(Plane::default());
+    plane.silent.store(true, SeqCst);
+    let mut cp = ControlPlane::start(plane.clone(), 0);
+    let xds = format!(
+        "xds:\n  server: 127.0.0.1:{}\n  node_id: envoy-ratelimit\n  node_metadata: {{instance: s}}\n  initial_fetch_timeout: 1s\n  retry: 100ms\n  max_retry: 200ms\n  start_without_config: true\n",
+        cp.port
+    );
+    let s = common::start_with(&xds, "  []\n");
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !s.log().contains("sent no rules within 1s") || plane.opened.load(SeqCst) < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "no word of the silent server, {} streams:\n{}",
+            plane.opened.load(SeqCst),
+            s.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let line = s.log().lines().find(|l| l.contains("sent no rules within 1s")).unwrap().to_string();
+    assert!(line.contains("WARN") && line.contains("xds.node_id") && line.contains("envoy-ratelimit"), "{line}");
+    assert_eq!(client.get(format!("{}/readyz", s.base)).send().await.unwrap().status(), 200);
+    assert_eq!(common::hit(&client, &s.base, "eg", &[("user", "x")]).await.status(), 503);
+    let mut rls =
+        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
+            format!("http://{}", s.grpc),
+        )
+        .await
+        .unwrap();
+    let status = rls.should_rate_limit(common::rls_request("eg", &[("user", "x")])).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unavailable);
+    let metrics = common::metrics(&client, &s.base).await;
+    assert!(common::series(&metrics, "sluice_xds_initial_fetch_timeouts_total") >= 2.0, "{metrics}");
+    assert_eq!(common::series(&metrics, "sluice_decisions_without_rules_total{api=\"http\"}"), 1.0, "{metrics}");
+    assert_eq!(common::series(&metrics, "sluice_decisions_without_rules_total{api=\"grpc\"}"), 1.0, "{metrics}");
+    assert_eq!(common::series(&metrics, "sluice_xds_last_push_timestamp_seconds"), 0.0, "{metrics}");
+    assert!(!metrics.contains("sluice_xds_config_info"), "no version before a push:\n{metrics}");
+
+    // the server answers at last: the next stream brings the rules
+    plane.push("v7", per_user(5, 2));
+    plane.silent.store(false, SeqCst);
+    plane.answered(&["s"], "v7", None, &|| s.log()).await;
+    let r = common::hit(&client, &s.base, "eg", &[("user", "x")]).await;
+    assert_eq!(r.status(), 200, "{}", s.log());
+    let metrics = common::metrics(&client, &s.base).await;
+    assert!(metrics.contains("sluice_xds_config_info{version=\"v7\"} 1\n"), "{metrics}");
+    assert_eq!(common::series(&metrics, "sluice_xds_connected"), 1.0, "{metrics}");
+    let pushed_at = common::series(&metrics, "sluice_xds_last_push_timestamp_seconds");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    assert!((now - pushed_at).abs() < 30.0, "pushed at {pushed_at}, now {now}");
+    let timeouts = common::series(&metrics, "sluice_xds_initial_fetch_timeouts_total");
+
+    cp.stop();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = common::metrics(&client, &s.base).await;
+        if common::series(&metrics, "sluice_xds_connected") == 0.0 {
+            // rules held: a reconnect after them is not an initial fetch
+            assert_eq!(common::series(&metrics, "sluice_xds_initial_fetch_timeouts_total"), timeouts);
+            break;
+        }
+        assert!(Instant::now() < deadline, "the stream never said closed:\n{metrics}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

@@ -106,6 +106,57 @@ pub fn store(store: &StoreConfig, rules: &Rules) -> Result<(), CheckError> {
     Ok(())
 }
 
+/// The `xds` section's checks: what the client would otherwise find only at run time,
+/// in a loop of warnings (a URL where `host:port` goes, headers gRPC cannot send, TLS
+/// files that do not load, a retry wait of nothing).
+pub fn xds(xds: &crate::config::XdsConfig) -> Result<(), CheckError> {
+    let at = |key: &str, message: String| CheckError::at(&["xds", key], message);
+    if let Some((scheme, rest)) = xds.server.split_once("://") {
+        let tls = if scheme.eq_ignore_ascii_case("https") { "; for TLS set xds.tls" } else { "" };
+        return Err(at(
+            "server",
+            format!("xds.server is `{}`: write host:port, `{rest}`, without a scheme{tls}", xds.server),
+        ));
+    }
+    let port = xds.server.rsplit_once(':').and_then(|(host, port)| (!host.is_empty()).then_some(port));
+    if port.is_none_or(|p| p.parse::<u16>().is_err()) {
+        return Err(at("server", format!("xds.server is `{}`: write host:port, e.g. envoy-gateway:18001", xds.server)));
+    }
+    xds.metadata().map_err(|e| at("headers", e))?;
+    if xds.retry.0 == 0 {
+        let why = "xds.retry is 0s: a lost stream would be opened again at once, in a loop; write at least 100ms (1s is the default)";
+        return Err(at("retry", why.into()));
+    }
+    if xds.retry.0 > xds.max_retry.0 {
+        return Err(at(
+            "retry",
+            format!(
+                "xds.retry ({}) is above xds.max_retry ({}): the first wait is the shortest; lower it or raise max_retry",
+                xds.retry, xds.max_retry
+            ),
+        ));
+    }
+    if xds.max_message_bytes == 0 {
+        return Err(at("max_message_bytes", "xds.max_message_bytes is 0: no push could be read".into()));
+    }
+    if let Some(tls) = &xds.tls {
+        let files = [("ca_file", &tls.ca_file), ("cert_file", &tls.cert_file), ("key_file", &tls.key_file)];
+        for (key, path) in files.into_iter().filter_map(|(k, p)| Some((k, p.as_ref()?))) {
+            let pem = std::fs::read(path).map_err(|e| at("tls", format!("xds.tls.{key} {}: {e}", path.display())))?;
+            if !pem.windows(11).any(|w| w == b"-----BEGIN ") {
+                return Err(at(
+                    "tls",
+                    format!("xds.tls.{key} {}: not a PEM file (no -----BEGIN line)", path.display()),
+                ));
+            }
+        }
+        if tls.cert_file.is_some() != tls.key_file.is_some() {
+            return Err(at("tls", "xds.tls: give both cert_file and key_file, or neither".into()));
+        }
+    }
+    Ok(())
+}
+
 /// `limiter.reservations: true` asks for a store that keeps them: memcached (on either
 /// side of a migration too) is refused, saying so.
 pub fn reservations(limiter: &sluice::config::LimiterConfig, store: &StoreConfig) -> Result<(), CheckError> {
@@ -238,5 +289,30 @@ mod tests {
     fn the_live_page_needs_the_admin_token() {
         let e = server(&with(None, &[], true)).unwrap_err();
         assert!(e.message.contains("server.admin_token is not set"), "{e:?}");
+    }
+
+    /// Each xDS setting that would fail at run time is refused at load, naming the fix.
+    #[test]
+    fn xds_settings_that_fail_at_run_time_are_refused() {
+        let check = |yaml: &str| {
+            let c: crate::config::XdsConfig = serde_norway::from_str(yaml).unwrap();
+            xds(&c).err().map(|e| (e.anchors.join("."), e.message))
+        };
+        assert!(check("server: envoy-gateway:18001").is_none());
+        for (yaml, key, says) in [
+            ("server: http://envoy-gateway:18001", "xds.server", "write host:port, `envoy-gateway:18001`"),
+            ("server: https://cp:18001", "xds.server", "for TLS set xds.tls"),
+            ("server: envoy-gateway", "xds.server", "write host:port"),
+            ("{server: 'cp:1', headers: {'bad key': v}}", "xds.headers", "not a valid gRPC metadata entry"),
+            ("{server: 'cp:1', headers: {x-token: \"a\\nb\"}}", "xds.headers", "not a valid gRPC metadata entry"),
+            ("{server: 'cp:1', retry: 0s}", "xds.retry", "in a loop"),
+            ("{server: 'cp:1', retry: 1m, max_retry: 30s}", "xds.retry", "above xds.max_retry (30s)"),
+            ("{server: 'cp:1', tls: {ca_file: /no/such/ca.pem}}", "xds.tls", "/no/such/ca.pem"),
+            ("{server: 'cp:1', tls: {cert_file: /no/such.crt, key_file: /no/such.key}}", "xds.tls", "/no/such"),
+        ] {
+            let (anchors, message) = check(yaml).unwrap_or_else(|| panic!("{yaml} passed"));
+            assert_eq!(anchors, key, "{yaml}: {message}");
+            assert!(message.contains(says), "{yaml}: {message}");
+        }
     }
 }

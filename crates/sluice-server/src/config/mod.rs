@@ -76,6 +76,12 @@ pub struct XdsConfig {
     /// TLS to the management server; plain TCP without it.
     #[serde(default)]
     pub tls: Option<XdsTls>,
+    /// How long a stream may stay silent before the first push (Envoy's
+    /// `initial_fetch_timeout`, 15 s as there): past it the stream is logged as a
+    /// warning (a management server answers nothing to a node it does not know),
+    /// counted, and opened again after the retry wait. 0s waits without end.
+    #[serde(default = "default_initial_fetch_timeout")]
+    pub initial_fetch_timeout: Duration,
 }
 
 /// `xds.tls`: PEM files.
@@ -92,6 +98,25 @@ pub struct XdsTls {
 }
 
 impl XdsConfig {
+    /// `headers` as gRPC metadata, or which entry cannot be one.
+    pub fn metadata(
+        &self,
+    ) -> Result<Vec<(tonic::metadata::AsciiMetadataKey, tonic::metadata::AsciiMetadataValue)>, String> {
+        self.headers
+            .iter()
+            .map(|(k, v)| {
+                let key = tonic::metadata::AsciiMetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes());
+                match (key, tonic::metadata::AsciiMetadataValue::try_from(v.as_str())) {
+                    (Ok(key), Ok(value)) => Ok((key, value)),
+                    _ => Err(format!(
+                        "xds.headers: `{k}: {v}` is not a valid gRPC metadata entry (a name of letters, digits, `-`, `_` \
+                         and `.`, not ending in -bin; a value of visible ASCII and spaces)"
+                    )),
+                }
+            })
+            .collect()
+    }
+
     /// What a server waiting for the first push says: the reason its pending rules give
     /// every request until then (`Rules::pending`), and its readiness.
     pub fn waiting(&self) -> String {
@@ -112,6 +137,10 @@ fn default_xds_retry() -> Duration {
 
 fn default_xds_max_retry() -> Duration {
     Duration(30_000)
+}
+
+fn default_initial_fetch_timeout() -> Duration {
+    Duration(15_000)
 }
 
 fn default_xds_max_message() -> usize {

@@ -19,6 +19,7 @@ pub(crate) fn check_error(e: CheckError) -> Response {
     match e {
         // rules still to come (a control plane's first push): not the caller's mistake
         CheckError::Request(e @ RequestError::NoRules(_)) => {
+            metrics::counter!(crate::state::xds::WITHOUT_RULES, "api" => "http").increment(1);
             error(StatusCode::SERVICE_UNAVAILABLE, e.code(), e.to_string())
         }
         CheckError::Request(e) => error(StatusCode::BAD_REQUEST, e.code(), e.to_string()),

@@ -26,7 +26,14 @@ pub(crate) async fn metrics(State(state): Shared) -> Response {
     engine.limiter.issued().sweep(engine.limiter.now());
     drop(engine);
     let rendering = state.clone();
-    match tokio::task::spawn_blocking(move || rendering.metrics.as_ref().map(crate::state::Metrics::render)).await {
+    let render = move || {
+        let text = rendering.metrics.as_ref().map(crate::state::Metrics::render)?;
+        Some(match &rendering.xds {
+            Some(xds) => text + &xds.exposition(),
+            None => text,
+        })
+    };
+    match tokio::task::spawn_blocking(render).await {
         Ok(Some(text)) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
         _ => error(StatusCode::INTERNAL_SERVER_ERROR, "metrics_failed", "the metrics could not be rendered".into()),
     }

@@ -94,7 +94,10 @@ pub fn status_of(e: CheckError) -> Status {
     match e {
         // rules still to come, as envoyproxy/ratelimit answers before its first config:
         // an error, which Envoy's filter takes as allowed unless `failure_mode_deny`
-        CheckError::Request(RequestError::NoRules(why)) => Status::unavailable(why),
+        CheckError::Request(RequestError::NoRules(why)) => {
+            metrics::counter!(crate::state::xds::WITHOUT_RULES, "api" => "grpc").increment(1);
+            Status::unavailable(why)
+        }
         CheckError::Request(e) => Status::invalid_argument(e.to_string()),
         CheckError::Store(e) => Status::unavailable(e.to_string()),
     }

@@ -34,10 +34,21 @@ use std::time::Duration;
 
 /// Pushes answered, by result: `ok` (in force, ACKed) or `refused` (NACKed).
 pub const PUSHES: &str = "sluice_xds_pushes_total";
+/// Streams that sent nothing within `xds.initial_fetch_timeout`, before any push.
+pub const FETCH_TIMEOUTS: &str = "sluice_xds_initial_fetch_timeouts_total";
 
-/// Describes the client's metrics.
+/// Describes the client's metrics (the stream's state is rendered by
+/// [`crate::state::xds::XdsState::exposition`]).
 pub fn describe_metrics() {
     metrics::describe_counter!(PUSHES, "xDS pushes of rules, by result: ok (in force, ACKed) or refused (NACKed).");
+    metrics::describe_counter!(
+        FETCH_TIMEOUTS,
+        "xDS streams that sent no push within xds.initial_fetch_timeout, before the first push (opened again)."
+    );
+    metrics::describe_counter!(
+        crate::state::xds::WITHOUT_RULES,
+        "Calls answered without a decision because no rules were pushed yet (gRPC UNAVAILABLE, HTTP 503)."
+    );
 }
 
 /// How long connecting to the management server may take.
@@ -96,17 +107,18 @@ async fn session(
     tx.send(first).await.map_err(|e| e.to_string())?;
     let outgoing = futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx));
     let mut request = tonic::Request::new(outgoing);
-    for (k, v) in &config.headers {
-        let key = tonic::metadata::MetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes());
-        let value = tonic::metadata::MetadataValue::try_from(v.as_str());
-        match (key, value) {
-            (Ok(key), Ok(value)) => request.metadata_mut().insert(key, value),
-            _ => return Err(format!("xds.headers: `{k}: {v}` is not a valid gRPC metadata entry")),
-        };
+    for (key, value) in config.metadata()? {
+        request.metadata_mut().insert(key, value);
     }
     let mut responses = client.stream_aggregated_resources(request).await.map_err(status)?.into_inner();
     tracing::info!(server = %config.server, node = %config.node_id, "xDS stream open");
-    while let Some(response) = responses.message().await.map_err(status)? {
+    let xds = state.xds.as_ref();
+    if let Some(x) = xds {
+        x.set_connected(true);
+    }
+    let _closed = Disconnected(xds);
+    let mut next = first_response(config, xds.is_some_and(|x| !x.loaded()), &mut responses).await?;
+    while let Some(response) = next {
         let answer = match apply(state, &response).await {
             Ok(()) => {
                 *version = response.version_info.clone();
@@ -127,8 +139,49 @@ async fn session(
             ..Default::default()
         };
         tx.send(ack).await.map_err(|e| e.to_string())?;
+        next = responses.message().await.map_err(status)?;
     }
     Ok(())
+}
+
+/// The stream's first response; before the first push (`initial`), a server silent past
+/// `xds.initial_fetch_timeout` ends the stream with why.
+async fn first_response(
+    config: &XdsConfig,
+    initial: bool,
+    responses: &mut tonic::Streaming<DiscoveryResponse>,
+) -> Result<Option<DiscoveryResponse>, String> {
+    let limit = config.initial_fetch_timeout.to_std();
+    if !initial || limit.is_zero() {
+        return responses.message().await.map_err(status);
+    }
+    match tokio::time::timeout(limit, responses.message()).await {
+        Ok(first) => first.map_err(status),
+        Err(_) => Err(silent(config)),
+    }
+}
+
+/// Says the stream is closed when dropped, however the session ends.
+struct Disconnected<'a>(Option<&'a Arc<crate::state::xds::XdsState>>);
+
+impl Drop for Disconnected<'_> {
+    fn drop(&mut self) {
+        if let Some(x) = self.0 {
+            x.set_connected(false);
+        }
+    }
+}
+
+/// A stream silent past `xds.initial_fetch_timeout` before any push: counted, and why it
+/// is usually so.
+fn silent(config: &XdsConfig) -> String {
+    metrics::counter!(FETCH_TIMEOUTS).increment(1);
+    format!(
+        "the server accepted the stream but sent no rules within {} (xds.initial_fetch_timeout): a management server \
+         answers nothing to a node it has no configuration for (check that xds.node_id, `{}`, is the one it serves; \
+         Envoy Gateway's is envoy-ratelimit), or it has no rate limit configuration yet",
+        config.initial_fetch_timeout, config.node_id
+    )
 }
 
 fn status(s: tonic::Status) -> String {
@@ -172,13 +225,30 @@ async fn apply(state: &AppState, response: &DiscoveryResponse) -> Result<(), Str
     let next = build::engine(&config, rules, store, build::clock(&config.limiter), Some(&current.limiter));
     state.engine.store(Arc::new(next));
     *pushed = config;
-    xds.set_loaded();
+    xds.pushed(&response.version_info);
     if names.is_empty() {
         tracing::warn!(version = %response.version_info, "xDS push in force: no domain (every request is for an unknown domain)");
     } else {
-        tracing::info!(version = %response.version_info, domains = %names.join(", "), "xDS push in force");
+        let (count, digest) = (names.len(), digest(&names));
+        tracing::info!(version = %response.version_info, domains = count, digest = %digest, first = %names.iter().take(FIRST_NAMES).cloned().collect::<Vec<_>>().join(", "), "xDS push in force");
     }
     Ok(())
+}
+
+/// How many domain names a push's log line shows (the count and digest stand for all).
+const FIRST_NAMES: usize = 5;
+
+/// A short digest of a push's domain names, the same on every instance that holds the
+/// same set (compare instances by it; a 10,000-domain push's names were 69 KB a line).
+fn digest(names: &[String]) -> String {
+    let mut sorted: Vec<&String> = names.iter().collect();
+    sorted.sort();
+    // FNV-1a, 64 bits: stable across builds and processes, unlike the std hasher
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in sorted.iter().flat_map(|n| n.bytes().chain([0])) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
 }
 
 /// A channel to the management server, over TLS when `xds.tls` is set.
