@@ -95,7 +95,8 @@ fn with_server<T>(f: impl FnOnce(&Server) -> T) -> T {
 fn server() -> Server {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     let state = rt.block_on(async {
-        let crate::config::load::Loaded { config, rules } = crate::config::load::load_str(CONFIG, "fuzz.yaml").unwrap();
+        let crate::config::load::Loaded { config, rules, .. } =
+            crate::config::load::load_str(CONFIG, "fuzz.yaml").unwrap();
         Arc::new(AppState::new(crate::state::build::build(&config, rules).unwrap(), &config.server, None, None))
     });
     (rt, crate::http::router(state.clone()), state)

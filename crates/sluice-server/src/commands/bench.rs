@@ -185,7 +185,7 @@ pub async fn bench(mut args: Args) -> Result<(), BenchError> {
     let started = Instant::now();
     let target;
     let tallies: Vec<Tally> = if args.in_process {
-        let Loaded { config, rules } = match &args.config {
+        let Loaded { config, rules, .. } = match &args.config {
             Some(p) => load_file(p)?,
             None => load_str(DEFAULT_CONFIG, "<built-in config>")?,
         };

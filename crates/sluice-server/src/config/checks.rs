@@ -36,6 +36,19 @@ pub fn server(server: &ServerConfig) -> Result<(), CheckError> {
         token_ok(token)
             .map_err(|why| CheckError::at(&["server", "api_tokens"], format!("server.api_tokens[{i}] {why}")))?;
     }
+    let listeners = [("http", Some(server.http)), ("grpc", Some(server.grpc)), ("metrics", server.metrics)];
+    for (i, (a, x)) in listeners.iter().enumerate() {
+        for (b, y) in &listeners[i + 1..] {
+            if let (Some(x), Some(y)) = (x, y)
+                && clash(*x, *y)
+            {
+                return Err(CheckError::at(
+                    &["server", b],
+                    format!("server.{b} ({y}) and server.{a} ({x}) take the same port: give each listener its own"),
+                ));
+            }
+        }
+    }
     if server.ui && server.admin_token.is_none() {
         return Err(CheckError::at(
             &["server", "ui"],
@@ -45,6 +58,12 @@ pub fn server(server: &ServerConfig) -> Result<(), CheckError> {
         ));
     }
     Ok(())
+}
+
+/// Whether two listeners would take the same port (port 0 is the system's choice, never
+/// the same twice; an unspecified address takes the port on every address).
+fn clash(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
+    a.port() != 0 && a.port() == b.port() && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
 }
 
 /// The `store` section's checks, against the rules it must run: what building the store
@@ -289,6 +308,22 @@ mod tests {
     fn the_live_page_needs_the_admin_token() {
         let e = server(&with(None, &[], true)).unwrap_err();
         assert!(e.message.contains("server.admin_token is not set"), "{e:?}");
+    }
+
+    /// Two listeners on one port were refused only at bind, "Address already in use".
+    #[test]
+    fn listeners_on_one_port_are_refused() {
+        let on = |http: &str, grpc: &str, metrics: Option<&str>| ServerConfig {
+            http: http.parse().unwrap(),
+            grpc: grpc.parse().unwrap(),
+            metrics: metrics.map(|m| m.parse().unwrap()),
+            ..ServerConfig::default()
+        };
+        let e = server(&on("0.0.0.0:8080", "0.0.0.0:8081", Some("127.0.0.1:8080"))).unwrap_err();
+        assert!(e.message.contains("server.metrics (127.0.0.1:8080) and server.http (0.0.0.0:8080)"), "{e:?}");
+        assert!(server(&on("127.0.0.1:9000", "127.0.0.1:9000", None)).is_err());
+        server(&on("127.0.0.1:0", "127.0.0.1:0", Some("127.0.0.1:0"))).unwrap();
+        server(&on("127.0.0.1:8080", "127.0.0.2:8080", Some("127.0.0.1:9090"))).unwrap();
     }
 
     /// Each xDS setting that would fail at run time is refused at load, naming the fix.

@@ -59,6 +59,7 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
         refused.push(e);
         Value::Null
     });
+    refused.extend(ports(&get, &on));
     if !refused.is_empty() {
         return Err(format!(
             "--ratelimit-env: {} (docs/envoy.md has the table of their variables)",
@@ -102,6 +103,42 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
         notes.insert(0, format!("these have no effect here (docs/envoy.md says why): {}", without_effect.join(", ")));
     }
     Ok(FromEnv { config, notes })
+}
+
+/// The port variables that are not port numbers, and a `PROMETHEUS_ADDR` whose port is
+/// one the HTTP or gRPC listener takes (it failed at bind: "Address already in use").
+fn ports(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Vec<String> {
+    let mut refused = Vec::new();
+    let mut port = |name: &str, default: &str| {
+        let value = get(name).unwrap_or_else(|| default.into());
+        let parsed = value.parse::<u16>().ok();
+        if parsed.is_none() {
+            refused.push(format!("{name}={value} is not a port number: write 0 to 65535 (0: the system's choice)"));
+        }
+        parsed
+    };
+    let (http, grpc) = (port("PORT", "8080"), port("GRPC_PORT", "8081"));
+    if http.is_some_and(|h| h != 0) && http == grpc {
+        refused.push(format!("PORT and GRPC_PORT are both {}: give each listener its own port", http.unwrap_or(0)));
+    }
+    if on("USE_PROMETHEUS") {
+        let addr = get("PROMETHEUS_ADDR").unwrap_or_else(|| ":9090".into());
+        match addr.rsplit_once(':').map(|(_, p)| p.parse::<u16>()) {
+            Some(Ok(0)) => {}
+            Some(Ok(p)) => {
+                for (name, taken) in [("PORT", http), ("GRPC_PORT", grpc)] {
+                    if taken == Some(p) {
+                        refused.push(format!(
+                            "PROMETHEUS_ADDR={addr} takes port {p}, which {name} gives its listener: give /metrics a \
+                             port of its own (it is also served on the HTTP port, at /metrics)"
+                        ));
+                    }
+                }
+            }
+            _ => refused.push(format!("PROMETHEUS_ADDR={addr} is not [HOST]:PORT, e.g. :9090")),
+        }
+    }
+    refused
 }
 
 /// `host:port`, an IPv6 host in brackets; a bare `:port` (Go's way to say every
@@ -292,9 +329,11 @@ fn store(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Res
         let servers: Vec<&str> = servers.split(',').map(str::trim).collect();
         return Ok(json!({"kind": "memcached", "servers": servers}));
     }
-    let url = get("REDIS_URL").unwrap_or_else(|| "/var/run/nutcracker/ratelimit.sock".into());
+    let given = get("REDIS_URL").unwrap_or_else(|| "/var/run/nutcracker/ratelimit.sock".into());
+    // theirs is host:port, but a URL is what users write too: its scheme is taken
+    let (url, by_scheme) = without_scheme(&given)?;
     let (user, password) = credentials(get("REDIS_AUTH"));
-    let tls = on("REDIS_TLS");
+    let tls = on("REDIS_TLS") || by_scheme == Some(true);
     let files = json!({"ca_file": get("REDIS_TLS_CACERT"), "cert_file": get("REDIS_TLS_CLIENT_CERT"),
         "key_file": get("REDIS_TLS_CLIENT_KEY")});
     let tls_files = if tls { files } else { Value::Null };
@@ -320,7 +359,10 @@ fn store(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Res
                 "username": user, "password": password, "sentinel_username": sentinel_username,
                 "sentinel_password": sentinel_password, "tls": tls_files})
         }
-        _ if lower("REDIS_SOCKET_TYPE", "unix") == "unix" => {
+        _ if by_scheme.is_some() && lower("REDIS_SOCKET_TYPE", "tcp") == "unix" => {
+            return Err(format!("REDIS_URL={given} is a TCP URL, but REDIS_SOCKET_TYPE is unix: set it to tcp"));
+        }
+        _ if by_scheme.is_none() && lower("REDIS_SOCKET_TYPE", "unix") == "unix" => {
             if !url.starts_with('/') {
                 return Err(format!(
                     "REDIS_URL={url} is not a socket path, and REDIS_SOCKET_TYPE is {}: the default socket type is \
@@ -331,8 +373,37 @@ fn store(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Res
             let auth = password.map(|p| format!("?pass={}", percent_encode(&p))).unwrap_or_default();
             json!({"kind": "redis", "url": format!("redis+unix://{url}{auth}")})
         }
-        _ => json!({"kind": "redis", "url": with_auth(&url), "tls": tls_files}),
+        _ => {
+            let built = with_auth(&url);
+            sluice::store::redis::check_url(&built).map_err(|_| {
+                format!("REDIS_URL={given} is not host:port (or redis://host:port, rediss:// for TLS), e.g. redis:6379")
+            })?;
+            json!({"kind": "redis", "url": built, "tls": tls_files})
+        }
     })
+}
+
+/// REDIS_URL without a `redis://` or `rediss://` scheme (and whether that scheme asks for
+/// TLS), as each node of a list; another scheme is refused.
+fn without_scheme(given: &str) -> Result<(String, Option<bool>), String> {
+    let mut tls = None;
+    let mut nodes = Vec::new();
+    for node in given.split(',') {
+        let node = node.trim();
+        match node.split_once("://") {
+            None => nodes.push(node.to_string()),
+            Some((scheme, rest)) if scheme.eq_ignore_ascii_case("redis") || scheme.eq_ignore_ascii_case("rediss") => {
+                tls = Some(scheme.eq_ignore_ascii_case("rediss"));
+                nodes.push(rest.trim_end_matches('/').to_string());
+            }
+            Some((scheme, _)) => {
+                return Err(format!(
+                    "REDIS_URL={given}: {scheme}:// is not a Redis scheme; write host:port (or redis://host:port)"
+                ));
+            }
+        }
+    }
+    Ok((nodes.join(","), tls))
 }
 
 /// Their `password` or `username:password`.
@@ -465,13 +536,16 @@ mod tests {
         {
             assert!(notes.contains(said), "{said} not in the start's notes:\n{notes}");
         }
-        // the Redis client certificate is read when the config loads: the Secret's files
+        // the Redis client certificate and the xDS files are read when the config loads:
+        // the Secrets' files
         let certs = std::env::temp_dir().join(format!("sluice-eg-env-{}", std::process::id()));
         std::fs::create_dir_all(&certs).unwrap();
-        for f in ["tls.crt", "tls.key"] {
-            std::fs::write(certs.join(f), "PEM").unwrap();
+        for f in ["tls.crt", "tls.key", "ca.crt"] {
+            std::fs::write(certs.join(f), "-----BEGIN PEM-----\n").unwrap();
         }
-        let text = serde_norway::to_string(v).unwrap().replace("/redis-certs/", &format!("{}/", certs.display()));
+        let text = serde_norway::to_string(v).unwrap();
+        let text = text.replace("/redis-certs/", &format!("{}/", certs.display()));
+        let text = text.replace("/certs/", &format!("{}/", certs.display()));
         let source = crate::config::load::Source::Text { name: "eg".into(), text };
         let loaded = crate::config::load::load(&source).unwrap_or_else(|e| panic!("{e}"));
         assert!(loaded.config.xds.is_some() && loaded.config.domains.is_empty());
@@ -523,5 +597,38 @@ mod tests {
         assert!(e.contains("set REDIS_SOCKET_TYPE=tcp") && e.contains("default socket type is unix"), "{e}");
         let unix = read(&[("REDIS_URL", "/run/redis.sock"), ("USE_STATSD", "false")]).unwrap();
         assert_eq!(unix.config["store"]["url"], "redis+unix:///run/redis.sock");
+    }
+
+    /// REDIS_URL written as a URL is taken (it became `redis://redis://...`, refused with a
+    /// fix that said to write what was written); each error names its variable.
+    #[test]
+    fn errors_name_the_variable_at_fault() {
+        let ok = |vars: &[(&str, &str)]| read(&[&[("USE_STATSD", "false")], vars].concat()).map(|f| f.config);
+        let url = ok(&[("REDIS_URL", "redis://127.0.0.1:6391")]).unwrap();
+        assert_eq!(url["store"]["url"], "redis://127.0.0.1:6391");
+        let tls = ok(&[("REDIS_URL", "rediss://r.example:6380/"), ("REDIS_SOCKET_TYPE", "tcp")]).unwrap();
+        assert_eq!(tls["store"]["url"], "rediss://r.example:6380");
+        let cluster = ok(&[("REDIS_TYPE", "cluster"), ("REDIS_URL", "redis://a:1,redis://b:2")]).unwrap();
+        assert_eq!(cluster["store"]["nodes"], json!(["redis://a:1", "redis://b:2"]));
+        for (vars, says) in [
+            (&[("REDIS_URL", "http://r:6379")][..], "REDIS_URL=http://r:6379: http:// is not a Redis scheme"),
+            (&[("REDIS_URL", "redis://r:6379"), ("REDIS_SOCKET_TYPE", "unix")], "set it to tcp"),
+            (&[("REDIS_URL", "r:port"), ("REDIS_SOCKET_TYPE", "tcp")], "REDIS_URL=r:port is not host:port"),
+            (&[("REDIS_URL", "/s"), ("PORT", "abc")], "PORT=abc is not a port number"),
+            (&[("REDIS_URL", "/s"), ("GRPC_PORT", "70000")], "GRPC_PORT=70000 is not a port number"),
+            (&[("REDIS_URL", "/s"), ("PORT", "9000"), ("GRPC_PORT", "9000")], "PORT and GRPC_PORT are both 9000"),
+            (
+                &[("REDIS_URL", "/s"), ("PORT", "8080"), ("USE_PROMETHEUS", "true"), ("PROMETHEUS_ADDR", ":8080")],
+                "PROMETHEUS_ADDR=:8080 takes port 8080, which PORT gives its listener",
+            ),
+            (
+                &[("REDIS_URL", "/s"), ("USE_PROMETHEUS", "true"), ("PROMETHEUS_ADDR", "metrics")],
+                "PROMETHEUS_ADDR=metrics is not [HOST]:PORT",
+            ),
+        ] {
+            let e = ok(vars).err().unwrap_or_else(|| panic!("{vars:?} passed"));
+            assert!(e.contains(says), "{vars:?}: {e}");
+        }
+        ok(&[("REDIS_URL", "/s"), ("PORT", "0"), ("USE_PROMETHEUS", "true"), ("PROMETHEUS_ADDR", ":0")]).unwrap();
     }
 }

@@ -23,17 +23,40 @@ impl std::error::Error for ConfigError {}
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let message = excerpt(&self.message);
         match self.at {
-            Some((line, col)) => write!(f, "{}:{line}:{col}: {}", self.file, self.message),
-            None => write!(f, "{}: {}", self.file, self.message),
+            Some((line, col)) => write!(f, "{}:{line}:{col}: {message}", self.file),
+            None => write!(f, "{}: {message}", self.file),
         }
     }
+}
+
+/// The longest message an error shows whole: the YAML library quotes the value it could
+/// not read, and a garbage file of 50 MB on one line was echoed whole in the log.
+const MAX_MESSAGE: usize = 1_000;
+
+/// `message`, its middle cut past [`MAX_MESSAGE`] bytes (saying how much).
+fn excerpt(message: &str) -> std::borrow::Cow<'_, str> {
+    if message.len() <= MAX_MESSAGE {
+        return message.into();
+    }
+    let boundary = |mut i: usize, step: isize| {
+        while !message.is_char_boundary(i) {
+            i = i.saturating_add_signed(step);
+        }
+        i
+    };
+    let (head, tail) = (boundary(MAX_MESSAGE * 3 / 4, -1), boundary(message.len() - MAX_MESSAGE / 4, 1));
+    format!("{} ... ({} bytes cut) ... {}", &message[..head], tail - head, &message[tail..]).into()
 }
 
 /// A config and the rules compiled from it.
 pub struct Loaded {
     pub config: Config,
     pub rules: Rules,
+    /// What was read past but is worth a word: files of `domains_from` skipped (a
+    /// symlink that leads nowhere). `serve` logs them, `config check` prints them.
+    pub warnings: Vec<String>,
 }
 
 /// `sluice config check FILE`: loads the file and runs every check `serve` runs that
@@ -41,6 +64,9 @@ pub struct Loaded {
 /// answers, that a Redis is new enough) is checked by `serve`, and shown by `/readyz`.
 pub fn check(file: &Path) -> Result<(), ConfigError> {
     let loaded = load_file(file)?;
+    for warning in &loaded.warnings {
+        eprintln!("warning: {warning}");
+    }
     let store = match loaded.config.store {
         crate::config::StoreConfig::Memory { .. } => String::new(),
         _ => " (the store is not contacted: that it answers, and runs Redis 7.0 or newer, `sluice serve` checks at start and `/readyz` shows)".into(),
@@ -99,20 +125,25 @@ pub fn load(source: &Source) -> Result<Loaded, ConfigError> {
     let file = source.name();
     let text = source.read()?;
     let mut config = parse_config(&text, &file)?;
+    let mut warnings = Vec::new();
     if let Some(dir) = config.domains_from.clone() {
         let dir = source.dir().join(dir);
         let mut places = Places::default();
         for d in &config.domains {
             places.record(d, &text, &file);
         }
-        for path in domain_files(&dir)? {
+        let (files, skipped) = domain_files(&dir)?;
+        warnings = skipped;
+        for path in files {
             let name = path.display().to_string();
             let text = read(&path)?;
             let domain = domain_file(&text, &name)?;
             places.add(&mut config.domains, domain, &text, &name, config.envoy.merge_domains)?;
         }
     }
-    compile(config, &text, &file)
+    let mut loaded = compile(config, &text, &file)?;
+    loaded.warnings = warnings;
+    Ok(loaded)
 }
 
 /// The rules of `config` with `domains` in place of its own (pushed by xDS, each named
@@ -275,24 +306,34 @@ fn compile(mut config: Config, text: &str, file: &str) -> Result<Loaded, ConfigE
         .and_then(|()| crate::config::checks::store(&config.store, &rules))
         .and_then(|()| crate::config::checks::reservations(&config.limiter, &config.store));
     checked.map_err(|e| ConfigError { file: file.to_string(), at: locate(text, &e.anchors), message: e.message })?;
-    Ok(Loaded { config, rules })
+    Ok(Loaded { config, rules, warnings: Vec::new() })
 }
 
-/// The `*.yaml` and `*.yml` files of a `domains_from` directory, by name.
-pub fn domain_files(dir: &Path) -> Result<Vec<std::path::PathBuf>, ConfigError> {
+/// The `*.yaml` and `*.yml` files of a `domains_from` directory, by name; and a line for
+/// each such name that was skipped because it is no file to read (a symlink that leads
+/// nowhere, or to itself; a directory).
+pub fn domain_files(dir: &Path) -> Result<(Vec<std::path::PathBuf>, Vec<String>), ConfigError> {
     let entries = std::fs::read_dir(dir).map_err(|e| ConfigError {
         file: dir.display().to_string(),
         at: None,
         message: format!("cannot read the domains_from directory: {e}"),
     })?;
-    let mut files: Vec<_> = entries
+    let (mut files, mut skipped) = (Vec::new(), Vec::new());
+    let named = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "yaml" || x == "yml"))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml" || x == "yml"))
         // a hidden file is an editor's or a deployment tool's, not a domain
-        .filter(|p| !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
-        .collect();
+        .filter(|p| !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')));
+    for path in named {
+        match std::fs::metadata(&path) {
+            Ok(m) if m.is_file() => files.push(path),
+            Ok(_) => skipped.push(format!("{}: not a file; skipped", path.display())),
+            Err(e) => skipped.push(format!("{}: a symlink that leads to no file ({e}); skipped", path.display())),
+        }
+    }
     files.sort();
-    Ok(files)
+    skipped.sort();
+    Ok((files, skipped))
 }
 
 fn read(path: &Path) -> Result<String, ConfigError> {
@@ -513,5 +554,44 @@ mod tests {
         let e = load_str("server:\n  http: 127.0.0.1:0\nd", "c.yaml").err().unwrap();
         assert_eq!(e.at, Some((3, 2)), "{e}");
         assert!(!e.message.contains("line 4"), "{e}");
+    }
+
+    /// A garbage domain file of megabytes on one line: the error quotes an excerpt of it,
+    /// not all of it (a 50 MB file was one 52 MB log line).
+    #[test]
+    fn a_huge_bad_file_is_quoted_in_part() {
+        let dir = sluice_testkit::TempDir::new("sluice-garbage");
+        std::fs::write(dir.path().join("junk.yaml"), "x".repeat(2_000_000)).unwrap();
+        let config = dir.path().join("sluice.yaml");
+        std::fs::write(&config, "domains_from: .\n").unwrap();
+        let said = load_file(&config).err().unwrap().to_string();
+        assert!(said.len() < 2 * MAX_MESSAGE && said.contains("bytes cut"), "{} bytes: {}", said.len(), &said[..200]);
+        assert!(said.contains("junk.yaml"), "{said}");
+    }
+
+    /// Names of domain files that lead to no file (a dangling symlink, one that loops, a
+    /// directory) are skipped with a word each, not in silence; the others load.
+    #[test]
+    fn domain_files_that_lead_nowhere_are_named() {
+        let dir = sluice_testkit::TempDir::new("sluice-links");
+        let d = dir.path();
+        std::fs::write(
+            d.join("a.yaml"),
+            "domain: a\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(d.join("gone.yaml"), d.join("dangling.yaml")).unwrap();
+        std::os::unix::fs::symlink(d.join("loop.yaml"), d.join("loop.yaml")).unwrap();
+        std::fs::create_dir(d.join("dir.yaml")).unwrap();
+        std::fs::write(d.join("sluice.yaml"), "domains_from: .\n").unwrap();
+        // the config file itself is one of the *.yaml files: it is no domain file
+        std::fs::rename(d.join("sluice.yaml"), d.join("sluice.conf")).unwrap();
+        let loaded = load_file(&d.join("sluice.conf")).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(loaded.config.domains.len(), 1);
+        let said = loaded.warnings.join("\n");
+        assert_eq!(loaded.warnings.len(), 3, "{said}");
+        for name in ["dangling.yaml: a symlink that leads to no file", "loop.yaml: a symlink", "dir.yaml: not a file"] {
+            assert!(said.contains(name), "{name}: {said}");
+        }
     }
 }

@@ -78,12 +78,13 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     let (source, without_effect) = source(&args)?;
     // first: rules register their counters when they are compiled
     let metrics = install_metrics()?;
-    let Loaded { config, rules } = match &source {
+    let Loaded { config, rules, warnings } = match &source {
         Some(source) => load(source)?,
         None => load_str(DEFAULT_CONFIG, "<built-in config>")?,
     };
     crate::logs::init(args.log_level, &config.log).map_err(ServeError::Log)?;
     crate::config::env::note(&without_effect);
+    warnings.iter().for_each(|w| tracing::warn!("config: {w}"));
     // the bytes that gave this config, for the reload watcher (read before the TLS files)
     let loaded_bytes = source.as_ref().and_then(|s| reload::watched(s, &config).ok()).unwrap_or_default();
     warn_if_default_secret(&config);

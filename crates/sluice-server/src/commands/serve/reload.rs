@@ -155,7 +155,7 @@ impl Stamp {
         if let Some(dir) = domains_dir(source, config) {
             // the directory's own times move when a file is added, removed or renamed
             files.push(look(dir.clone()));
-            files.extend(domain_files(&dir).into_iter().flatten().map(look));
+            files.extend(domain_files(&dir).into_iter().flat_map(|(files, _)| files).map(look));
         }
         files.extend(tls_files(config).map(|f| look(f.clone())));
         Self(files)
@@ -186,7 +186,7 @@ pub fn watched(source: &Source, config: &Config) -> Result<Vec<u8>, String> {
         Source::Text { text, .. } => text.clone().into_bytes(),
     };
     if let Some(dir) = domains_dir(source, config) {
-        for f in domain_files(&dir).map_err(|e| e.to_string())? {
+        for f in domain_files(&dir).map_err(|e| e.to_string())?.0 {
             bytes.extend(f.display().to_string().bytes());
             bytes.extend(read(&f)?);
         }
@@ -219,11 +219,9 @@ fn hangups() -> tokio::sync::mpsc::Receiver<()> {
 /// Loads `source` and puts every section in force, or none. Returns the config now in
 /// force. With `xds`, the rules stay the ones pushed (see `state/xds.rs`).
 async fn reload(source: &Source, current: &Config, state: &AppState) -> Result<Config, ReloadError> {
-    let Loaded { mut config, mut rules } = load(source)?;
-    let mut pushed = match &state.xds {
-        Some(xds) => Some(xds.turn.lock().await),
-        None => None,
-    };
+    let Loaded { mut config, mut rules, warnings } = load(source)?;
+    warnings.iter().for_each(|w| tracing::warn!("config reload: {w}"));
+    let mut pushed = if let Some(xds) = &state.xds { Some(xds.turn.lock().await) } else { None };
     // the pushed rules, once there are some (before, the pending ones load made)
     if let (Some(p), true) = (&pushed, state.xds.as_ref().is_some_and(|x| x.loaded())) {
         config.domains = p.domains.clone();
