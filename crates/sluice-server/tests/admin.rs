@@ -347,6 +347,9 @@ async fn the_admin_command_line() {
     assert_eq!(hit(&reqwest::Client::new(), &s.base, "d", &[("user", "vip")]).await.status(), 200);
     let seen = ok(&["inspect", "--domain", "d", "user=vip"]);
     assert!(seen.contains("hourly") && seen.contains("used 1/9") && seen.contains("(override vip)"), "{seen}");
+    // times for people are dates (UTC); --json keeps the epoch
+    let reset = seen.split("reset ").nth(1).and_then(|r| r.split_whitespace().next()).unwrap_or_default();
+    assert!(reset.len() == 24 && reset.starts_with("20") && reset.ends_with('Z'), "{seen}");
     assert!(ok(&["reset", "--domain", "d", "user=vip"]).contains("reset hourly"));
     let (code, text) =
         run(&["--token-file", token_file.to_str().unwrap(), "inspect", "--domain", "d", "user=vip", "--json"], None);
@@ -562,7 +565,7 @@ async fn reservations_are_inspected_counted_and_shown() {
         .unwrap();
     let said = String::from_utf8_lossy(&cli.stdout);
     assert_eq!(said.matches("    reservation ").count(), 3, "{said}");
-    assert!(said.contains("holds 2  lapses at"), "{said}");
+    assert!(said.contains("holds 2  lapses at 20") && said.contains("Z\n"), "{said}");
     let m = metrics(&c, &s.base).await;
     let policy = "domain=\"d\",policy=\"hourly\"";
     assert!(m.contains(&format!("sluice_reservations_total{{{policy},result=\"admitted\"}} 3")), "{m}");

@@ -41,9 +41,19 @@ fn plots_and_refuses_bad_schedules() {
     simulate(&["--utilization", "0.9:60s", "--classes", "3", "--plot", plot.to_str().unwrap()]);
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("polyline") && svg.contains("class 1 dropped"));
-    let out = Command::new(common::bin()).args(["shed", "simulate", "--utilization", "1.5:10s"]).output().unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("outside 0 to 1"));
+    for (args, says) in [
+        (&["--utilization", "1.5:10s"][..], "outside 0 to 1"),
+        // a schedule of three years grew to 8 GB in 20 s; a step of 0 never ended
+        (&["--utilization", "1.0:100000000s"], "raise --step or shorten the schedule"),
+        (&["--utilization", "1.0:10s", "--step", "0s"], "--step must be above 0"),
+        (&["--load", "1:10s", "--step", "0s"], "--step must be above 0"),
+    ] {
+        let started = std::time::Instant::now();
+        let out = Command::new(common::bin()).args(["shed", "simulate"]).args(args).output().unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && said.contains(says), "{args:?}: {said}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "{args:?} took {:?}", started.elapsed());
+    }
 }
 
 /// docs/operations.md shows `sluice shed simulate ARGS --plot NAME.svg > NAME.csv` and

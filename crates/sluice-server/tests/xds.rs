@@ -362,6 +362,14 @@ fn instance(
     let (process, http, grpc) = common::spawn_command(cmd, &home);
     let ready = std::fs::read_to_string(home.join("ready")).unwrap();
     let metrics = ready.lines().find_map(|l| l.strip_prefix("metrics=")).expect("a metrics= line").to_string();
+    // the start's line names the metrics listener as bound (its port was 0)
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let log = || std::fs::read_to_string(home.join("sluice.log")).unwrap_or_default();
+    while !log().contains("sluice is serving") {
+        assert!(Instant::now() < deadline, "no start line:\n{}", log());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(log().contains(&format!("metrics={metrics} and the http port")), "{}", log());
     (process, http, grpc, metrics)
 }
 

@@ -36,7 +36,7 @@ impl fmt::Display for ConfigError {
 const MAX_MESSAGE: usize = 1_000;
 
 /// `message`, its middle cut past [`MAX_MESSAGE`] bytes (saying how much).
-fn excerpt(message: &str) -> std::borrow::Cow<'_, str> {
+pub fn excerpt(message: &str) -> std::borrow::Cow<'_, str> {
     if message.len() <= MAX_MESSAGE {
         return message.into();
     }
@@ -153,7 +153,7 @@ pub fn with_domains(
     config: &Config,
     domains: Vec<(String, DomainConfig)>,
 ) -> Result<(Vec<DomainConfig>, Rules), ConfigError> {
-    let mut places = Places::default();
+    let mut places = Places { pushed: true, ..Places::default() };
     let mut all = Vec::new();
     for (name, domain) in domains {
         // each alone first, so an error names the resource it is in
@@ -177,6 +177,8 @@ pub fn with_domains(
 struct Places {
     domains: std::collections::HashMap<String, String>,
     rules: std::collections::HashMap<(String, String, Option<String>), String>,
+    /// The domains come over xDS, each from a resource (not from files).
+    pushed: bool,
 }
 
 impl Places {
@@ -212,9 +214,10 @@ impl Places {
             return Ok(());
         };
         if !merge {
+            let (unit, units) = if self.pushed { ("resource", "resources") } else { ("file", "files") };
             let message = format!(
-                "domain '{name}' is also defined at {}; keep one domain to a file, or set \
-                 `envoy.merge_domains: true` to read the files as one domain",
+                "domain '{name}' is also defined at {}; keep one domain to a {unit}, or set \
+                 `envoy.merge_domains: true` to read the {units} as one domain",
                 self.domains[&name]
             );
             return Err(err(std::slice::from_ref(&name), message));
@@ -593,5 +596,15 @@ mod tests {
         for name in ["dangling.yaml: a symlink that leads to no file", "loop.yaml: a symlink", "dir.yaml: not a file"] {
             assert!(said.contains(name), "{name}: {said}");
         }
+    }
+
+    /// A domain in two pushed resources is named as resources, not files.
+    #[test]
+    fn pushed_domains_are_resources() {
+        let domain = |text: &str| domain_file(text, "r").unwrap();
+        let d = domain("domain: eg\ndescriptors:\n  - key: k\n    rate_limit: {unit: second, requests_per_unit: 1}\n");
+        let pushed = vec![("RateLimitConfig 'a'".to_string(), d.clone()), ("RateLimitConfig 'b'".to_string(), d)];
+        let e = with_domains(&Config::default(), pushed).err().unwrap().to_string();
+        assert!(e.contains("keep one domain to a resource") && e.contains("read the resources as one domain"), "{e}");
     }
 }

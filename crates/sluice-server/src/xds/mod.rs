@@ -28,7 +28,6 @@ use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
 use envoy_types::pb::google::protobuf::{Struct, Value as PbValue, value::Kind};
 use envoy_types::pb::google::rpc::Status as RpcStatus;
-use prost::Message;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -126,6 +125,8 @@ async fn session(
                 None
             }
             Err(e) => {
+                // a deep or wide push's reason can be kilobytes: the NACK and the log quote a part
+                let e = crate::config::load::excerpt(&e).into_owned();
                 tracing::error!(version = %response.version_info, error = %e, "xDS push refused (NACK); the rules in force stay");
                 answered(false);
                 Some(RpcStatus { code: tonic::Code::InvalidArgument as i32, message: e, details: vec![] })
@@ -209,7 +210,7 @@ async fn apply(state: &AppState, response: &DiscoveryResponse) -> Result<(), Str
         if any.type_url != proto::TYPE_URL {
             return Err(format!("resource {i}: type_url {} is not {}", any.type_url, proto::TYPE_URL));
         }
-        let c = proto::RateLimitConfig::decode(any.value.as_slice()).map_err(|e| format!("resource {i}: {e}"))?;
+        let c = proto::decode(any.value.as_slice()).map_err(|e| format!("resource {i}: {e}"))?;
         let name = if c.name.is_empty() { format!("resource {i}") } else { format!("RateLimitConfig '{}'", c.name) };
         let domain = c.domain().map_err(|e| format!("{name} (domain '{}'): {e}", c.domain))?;
         domains.push((name, domain));

@@ -274,6 +274,9 @@ fn human(c: &AdminCommand, v: &Value) -> String {
         for key in ["policy", "window", "rate", "expires_at_ms", "reason"] {
             match &o[key] {
                 Value::Null => {}
+                Value::Number(ms) if key == "expires_at_ms" => {
+                    s.push_str(&format!("  expires={}", date(ms.as_u64().unwrap_or(0))));
+                }
                 Value::String(t) if t.is_empty() => {}
                 Value::String(t) => s.push_str(&format!("  {key}={t}")),
                 other => s.push_str(&format!("  {key}={other}")),
@@ -337,25 +340,43 @@ fn inspected(v: &Value) -> String {
             p["used"],
             p["limit"],
             p["remaining"],
-            p["reset"],
+            p["reset"].as_u64().map_or_else(|| p["reset"].to_string(), |secs| date(secs * 1000)),
         ));
         for r in p["reservations"].as_array().into_iter().flatten() {
             out.push_str(&format!(
-                "    reservation {}  holds {}  lapses at {} ms\n",
+                "    reservation {}  holds {}  lapses at {}\n",
                 r["reservation"].as_str().unwrap_or(""),
                 r["units"],
-                r["expires_at_ms"]
+                date(r["expires_at_ms"].as_u64().unwrap_or(0))
             ));
         }
         for l in p["leases"].as_array().into_iter().flatten() {
             out.push_str(&format!(
-                "    lease {}  lapses at {} ms\n",
+                "    lease {}  lapses at {}\n",
                 l["lease_id"].as_str().unwrap_or(""),
-                l["expires_at_ms"]
+                date(l["expires_at_ms"].as_u64().unwrap_or(0))
             ));
         }
     }
     out
+}
+
+/// `ms` since the Unix epoch as a UTC date, to the millisecond (`--json` keeps the
+/// number): `2026-11-28T14:05:03.120Z`.
+fn date(ms: u64) -> String {
+    let (days, rest) = (ms / 86_400_000, ms % 86_400_000);
+    // the civil date of a day count (proleptic Gregorian, eras of 400 years)
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (h, m, sec, milli) = (rest / 3_600_000, rest / 60_000 % 60, rest / 1_000 % 60, rest % 1_000);
+    format!("{year:04}-{month:02}-{day:02}T{h:02}:{m:02}:{sec:02}.{milli:03}Z")
 }
 
 struct Http {
@@ -410,5 +431,18 @@ impl Http {
             return Err(AdminError::Refused { status, message });
         }
         Ok(value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::date;
+
+    #[test]
+    fn times_are_dates() {
+        assert_eq!(date(0), "1970-01-01T00:00:00.000Z");
+        // 2026-11-28T14:05:03.120Z, and a leap day
+        assert_eq!(date(1_795_874_703_120), "2026-11-28T14:05:03.120Z");
+        assert_eq!(date(951_782_400_000), "2000-02-29T00:00:00.000Z");
     }
 }

@@ -98,13 +98,10 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     // the addresses bound (a port 0 in the config is the system's choice)
     let (addr, grpc_addr) = (bound(&listener)?, bound(&grpc_listener)?);
     warn_if_open(&config, addr, grpc_addr);
-    if let Some(file) = &args.ready_file {
-        let metrics = metrics_listener.as_ref().map(bound).transpose()?;
-        ready_file(file, addr, grpc_addr, metrics)?;
-    }
+    let metrics_addr = metrics_listener.as_ref().map(bound).transpose()?;
     let (stopping, stop) = tokio::sync::watch::channel(false);
     let grpc = crate::grpc::serve(grpc_listener, state.clone(), &config.server, stop).map_err(ServeError::Io)?;
-    tracing::info!(http = %addr, grpc = %grpc_addr, store = state.engine.load().limiter.store().kind(), "sluice is serving");
+    announce(&args, [addr, grpc_addr], metrics_addr, state.engine.load().limiter.store().kind())?;
     let server = config.server.clone();
     if let Some(xds) = &config.xds {
         crate::xds::start(xds.clone(), state.clone());
@@ -278,6 +275,22 @@ fn install_metrics() -> Result<Metrics, ServeError> {
     crate::xds::describe_metrics();
     crate::state::credentials::describe();
     Ok(Metrics { recorder: handle, process, turn: Default::default() })
+}
+
+/// Says where the server listens, every address as bound (a port 0 is the system's
+/// choice): in the start's log line, and in `--ready-file` when asked.
+fn announce(
+    args: &Args,
+    [http, grpc]: [SocketAddr; 2],
+    metrics: Option<SocketAddr>,
+    store: &str,
+) -> Result<(), ServeError> {
+    if let Some(file) = &args.ready_file {
+        ready_file(file, http, grpc, metrics)?;
+    }
+    let metrics = metrics.map_or_else(|| "the http port".to_string(), |m| format!("{m} and the http port"));
+    tracing::info!(%http, %grpc, %metrics, store, "sluice is serving");
+    Ok(())
 }
 
 /// A shared store with the default key secret: clients could predict their tags.
