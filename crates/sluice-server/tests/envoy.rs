@@ -185,41 +185,33 @@ async fn their_environment_alone_answers_a_real_envoy() {
     let dir = TempDir::new("sluice-env");
     let socket = dir.path().join("redis.sock").display().to_string();
     let _redis = sluice_testkit::RedisServer::start_with(&["--unixsocket", &socket, "--unixsocketperm", "700"]);
-    let files = dir.path().join("runtime/ratelimit/config");
-    std::fs::create_dir_all(&files).unwrap();
     let rule = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
-    std::fs::write(files.join("api.yaml"), rule).unwrap();
-    let mut cmd = std::process::Command::new(common::bin());
-    cmd.args(["serve", "--ratelimit-env"]);
-    let runtime = dir.path().join("runtime").display().to_string();
-    for (name, value) in [
-        ("HOST", "127.0.0.1"),
-        ("PORT", "0"),
-        ("GRPC_HOST", "127.0.0.1"),
-        ("GRPC_PORT", "0"),
-        ("USE_STATSD", "false"),
-        ("LOG_LEVEL", "info"),
-        ("REDIS_SOCKET_TYPE", "unix"),
-        ("REDIS_URL", &socket),
-        ("REDIS_POOL_SIZE", "10"),
-        ("RUNTIME_ROOT", &runtime),
-        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
-        ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
-    ] {
-        cmd.env(name, value);
-    }
-    let (_sluice, _http, grpc) = common::spawn_command(cmd, dir.path());
+    let (_sluice, grpc) = their_way(
+        &dir,
+        rule,
+        &[
+            ("LOG_LEVEL", "info"),
+            ("REDIS_SOCKET_TYPE", "unix"),
+            ("REDIS_URL", &socket),
+            ("REDIS_POOL_SIZE", "10"),
+            ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
+            // one of the three renamed, as their LIMIT_*_HEADER allow
+            ("LIMIT_REMAINING_HEADER", "X-Quota-Left"),
+        ],
+    );
     let log = || std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
     let (_envoy, listen) = start_envoy(&grpc, "", None).await;
     let client = reqwest::Client::new();
     let mut answers = Vec::new();
     for _ in 0..3 {
         let r = client.get(format!("http://127.0.0.1:{listen}/x")).header("x-user", "dana").send().await.unwrap();
-        answers.push((r.status().as_u16(), r.headers().get("ratelimit-remaining").cloned()));
+        let limit = r.headers().get("ratelimit-limit").cloned();
+        answers.push((r.status().as_u16(), r.headers().get("x-quota-left").cloned(), limit));
     }
     // a store that did not answer would have failed open: the 429 is Redis's count
     assert_eq!(answers[2].0, 429, "{answers:?}\n{}", log());
-    assert_eq!(answers[2].1.as_ref().map(|v| v.to_str().unwrap()), Some("0"), "their header names");
+    assert_eq!(answers[2].1.as_ref().map(|v| v.to_str().unwrap()), Some("0"), "the name LIMIT_REMAINING_HEADER gave");
+    assert_eq!(answers[2].2.as_ref().map(|v| v.to_str().unwrap()), Some("2"), "their default for the others");
     assert!(log().contains("store=\"redis\""), "{}", log());
     assert!(log().contains("REDIS_POOL_SIZE"), "named as without effect:\n{}", log());
 }
@@ -516,4 +508,49 @@ async fn envoy_gateways_usage_reports_are_charged_past_the_limit() {
     assert_eq!(ask("t1", 1).await.unwrap().status(), 429, "140 of 100 spent: refused at the request");
     assert_eq!(ask("t2", 10).await.unwrap().status(), 200, "another tenant's budget is whole");
     assert_eq!(e.hits.lock().unwrap().len(), 3, "the refused request never reached the upstream");
+}
+
+/// envoyproxy/ratelimit's quota mode through a real Envoy, from their environment
+/// (`QUOTA_MODE=true`: every rule in it) and their rule files: a request that meets two
+/// quotas, of 2 and 3 an hour, is charged to each that has room and passes while either
+/// has: the third request, with the first quota spent, passes on the second; the fourth
+/// finds both spent and is refused (as theirs, whose counters count every request).
+#[tokio::test]
+async fn quota_mode_lets_requests_through_while_a_quota_is_left() {
+    let dir = TempDir::new("sluice-quota");
+    let rule = "domain: api\ndescriptors:\n  - key: premium\n    rate_limit: {unit: hour, requests_per_unit: 2}\n  - key: standard\n    rate_limit: {unit: hour, requests_per_unit: 3}\n";
+    let redis = sluice_testkit::RedisServer::start();
+    let url = redis.addr().to_string();
+    let vars = [("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", url.as_str()), ("QUOTA_MODE", "true")];
+    let (_sluice, grpc) = their_way(&dir, rule, &vars);
+    let log = || std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
+    let grpc: u16 = grpc.rsplit(':').next().unwrap().parse().unwrap();
+    let two = "                  rate_limits:\n                  - actions:\n                    - request_headers: {header_name: x-user, descriptor_key: premium}\n                  - actions:\n                    - request_headers: {header_name: x-user, descriptor_key: standard}\n";
+    let envoy =
+        Envoy::start(|up| bootstrap(up, "", two, &ratelimit_filter("api"), &grpc_cluster("sluice", &[grpc], ""))).await;
+    let client = reqwest::Client::new();
+    let mut codes = Vec::new();
+    for _ in 0..7 {
+        let r = client.get(format!("http://127.0.0.1:{}/x", envoy.port)).header("x-user", "ada").send().await.unwrap();
+        codes.push(r.status().as_u16());
+    }
+    assert_eq!(codes, [200, 200, 200, 429, 429, 429, 429], "{}\n{}", log(), envoy.log());
+    assert_eq!(redis.command("DBSIZE").map(|r| r.starts_with(":")).ok(), Some(true));
+}
+
+/// `sluice serve --ratelimit-env` with their environment: listeners on loopback (ports
+/// the system chooses), no StatsD, the domain file `rule` under `RUNTIME_ROOT` in `dir`,
+/// and `vars`; returns it and its gRPC address.
+fn their_way(dir: &TempDir, rule: &str, vars: &[(&str, &str)]) -> (Process, String) {
+    let files = dir.path().join("runtime/ratelimit/config");
+    std::fs::create_dir_all(&files).unwrap();
+    std::fs::write(files.join("api.yaml"), rule).unwrap();
+    let runtime = dir.path().join("runtime").display().to_string();
+    let mut cmd = std::process::Command::new(common::bin());
+    cmd.args(["serve", "--ratelimit-env"]);
+    let listeners = [("HOST", "127.0.0.1"), ("PORT", "0"), ("GRPC_HOST", "127.0.0.1"), ("GRPC_PORT", "0")];
+    let runtime = [("USE_STATSD", "false"), ("RUNTIME_ROOT", runtime.as_str()), ("RUNTIME_SUBDIRECTORY", "ratelimit")];
+    cmd.envs(listeners.iter().chain(&runtime).chain(vars).copied());
+    let (process, _http, grpc) = common::spawn_command(cmd, dir.path());
+    (process, grpc)
 }

@@ -163,3 +163,41 @@ async fn a_connection_without_calls_is_closed_at_the_idle_timeout() {
     }
     answered.expect("served on a new connection");
 }
+
+/// `server.grpc_max_connection_age` (their `GRPC_MAX_CONNECTION_AGE`): a connection older
+/// than it is asked to go (GOAWAY) though it is busy, its client comes back on a new
+/// one, and a call open then finishes within the grace or is cut at its end (their
+/// `_GRACE`), so that a fleet's connections spread again after a rolling restart.
+#[tokio::test]
+async fn connections_are_aged_out() {
+    let section = "  header_timeout: 10s\n  grpc_max_connection_age: 1s\n  grpc_max_connection_age_grace: 1s\n";
+    let s = common::start_with(section, &common::rule(1_000_000));
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", s.grpc)).await.unwrap();
+    let open = || async {
+        let scrape = common::metrics(&reqwest::Client::new(), &s.base).await;
+        common::series(&scrape, "sluice_grpc_connections")
+    };
+    rls.should_rate_limit(request("aged")).await.unwrap();
+    assert_eq!(open().await, 1.0);
+    // a stream that never ends holds its connection past the age, until the grace
+    let mut rlqs = RateLimitQuotaServiceClient::connect(format!("http://{}", s.grpc)).await.unwrap();
+    let stream = tokio::spawn(async move {
+        let reports = futures_util::stream::pending::<RateLimitQuotaUsageReports>();
+        let mut answers = rlqs.stream_rate_limit_quotas(reports).await?.into_inner();
+        answers.message().await
+    });
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(8);
+    while open().await > 0.0 || !stream.is_finished() {
+        assert!(Instant::now() < deadline, "{} connections open after {:?}", open().await, started.elapsed());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(started.elapsed() >= Duration::from_millis(900), "cut before its age: {:?}", started.elapsed());
+    // the client comes back on a new connection
+    let mut answered = rls.should_rate_limit(request("aged")).await;
+    if answered.is_err() {
+        answered = rls.should_rate_limit(request("aged")).await;
+    }
+    answered.expect("served on a new connection");
+    assert_eq!(open().await, 1.0);
+}

@@ -242,3 +242,23 @@ async fn health_never_waits_behind_a_scrape() {
     );
     assert!(worst < std::time::Duration::from_millis(100), "a health probe took {worst:?} while scrapes ran");
 }
+
+/// `server.metrics` with its own path (envoyproxy/ratelimit's `PROMETHEUS_ADDR` and
+/// `PROMETHEUS_PATH`): the scrape answers there, the listener's `/metrics` does not, and
+/// the HTTP listener keeps `/metrics`.
+#[tokio::test]
+async fn the_metrics_listener_answers_on_its_path() {
+    let s = common::start_with("  metrics: 127.0.0.1:0\n  metrics_path: /stats/prometheus\n", &common::rule(10));
+    let ready = std::fs::read_to_string(s.dir.path().join("ready")).unwrap();
+    let at = ready.lines().find_map(|l| l.strip_prefix("metrics=")).expect("a metrics= line").to_string();
+    let client = reqwest::Client::new();
+    let get = |url: String| {
+        let client = client.clone();
+        async move { client.get(url).send().await.unwrap() }
+    };
+    let r = get(format!("http://{at}/stats/prometheus")).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().contains("sluice_config_reloads_total"));
+    assert_eq!(get(format!("http://{at}/metrics")).await.status(), 404);
+    assert_eq!(get(format!("{}/metrics", s.base)).await.status(), 200);
+}

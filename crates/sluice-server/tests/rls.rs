@@ -6,9 +6,9 @@ mod common;
 use common::{hit, num, start};
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 
 fn request(domain: &str, user: &str) -> RateLimitRequest {
     RateLimitRequest {
@@ -124,4 +124,55 @@ async fn refused_hits_count_as_envoyproxy_ratelimit_counts_them() {
         let got: Vec<u32> = r.statuses.iter().map(|s| s.limit_remaining).collect();
         assert_eq!(got, left, "count_refused_hits {on}: user, team (rate_limit), org (policies)");
     }
+}
+
+/// A rule's own `quota_mode` in a config file, asked over gRPC: a spent quota is marked
+/// OVER_LIMIT in its status while the answer stays OK (another quota has room), the
+/// dynamic metadata merges the `metadata` of the descriptors that passed only, and the
+/// answer is OVER_LIMIT once every quota is spent; a rule beside them that is not in
+/// quota mode refuses as ever.
+#[tokio::test]
+async fn a_rules_quota_mode_marks_what_is_spent_and_refuses_when_all_is() {
+    let domains = "  - domain: d\n    descriptors:\n      - key: premium\n        quota_mode: true\n        metadata: {tier: premium}\n        rate_limit: {unit: hour, requests_per_unit: 1}\n      - key: standard\n        quota_mode: true\n        metadata: {tier: standard}\n        rate_limit: {unit: hour, requests_per_unit: 2}\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 5}\n";
+    let s = common::start_with("envoy:\n  response_dynamic_metadata: true\n", domains);
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", s.grpc)).await.unwrap();
+    let call = |entries: &[(&str, &str)]| RateLimitRequest {
+        domain: "d".into(),
+        descriptors: entries
+            .iter()
+            .map(|(k, v)| RateLimitDescriptor {
+                entries: vec![Entry { key: k.to_string(), value: v.to_string() }],
+                ..Default::default()
+            })
+            .collect(),
+        hits_addend: 0,
+    };
+    let both = [("premium", "a"), ("standard", "a")];
+    let codes = |r: &RateLimitResponse| (r.overall_code, r.statuses.iter().map(|s| s.code).collect::<Vec<_>>());
+    let tier = |r: &RateLimitResponse| {
+        let meta = r.dynamic_metadata.as_ref().and_then(|m| m.fields.get("metadata"));
+        let fields = meta.and_then(|m| match &m.kind {
+            Some(envoy_types::pb::google::protobuf::value::Kind::StructValue(s)) => Some(s.fields.clone()),
+            _ => None,
+        });
+        fields.and_then(|f| f.get("tier").cloned()).and_then(|v| match v.kind {
+            Some(envoy_types::pb::google::protobuf::value::Kind::StringValue(t)) => Some(t),
+            _ => None,
+        })
+    };
+    let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+    let mut ask = async |entries: &[(&str, &str)]| rls.should_rate_limit(call(entries)).await.unwrap().into_inner();
+    assert_eq!(codes(&ask(&both).await), (ok, vec![ok, ok]));
+    let r = ask(&both).await;
+    assert_eq!(codes(&r), (ok, vec![over, ok]), "premium spent, standard left");
+    assert_eq!(tier(&r).as_deref(), Some("standard"), "the metadata of what passed only");
+    let r = ask(&both).await;
+    assert_eq!(codes(&r), (over, vec![over, over]), "every quota spent");
+    assert_eq!(r.statuses[1].limit_remaining, 0);
+    // an enforced limit beside a quota with room refuses alone
+    for _ in 0..5 {
+        ask(&[("user", "a")]).await;
+    }
+    let r = ask(&[("user", "a"), ("standard", "b")]).await;
+    assert_eq!(codes(&r), (over, vec![over, ok]), "the user's limit is enforced");
 }

@@ -59,6 +59,9 @@ pub struct LimiterConfig {
     /// Every rule of every domain in shadow mode: decisions are counted, logged and
     /// reported as if enforced, and every request is allowed. For trying a config out.
     pub shadow_mode: bool,
+    /// Every rule's limits in quota mode (envoyproxy/ratelimit's `QUOTA_MODE`; see
+    /// [`DescriptorConfig::quota_mode`]).
+    pub quota_mode: bool,
     /// The most one request may carry (descriptors, entries, key and value bytes).
     pub request_bounds: RequestBounds,
     /// The lists of the clients each rule refuses and admits most (`GET /v1/admin/top`).
@@ -190,6 +193,7 @@ impl Default for LimiterConfig {
             near_cache: 100_000,
             near_limit_ratio: 0.8,
             shadow_mode: false,
+            quota_mode: false,
             request_bounds: Default::default(),
             top_clients: Default::default(),
             max_overrides: 250_000,
@@ -235,6 +239,13 @@ pub struct DescriptorConfig {
     /// nested below it keep their own setting.
     #[serde(default)]
     pub shadow_mode: bool,
+    /// envoyproxy/ratelimit's `quota_mode`, for this rule's own limits: one over its
+    /// limit marks its descriptor OVER_LIMIT but refuses the request only when every
+    /// quota-mode limit the request met is over (a quota spent, with another left to fall
+    /// back on); limits not in quota mode decide as ever. In decisions, status reads and
+    /// reservations; leases enforce such limits as any other.
+    #[serde(default)]
+    pub quota_mode: bool,
     /// Sluice's extension: the failure policy of this rule's limits and those below it.
     #[serde(default)]
     pub failure: Option<Failure>,
@@ -363,6 +374,7 @@ impl DescriptorConfig {
             policies: Vec::new(),
             descriptors: Vec::new(),
             shadow_mode: false,
+            quota_mode: false,
             failure: None,
             detailed_metric: false,
             value_to_metric: false,

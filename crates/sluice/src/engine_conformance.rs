@@ -57,6 +57,58 @@ pub async fn envoy_rules_are_exact(s: Arc<dyn Store>) {
     assert_eq!(status.descriptors[0].policies[0].decision.used, 1);
 }
 
+/// envoyproxy/ratelimit's quota mode, through the engine on this store: a quota-mode
+/// limit over its limit marks its descriptor OVER_LIMIT and is not charged, but the
+/// request goes on while another quota-mode limit it met has room (charging that one and
+/// the enforced limits); once every quota is spent the request is refused and charges
+/// nothing. An enforced limit refuses as ever. `limiter.quota_mode` puts every rule in it.
+pub async fn quota_mode_refuses_when_every_quota_is_spent(s: Arc<dyn Store>) {
+    use crate::Code;
+    let limit = |n: u64| serde_json::json!({"unit": "hour", "requests_per_unit": n});
+    let secret = || format!("{:x}", crate::store::conformance::fresh_tag().0);
+    let config = |global: bool| {
+        let quota = !global;
+        serde_json::json!({
+            "limiter": {"key_secret": secret(), "quota_mode": global},
+            "domains": [{"domain": "d", "descriptors": [
+                {"key": "premium", "quota_mode": quota, "rate_limit": limit(1)},
+                {"key": "standard", "quota_mode": quota, "rate_limit": limit(2)},
+                {"key": "user", "rate_limit": limit(3)}]}]})
+    };
+    for global in [false, true] {
+        let rules: crate::config::RulesConfig = serde_json::from_value(config(global)).expect("the check's rules");
+        let clock = crate::time::ManualClock::new(crate::store::conformance::t0());
+        let l =
+            crate::engine::Limiter::new(Arc::new(rules.compile().expect("they compile")), s.clone(), Arc::new(clock));
+        let req = crate::request::Request::new("d").descriptor([("premium", "m")]).descriptor([("standard", "m")]);
+        let req = if global { req } else { req.descriptor([("user", "u")]) };
+        let used = |v: &crate::Verdict| v.descriptors.iter().map(|d| d.policies[0].decision.used).collect::<Vec<_>>();
+        let codes = |v: &crate::Verdict| v.descriptors.iter().map(|d| d.code).collect::<Vec<_>>();
+        let v = l.check(&req).await.expect("a decision");
+        assert!(v.allowed(), "every quota has room");
+        // premium is spent: marked, not charged; standard and user go on, charged
+        let v = l.check(&req).await.expect("a decision");
+        assert!(v.allowed(), "standard has room left (global {global})");
+        assert_eq!((codes(&v)[0], codes(&v)[1]), (Code::OverLimit, Code::Ok));
+        assert_eq!(&used(&v)[..2], [1, 2]);
+        // every quota spent: refused, and what it would have charged is not
+        let v = l.check(&req).await.expect("a decision");
+        assert!(!v.allowed(), "every quota is spent (global {global})");
+        assert_eq!((codes(&v)[0], codes(&v)[1]), (Code::OverLimit, Code::OverLimit));
+        if !global {
+            assert_eq!(used(&v), [1, 2, 2], "user charged by the two requests that went on, not this one");
+            // an enforced limit refuses alone, a quota left or not
+            let other = crate::request::Request::new("d").descriptor([("standard", "x")]).descriptor([("user", "u")]);
+            assert!(l.check(&other).await.expect("a decision").allowed(), "the user's last unit");
+            let v = l.check(&other).await.expect("a decision");
+            assert!(!v.allowed() && codes(&v) == [Code::Ok, Code::OverLimit], "the user's limit is enforced");
+            assert_eq!(used(&v), [1, 3], "and the quota's charge given back");
+        }
+        let status = l.status(&req).await.expect("a status");
+        assert_eq!(used(&status)[..2], [1, 2], "a status read counts nothing");
+    }
+}
+
 /// Expands to one `#[tokio::test]` per conformance check. `$make` is an expression that
 /// evaluates to a future of `(store, guard)`: the guard (a server process, say) lives
 /// until the test ends. `conformance_suite!(fixed_window_only name, make)` runs the checks
@@ -122,6 +174,12 @@ macro_rules! conformance_suite {
             async fn envoy_rules_are_exact() {
                 let (s, _guard) = conformance_store().await;
                 $crate::engine_conformance::envoy_rules_are_exact(s).await
+            }
+
+            #[tokio::test]
+            async fn quota_mode_refuses_when_every_quota_is_spent() {
+                let (s, _guard) = conformance_store().await;
+                $crate::engine_conformance::quota_mode_refuses_when_every_quota_is_spent(s).await
             }
         }
     };

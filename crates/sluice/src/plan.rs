@@ -48,6 +48,12 @@ impl Mode {
     pub(crate) fn charges(self) -> bool {
         matches!(self, Mode::Charge | Mode::Admit)
     }
+
+    /// Whether limits in quota mode decide in it: in decisions and status reads (leases
+    /// and refunds have nothing to fall back on).
+    fn quota(self) -> bool {
+        matches!(self, Mode::Charge | Mode::Peek | Mode::Admit)
+    }
 }
 
 /// One client tag's share of a request: its ops, and where each decision goes.
@@ -170,7 +176,8 @@ pub(crate) fn plan<'r>(
         let candidates = overrides.filter(|_| d.limit.is_none()).map(|o| o.candidates(&entries)).unwrap_or_default();
         for p in policies.iter().filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name)) {
             let o = candidates.find(&p.name, now);
-            let op = op_for(rules, p, o.map(|o| &**o), &entries, cost, lease, di, req.lenient)?;
+            let mut op = op_for(rules, p, o.map(|o| &**o), &entries, cost, lease, di, req.lenient)?;
+            op.shadow |= p.quota && mode.quota(); // vetoes nothing in the store: see quota_spent
             let grants = p.grants.clone().filter(|_| mode.charges());
             plan.add(tag, op, p, o.cloned(), di, grants);
         }
@@ -189,6 +196,7 @@ fn request_policy(rules: &Rules, domain: &Domain, d: &Descriptor, di: usize) -> 
         name: crate::rules::REQUEST_LIMIT.into(),
         limit,
         shadow: false,
+        quota: rules.quota_mode,
         failure: rules.default_failure,
         counters: domain.override_counters.clone(),
         metric: None,
@@ -247,6 +255,8 @@ impl Plan<'_> {
             name: p.name.clone(),
             limit: op.limit,
             shadow: p.shadow,
+            // quota mode decides here when the op was made to veto nothing for it
+            quota: p.quota && op.shadow,
             decision: unevaluated(&op.limit),
             source: Source::Store,
             overridden_by: o,

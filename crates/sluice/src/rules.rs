@@ -23,6 +23,9 @@ pub(crate) struct Policy {
     pub limit: Limit,
     /// Counted and reported, never enforced.
     pub shadow: bool,
+    /// In quota mode (`quota_mode`): its refusal alone refuses no request (see
+    /// `DescriptorConfig::quota_mode`).
+    pub quota: bool,
     /// What a request gets when the store cannot answer.
     pub failure: Failure,
     /// Its decision counters (`sluice_decisions_total` ...).
@@ -244,6 +247,8 @@ pub struct Rules {
     pub(crate) max_overrides: u64,
     /// `limiter.count_refused_hits`, for limits that come with a request.
     pub(crate) count_refused: bool,
+    /// `limiter.quota_mode`, for limits that come with a request.
+    pub(crate) quota_mode: bool,
     /// Why there are no rules yet, when they are still to come (pushed by a control
     /// plane): every request is answered [`crate::RequestError::NoRules`] until then.
     pub(crate) pending: Option<Arc<str>>,
@@ -283,6 +288,7 @@ impl Rules {
             request_bounds: limiter.request_bounds,
             max_overrides: limiter.max_overrides,
             count_refused: limiter.count_refused_hits.unwrap_or(false),
+            quota_mode: limiter.quota_mode,
             pending: None,
         })
     }
@@ -351,6 +357,7 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
         domain: &d.domain.0,
         top: limiter.top_clients,
         shadow: limiter.shadow_mode || d.shadow_mode,
+        quota: limiter.quota_mode,
         failure: limiter.failure,
         ratelimit_metrics: limiter.ratelimit_metrics,
         count_refused: limiter.count_refused_hits.unwrap_or(false),
@@ -377,6 +384,8 @@ struct Inherited<'a> {
     /// The domain's shadow mode (or the global one). A rule's own `shadow_mode` is its
     /// own, as in envoyproxy/ratelimit.
     shadow: bool,
+    /// The global quota mode (`limiter.quota_mode`); a rule's own is its own.
+    quota: bool,
     failure: Failure,
     /// `limiter.ratelimit_metrics`.
     ratelimit_metrics: bool,
@@ -460,6 +469,7 @@ fn grants_for(
 /// What a rule's own limits are, beside their limit.
 struct Own {
     shadow: bool,
+    quota: bool,
     metric: Option<MetricLabel>,
 }
 
@@ -481,7 +491,11 @@ fn add(
     let inherited = Inherited { failure: c.failure.unwrap_or(inherited.failure), ..inherited };
     let mut steps = parents.to_vec();
     steps.push(Step::of(c).map_err(&err)?);
-    let own = Own { shadow: inherited.shadow || c.shadow_mode, metric: metric_label(c, &steps) };
+    let own = Own {
+        shadow: inherited.shadow || c.shadow_mode,
+        quota: inherited.quota || c.quota_mode,
+        metric: metric_label(c, &steps),
+    };
     let mut node = node(c, inherited, &own, &steps, &err)?;
     for (j, p) in c.policies.iter().enumerate() {
         let at = |message: String| {
@@ -497,6 +511,7 @@ fn add(
             name: p.name.0.as_str().into(),
             limit,
             shadow: own.shadow || p.shadow_mode,
+            quota: own.quota,
             failure: p.failure.unwrap_or(inherited.failure),
             counters: Arc::new(PolicyCounters::new(
                 inherited.domain,
@@ -564,6 +579,7 @@ fn node(
             name: name.into(),
             limit,
             shadow: own.shadow,
+            quota: own.quota,
             failure: inherited.failure,
             counters,
             metric: own.metric.clone(),

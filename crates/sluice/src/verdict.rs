@@ -75,6 +75,9 @@ pub struct PolicyDecision {
     pub name: Arc<str>,
     pub limit: Limit,
     pub shadow: bool,
+    /// Decided in quota mode: its refusal marks its descriptor, and refuses the request
+    /// only if every quota-mode decision of it refused.
+    pub quota: bool,
     pub decision: Decision,
     pub source: Source,
     /// The stored override whose limit this is, if one is in force for this client.

@@ -36,6 +36,18 @@ pub fn server(server: &ServerConfig) -> Result<(), CheckError> {
         token_ok(token)
             .map_err(|why| CheckError::at(&["server", "api_tokens"], format!("server.api_tokens[{i}] {why}")))?;
     }
+    let path = &server.metrics_path;
+    let routable = path.starts_with('/')
+        && path != "/healthz"
+        && !path.contains(['?', '#', ' ', '{', '}', '*'])
+        && !path.split('/').any(|segment| segment.starts_with(':'));
+    if !routable {
+        let why = format!(
+            "server.metrics_path `{path}` is not a path of its own: write one that starts with /, e.g. /metrics \
+             (not /healthz; no ?, #, spaces, braces, * or a segment that starts with :)"
+        );
+        return Err(CheckError::at(&["server", "metrics_path"], why));
+    }
     let listeners = [("http", Some(server.http)), ("grpc", Some(server.grpc)), ("metrics", server.metrics)];
     for (i, (a, x)) in listeners.iter().enumerate() {
         for (b, y) in &listeners[i + 1..] {

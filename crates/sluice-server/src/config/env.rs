@@ -54,12 +54,7 @@ const WITHOUT_EFFECT: &[&str] = &[
 pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String> {
     let get = |name: &str| env(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
     let on = |name: &str| get(name).is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "t"));
-    let mut refused = refusals(&get, &on);
-    let store = store(&get, &on).unwrap_or_else(|e| {
-        refused.push(e);
-        Value::Null
-    });
-    refused.extend(ports(&get, &on));
+    let (store, refused) = checked(&get, &on);
     if !refused.is_empty() {
         return Err(format!(
             "--ratelimit-env: {} (docs/envoy.md has the table of their variables)",
@@ -81,10 +76,13 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
     let mut config = json!({
         "server": {"http": host("HOST", "PORT", "8080"), "grpc": host("GRPC_HOST", "GRPC_PORT", "8081")},
         "store": store,
-        "limiter": {"near_cache": near_cache, "shadow_mode": on("SHADOW_MODE"), "key_secret": secret,
+        "limiter": {"near_cache": near_cache, "shadow_mode": on("SHADOW_MODE"), "quota_mode": on("QUOTA_MODE"),
+            "key_secret": secret,
             "count_refused_hits": true,
             "near_limit_ratio": get("NEAR_LIMIT_RATIO").and_then(|r| r.parse::<f64>().ok()).unwrap_or(0.8)},
-        "headers": {"github": false, "ietf": false, "envoy_ratelimit": headers},
+        "headers": {"github": false, "ietf": false, "envoy_ratelimit": headers, "envoy_ratelimit_names": {
+            "limit": get("LIMIT_LIMIT_HEADER"), "remaining": get("LIMIT_REMAINING_HEADER"),
+            "reset": get("LIMIT_RESET_HEADER")}},
         "envoy": {"merge_domains": on("MERGE_DOMAIN_CONFIG"), "response_dynamic_metadata": on("RESPONSE_DYNAMIC_METADATA")},
         "log": {"level": get("LOG_LEVEL").unwrap_or_else(|| "warn".into()).to_ascii_lowercase(),
             "format": get("LOG_FORMAT").unwrap_or_else(|| "text".into()).to_ascii_lowercase()},
@@ -95,6 +93,7 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
     if let Some(tls) = listener_tls(&get, &on) {
         config["server"]["tls"] = tls;
     }
+    AGES.iter().filter_map(|(var, key)| Some((key, get(var)?))).for_each(|(key, d)| config["server"][key] = json!(d));
     if on("TRACING_ENABLED") {
         config["telemetry"] = tracing(&get);
     }
@@ -104,6 +103,39 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
     }
     Ok(FromEnv { config, notes })
 }
+
+/// The store their variables describe, and every variable that cannot be honoured as
+/// it is set, each with why: one error names them all.
+fn checked(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> (Value, Vec<String>) {
+    let mut refused = refusals(get, on);
+    let store = store(get, on).map(|s| redis_timeout(get, s)).unwrap_or_else(|e| {
+        refused.push(e);
+        Value::Null
+    });
+    refused.extend(ports(get, on));
+    refused.extend(AGES.iter().chain([&("REDIS_TIMEOUT", "")]).filter_map(|(var, _)| {
+        let value = get(var)?;
+        let why = sluice::config::Duration::parse(&value).err()?;
+        Some(format!("{var}={value} is not a duration ({why}): write e.g. 24h, 90s or 500ms"))
+    }));
+    (store, refused)
+}
+
+/// `store` with their `REDIS_TIMEOUT` (a Redis store's: it bounds connecting and each
+/// reply, as `timeout` does here).
+fn redis_timeout(get: &dyn Fn(&str) -> Option<String>, mut store: Value) -> Value {
+    let redis = matches!(store["kind"].as_str(), Some("redis" | "redis_cluster" | "redis_sentinel"));
+    if let Some(t) = get("REDIS_TIMEOUT").filter(|t| redis && sluice::config::Duration::parse(t).is_ok()) {
+        store["timeout"] = json!(t);
+    }
+    store
+}
+
+/// Their connection ages, and where each goes.
+const AGES: [(&str, &str); 2] = [
+    ("GRPC_MAX_CONNECTION_AGE", "grpc_max_connection_age"),
+    ("GRPC_MAX_CONNECTION_AGE_GRACE", "grpc_max_connection_age_grace"),
+];
 
 /// The port variables that are not port numbers, and a `PROMETHEUS_ADDR` whose port is
 /// one the HTTP or gRPC listener takes (it failed at bind: "Address already in use").
@@ -225,6 +257,9 @@ fn prometheus(
     let addr = get("PROMETHEUS_ADDR").unwrap_or_else(|| ":9090".into());
     let (host, port) = addr.rsplit_once(':').unwrap_or(("", addr.as_str()));
     config["server"]["metrics"] = json!(address(host.trim_start_matches('[').trim_end_matches(']'), port));
+    if let Some(path) = get("PROMETHEUS_PATH") {
+        config["server"]["metrics_path"] = json!(path);
+    }
     config["limiter"]["ratelimit_metrics"] = json!(true);
     if let Some(file) = get("PROMETHEUS_MAPPER_YAML") {
         notes.push(format!(
@@ -279,12 +314,8 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
     let set = |name: &str| get(name).is_some();
     let not =
         |name: &str, allowed: &[&str]| get(name).is_some_and(|v| !allowed.contains(&v.to_ascii_lowercase().as_str()));
-    let headers = [("LIMIT_LIMIT_HEADER", "ratelimit-limit"), ("LIMIT_REMAINING_HEADER", "ratelimit-remaining")];
-    let renamed =
-        headers.into_iter().chain([("LIMIT_RESET_HEADER", "ratelimit-reset")]).any(|(v, name)| not(v, &[name]));
     let checks = [
         (not("CONFIG_TYPE", &["file", "grpc_xds_sotw"]), "CONFIG_TYPE: FILE or GRPC_XDS_SOTW"),
-        (on("QUOTA_MODE"), "QUOTA_MODE: quota mode is not built"),
         (
             on("REDIS_PERSECOND"),
             "REDIS_PERSECOND: every window lives in one store; point REDIS_URL at one Redis (or a cluster) sized for all limits",
@@ -294,18 +325,12 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
             "USE_STATSD: statistics are Prometheus metrics at /metrics on the HTTP port (set USE_STATSD=false)",
         ),
         (on("USE_DOG_STATSD"), "USE_DOG_STATSD: statistics are Prometheus metrics at /metrics"),
-        (not("PROMETHEUS_PATH", &["/metrics"]), "PROMETHEUS_PATH: the path is /metrics"),
         (
             set("DEBUG_HOST") || set("DEBUG_PORT"),
             "DEBUG_HOST/DEBUG_PORT: there is no debug port; /metrics and /healthcheck are on the HTTP port",
         ),
         (set("GRPC_UDS"), "GRPC_UDS: gRPC is served on TCP (GRPC_HOST, GRPC_PORT)"),
-        (
-            set("GRPC_MAX_CONNECTION_AGE") || set("GRPC_MAX_CONNECTION_AGE_GRACE"),
-            "GRPC_MAX_CONNECTION_AGE: connections are not aged out",
-        ),
         (set("GRPC_CLIENT_TLS_SAN"), "GRPC_CLIENT_TLS_SAN: a client certificate is checked against the CA only"),
-        (renamed, "LIMIT_*_HEADER: the headers are named RateLimit-Limit, RateLimit-Remaining and RateLimit-Reset"),
         (
             on("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION"),
             "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION: the Redis certificate is always verified",
@@ -630,5 +655,36 @@ mod tests {
             assert!(e.contains(says), "{vars:?}: {e}");
         }
         ok(&[("REDIS_URL", "/s"), ("PORT", "0"), ("USE_PROMETHEUS", "true"), ("PROMETHEUS_ADDR", ":0")]).unwrap();
+    }
+
+    /// Settings that were refused at start and are honoured now, each where it belongs.
+    #[test]
+    fn their_other_settings_are_honoured() {
+        let c = read(&[
+            ("USE_STATSD", "false"),
+            ("REDIS_URL", "/s"),
+            ("QUOTA_MODE", "true"),
+            ("USE_PROMETHEUS", "true"),
+            ("PROMETHEUS_PATH", "/stats/prometheus"),
+            ("LIMIT_RESET_HEADER", "X-Reset-In"),
+            ("GRPC_MAX_CONNECTION_AGE", "24h"),
+            ("GRPC_MAX_CONNECTION_AGE_GRACE", "90s"),
+            ("REDIS_TIMEOUT", "3s"),
+        ])
+        .unwrap()
+        .config;
+        assert_eq!(
+            (&c["server"]["grpc_max_connection_age"], &c["server"]["grpc_max_connection_age_grace"]),
+            (&json!("24h"), &json!("90s"))
+        );
+        assert_eq!(c["store"]["timeout"], "3s");
+        let e = read(&[("USE_STATSD", "false"), ("REDIS_URL", "/s"), ("GRPC_MAX_CONNECTION_AGE", "a while")])
+            .err()
+            .unwrap();
+        assert!(e.contains("GRPC_MAX_CONNECTION_AGE=a while is not a duration"), "{e}");
+        assert_eq!(c["limiter"]["quota_mode"], true);
+        assert_eq!(c["server"]["metrics_path"], "/stats/prometheus");
+        assert_eq!(c["headers"]["envoy_ratelimit_names"]["reset"], "X-Reset-In");
+        assert!(c["headers"]["envoy_ratelimit_names"]["limit"].is_null(), "unset: their name");
     }
 }

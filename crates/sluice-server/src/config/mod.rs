@@ -202,6 +202,14 @@ pub struct ServerConfig {
     /// A gRPC connection with no call open for this long is closed (a first call must
     /// come within `header_timeout`).
     pub grpc_idle_timeout: Duration,
+    /// A gRPC connection older than this is asked to close (HTTP/2 GOAWAY: its calls in
+    /// flight finish, new ones come on a new connection), so that a fleet's connections
+    /// spread again over instances added or restarted (envoyproxy/ratelimit's
+    /// `GRPC_MAX_CONNECTION_AGE`). None: never.
+    pub grpc_max_connection_age: Option<Duration>,
+    /// How long calls still open on a connection asked to close may take before it is
+    /// closed under them (their `GRPC_MAX_CONNECTION_AGE_GRACE`). None: as long as they take.
+    pub grpc_max_connection_age_grace: Option<Duration>,
     /// How long a stopping server (SIGTERM, SIGINT) waits for requests in flight before
     /// it drops their connections and exits.
     pub shutdown_grace: Duration,
@@ -221,6 +229,9 @@ pub struct ServerConfig {
     /// `PROMETHEUS_ADDR`), besides `/metrics` on `http`. Plain HTTP, with the HTTP
     /// listener's bounds.
     pub metrics: Option<SocketAddr>,
+    /// The path of `GET /metrics` on `metrics` (envoyproxy/ratelimit's
+    /// `PROMETHEUS_PATH`); the HTTP listener keeps `/metrics`.
+    pub metrics_path: String,
 }
 
 /// `server.rlqs`: how much RLQS streams may hold on this instance (`grpc/rlqs.rs`). A stream
@@ -281,6 +292,8 @@ impl Default for ServerConfig {
             body_timeout: Duration(10_000),
             max_connections: 4_096,
             grpc_idle_timeout: Duration(600_000),
+            grpc_max_connection_age: None,
+            grpc_max_connection_age_grace: None,
             shutdown_grace: Duration(10_000),
             tls: None,
             ui: false,
@@ -288,6 +301,7 @@ impl Default for ServerConfig {
             grpc_threads: None,
             rlqs: RlqsBounds::default(),
             metrics: None,
+            metrics_path: "/metrics".into(),
         }
     }
 }

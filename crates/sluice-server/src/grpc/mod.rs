@@ -37,14 +37,19 @@ pub fn serve(
         idle: server.grpc_idle_timeout.to_std(),
     });
     let mut ended = Vec::new();
+    let times = Times {
+        ping: server.header_timeout.to_std(),
+        age: server.grpc_max_connection_age.map(|d| d.to_std()),
+        grace: server.grpc_max_connection_age_grace.map(|d| d.to_std()),
+    };
     for i in 0..grpc_threads(server) {
         let (listener, state, stop) = (listener.try_clone()?, state.clone(), stop.clone());
-        let (ping, gate) = (server.header_timeout.to_std(), gate.clone());
+        let gate = gate.clone();
         let runtime =
             tokio::runtime::Builder::new_current_thread().enable_all().on_thread_park(crate::alloc::on_park).build()?;
         let (done, end) = tokio::sync::oneshot::channel::<()>();
         std::thread::Builder::new().name(format!("sluice-grpc-{i}")).spawn(move || {
-            runtime.block_on(grpc_thread(listener, gate, state, ping, stop));
+            runtime.block_on(grpc_thread(listener, gate, state, times, stop));
             let _ = done.send(());
         })?;
         ended.push(end);
@@ -54,6 +59,15 @@ pub fn serve(
             let _ = end.await;
         }
     }))
+}
+
+/// The times a gRPC connection is held to: its HTTP/2 pings (and a call's length), and
+/// its age and the grace after it (`server.grpc_max_connection_age`, `_grace`).
+#[derive(Debug, Clone, Copy)]
+struct Times {
+    ping: std::time::Duration,
+    age: Option<std::time::Duration>,
+    grace: Option<std::time::Duration>,
 }
 
 /// The largest RLQS message read: about 20 times a report of
@@ -71,9 +85,10 @@ async fn grpc_thread(
     listener: std::net::TcpListener,
     gate: Arc<listen::Gate>,
     state: Arc<AppState>,
-    ping: std::time::Duration,
+    times: Times,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
+    let ping = times.ping;
     let listener = match tokio::net::TcpListener::from_std(listener) {
         Ok(l) => l,
         Err(e) => return tracing::error!(error = %e, "the gRPC listener cannot be used"),
@@ -83,7 +98,14 @@ async fn grpc_thread(
     let stopped = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    let router = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(age) = times.age {
+        builder = builder.max_connection_age(age);
+    }
+    if let Some(grace) = times.grace {
+        builder = builder.max_connection_age_grace(grace);
+    }
+    let router = builder
         .layer(listen::CountCallsLayer)
         // a peer that stops answering HTTP/2 pings is gone: close its connection
         .http2_keepalive_interval(Some(ping))

@@ -55,10 +55,10 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// The routes of `server.metrics`, a listener for scrapes alone (envoyproxy/ratelimit's
 /// `PROMETHEUS_ADDR`): `/metrics`, and `/healthz` for its probe.
-pub fn metrics_router(state: Arc<AppState>) -> Router {
+pub fn metrics_router(state: Arc<AppState>, path: &str) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
-        .route("/metrics", get(probes::metrics))
+        .route(path, get(probes::metrics))
         .fallback(error::not_found)
         .with_state(state)
 }

@@ -75,10 +75,8 @@ impl RateLimitConfig {
 
 /// A descriptor in the shape of their YAML.
 fn descriptor(d: &RateLimitDescriptor) -> Result<Value, String> {
-    if d.quota_mode {
-        return Err(format!("descriptor `{}`: quota_mode is not supported (docs/envoy.md)", d.key));
-    }
-    let mut v = json!({"key": d.key, "shadow_mode": d.shadow_mode, "detailed_metric": d.detailed_metric});
+    let mut v = json!({"key": d.key, "shadow_mode": d.shadow_mode, "quota_mode": d.quota_mode,
+        "detailed_metric": d.detailed_metric});
     if !d.value.is_empty() {
         v["value"] = json!(d.value);
     }
@@ -214,9 +212,16 @@ mod tests {
     fn what_cannot_be_read_says_where() {
         let c = RateLimitConfig { name: "r".into(), domain: "d".into(), descriptors: vec![limited("k", "", 0, 5)] };
         assert!(c.domain().unwrap_err().contains("descriptor `k`: rate_limit has no unit"));
+    }
+
+    /// `quota_mode` is read (it was NACKed), each rule's own.
+    #[test]
+    fn quota_mode_is_read() {
         let mut q = limited("q", "", 1, 5);
         q.quota_mode = true;
-        let c = RateLimitConfig { descriptors: vec![q], ..c };
-        assert!(c.domain().unwrap_err().contains("quota_mode"));
+        q.descriptors.push(limited("inner", "", 1, 5));
+        let c = RateLimitConfig { name: "r".into(), domain: "d".into(), descriptors: vec![q] };
+        let d = c.domain().unwrap();
+        assert!(d.descriptors[0].quota_mode && !d.descriptors[0].descriptors[0].quota_mode);
     }
 }

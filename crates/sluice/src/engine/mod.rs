@@ -490,7 +490,7 @@ impl Limiter {
         for (g, result) in groups.iter().zip(results) {
             self.record(g, result, mode, now, &mut descriptors, &mut tally)?;
         }
-        let allowed = tally.refused_groups == 0;
+        let allowed = tally.refused_groups == 0 && !quota_spent(&descriptors);
         let lease = lease.and_then(|l| lease_id(&groups, l));
         if !allowed && mode == Mode::Charge {
             // envoyproxy/ratelimit's rules count a refused call's hits all the same
@@ -915,6 +915,15 @@ struct Tally {
 /// Marks each descriptor refused by an enforced policy (over its limit), or by a
 /// fail-closed policy whose store did not answer (unavailable), and says what the
 /// request gets.
+/// Whether the request met limits in quota mode and every one of them refused: then it is
+/// refused, as envoyproxy/ratelimit's quota mode refuses it, though each store call
+/// allowed (in the store a quota-mode op vetoes nothing), and what was charged goes
+/// back as for any refusal. One quota left is enough to go on.
+fn quota_spent(descriptors: &[DescriptorVerdict]) -> bool {
+    let mut quotas = descriptors.iter().flat_map(|d| &d.policies).filter(|p| p.quota && !p.shadow).peekable();
+    quotas.peek().is_some() && quotas.all(|p| !p.decision.allowed)
+}
+
 fn outcome(allowed: bool, descriptors: &mut [DescriptorVerdict]) -> Outcome {
     let mut over_limit = false;
     for d in descriptors {

@@ -3,7 +3,7 @@
 //! by a commit on any instance; reports; the holds a client has open; and what this
 //! instance issued, for its gauges and the live page.
 
-use super::{CheckError, Limiter, Tally, outcome};
+use super::{CheckError, Limiter, Tally, outcome, quota_spent};
 use crate::algo::reservation::{Hold, REPORT};
 use crate::algo::{Limit, MAX_EXACT, Op};
 use crate::plan::{Group, Mode, Plan, plan};
@@ -390,9 +390,10 @@ impl Limiter {
                 .map(|d| (d, Source::Store));
             self.record(g, result, Mode::Charge, now, &mut descriptors, &mut tally)?;
         }
-        let allowed = tally.refused_groups == 0;
+        let allowed = tally.refused_groups == 0 && !quota_spent(&descriptors);
         if !allowed {
-            // another client's part refused: what the others hold goes back
+            // another client's part refused (or every quota is spent): what the others
+            // hold goes back
             self.settle(&parts, id, now).await?;
             given_back(&parts, &groups, &at, &tally.charged, &mut descriptors);
         }

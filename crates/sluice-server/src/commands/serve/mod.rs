@@ -110,7 +110,7 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     room_for_connections(server.max_connections);
     let bounds = Bounds::of(&server);
     if let Some(listener) = metrics_listener {
-        serve_metrics(listener, &state, bounds, stopping.subscribe());
+        serve_metrics(listener, &state, &server, stopping.subscribe());
     }
     // `server.tls.http: false`: gRPC's alone
     let http_tls = tls.filter(|_| server.tls.as_ref().is_some_and(|t| t.http));
@@ -144,13 +144,14 @@ fn warn_if_open(config: &Config, http: SocketAddr, grpc: SocketAddr) {
 fn serve_metrics(
     listener: tokio::net::TcpListener,
     state: &Arc<AppState>,
-    bounds: Bounds,
+    server: &crate::config::ServerConfig,
     mut stopping: tokio::sync::watch::Receiver<bool>,
 ) {
     let stop = async move {
         let _ = stopping.wait_for(|s| *s).await;
     };
-    let router = crate::http::metrics_router(state.clone());
+    let bounds = Bounds::of(server);
+    let router = crate::http::metrics_router(state.clone(), &server.metrics_path);
     tokio::spawn(crate::http::listen::serve(listener, router, bounds, None, stop));
 }
 

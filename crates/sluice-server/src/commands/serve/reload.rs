@@ -324,6 +324,12 @@ fn needs_restart(new_config: &Config, old_config: &Config) -> Vec<&'static str> 
         ("server.max_body_bytes", new.max_body_bytes != old.max_body_bytes),
         ("server.admin_token", new.admin_token != old.admin_token),
         ("server.api_tokens", new.api_tokens != old.api_tokens),
+        (
+            "server.grpc_max_connection_age",
+            (new.grpc_max_connection_age, new.grpc_max_connection_age_grace)
+                != (old.grpc_max_connection_age, old.grpc_max_connection_age_grace),
+        ),
+        ("server.metrics_path", new.metrics_path != old.metrics_path),
         ("server.header_timeout", new.header_timeout != old.header_timeout),
         ("server.body_timeout", new.body_timeout != old.body_timeout),
         ("server.max_connections", new.max_connections != old.max_connections),
