@@ -262,3 +262,38 @@ async fn the_metrics_listener_answers_on_its_path() {
     assert_eq!(get(format!("http://{at}/metrics")).await.status(), 404);
     assert_eq!(get(format!("{}/metrics", s.base)).await.status(), 200);
 }
+
+/// `server.debug` (envoyproxy/ratelimit's `DEBUG_HOST:DEBUG_PORT`): `/rlconfig` prints the
+/// `rate_limit:` rules in force as theirs does, `/stats` each rule's hits under their
+/// stat names, `/` the two.
+#[tokio::test]
+async fn the_debug_listener_prints_the_rules_and_their_stats() {
+    let domains = "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 2}\n      - key: path\n        value: /x\n        shadow_mode: true\n        rate_limit: {unit: minute, requests_per_unit: 5}\n";
+    let s = common::start_with("  debug: 127.0.0.1:0\n", domains);
+    let ready = std::fs::read_to_string(s.dir.path().join("ready")).unwrap();
+    let at = ready.lines().find_map(|l| l.strip_prefix("debug=")).expect("a debug= line").to_string();
+    let client = reqwest::Client::new();
+    for _ in 0..3 {
+        hit(&client, &s.base, "d", &[("user", "a")]).await;
+    }
+    let get = |path: &str| {
+        let (client, url) = (client.clone(), format!("http://{at}{path}"));
+        async move { client.get(url).send().await.unwrap().text().await.unwrap() }
+    };
+    let rules = get("/rlconfig").await;
+    assert_eq!(
+        rules,
+        "d.path_/x: unit=MINUTE requests_per_unit=5, shadow_mode: true, quota_mode: false\n\
+         d.user: unit=HOUR requests_per_unit=2, shadow_mode: false, quota_mode: false\n"
+    );
+    let stats = get("/stats").await;
+    for line in [
+        "ratelimit.service.rate_limit.d.user.total_hits: 3\n",
+        "ratelimit.service.rate_limit.d.user.within_limit: 2\n",
+        "ratelimit.service.rate_limit.d.user.over_limit: 1\n",
+        "ratelimit.service.rate_limit.d.path_/x.total_hits: 0\n",
+    ] {
+        assert!(stats.contains(line), "{line} not in:\n{stats}");
+    }
+    assert!(get("/").await.contains("/rlconfig: print out the currently loaded configuration"));
+}

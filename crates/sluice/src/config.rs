@@ -608,6 +608,11 @@ impl Unit {
     pub fn from_millis(ms: Millis) -> Option<Self> {
         Self::NAMES.iter().map(|&(_, u)| u).find(|u| u.millis() == ms)
     }
+
+    /// Its name as written in a config (`minute`).
+    pub fn name(self) -> &'static str {
+        Self::NAMES.iter().find(|&&(_, u)| u == self).map_or("unknown", |&(n, _)| n)
+    }
 }
 
 impl<'de> Deserialize<'de> for Unit {

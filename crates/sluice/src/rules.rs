@@ -343,6 +343,51 @@ impl Rules {
     }
 
     /// Configured domain names, sorted.
+    /// The `rate_limit:` rules in force as envoyproxy/ratelimit's debug port prints them
+    /// (`/rlconfig`): a line a rule, `DOMAIN.KEY...: unit=MINUTE requests_per_unit=10,
+    /// shadow_mode: false, quota_mode: false`, by domain and key.
+    pub fn dump(&self) -> String {
+        let mut lines: Vec<String> = self
+            .domains
+            .values()
+            .flat_map(|d| d.policies())
+            .filter_map(|p| {
+                let key = &p.counters.stat.as_ref()?.key;
+                let Limit::FixedWindow { limit, window, .. } = p.limit else { return None };
+                let unit =
+                    crate::config::Unit::from_millis(window).map_or("UNKNOWN".into(), |u| u.name().to_uppercase());
+                Some(format!(
+                    "{key}: unit={unit} requests_per_unit={limit}, shadow_mode: {}, quota_mode: {}\n",
+                    p.shadow, p.quota
+                ))
+            })
+            .collect();
+        lines.sort();
+        lines.concat()
+    }
+
+    /// Every `rate_limit:` rule's hits under envoyproxy/ratelimit's stat names
+    /// (`ratelimit.service.rate_limit.DOMAIN.KEY....total_hits`, `over_limit`,
+    /// `near_limit`, `within_limit`, `shadow_mode`), counted since these rules were
+    /// compiled, sorted by name.
+    pub fn stats(&self) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = self
+            .domains
+            .values()
+            .flat_map(|d| d.policies())
+            .filter_map(|p| p.counters.stat.as_ref())
+            .flat_map(|s| {
+                let counts = s.counts();
+                crate::telemetry::STAT_NAMES
+                    .iter()
+                    .zip(counts)
+                    .map(move |(name, n)| (format!("ratelimit.service.rate_limit.{}.{name}", s.key), n))
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
     pub fn domain_names(&self) -> Vec<&str> {
         let mut v: Vec<&str> = self.domains.keys().map(String::as_str).collect();
         v.sort_unstable();
@@ -569,7 +614,8 @@ fn node(
         limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
         let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
         let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&names));
-        let mut counters = PolicyCounters::new(inherited.domain, &name, own.shadow, inherited.lists());
+        let mut counters = PolicyCounters::new(inherited.domain, &name, own.shadow, inherited.lists())
+            .with_stat_key(inherited.domain, &names);
         if inherited.ratelimit_metrics {
             counters = counters.with_ratelimit_names(inherited.domain, &names);
         }

@@ -200,6 +200,9 @@ pub(crate) struct PolicyCounters {
     decided: Decided,
     /// The same decisions under envoyproxy/ratelimit's names (`limiter.ratelimit_metrics`).
     ratelimit: Option<RatelimitCounters>,
+    /// A `rate_limit:` rule's counts under its statsd key, for the debug listener's
+    /// `/stats` and `/rlconfig` (kept in process: a few atomics a rule).
+    pub(crate) stat: Option<StatCounts>,
     /// The clients the policy refuses and admits most (`limiter.top_clients`), when on.
     pub top: Option<crate::topk::RuleLists>,
 }
@@ -232,7 +235,15 @@ impl PolicyCounters {
             Decided::Enforced { allowed: decisions("allowed"), over_limit: decisions("over_limit") }
         };
         let near_limit = counter!(names::NEAR_LIMIT, "domain" => d.clone(), "policy" => p.clone());
-        Self { near_limit, names: (d, p), reservations: Default::default(), decided, ratelimit: None, top }
+        Self { near_limit, names: (d, p), reservations: Default::default(), decided, ratelimit: None, stat: None, top }
+    }
+
+    /// Also counted in process under the rule's statsd key, `DOMAIN.KEY1[.KEY2...]`
+    /// (each step `key` or `key_value`), as envoyproxy/ratelimit names its stats.
+    pub(crate) fn with_stat_key(mut self, domain: &str, steps: &[&str]) -> Self {
+        let key = std::iter::once(domain).chain(steps.iter().copied()).collect::<Vec<_>>().join(".");
+        self.stat = Some(StatCounts { key, counts: Default::default() });
+        self
     }
 
     /// Also counted under envoyproxy/ratelimit's names, for the rule reached by `steps`
@@ -245,8 +256,12 @@ impl PolicyCounters {
     /// Counts one decision of `hits`. `near` is whether an allowed decision used at
     /// least the near-limit share of its quota.
     pub(crate) fn count(&self, allowed: bool, near: bool, hits: u64) {
+        let shadow = matches!(self.decided, Decided::Shadow { .. });
         if let Some(r) = &self.ratelimit {
-            r.count(allowed, near, matches!(self.decided, Decided::Shadow { .. }), hits);
+            r.count(allowed, near, shadow, hits);
+        }
+        if let Some(s) = &self.stat {
+            s.count(allowed, near, shadow, hits);
         }
         match (&self.decided, allowed) {
             (Decided::Shadow { over_limit }, false) | (Decided::Enforced { over_limit, .. }, false) => {
@@ -307,6 +322,46 @@ impl ReservationCounters {
             open: gauge!(names::RESERVATIONS_OPEN, "domain" => d.clone(), "policy" => p.clone()),
             held: gauge!(names::RESERVATION_HELD_UNITS, "domain" => d, "policy" => p),
         }
+    }
+}
+
+/// The names of a rule's stats under its key, in the order [`StatCounts::counts`] keeps
+/// them (envoyproxy/ratelimit's `ratelimit.service.rate_limit.KEY.NAME`).
+pub const STAT_NAMES: [&str; 5] = ["total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode"];
+
+/// One `rate_limit:` rule's hits, counted as envoyproxy/ratelimit counts them, under its
+/// statsd key.
+#[derive(Debug)]
+pub struct StatCounts {
+    /// `DOMAIN.KEY1[.KEY2...]`.
+    pub key: String,
+    counts: [std::sync::atomic::AtomicU64; 5],
+}
+
+impl StatCounts {
+    fn count(&self, allowed: bool, near: bool, shadow: bool, hits: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let [total, over, near_limit, within, shadow_mode] = &self.counts;
+        total.fetch_add(hits, Relaxed);
+        match allowed {
+            false => {
+                over.fetch_add(hits, Relaxed);
+                if shadow {
+                    shadow_mode.fetch_add(hits, Relaxed);
+                }
+            }
+            true => {
+                within.fetch_add(hits, Relaxed);
+                if near {
+                    near_limit.fetch_add(hits, Relaxed);
+                }
+            }
+        }
+    }
+
+    /// The counts so far, in the order of [`STAT_NAMES`].
+    pub fn counts(&self) -> [u64; 5] {
+        self.counts.each_ref().map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
     }
 }
 

@@ -48,7 +48,12 @@ pub fn server(server: &ServerConfig) -> Result<(), CheckError> {
         );
         return Err(CheckError::at(&["server", "metrics_path"], why));
     }
-    let listeners = [("http", Some(server.http)), ("grpc", Some(server.grpc)), ("metrics", server.metrics)];
+    let listeners = [
+        ("http", Some(server.http)),
+        ("grpc", Some(server.grpc)),
+        ("metrics", server.metrics),
+        ("debug", server.debug),
+    ];
     for (i, (a, x)) in listeners.iter().enumerate() {
         for (b, y) in &listeners[i + 1..] {
             if let (Some(x), Some(y)) = (x, y)

@@ -94,6 +94,10 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
         config["server"]["tls"] = tls;
     }
     AGES.iter().filter_map(|(var, key)| Some((key, get(var)?))).for_each(|(key, d)| config["server"][key] = json!(d));
+    if get("DEBUG_HOST").is_some() || get("DEBUG_PORT").is_some() {
+        // theirs listens on 6070 whatever is set; here only when asked
+        config["server"]["debug"] = json!(host("DEBUG_HOST", "DEBUG_PORT", "6070"));
+    }
     if on("TRACING_ENABLED") {
         config["telemetry"] = tracing(&get);
     }
@@ -142,6 +146,9 @@ const AGES: [(&str, &str); 2] = [
 fn ports(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Vec<String> {
     let mut refused = Vec::new();
     let mut port = |name: &str, default: &str| {
+        if name == "DEBUG_PORT" && get(name).is_none() {
+            return None;
+        }
         let value = get(name).unwrap_or_else(|| default.into());
         let parsed = value.parse::<u16>().ok();
         if parsed.is_none() {
@@ -150,6 +157,7 @@ fn ports(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Vec
         parsed
     };
     let (http, grpc) = (port("PORT", "8080"), port("GRPC_PORT", "8081"));
+    port("DEBUG_PORT", "6070");
     if http.is_some_and(|h| h != 0) && http == grpc {
         refused.push(format!("PORT and GRPC_PORT are both {}: give each listener its own port", http.unwrap_or(0)));
     }
@@ -325,10 +333,6 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
             "USE_STATSD: statistics are Prometheus metrics at /metrics on the HTTP port (set USE_STATSD=false)",
         ),
         (on("USE_DOG_STATSD"), "USE_DOG_STATSD: statistics are Prometheus metrics at /metrics"),
-        (
-            set("DEBUG_HOST") || set("DEBUG_PORT"),
-            "DEBUG_HOST/DEBUG_PORT: there is no debug port; /metrics and /healthcheck are on the HTTP port",
-        ),
         (set("GRPC_UDS"), "GRPC_UDS: gRPC is served on TCP (GRPC_HOST, GRPC_PORT)"),
         (set("GRPC_CLIENT_TLS_SAN"), "GRPC_CLIENT_TLS_SAN: a client certificate is checked against the CA only"),
         (
@@ -670,6 +674,7 @@ mod tests {
             ("GRPC_MAX_CONNECTION_AGE", "24h"),
             ("GRPC_MAX_CONNECTION_AGE_GRACE", "90s"),
             ("REDIS_TIMEOUT", "3s"),
+            ("DEBUG_PORT", "6071"),
         ])
         .unwrap()
         .config;
@@ -678,6 +683,9 @@ mod tests {
             (&json!("24h"), &json!("90s"))
         );
         assert_eq!(c["store"]["timeout"], "3s");
+        assert_eq!(c["server"]["debug"], "0.0.0.0:6071", "their DEBUG_HOST's default");
+        let e = read(&[("USE_STATSD", "false"), ("REDIS_URL", "/s"), ("DEBUG_PORT", "x")]).err().unwrap();
+        assert!(e.contains("DEBUG_PORT=x is not a port number"), "{e}");
         let e = read(&[("USE_STATSD", "false"), ("REDIS_URL", "/s"), ("GRPC_MAX_CONNECTION_AGE", "a while")])
             .err()
             .unwrap();

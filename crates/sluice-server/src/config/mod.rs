@@ -232,6 +232,10 @@ pub struct ServerConfig {
     /// The path of `GET /metrics` on `metrics` (envoyproxy/ratelimit's
     /// `PROMETHEUS_PATH`); the HTTP listener keeps `/metrics`.
     pub metrics_path: String,
+    /// A listener of its own for envoyproxy/ratelimit's debug endpoints (their
+    /// `DEBUG_HOST:DEBUG_PORT`): `/rlconfig`, the rules in force as theirs prints them;
+    /// `/stats`, each rule's hits under their stat names; `/`, the list. Plain HTTP.
+    pub debug: Option<SocketAddr>,
 }
 
 /// `server.rlqs`: how much RLQS streams may hold on this instance (`grpc/rlqs.rs`). A stream
@@ -302,6 +306,7 @@ impl Default for ServerConfig {
             rlqs: RlqsBounds::default(),
             metrics: None,
             metrics_path: "/metrics".into(),
+            debug: None,
         }
     }
 }

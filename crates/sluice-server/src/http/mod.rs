@@ -55,6 +55,16 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 /// The routes of `server.metrics`, a listener for scrapes alone (envoyproxy/ratelimit's
 /// `PROMETHEUS_ADDR`): `/metrics`, and `/healthz` for its probe.
+/// The debug listener's routes (`server.debug`: envoyproxy/ratelimit's debug port).
+pub fn debug_router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/", get(probes::debug_index))
+        .route("/rlconfig", get(probes::rlconfig))
+        .route("/stats", get(probes::stats))
+        .fallback(error::not_found)
+        .with_state(state)
+}
+
 pub fn metrics_router(state: Arc<AppState>, path: &str) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))

@@ -54,3 +54,25 @@ pub(crate) async fn ready(State(state): Shared) -> Response {
         (StatusCode::OK, "ready\n").into_response()
     }
 }
+
+/// The debug listener's endpoints, each with what it prints (as their debug port's `/`).
+const DEBUG_ENDPOINTS: [(&str, &str); 2] =
+    [("/rlconfig", "print out the currently loaded configuration for debugging"), ("/stats", "print out stats")];
+
+/// `GET /` on the debug listener: its endpoints.
+pub(crate) async fn debug_index() -> String {
+    DEBUG_ENDPOINTS.iter().map(|(path, what)| format!("{path}: {what}\n")).collect()
+}
+
+/// `GET /rlconfig`: the `rate_limit:` rules in force, a line each, as envoyproxy/ratelimit
+/// prints them (`DOMAIN.KEY_VALUE: unit=MINUTE requests_per_unit=10, shadow_mode: false,
+/// quota_mode: false`).
+pub(crate) async fn rlconfig(State(state): Shared) -> String {
+    state.engine.load().limiter.rules().dump()
+}
+
+/// `GET /stats`: each `rate_limit:` rule's hits under their stat names, `NAME: VALUE` a
+/// line, counted since the rules in force were loaded.
+pub(crate) async fn stats(State(state): Shared) -> String {
+    state.engine.load().limiter.rules().stats().into_iter().map(|(name, n)| format!("{name}: {n}\n")).collect()
+}

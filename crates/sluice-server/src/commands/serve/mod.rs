@@ -94,14 +94,14 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     let addr = args.http.unwrap_or(config.server.http);
     let listener = listen(addr)?;
     let grpc_listener = listen(args.grpc.unwrap_or(config.server.grpc))?;
-    let metrics_listener = config.server.metrics.map(listen).transpose()?;
+    let [metrics_listener, debug_listener] = side_listeners(&config.server)?;
     // the addresses bound (a port 0 in the config is the system's choice)
     let (addr, grpc_addr) = (bound(&listener)?, bound(&grpc_listener)?);
     warn_if_open(&config, addr, grpc_addr);
-    let metrics_addr = metrics_listener.as_ref().map(bound).transpose()?;
+    let side = [metrics_listener.as_ref().map(bound).transpose()?, debug_listener.as_ref().map(bound).transpose()?];
     let (stopping, stop) = tokio::sync::watch::channel(false);
     let grpc = crate::grpc::serve(grpc_listener, state.clone(), &config.server, stop).map_err(ServeError::Io)?;
-    announce(&args, [addr, grpc_addr], metrics_addr, state.engine.load().limiter.store().kind())?;
+    announce(&args, [addr, grpc_addr], side, state.engine.load().limiter.store().kind())?;
     let server = config.server.clone();
     if let Some(xds) = &config.xds {
         crate::xds::start(xds.clone(), state.clone());
@@ -109,8 +109,12 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     reload::watch(source, config, loaded_bytes, state.clone());
     room_for_connections(server.max_connections);
     let bounds = Bounds::of(&server);
-    if let Some(listener) = metrics_listener {
-        serve_metrics(listener, &state, &server, stopping.subscribe());
+    let routers =
+        [crate::http::metrics_router(state.clone(), &server.metrics_path), crate::http::debug_router(state.clone())];
+    for (listener, router) in [metrics_listener, debug_listener].into_iter().zip(routers) {
+        if let Some(l) = listener {
+            serve_side(l, router, bounds, stopping.subscribe());
+        }
     }
     // `server.tls.http: false`: gRPC's alone
     let http_tls = tls.filter(|_| server.tls.as_ref().is_some_and(|t| t.http));
@@ -140,18 +144,23 @@ fn warn_if_open(config: &Config, http: SocketAddr, grpc: SocketAddr) {
     }
 }
 
-/// Serves `server.metrics` (scrapes alone) until `stopping` turns true.
-fn serve_metrics(
+/// The listeners of their own (`server.metrics`, `server.debug`), bound when set.
+fn side_listeners(server: &crate::config::ServerConfig) -> Result<[Option<tokio::net::TcpListener>; 2], ServeError> {
+    let [metrics, debug] = [server.metrics, server.debug].map(|a| a.map(listen).transpose());
+    Ok([metrics?, debug?])
+}
+
+/// Serves a listener of its own (`server.metrics`: scrapes alone; `server.debug`:
+/// envoyproxy/ratelimit's debug endpoints) with `router`, until `stopping` turns true.
+fn serve_side(
     listener: tokio::net::TcpListener,
-    state: &Arc<AppState>,
-    server: &crate::config::ServerConfig,
+    router: axum::Router,
+    bounds: Bounds,
     mut stopping: tokio::sync::watch::Receiver<bool>,
 ) {
     let stop = async move {
         let _ = stopping.wait_for(|s| *s).await;
     };
-    let bounds = Bounds::of(server);
-    let router = crate::http::metrics_router(state.clone(), &server.metrics_path);
     tokio::spawn(crate::http::listen::serve(listener, router, bounds, None, stop));
 }
 
@@ -213,11 +222,12 @@ fn ready_file(
     file: &std::path::Path,
     http: SocketAddr,
     grpc: SocketAddr,
-    metrics: Option<SocketAddr>,
+    [metrics, debug]: [Option<SocketAddr>; 2],
 ) -> Result<(), ServeError> {
     let tmp = file.with_extension("tmp");
     let metrics = metrics.map(|m| format!("metrics={m}\n")).unwrap_or_default();
-    std::fs::write(&tmp, format!("http={http}\ngrpc={grpc}\n{metrics}")).map_err(ServeError::Io)?;
+    let debug = debug.map(|d| format!("debug={d}\n")).unwrap_or_default();
+    std::fs::write(&tmp, format!("http={http}\ngrpc={grpc}\n{metrics}{debug}")).map_err(ServeError::Io)?;
     std::fs::rename(&tmp, file).map_err(ServeError::Io)
 }
 
@@ -283,14 +293,15 @@ fn install_metrics() -> Result<Metrics, ServeError> {
 fn announce(
     args: &Args,
     [http, grpc]: [SocketAddr; 2],
-    metrics: Option<SocketAddr>,
+    [metrics, debug]: [Option<SocketAddr>; 2],
     store: &str,
 ) -> Result<(), ServeError> {
     if let Some(file) = &args.ready_file {
-        ready_file(file, http, grpc, metrics)?;
+        ready_file(file, http, grpc, [metrics, debug])?;
     }
     let metrics = metrics.map_or_else(|| "the http port".to_string(), |m| format!("{m} and the http port"));
-    tracing::info!(%http, %grpc, %metrics, store, "sluice is serving");
+    let debug_port = debug.map_or_else(|| "none".to_string(), |d| d.to_string());
+    tracing::info!(%http, %grpc, %metrics, debug = %debug_port, store, "sluice is serving");
     Ok(())
 }
 
