@@ -12,6 +12,7 @@ mod otel;
 mod otlp;
 mod service;
 mod state;
+mod statsd;
 mod tls;
 mod xds;
 

@@ -43,6 +43,50 @@ pub struct TelemetryConfig {
     /// Traces, sent to an OpenTelemetry collector; off without it.
     #[serde(default)]
     pub otlp: Option<OtlpConfig>,
+    /// The `rate_limit:` rules' hits, sent to StatsD as envoyproxy/ratelimit sends them
+    /// (`statsd.rs`); off without it.
+    #[serde(default)]
+    pub statsd: Option<StatsdConfig>,
+}
+
+/// `telemetry.statsd` (sent by `statsd.rs`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StatsdConfig {
+    /// The StatsD server, `host:port` (a name is resolved at each connect).
+    pub address: String,
+    /// `tcp` (theirs: gostats' TCP sink) or `udp`.
+    #[serde(default)]
+    pub protocol: Protocol,
+    /// `lyft` (tags folded into the name, as their gostats writes) or `dogstatsd`.
+    #[serde(default)]
+    pub format: Format,
+    /// How often the counters are sent (theirs: `STATS_FLUSH_INTERVAL`, 10 s).
+    #[serde(default = "ten_seconds")]
+    pub flush_interval: ConfigDuration,
+    /// Tags on every stat (their `EXTRA_TAGS`).
+    #[serde(default)]
+    pub tags: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    #[default]
+    Tcp,
+    Udp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    #[default]
+    Lyft,
+    Dogstatsd,
+}
+
+fn ten_seconds() -> ConfigDuration {
+    ConfigDuration(10_000)
 }
 
 /// `telemetry.otlp`.

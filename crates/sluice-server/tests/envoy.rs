@@ -186,7 +186,7 @@ async fn their_environment_alone_answers_a_real_envoy() {
     let socket = dir.path().join("redis.sock").display().to_string();
     let _redis = sluice_testkit::RedisServer::start_with(&["--unixsocket", &socket, "--unixsocketperm", "700"]);
     let rule = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
-    let (_sluice, grpc) = their_way(
+    let (_sluice, grpc) = common::their_way(
         &dir,
         rule,
         &[
@@ -522,7 +522,7 @@ async fn quota_mode_lets_requests_through_while_a_quota_is_left() {
     let redis = sluice_testkit::RedisServer::start();
     let url = redis.addr().to_string();
     let vars = [("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", url.as_str()), ("QUOTA_MODE", "true")];
-    let (_sluice, grpc) = their_way(&dir, rule, &vars);
+    let (_sluice, grpc) = common::their_way(&dir, rule, &vars);
     let log = || std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
     let grpc: u16 = grpc.rsplit(':').next().unwrap().parse().unwrap();
     let two = "                  rate_limits:\n                  - actions:\n                    - request_headers: {header_name: x-user, descriptor_key: premium}\n                  - actions:\n                    - request_headers: {header_name: x-user, descriptor_key: standard}\n";
@@ -536,21 +536,4 @@ async fn quota_mode_lets_requests_through_while_a_quota_is_left() {
     }
     assert_eq!(codes, [200, 200, 200, 429, 429, 429, 429], "{}\n{}", log(), envoy.log());
     assert_eq!(redis.command("DBSIZE").map(|r| r.starts_with(":")).ok(), Some(true));
-}
-
-/// `sluice serve --ratelimit-env` with their environment: listeners on loopback (ports
-/// the system chooses), no StatsD, the domain file `rule` under `RUNTIME_ROOT` in `dir`,
-/// and `vars`; returns it and its gRPC address.
-fn their_way(dir: &TempDir, rule: &str, vars: &[(&str, &str)]) -> (Process, String) {
-    let files = dir.path().join("runtime/ratelimit/config");
-    std::fs::create_dir_all(&files).unwrap();
-    std::fs::write(files.join("api.yaml"), rule).unwrap();
-    let runtime = dir.path().join("runtime").display().to_string();
-    let mut cmd = std::process::Command::new(common::bin());
-    cmd.args(["serve", "--ratelimit-env"]);
-    let listeners = [("HOST", "127.0.0.1"), ("PORT", "0"), ("GRPC_HOST", "127.0.0.1"), ("GRPC_PORT", "0")];
-    let runtime = [("USE_STATSD", "false"), ("RUNTIME_ROOT", runtime.as_str()), ("RUNTIME_SUBDIRECTORY", "ratelimit")];
-    cmd.envs(listeners.iter().chain(&runtime).chain(vars).copied());
-    let (process, _http, grpc) = common::spawn_command(cmd, dir.path());
-    (process, grpc)
 }

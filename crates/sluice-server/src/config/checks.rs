@@ -193,6 +193,27 @@ pub fn xds(xds: &crate::config::XdsConfig) -> Result<(), CheckError> {
     Ok(())
 }
 
+/// The `telemetry` section's checks that parsing does not make: a StatsD flush interval
+/// of 0 (a loop without a wait) and an address that is not `host:port`.
+pub fn telemetry(telemetry: &crate::otel::TelemetryConfig) -> Result<(), CheckError> {
+    let Some(s) = &telemetry.statsd else { return Ok(()) };
+    let at = |key: &str, why: String| CheckError::at(&["telemetry", "statsd", key], why);
+    if s.flush_interval.0 == 0 {
+        return Err(at(
+            "flush_interval",
+            "telemetry.statsd.flush_interval is 0s: write how often to send, e.g. 10s".into(),
+        ));
+    }
+    let port = s.address.rsplit_once(':').and_then(|(h, p)| (!h.is_empty()).then_some(p));
+    if port.is_none_or(|p| p.parse::<u16>().is_err()) {
+        return Err(at(
+            "address",
+            format!("telemetry.statsd.address `{}` is not host:port, e.g. localhost:8125", s.address),
+        ));
+    }
+    Ok(())
+}
+
 /// `limiter.reservations: true` asks for a store that keeps them: memcached (on either
 /// side of a migration too) is refused, saying so.
 pub fn reservations(limiter: &sluice::config::LimiterConfig, store: &StoreConfig) -> Result<(), CheckError> {

@@ -39,15 +39,11 @@ const WITHOUT_EFFECT: &[&str] = &[
     "RUNTIME_WATCH_ROOT",
     "RUNTIME_IGNOREDOTFILES",
     "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
-    "DISABLE_STATS",
-    "STATS_FLUSH_INTERVAL",
-    "EXTRA_TAGS",
     "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS",
+    "USE_DOG_STATSD_MOGRIFIERS",
     "GRPC_SERVER_TLS_CA_CERT",
     "XDS_CLIENT_BACKOFF_RANDOM_FACTOR",
     "XDS_CLIENT_BACKOFF_JITTER",
-    "STATSD_PORT",
-    "STATSD_HOST",
 ];
 
 /// Reads the variables (through `env`) into a config, or says every one it refuses.
@@ -101,6 +97,9 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
     if on("TRACING_ENABLED") {
         config["telemetry"] = tracing(&get);
     }
+    if let Some(statsd) = statsd(&get, &on) {
+        config["telemetry"]["statsd"] = statsd;
+    }
     let without_effect: Vec<&'static str> = WITHOUT_EFFECT.iter().copied().filter(|v| get(v).is_some()).collect();
     if !without_effect.is_empty() {
         notes.insert(0, format!("these have no effect here (docs/envoy.md says why): {}", without_effect.join(", ")));
@@ -117,7 +116,7 @@ fn checked(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> (
         Value::Null
     });
     refused.extend(ports(get, on));
-    refused.extend(AGES.iter().chain([&("REDIS_TIMEOUT", "")]).filter_map(|(var, _)| {
+    refused.extend(AGES.iter().chain(&[("REDIS_TIMEOUT", ""), ("STATS_FLUSH_INTERVAL", "")]).filter_map(|(var, _)| {
         let value = get(var)?;
         let why = sluice::config::Duration::parse(&value).err()?;
         Some(format!("{var}={value} is not a duration ({why}): write e.g. 24h, 90s or 500ms"))
@@ -146,7 +145,7 @@ const AGES: [(&str, &str); 2] = [
 fn ports(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Vec<String> {
     let mut refused = Vec::new();
     let mut port = |name: &str, default: &str| {
-        if name == "DEBUG_PORT" && get(name).is_none() {
+        if ["DEBUG_PORT", "STATSD_PORT"].contains(&name) && get(name).is_none() {
             return None;
         }
         let value = get(name).unwrap_or_else(|| default.into());
@@ -158,6 +157,7 @@ fn ports(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Vec
     };
     let (http, grpc) = (port("PORT", "8080"), port("GRPC_PORT", "8081"));
     port("DEBUG_PORT", "6070");
+    port("STATSD_PORT", "8125");
     if http.is_some_and(|h| h != 0) && http == grpc {
         refused.push(format!("PORT and GRPC_PORT are both {}: give each listener its own port", http.unwrap_or(0)));
     }
@@ -278,6 +278,32 @@ fn prometheus(
     }
 }
 
+/// `telemetry.statsd`, from `USE_STATSD` (on unless `false`, as theirs: a Deployment
+/// that never set it sends to `localhost:8125`), `USE_DOG_STATSD`, `STATSD_HOST`,
+/// `STATSD_PORT`, `STATSD_PROTOCOL`, `STATS_FLUSH_INTERVAL` and `EXTRA_TAGS`
+/// (`k:v,k2:v2`); none with `DISABLE_STATS`.
+fn statsd(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Option<Value> {
+    let statsd = get("USE_STATSD").is_none_or(|_| on("USE_STATSD"));
+    let dog = on("USE_DOG_STATSD");
+    if on("DISABLE_STATS") || !(statsd || dog) {
+        return None;
+    }
+    let host = get("STATSD_HOST").unwrap_or_else(|| "localhost".into());
+    let port = get("STATSD_PORT").unwrap_or_else(|| "8125".into());
+    let default = if dog { "udp" } else { "tcp" };
+    let tags: serde_json::Map<String, Value> = get("EXTRA_TAGS")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|p| p.split_once(':').map(|(k, v)| (k.trim().to_string(), json!(v.trim()))))
+        .collect();
+    let mut out = json!({"address": address(&host, &port), "format": if dog { "dogstatsd" } else { "lyft" },
+        "protocol": get("STATSD_PROTOCOL").unwrap_or_else(|| default.into()).to_ascii_lowercase(), "tags": tags});
+    if let Some(every) = get("STATS_FLUSH_INTERVAL") {
+        out["flush_interval"] = json!(every);
+    }
+    Some(out)
+}
+
 /// `telemetry`, from `TRACING_*` and `OTEL_EXPORTER_OTLP_ENDPOINT`: their default
 /// protocol is OTLP/HTTP (port 4318), as Envoy Gateway sets it.
 fn tracing(get: &dyn Fn(&str) -> Option<String>) -> Value {
@@ -328,11 +354,7 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
             on("REDIS_PERSECOND"),
             "REDIS_PERSECOND: every window lives in one store; point REDIS_URL at one Redis (or a cluster) sized for all limits",
         ),
-        (
-            on("USE_STATSD"),
-            "USE_STATSD: statistics are Prometheus metrics at /metrics on the HTTP port (set USE_STATSD=false)",
-        ),
-        (on("USE_DOG_STATSD"), "USE_DOG_STATSD: statistics are Prometheus metrics at /metrics"),
+        (not("STATSD_PROTOCOL", &["tcp", "udp"]), "STATSD_PROTOCOL: tcp or udp"),
         (set("GRPC_UDS"), "GRPC_UDS: gRPC is served on TCP (GRPC_HOST, GRPC_PORT)"),
         (set("GRPC_CLIENT_TLS_SAN"), "GRPC_CLIENT_TLS_SAN: a client certificate is checked against the CA only"),
         (
@@ -490,10 +512,10 @@ mod tests {
 
     #[test]
     fn what_cannot_be_honoured_is_refused_with_every_reason() {
-        let e = read(&[("USE_STATSD", "true"), ("REDIS_PERSECOND", "true"), ("CONFIG_TYPE", "GRPC_XDS_DELTA")])
+        let e = read(&[("STATSD_PROTOCOL", "quic"), ("REDIS_PERSECOND", "true"), ("CONFIG_TYPE", "GRPC_XDS_DELTA")])
             .err()
             .unwrap();
-        for says in ["USE_STATSD", "REDIS_PERSECOND", "CONFIG_TYPE", "docs/envoy.md"] {
+        for says in ["STATSD_PROTOCOL", "REDIS_PERSECOND", "CONFIG_TYPE", "docs/envoy.md"] {
             assert!(e.contains(says), "{e}");
         }
         assert!(read(&[("BACKEND_TYPE", "memcache")]).err().unwrap().contains("MEMCACHE_HOST_PORT"));

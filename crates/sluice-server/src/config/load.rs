@@ -306,6 +306,7 @@ fn compile(mut config: Config, text: &str, file: &str) -> Result<Loaded, ConfigE
     }
     let checked = crate::config::checks::server(&config.server)
         .and_then(|()| config.xds.as_ref().map_or(Ok(()), crate::config::checks::xds))
+        .and_then(|()| crate::config::checks::telemetry(&config.telemetry))
         .and_then(|()| crate::config::checks::store(&config.store, &rules))
         .and_then(|()| crate::config::checks::reservations(&config.limiter, &config.store));
     checked.map_err(|e| ConfigError { file: file.to_string(), at: locate(text, &e.anchors), message: e.message })?;

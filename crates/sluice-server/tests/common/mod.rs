@@ -320,3 +320,20 @@ fn relative(from: &Path, to: &Path) -> String {
     parts.extend(rest);
     parts.join("/")
 }
+
+/// `sluice serve --ratelimit-env` with their environment: listeners on loopback (ports
+/// the system chooses), no StatsD, the domain file `rule` under `RUNTIME_ROOT` in `dir`,
+/// and `vars`; returns it and its gRPC address.
+pub fn their_way(dir: &TempDir, rule: &str, vars: &[(&str, &str)]) -> (Process, String) {
+    let files = dir.path().join("runtime/ratelimit/config");
+    std::fs::create_dir_all(&files).unwrap();
+    std::fs::write(files.join("api.yaml"), rule).unwrap();
+    let runtime = dir.path().join("runtime").display().to_string();
+    let mut cmd = std::process::Command::new(bin());
+    cmd.args(["serve", "--ratelimit-env"]);
+    let listeners = [("HOST", "127.0.0.1"), ("PORT", "0"), ("GRPC_HOST", "127.0.0.1"), ("GRPC_PORT", "0")];
+    let runtime = [("USE_STATSD", "false"), ("RUNTIME_ROOT", runtime.as_str()), ("RUNTIME_SUBDIRECTORY", "ratelimit")];
+    cmd.envs(listeners.iter().chain(&runtime).chain(vars).copied());
+    let (process, _http, grpc) = spawn_command(cmd, dir.path());
+    (process, grpc)
+}

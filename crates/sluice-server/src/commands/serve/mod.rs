@@ -103,9 +103,7 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     let grpc = crate::grpc::serve(grpc_listener, state.clone(), &config.server, stop).map_err(ServeError::Io)?;
     announce(&args, [addr, grpc_addr], side, state.engine.load().limiter.store().kind())?;
     let server = config.server.clone();
-    if let Some(xds) = &config.xds {
-        crate::xds::start(xds.clone(), state.clone());
-    }
+    start_clients(&config, &state);
     reload::watch(source, config, loaded_bytes, state.clone());
     room_for_connections(server.max_connections);
     let bounds = Bounds::of(&server);
@@ -133,6 +131,16 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     }
     tracing::info!(dropped_http_connections = dropped, grpc_cut_off = grpc_dropped, "stopped");
     Ok(())
+}
+
+/// Starts what calls other servers on its own: the xDS client of the rules, StatsD.
+fn start_clients(config: &Config, state: &Arc<AppState>) {
+    if let Some(xds) = &config.xds {
+        crate::xds::start(xds.clone(), state.clone());
+    }
+    if let Some(statsd) = &config.telemetry.statsd {
+        crate::statsd::start(statsd.clone(), state.clone());
+    }
 }
 
 /// Warns when a listener is reachable beyond this host and nothing guards the data plane.

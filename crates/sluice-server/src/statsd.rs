@@ -1,0 +1,167 @@
+//! StatsD, as envoyproxy/ratelimit sends it (`telemetry.statsd`; their `USE_STATSD`,
+//! `STATSD_HOST`, `STATSD_PORT`, `STATS_FLUSH_INTERVAL`, `EXTRA_TAGS`, `USE_DOG_STATSD`):
+//! every flush interval, each `rate_limit:` rule's hits since the last flush, as
+//! counters under their stat names, `ratelimit.service.rate_limit.DOMAIN.KEY.total_hits`
+//! (and `over_limit`, `near_limit`, `within_limit`, `shadow_mode`). The counts are the
+//! ones the debug listener's `/stats` shows ([`sluice::rules::Rules::stats`]), kept in
+//! process; `/metrics` counts the same decisions.
+//!
+//! Two line formats: Lyft's (their gostats: tags folded into the name as
+//! `NAME.__KEY=VALUE`, `NAME:N|c`), sent over TCP by default as theirs is; and
+//! DogStatsD's (`NAME:N|c|#KEY:VALUE`), over UDP as Datadog's agent takes it. A counter
+//! that did not move is not sent. A server that does not answer costs a line in the log
+//! at most every 10 s; what could not be sent is dropped (StatsD counters are deltas:
+//! a later flush does not resend them), and the next flush tries again.
+
+use crate::logs::Sometimes;
+use crate::otel::{Format, Protocol, StatsdConfig};
+use crate::state::AppState;
+use std::collections::HashMap;
+use std::sync::Arc;
+use tokio::io::AsyncWriteExt;
+
+/// The largest UDP datagram sent: what fits a path of 1,500 bytes with its headers.
+const DATAGRAM: usize = 1_432;
+
+/// Sends the stats every `flush_interval` until the process ends.
+pub fn start(config: StatsdConfig, state: Arc<AppState>) {
+    tokio::spawn(async move {
+        let mut sender = Sender { config, last: HashMap::new(), tcp: None, log: Sometimes::default() };
+        let mut tick = tokio::time::interval(sender.config.flush_interval.to_std());
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let stats = state.engine.load().limiter.rules().stats();
+            let lines = sender.lines(&stats);
+            if let Err(e) = sender.send(&lines).await {
+                if sender.log.due() {
+                    tracing::warn!(address = %sender.config.address, error = %e, "cannot send stats to StatsD (logged at most every 10 s); they are dropped");
+                }
+            }
+        }
+    });
+}
+
+struct Sender {
+    config: StatsdConfig,
+    /// What each stat was at the last flush.
+    last: HashMap<String, u64>,
+    tcp: Option<tokio::net::TcpStream>,
+    log: Sometimes,
+}
+
+impl Sender {
+    /// The lines for what moved since the last flush. A count below the last one seen is
+    /// a new counter (a reload compiled the rules again): all of it is new.
+    fn lines(&mut self, stats: &[(String, u64)]) -> Vec<String> {
+        let mut out = Vec::new();
+        for (name, now) in stats {
+            let before = self.last.insert(name.clone(), *now).unwrap_or(0);
+            let delta = if *now >= before { now - before } else { *now };
+            if delta > 0 {
+                out.push(line(name, delta, &self.config));
+            }
+        }
+        out
+    }
+
+    async fn send(&mut self, lines: &[String]) -> std::io::Result<()> {
+        if lines.is_empty() {
+            return Ok(());
+        }
+        match self.config.protocol {
+            Protocol::Udp => {
+                let socket = tokio::net::UdpSocket::bind(("0.0.0.0", 0)).await?;
+                socket.connect(&self.config.address).await?;
+                for datagram in datagrams(lines) {
+                    socket.send(datagram.as_bytes()).await?;
+                }
+                Ok(())
+            }
+            Protocol::Tcp => {
+                let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+                if self.tcp.is_none() {
+                    self.tcp = Some(tokio::net::TcpStream::connect(&self.config.address).await?);
+                }
+                let sent = self.tcp.as_mut().expect("connected above").write_all(text.as_bytes()).await;
+                if sent.is_err() {
+                    // the connection went away: the next flush opens another
+                    self.tcp = None;
+                }
+                sent
+            }
+        }
+    }
+}
+
+/// One counter's line in `config`'s format.
+fn line(name: &str, delta: u64, config: &StatsdConfig) -> String {
+    match config.format {
+        Format::Lyft => {
+            let tags: String = config.tags.iter().map(|(k, v)| format!(".__{k}={v}")).collect();
+            format!("{name}{tags}:{delta}|c")
+        }
+        Format::Dogstatsd if config.tags.is_empty() => format!("{name}:{delta}|c"),
+        Format::Dogstatsd => {
+            let tags: Vec<String> = config.tags.iter().map(|(k, v)| format!("{k}:{v}")).collect();
+            format!("{name}:{delta}|c|#{}", tags.join(","))
+        }
+    }
+}
+
+/// `lines` packed into datagrams of at most [`DATAGRAM`] bytes, a line never split.
+fn datagrams(lines: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for l in lines {
+        match out.last_mut() {
+            Some(d) if d.len() + 1 + l.len() <= DATAGRAM => {
+                d.push('\n');
+                d.push_str(l);
+            }
+            _ => out.push(l.clone()),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(format: Format, tags: &[(&str, &str)]) -> StatsdConfig {
+        StatsdConfig {
+            address: "127.0.0.1:8125".into(),
+            protocol: Protocol::Tcp,
+            format,
+            flush_interval: sluice::config::Duration(10_000),
+            tags: tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        }
+    }
+
+    #[test]
+    fn lines_are_deltas_in_either_format() {
+        let name = "ratelimit.service.rate_limit.d.user.total_hits".to_string();
+        let mut s = Sender {
+            config: config(Format::Lyft, &[("env", "prod")]),
+            last: HashMap::new(),
+            tcp: None,
+            log: Default::default(),
+        };
+        assert_eq!(s.lines(&[(name.clone(), 3)]), ["ratelimit.service.rate_limit.d.user.total_hits.__env=prod:3|c"]);
+        assert!(s.lines(&[(name.clone(), 3)]).is_empty(), "nothing moved, nothing sent");
+        assert_eq!(s.lines(&[(name.clone(), 5)]), ["ratelimit.service.rate_limit.d.user.total_hits.__env=prod:2|c"]);
+        assert_eq!(s.lines(&[(name.clone(), 1)]).len(), 1, "a counter compiled again counts from 0");
+        let dog = config(Format::Dogstatsd, &[("env", "prod"), ("az", "b")]);
+        assert_eq!(line(&name, 4, &dog), "ratelimit.service.rate_limit.d.user.total_hits:4|c|#az:b,env:prod");
+    }
+
+    #[test]
+    fn datagrams_hold_whole_lines() {
+        let lines: Vec<String> =
+            (0..100).map(|i| format!("ratelimit.service.rate_limit.d.k{i:03}.total_hits:1|c")).collect();
+        let grams = datagrams(&lines);
+        assert!(grams.len() > 1 && grams.iter().all(|g| g.len() <= DATAGRAM));
+        assert_eq!(grams.join("\n").lines().count(), 100);
+    }
+}
