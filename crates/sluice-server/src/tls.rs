@@ -10,8 +10,10 @@
 use crate::config::ListenerTls;
 use arc_swap::ArcSwap;
 use rustls::ServerConfig;
+use rustls::client::danger::HandshakeSignatureValid;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -24,6 +26,8 @@ pub enum TlsError {
     Config(#[from] rustls::Error),
     #[error("server.tls.client_ca_file: {0}")]
     ClientCa(#[from] rustls::server::VerifierBuilderError),
+    #[error("server.tls.client_san `{0}` is not a DNS name or an IP address ({1})")]
+    ClientSan(String, String),
 }
 
 /// The TLS settings in force for each listener (ALPN differs: HTTP/1.1 and HTTP/2).
@@ -60,7 +64,14 @@ impl Tls {
                 }
                 let verifier =
                     rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build()?;
-                builder.with_client_cert_verifier(verifier)
+                match &files.client_san {
+                    None => builder.with_client_cert_verifier(verifier),
+                    Some(san) => {
+                        let name = ServerName::try_from(san.clone())
+                            .map_err(|e| TlsError::ClientSan(san.clone(), e.to_string()))?;
+                        builder.with_client_cert_verifier(Arc::new(NamedClient { inner: verifier, name }))
+                    }
+                }
             }
             None => builder.with_no_client_auth(),
         };
@@ -85,6 +96,65 @@ impl Tls {
     /// An acceptor for the next gRPC connection.
     pub fn grpc(&self) -> tokio_rustls::TlsAcceptor {
         tokio_rustls::TlsAcceptor::from(self.grpc.load_full())
+    }
+}
+
+/// A client certificate verifier that also requires the certificate to be valid for
+/// `name` (`server.tls.client_san`): the CA's verdict first, then the name.
+#[derive(Debug)]
+struct NamedClient {
+    inner: Arc<dyn ClientCertVerifier>,
+    name: ServerName<'static>,
+}
+
+impl ClientCertVerifier for NamedClient {
+    fn offer_client_auth(&self) -> bool {
+        self.inner.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.inner.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let verified = self.inner.verify_client_cert(end_entity, intermediates, now)?;
+        let bad = |e: rustls::CertificateError| rustls::Error::InvalidCertificate(e);
+        let cert =
+            webpki::EndEntityCert::try_from(end_entity).map_err(|_| bad(rustls::CertificateError::BadEncoding))?;
+        cert.verify_is_valid_for_subject_name(&self.name)
+            .map_err(|_| bad(rustls::CertificateError::NotValidForName))?;
+        Ok(verified)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.inner.supported_verify_schemes()
     }
 }
 

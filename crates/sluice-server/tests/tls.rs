@@ -55,6 +55,21 @@ async fn https(addr: &str, config: Arc<rustls::ClientConfig>, request: &str) -> 
     Ok(String::from_utf8_lossy(&text).into_owned())
 }
 
+/// Whether a TLS connection to `addr` is refused: the handshake fails, or the server
+/// closes it (with an alert, as a TLS 1.3 server refuses a client certificate after the
+/// client's side of the handshake) within a second of the HTTP/2 preface. A gRPC server
+/// that takes it waits for a call.
+async fn refused_h2(addr: &str, config: Arc<rustls::ClientConfig>) -> bool {
+    let Ok(tcp) = tokio::net::TcpStream::connect(addr).await else { return true };
+    let name = ServerName::IpAddress(std::net::Ipv4Addr::LOCALHOST.into());
+    let Ok(mut tls) = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await else { return true };
+    if tls.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.is_err() {
+        return true;
+    }
+    let mut buf = [0u8; 64];
+    matches!(tokio::time::timeout(Duration::from_secs(1), tls.read(&mut buf)).await, Ok(Ok(0) | Err(_)))
+}
+
 fn decision(user: &str) -> String {
     let body = format!(r#"{{"domain":"d","descriptors":[{{"entries":[{{"key":"user","value":"{user}"}}]}}]}}"#);
     format!(
@@ -160,4 +175,22 @@ async fn a_broken_certificate_file_keeps_the_one_in_force() {
     assert!(s.log().contains("server.tls.cert_file"), "{}", s.log());
     let answer = https(addr(&s.base), client(certs.path(), "ca", None, b"http/1.1"), &decision("di")).await;
     assert!(answer.is_ok_and(|a| a.starts_with("HTTP/1.1 200")), "{}", s.log());
+}
+
+/// `server.tls.client_san` (envoyproxy/ratelimit's `GRPC_CLIENT_TLS_SAN`): a client
+/// certificate the CA signed is taken only if it is valid for that name too, over gRPC and
+/// HTTP alike (the test certificates name `localhost` and 127.0.0.1).
+#[tokio::test]
+async fn mutual_tls_can_require_the_clients_name() {
+    let certs = TempDir::new("sluice-mtls-san");
+    make_certs(certs.path(), "ca", &["server", "client"]);
+    for (san, taken) in [("localhost", true), ("127.0.0.1", true), ("envoy.other.example", false)] {
+        let section = tls_section(certs.path(), true).replace("}\n", &format!(", client_san: \"{san}\"}}\n"));
+        let s = common::start_unready(&section, RULES);
+        let with = client(certs.path(), "ca", Some("client"), b"http/1.1");
+        let answer = https(addr(&s.base), with, &decision("cy")).await;
+        assert_eq!(answer.is_ok(), taken, "{san}: {answer:?}\n{}", s.log());
+        let refused = refused_h2(&s.grpc, client(certs.path(), "ca", Some("client"), b"h2")).await;
+        assert_eq!(!refused, taken, "{san} over gRPC\n{}", s.log());
+    }
 }

@@ -36,6 +36,43 @@ pub fn server(server: &ServerConfig) -> Result<(), CheckError> {
         token_ok(token)
             .map_err(|why| CheckError::at(&["server", "api_tokens"], format!("server.api_tokens[{i}] {why}")))?;
     }
+    client_san(server)?;
+    listeners(server)?;
+    if server.ui && server.admin_token.is_none() {
+        return Err(CheckError::at(
+            &["server", "ui"],
+            "server.ui is on but server.admin_token is not set: the page shows clients and overrides, so it is \
+             served only behind the admin token; set server.admin_token (or ui: false)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// `server.tls.client_san`: a name, checked on certificates a CA verified.
+fn client_san(server: &ServerConfig) -> Result<(), CheckError> {
+    if let Some(tls) = &server.tls
+        && let Some(san) = &tls.client_san
+    {
+        let why = if tls.client_ca_file.is_none() {
+            Some("needs server.tls.client_ca_file: the name is checked on certificates that CA verified".to_string())
+        } else {
+            rustls::pki_types::ServerName::try_from(san.as_str())
+                .err()
+                .map(|e| format!("is not a DNS name or an IP address ({e})"))
+        };
+        if let Some(why) = why {
+            return Err(CheckError::at(
+                &["server", "tls", "client_san"],
+                format!("server.tls.client_san `{san}` {why}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The listeners: the metrics path one of its own, and no two on one port.
+fn listeners(server: &ServerConfig) -> Result<(), CheckError> {
     let path = &server.metrics_path;
     let routable = path.starts_with('/')
         && path != "/healthz"
@@ -65,14 +102,6 @@ pub fn server(server: &ServerConfig) -> Result<(), CheckError> {
                 ));
             }
         }
-    }
-    if server.ui && server.admin_token.is_none() {
-        return Err(CheckError::at(
-            &["server", "ui"],
-            "server.ui is on but server.admin_token is not set: the page shows clients and overrides, so it is \
-             served only behind the admin token; set server.admin_token (or ui: false)"
-                .into(),
-        ));
     }
     Ok(())
 }

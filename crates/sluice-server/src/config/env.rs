@@ -356,7 +356,6 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
         ),
         (not("STATSD_PROTOCOL", &["tcp", "udp"]), "STATSD_PROTOCOL: tcp or udp"),
         (set("GRPC_UDS"), "GRPC_UDS: gRPC is served on TCP (GRPC_HOST, GRPC_PORT)"),
-        (set("GRPC_CLIENT_TLS_SAN"), "GRPC_CLIENT_TLS_SAN: a client certificate is checked against the CA only"),
         (
             on("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION"),
             "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION: the Redis certificate is always verified",
@@ -473,7 +472,7 @@ fn listener_tls(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool)
     on("GRPC_SERVER_USE_TLS").then(|| {
         // theirs is gRPC's alone: the HTTP port (probes, /json) stays plain
         json!({"cert_file": get("GRPC_SERVER_TLS_CERT"), "key_file": get("GRPC_SERVER_TLS_KEY"),
-            "client_ca_file": get("GRPC_CLIENT_TLS_CACERT"), "http": false})
+            "client_ca_file": get("GRPC_CLIENT_TLS_CACERT"), "client_san": get("GRPC_CLIENT_TLS_SAN"), "http": false})
     })
 }
 
@@ -697,6 +696,8 @@ mod tests {
             ("GRPC_MAX_CONNECTION_AGE_GRACE", "90s"),
             ("REDIS_TIMEOUT", "3s"),
             ("DEBUG_PORT", "6071"),
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_CLIENT_TLS_SAN", "envoy.internal"),
         ])
         .unwrap()
         .config;
@@ -706,6 +707,7 @@ mod tests {
         );
         assert_eq!(c["store"]["timeout"], "3s");
         assert_eq!(c["server"]["debug"], "0.0.0.0:6071", "their DEBUG_HOST's default");
+        assert_eq!(c["server"]["tls"]["client_san"], "envoy.internal");
         let e = read(&[("USE_STATSD", "false"), ("REDIS_URL", "/s"), ("DEBUG_PORT", "x")]).err().unwrap();
         assert!(e.contains("DEBUG_PORT=x is not a port number"), "{e}");
         let e = read(&[("USE_STATSD", "false"), ("REDIS_URL", "/s"), ("GRPC_MAX_CONNECTION_AGE", "a while")])

@@ -271,6 +271,11 @@ pub struct ListenerTls {
     pub key_file: std::path::PathBuf,
     /// When set, a client must present a certificate this CA signed.
     pub client_ca_file: Option<std::path::PathBuf>,
+    /// With `client_ca_file`: the client's certificate must also be valid for this name
+    /// (a DNS name or an IP address among its subject alternative names), as
+    /// envoyproxy/ratelimit's `GRPC_CLIENT_TLS_SAN` checks it.
+    #[serde(default)]
+    pub client_san: Option<String>,
     /// TLS on the HTTP listener too (the default). Off, only gRPC speaks TLS, as with
     /// envoyproxy/ratelimit's `GRPC_SERVER_USE_TLS`: probes reach `/healthcheck` in the
     /// clear (Envoy Gateway's do).
