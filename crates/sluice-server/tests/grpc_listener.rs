@@ -201,3 +201,32 @@ async fn connections_are_aged_out() {
     answered.expect("served on a new connection");
     assert_eq!(open().await, 1.0);
 }
+
+/// `server.grpc_uds` (envoyproxy/ratelimit's `GRPC_UDS`): gRPC on a Unix socket instead
+/// of TCP, decided and counted as on TCP; a socket file left behind by a process before
+/// is replaced at start.
+#[tokio::test]
+async fn grpc_is_served_on_a_unix_socket() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    let dir = sluice_testkit::TempDir::new("sluice-uds");
+    let socket = dir.path().join("rls.sock");
+    // a stale socket from a process before
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    let s = common::start_with(&format!("  grpc_uds: {}\n", socket.display()), &common::rule(2));
+    assert_eq!(s.grpc, format!("unix:{}", socket.display()), "the ready file names the socket");
+    let path = socket.clone();
+    let connector = tower::service_fn(move |_: tonic::transport::Uri| {
+        let path = path.clone();
+        async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+    });
+    let channel =
+        tonic::transport::Endpoint::from_static("http://sluice.sock").connect_with_connector(connector).await.unwrap();
+    let mut rls = RateLimitServiceClient::new(channel);
+    let mut codes = Vec::new();
+    for _ in 0..3 {
+        codes.push(rls.should_rate_limit(request("uds")).await.unwrap().into_inner().overall_code);
+    }
+    assert_eq!(codes, [Code::Ok as i32, Code::Ok as i32, Code::OverLimit as i32]);
+    let scrape = common::metrics(&reqwest::Client::new(), &s.base).await;
+    assert_eq!(common::series(&scrape, "sluice_grpc_connections"), 1.0, "under the same bounds: {scrape}");
+}

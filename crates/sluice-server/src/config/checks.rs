@@ -49,8 +49,16 @@ pub fn server(server: &ServerConfig) -> Result<(), CheckError> {
     Ok(())
 }
 
-/// `server.tls.client_san`: a name, checked on certificates a CA verified.
+/// `server.tls.client_san`: a name, checked on certificates a CA verified; and TLS,
+/// which a Unix socket (`server.grpc_uds`) does not speak.
 fn client_san(server: &ServerConfig) -> Result<(), CheckError> {
+    if let (Some(_), Some(path)) = (&server.tls, &server.grpc_uds) {
+        let why = format!(
+            "server.grpc_uds ({}) is served without TLS, but server.tls is set: drop one (a socket file is guarded by its permissions)",
+            path.display()
+        );
+        return Err(CheckError::at(&["server", "grpc_uds"], why));
+    }
     if let Some(tls) = &server.tls
         && let Some(san) = &tls.client_san
     {

@@ -89,11 +89,7 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
     if let Some(tls) = listener_tls(&get, &on) {
         config["server"]["tls"] = tls;
     }
-    AGES.iter().filter_map(|(var, key)| Some((key, get(var)?))).for_each(|(key, d)| config["server"][key] = json!(d));
-    if get("DEBUG_HOST").is_some() || get("DEBUG_PORT").is_some() {
-        // theirs listens on 6070 whatever is set; here only when asked
-        config["server"]["debug"] = json!(host("DEBUG_HOST", "DEBUG_PORT", "6070"));
-    }
+    listeners(&get, &mut config["server"]);
     if on("TRACING_ENABLED") {
         config["telemetry"] = tracing(&get);
     }
@@ -122,6 +118,20 @@ fn checked(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> (
         Some(format!("{var}={value} is not a duration ({why}): write e.g. 24h, 90s or 500ms"))
     }));
     (store, refused)
+}
+
+/// The listeners' settings beside HTTP and gRPC's addresses: connection ages, gRPC on a
+/// Unix socket (`GRPC_UDS`), the debug port (theirs listens on 6070 whatever is set;
+/// here only when `DEBUG_HOST` or `DEBUG_PORT` asks).
+fn listeners(get: &dyn Fn(&str) -> Option<String>, server: &mut Value) {
+    AGES.iter().filter_map(|(var, key)| Some((key, get(var)?))).for_each(|(key, d)| server[key] = json!(d));
+    if let Some(path) = get("GRPC_UDS") {
+        server["grpc_uds"] = json!(path);
+    }
+    if get("DEBUG_HOST").is_some() || get("DEBUG_PORT").is_some() {
+        let host = get("DEBUG_HOST").unwrap_or_else(|| "0.0.0.0".into());
+        server["debug"] = json!(address(&host, &get("DEBUG_PORT").unwrap_or_else(|| "6070".into())));
+    }
 }
 
 /// `store` with their `REDIS_TIMEOUT` (a Redis store's: it bounds connecting and each
@@ -355,7 +365,6 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
             "REDIS_PERSECOND: every window lives in one store; point REDIS_URL at one Redis (or a cluster) sized for all limits",
         ),
         (not("STATSD_PROTOCOL", &["tcp", "udp"]), "STATSD_PROTOCOL: tcp or udp"),
-        (set("GRPC_UDS"), "GRPC_UDS: gRPC is served on TCP (GRPC_HOST, GRPC_PORT)"),
         (
             on("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION"),
             "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION: the Redis certificate is always verified",
@@ -698,6 +707,7 @@ mod tests {
             ("DEBUG_PORT", "6071"),
             ("GRPC_SERVER_USE_TLS", "true"),
             ("GRPC_CLIENT_TLS_SAN", "envoy.internal"),
+            ("GRPC_UDS", "/var/run/ratelimit.sock"),
         ])
         .unwrap()
         .config;
@@ -708,6 +718,7 @@ mod tests {
         assert_eq!(c["store"]["timeout"], "3s");
         assert_eq!(c["server"]["debug"], "0.0.0.0:6071", "their DEBUG_HOST's default");
         assert_eq!(c["server"]["tls"]["client_san"], "envoy.internal");
+        assert_eq!(c["server"]["grpc_uds"], "/var/run/ratelimit.sock");
         let e = read(&[("USE_STATSD", "false"), ("REDIS_URL", "/s"), ("DEBUG_PORT", "x")]).err().unwrap();
         assert!(e.contains("DEBUG_PORT=x is not a port number"), "{e}");
         let e = read(&[("USE_STATSD", "false"), ("REDIS_URL", "/s"), ("GRPC_MAX_CONNECTION_AGE", "a while")])

@@ -232,6 +232,10 @@ pub struct ServerConfig {
     /// The path of `GET /metrics` on `metrics` (envoyproxy/ratelimit's
     /// `PROMETHEUS_PATH`); the HTTP listener keeps `/metrics`.
     pub metrics_path: String,
+    /// Serve gRPC on this Unix socket instead of `grpc` (envoyproxy/ratelimit's
+    /// `GRPC_UDS`), with the same connection bounds; a socket file left by a process
+    /// before is replaced. Plain: no TLS on it (its file's permissions guard it).
+    pub grpc_uds: Option<std::path::PathBuf>,
     /// A listener of its own for envoyproxy/ratelimit's debug endpoints (their
     /// `DEBUG_HOST:DEBUG_PORT`): `/rlconfig`, the rules in force as theirs prints them;
     /// `/stats`, each rule's hits under their stat names; `/`, the list. Plain HTTP.
@@ -312,6 +316,7 @@ impl Default for ServerConfig {
             metrics: None,
             metrics_path: "/metrics".into(),
             debug: None,
+            grpc_uds: None,
         }
     }
 }

@@ -249,6 +249,31 @@ pub fn plain(
     })
 }
 
+/// The connections of one gRPC thread on a Unix socket (`server.grpc_uds`), each under
+/// the gate; they have no peer address.
+pub fn unix(
+    listener: tokio::net::UnixListener,
+    gate: Arc<Gate>,
+) -> impl futures_util::Stream<Item = Result<Conn<tokio::net::UnixStream>, std::io::Error>> {
+    futures_util::stream::unfold((listener, gate), |(listener, gate)| async move {
+        let refused = crate::logs::Sometimes::default();
+        loop {
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    if refused.due() {
+                        tracing::warn!(error = %e, "cannot accept gRPC connections (logged at most every 10 s)");
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let Some(ticket) = gate.enter() else { continue };
+            return Some((Ok(Conn::new(stream, None, ticket)), (listener, gate)));
+        }
+    })
+}
+
 /// The next connection; an accept that fails (out of file descriptors, most likely) is
 /// retried a moment later, never in a spin.
 pub async fn accept(listener: &tokio::net::TcpListener) -> (tokio::net::TcpStream, SocketAddr) {

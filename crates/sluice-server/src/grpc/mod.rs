@@ -25,7 +25,7 @@ use std::sync::Arc;
 /// same load). A connection stays on the thread that accepted it, so a call never
 /// crosses threads: server CPU per decision 24.3 -> 15.1 us (docs/benchmarks.md).
 pub fn serve(
-    listener: tokio::net::TcpListener,
+    listener: Socket,
     state: Arc<AppState>,
     server: &ServerConfig,
     stop: tokio::sync::watch::Receiver<bool>,
@@ -61,6 +61,70 @@ pub fn serve(
     }))
 }
 
+/// Where the gRPC service listens: TCP (`server.grpc`), or a Unix socket instead
+/// (`server.grpc_uds`, envoyproxy/ratelimit's `GRPC_UDS`), with the same connection
+/// bounds; TLS is TCP's alone.
+pub enum Socket {
+    Tcp(tokio::net::TcpListener),
+    Unix(tokio::net::UnixListener, std::path::PathBuf),
+}
+
+/// [`Socket`] as each gRPC thread takes it.
+enum StdSocket {
+    Tcp(std::net::TcpListener),
+    Unix(std::os::unix::net::UnixListener),
+}
+
+impl Socket {
+    /// Binds the Unix socket at `path`: a socket file left by a process before is
+    /// replaced, any other file is not.
+    pub fn unix(path: &std::path::Path) -> std::io::Result<Self> {
+        use std::os::unix::fs::FileTypeExt;
+        match std::fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_socket() => std::fs::remove_file(path)?,
+            Ok(_) => {
+                let why = format!("{} exists and is not a socket: remove it, or name another path", path.display());
+                return Err(std::io::Error::new(std::io::ErrorKind::AlreadyExists, why));
+            }
+            Err(_) => {}
+        }
+        Ok(Self::Unix(tokio::net::UnixListener::bind(path)?, path.to_path_buf()))
+    }
+
+    /// Where it listens, as `--ready-file` and the start's line say it: `127.0.0.1:8081`,
+    /// or `unix:/path`.
+    pub fn at(&self) -> std::io::Result<String> {
+        match self {
+            Socket::Tcp(l) => Ok(l.local_addr()?.to_string()),
+            Socket::Unix(_, path) => Ok(format!("unix:{}", path.display())),
+        }
+    }
+
+    /// Whether only this host can reach it (loopback, or a socket file).
+    pub fn local(&self) -> bool {
+        match self {
+            Socket::Tcp(l) => l.local_addr().is_ok_and(|a| a.ip().is_loopback()),
+            Socket::Unix(..) => true,
+        }
+    }
+
+    fn into_std(self) -> std::io::Result<StdSocket> {
+        Ok(match self {
+            Socket::Tcp(l) => StdSocket::Tcp(l.into_std()?),
+            Socket::Unix(l, _) => StdSocket::Unix(l.into_std()?),
+        })
+    }
+}
+
+impl StdSocket {
+    fn try_clone(&self) -> std::io::Result<Self> {
+        Ok(match self {
+            StdSocket::Tcp(l) => StdSocket::Tcp(l.try_clone()?),
+            StdSocket::Unix(l) => StdSocket::Unix(l.try_clone()?),
+        })
+    }
+}
+
 /// The times a gRPC connection is held to: its HTTP/2 pings (and a call's length), and
 /// its age and the grace after it (`server.grpc_max_connection_age`, `_grace`).
 #[derive(Debug, Clone, Copy)]
@@ -82,17 +146,13 @@ fn grpc_threads(server: &ServerConfig) -> usize {
 /// One gRPC thread's server, on the shared socket, until `stop`; its connections are
 /// bounded as `listen.rs` says.
 async fn grpc_thread(
-    listener: std::net::TcpListener,
+    listener: StdSocket,
     gate: Arc<listen::Gate>,
     state: Arc<AppState>,
     times: Times,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     let ping = times.ping;
-    let listener = match tokio::net::TcpListener::from_std(listener) {
-        Ok(l) => l,
-        Err(e) => return tracing::error!(error = %e, "the gRPC listener cannot be used"),
-    };
     let tls = state.tls.clone();
     let rlqs = rlqs::Rlqs { state: state.clone(), stop: stop.clone() };
     let stopped = async move {
@@ -118,9 +178,18 @@ async fn grpc_thread(
         // a report of the most buckets a stream may hold fits many times over; one of
         // 100,000 (2.4 MB) is refused as it arrives
         .add_service(RateLimitQuotaServiceServer::new(rlqs).max_decoding_message_size(RLQS_MESSAGE_BYTES));
-    let served = match tls {
-        Some(tls) => router.serve_with_incoming_shutdown(listen::secure(listener, gate, tls, ping), stopped).await,
-        None => router.serve_with_incoming_shutdown(listen::plain(listener, gate), stopped).await,
+    let served = match listener {
+        StdSocket::Tcp(l) => match (tokio::net::TcpListener::from_std(l), tls) {
+            (Ok(l), Some(tls)) => {
+                router.serve_with_incoming_shutdown(listen::secure(l, gate, tls, ping), stopped).await
+            }
+            (Ok(l), None) => router.serve_with_incoming_shutdown(listen::plain(l, gate), stopped).await,
+            (Err(e), _) => return tracing::error!(error = %e, "the gRPC listener cannot be used"),
+        },
+        StdSocket::Unix(l) => match tokio::net::UnixListener::from_std(l) {
+            Ok(l) => router.serve_with_incoming_shutdown(listen::unix(l, gate), stopped).await,
+            Err(e) => return tracing::error!(error = %e, "the gRPC socket cannot be used"),
+        },
     };
     if let Err(e) = served {
         tracing::error!(error = %e, "the gRPC server stopped");

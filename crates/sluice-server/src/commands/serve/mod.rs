@@ -71,6 +71,12 @@ pub enum ServeError {
     Telemetry(String),
     #[error("{0}")]
     Env(String),
+    #[error("cannot listen on server.grpc_uds {}: {source}", path.display())]
+    Socket {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Runs the service.
@@ -93,15 +99,15 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     crate::state::history::start_sampling(&state);
     let addr = args.http.unwrap_or(config.server.http);
     let listener = listen(addr)?;
-    let grpc_listener = listen(args.grpc.unwrap_or(config.server.grpc))?;
+    let grpc_listener = grpc_socket(&args, &config.server)?;
     let [metrics_listener, debug_listener] = side_listeners(&config.server)?;
     // the addresses bound (a port 0 in the config is the system's choice)
-    let (addr, grpc_addr) = (bound(&listener)?, bound(&grpc_listener)?);
-    warn_if_open(&config, addr, grpc_addr);
+    let (addr, grpc_addr) = (bound(&listener)?, grpc_listener.at().map_err(ServeError::Io)?);
+    warn_if_open(&config, addr, grpc_listener.local());
     let side = [metrics_listener.as_ref().map(bound).transpose()?, debug_listener.as_ref().map(bound).transpose()?];
     let (stopping, stop) = tokio::sync::watch::channel(false);
     let grpc = crate::grpc::serve(grpc_listener, state.clone(), &config.server, stop).map_err(ServeError::Io)?;
-    announce(&args, [addr, grpc_addr], side, state.engine.load().limiter.store().kind())?;
+    announce(&args, (addr, grpc_addr), side, state.engine.load().limiter.store().kind())?;
     let server = config.server.clone();
     start_clients(&config, &state);
     reload::watch(source, config, loaded_bytes, state.clone());
@@ -144,11 +150,21 @@ fn start_clients(config: &Config, state: &Arc<AppState>) {
 }
 
 /// Warns when a listener is reachable beyond this host and nothing guards the data plane.
-fn warn_if_open(config: &Config, http: SocketAddr, grpc: SocketAddr) {
-    if !(http.ip().is_loopback() && grpc.ip().is_loopback()) && config.server.api_tokens.is_empty() {
+fn warn_if_open(config: &Config, http: SocketAddr, grpc_local: bool) {
+    if !(http.ip().is_loopback() && grpc_local) && config.server.api_tokens.is_empty() {
         tracing::warn!(
             "a listener is not on loopback and server.api_tokens is empty: anyone who reaches it can spend or refund any client's quota"
         );
+    }
+}
+
+/// gRPC's socket: `server.grpc_uds` when set, else TCP (`--grpc` or `server.grpc`).
+fn grpc_socket(args: &Args, server: &crate::config::ServerConfig) -> Result<crate::grpc::Socket, ServeError> {
+    match &server.grpc_uds {
+        Some(path) => {
+            crate::grpc::Socket::unix(path).map_err(|source| ServeError::Socket { path: path.clone(), source })
+        }
+        None => Ok(crate::grpc::Socket::Tcp(listen(args.grpc.unwrap_or(server.grpc))?)),
     }
 }
 
@@ -229,7 +245,7 @@ fn bound(listener: &tokio::net::TcpListener) -> Result<SocketAddr, ServeError> {
 fn ready_file(
     file: &std::path::Path,
     http: SocketAddr,
-    grpc: SocketAddr,
+    grpc: &str,
     [metrics, debug]: [Option<SocketAddr>; 2],
 ) -> Result<(), ServeError> {
     let tmp = file.with_extension("tmp");
@@ -300,12 +316,12 @@ fn install_metrics() -> Result<Metrics, ServeError> {
 /// choice): in the start's log line, and in `--ready-file` when asked.
 fn announce(
     args: &Args,
-    [http, grpc]: [SocketAddr; 2],
+    (http, grpc): (SocketAddr, String),
     [metrics, debug]: [Option<SocketAddr>; 2],
     store: &str,
 ) -> Result<(), ServeError> {
     if let Some(file) = &args.ready_file {
-        ready_file(file, http, grpc, [metrics, debug])?;
+        ready_file(file, http, &grpc, [metrics, debug])?;
     }
     let metrics = metrics.map_or_else(|| "the http port".to_string(), |m| format!("{m} and the http port"));
     let debug_port = debug.map_or_else(|| "none".to_string(), |d| d.to_string());

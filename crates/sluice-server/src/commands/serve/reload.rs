@@ -331,6 +331,7 @@ fn needs_restart(new_config: &Config, old_config: &Config) -> Vec<&'static str> 
         ),
         ("server.metrics_path", new.metrics_path != old.metrics_path),
         ("server.debug", new.debug != old.debug),
+        ("server.grpc_uds", new.grpc_uds != old.grpc_uds),
         ("server.header_timeout", new.header_timeout != old.header_timeout),
         ("server.body_timeout", new.body_timeout != old.body_timeout),
         ("server.max_connections", new.max_connections != old.max_connections),
