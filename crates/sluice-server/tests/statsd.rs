@@ -136,3 +136,103 @@ async fn their_environment_sends_over_tcp_and_as_dogstatsd() {
         counters_once(lines, &name, 2);
     }
 }
+
+/// The reference StatsD server, Etsy's daemon (npm's `statsd`, which scripts/test
+/// installs in tests/statsd-daemon), on a free port speaking TCP (as their gostats sink
+/// sends), printing each flush with its console backend; its output so far.
+struct Daemon {
+    _process: sluice_testkit::Process,
+    port: u16,
+    out: std::path::PathBuf,
+    _dir: sluice_testkit::TempDir,
+}
+
+impl Daemon {
+    fn start() -> Self {
+        let home = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/statsd-daemon");
+        let stats = home.join("node_modules/statsd/stats.js");
+        assert!(
+            stats.exists(),
+            "no StatsD daemon at {}: run scripts/test, or `cd {} && npm install`",
+            stats.display(),
+            home.display()
+        );
+        let node = sluice_testkit::require("node", "nodejs");
+        // a port found free can be taken before the daemon binds it: try a few
+        for _ in 0..5 {
+            let dir = sluice_testkit::TempDir::new("sluice-statsd-daemon");
+            let free = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let (port, mgmt) = (free(), free());
+            let config = format!(
+                "{{ address: \"127.0.0.1\", port: {port}, mgmt_address: \"127.0.0.1\", mgmt_port: {mgmt}, server: \"./servers/tcp\", backends: [\"./backends/console\"], flushInterval: 300 }}"
+            );
+            std::fs::write(dir.path().join("config.js"), config).unwrap();
+            let out = dir.path().join("out.txt");
+            let mut cmd = std::process::Command::new(&node);
+            cmd.arg(&stats).arg(dir.path().join("config.js")).current_dir(home.join("node_modules/statsd"));
+            let process = sluice_testkit::Process::spawn_logging(&mut cmd, &out).expect("start the StatsD daemon");
+            if sluice_testkit::wait_for_port(port, Duration::from_secs(10)) {
+                return Self { _process: process, port, out, _dir: dir };
+            }
+            drop(process);
+        }
+        panic!("the StatsD daemon never listened");
+    }
+
+    /// The sum of what its flushes counted for `name` (in their `counters:` blocks).
+    fn counted(&self, name: &str) -> u64 {
+        let text = std::fs::read_to_string(&self.out).unwrap_or_default();
+        let mut in_counters = false;
+        let mut sum = 0;
+        for line in text.lines() {
+            let t = line.trim();
+            if t.ends_with('{') || t.ends_with('}') || t.ends_with("},") {
+                in_counters = t.starts_with("counters:");
+            }
+            let quoted = format!("'{name}': ");
+            if let Some(v) = t.strip_prefix(&quoted).filter(|_| in_counters) {
+                sum += v.trim_end_matches(',').parse::<u64>().unwrap_or(0);
+            }
+        }
+        sum
+    }
+}
+
+/// What Sluice sends, as Etsy's daemon (the reference server) aggregates it: the counts
+/// of their stat names, from their environment (`USE_STATSD` left to its default, on).
+#[tokio::test]
+async fn the_reference_daemon_counts_what_is_sent() {
+    let daemon = Daemon::start();
+    let redis = sluice_testkit::RedisServer::start();
+    let dir = sluice_testkit::TempDir::new("sluice-statsd-ref");
+    let rule = "domain: d\ndescriptors:\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 2}\n";
+    let (url, port) = (redis.addr().to_string(), daemon.port.to_string());
+    let vars = [
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", url.as_str()),
+        ("USE_STATSD", "true"),
+        ("STATSD_HOST", "127.0.0.1"),
+        ("STATSD_PORT", port.as_str()),
+        ("STATS_FLUSH_INTERVAL", "200ms"),
+    ];
+    let (_sluice, grpc) = common::their_way(&dir, rule, &vars);
+    let mut rls =
+        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
+            format!("http://{grpc}"),
+        )
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        rls.should_rate_limit(common::rls_request("d", &[("user", "a")])).await.unwrap();
+    }
+    let stat = |s: &str| format!("ratelimit.service.rate_limit.d.user.{s}");
+    let started = Instant::now();
+    while daemon.counted(&stat("total_hits")) < 3 {
+        let out = std::fs::read_to_string(&daemon.out).unwrap_or_default();
+        assert!(started.elapsed() < Duration::from_secs(10), "the daemon never counted 3 hits:\n{out}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(700));
+    let counted = [stat("total_hits"), stat("within_limit"), stat("over_limit")].map(|s| daemon.counted(&s));
+    assert_eq!(counted, [3, 2, 1], "{}", std::fs::read_to_string(&daemon.out).unwrap_or_default());
+}
