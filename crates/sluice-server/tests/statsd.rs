@@ -3,7 +3,8 @@
 //! file) and over TCP (from their environment: `USE_STATSD`, `STATSD_HOST`, `STATSD_PORT`,
 //! `STATS_FLUSH_INTERVAL`, `EXTRA_TAGS`), in Lyft's format and in DogStatsD's
 //! (`USE_DOG_STATSD`). Each line is parsed; the names are those of their stats tests
-//! (`ratelimit.service.rate_limit.DOMAIN.KEY_VALUE.total_hits`).
+//! (`ratelimit.service.rate_limit.DOMAIN.KEY_VALUE.total_hits`); and Etsy's daemon, the
+//! reference StatsD server, counts what is sent.
 
 mod common;
 
@@ -106,35 +107,48 @@ async fn their_environment_sends_over_tcp_and_as_dogstatsd() {
     let redis = sluice_testkit::RedisServer::start();
     let url = redis.addr().to_string();
     for (dog, port) in [(false, tcp_port), (true, udp_port)] {
-        let dir = sluice_testkit::TempDir::new("sluice-statsd");
         let rule = "domain: d\ndescriptors:\n  - key: user\n    value: a\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";
-        let (port, dog) = (port.to_string(), if dog { "true" } else { "false" });
-        let vars = [
-            ("REDIS_SOCKET_TYPE", "tcp"),
-            ("REDIS_URL", url.as_str()),
-            ("USE_STATSD", "true"),
-            ("STATSD_HOST", "127.0.0.1"),
-            ("STATSD_PORT", port.as_str()),
-            ("STATS_FLUSH_INTERVAL", "200ms"),
-            ("EXTRA_TAGS", "az:one"),
-            ("USE_DOG_STATSD", dog),
-        ];
-        let (_sluice, grpc) = common::their_way(&dir, rule, &vars);
-        let mut rls =
-            envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
-                format!("http://{grpc}"),
-            )
-            .await
-            .unwrap();
-        for _ in 0..2 {
-            let _ = rls.should_rate_limit(common::rls_request("d", &[("user", "a")])).await;
-        }
+        let dog = if dog { "true" } else { "false" };
+        let _sluice = their_calls(rule, &url, port, &[("EXTRA_TAGS", "az:one"), ("USE_DOG_STATSD", dog)], 2).await;
         let (lines, name) = match dog {
             "false" => (&tcp_lines, "ratelimit.service.rate_limit.d.user_a.total_hits.__az=one".to_string()),
             _ => (&udp_lines, "ratelimit.service.rate_limit.d.user_a.total_hits#az:one".to_string()),
         };
         counters_once(lines, &name, 2);
     }
+}
+
+/// Sluice from their environment, `rule` its domain file and `redis_url` its store,
+/// sending StatsD to `port` on loopback every 200 ms (and `vars`), after `calls` calls
+/// for user `a` over gRPC; the server and its directory.
+async fn their_calls(
+    rule: &str,
+    redis_url: &str,
+    port: u16,
+    vars: &[(&str, &str)],
+    calls: usize,
+) -> (sluice_testkit::Process, sluice_testkit::TempDir) {
+    let dir = sluice_testkit::TempDir::new("sluice-statsd");
+    let port = port.to_string();
+    let statsd = [
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", redis_url),
+        ("USE_STATSD", "true"),
+        ("STATSD_HOST", "127.0.0.1"),
+        ("STATSD_PORT", port.as_str()),
+        ("STATS_FLUSH_INTERVAL", "200ms"),
+    ];
+    let (sluice, grpc) = common::their_way(&dir, rule, &[&statsd[..], vars].concat());
+    let mut rls =
+        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
+            format!("http://{grpc}"),
+        )
+        .await
+        .unwrap();
+    for _ in 0..calls {
+        rls.should_rate_limit(common::rls_request("d", &[("user", "a")])).await.unwrap();
+    }
+    (sluice, dir)
 }
 
 /// The reference StatsD server, Etsy's daemon (npm's `statsd`, which scripts/test
@@ -204,27 +218,8 @@ impl Daemon {
 async fn the_reference_daemon_counts_what_is_sent() {
     let daemon = Daemon::start();
     let redis = sluice_testkit::RedisServer::start();
-    let dir = sluice_testkit::TempDir::new("sluice-statsd-ref");
     let rule = "domain: d\ndescriptors:\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 2}\n";
-    let (url, port) = (redis.addr().to_string(), daemon.port.to_string());
-    let vars = [
-        ("REDIS_SOCKET_TYPE", "tcp"),
-        ("REDIS_URL", url.as_str()),
-        ("USE_STATSD", "true"),
-        ("STATSD_HOST", "127.0.0.1"),
-        ("STATSD_PORT", port.as_str()),
-        ("STATS_FLUSH_INTERVAL", "200ms"),
-    ];
-    let (_sluice, grpc) = common::their_way(&dir, rule, &vars);
-    let mut rls =
-        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
-            format!("http://{grpc}"),
-        )
-        .await
-        .unwrap();
-    for _ in 0..3 {
-        rls.should_rate_limit(common::rls_request("d", &[("user", "a")])).await.unwrap();
-    }
+    let _sluice = their_calls(rule, &redis.addr().to_string(), daemon.port, &[], 3).await;
     let stat = |s: &str| format!("ratelimit.service.rate_limit.d.user.{s}");
     let started = Instant::now();
     while daemon.counted(&stat("total_hits")) < 3 {
