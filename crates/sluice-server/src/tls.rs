@@ -158,6 +158,62 @@ impl ClientCertVerifier for NamedClient {
     }
 }
 
+/// A client's TLS settings: the servers verified against `ca_file` (or the system's
+/// roots), the certificate `cert_file` and its key presented when set.
+fn client_config(
+    ca_file: &Option<std::path::PathBuf>,
+    cert_file: &Option<std::path::PathBuf>,
+    key_file: &Option<std::path::PathBuf>,
+) -> Result<rustls::ClientConfig, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        Some(path) => {
+            for ca in CertificateDer::pem_file_iter(path).map_err(|e| format!("ca_file {}: {e}", path.display()))? {
+                roots.add(ca.map_err(|e| format!("ca_file {}: {e}", path.display()))?).map_err(|e| e.to_string())?;
+            }
+        }
+        None => {
+            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots);
+    match (cert_file, key_file) {
+        (Some(cert), Some(key)) => {
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+                .and_then(|c| c.collect())
+                .map_err(|e| format!("cert_file {}: {e}", cert.display()))?;
+            let key = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("key_file {}: {e}", key.display()))?;
+            builder.with_client_auth_cert(certs, key).map_err(|e| e.to_string())
+        }
+        (None, None) => Ok(builder.with_no_client_auth()),
+        _ => Err("cert_file and key_file go together: set both, or neither".into()),
+    }
+}
+
+/// What connects the memcached store to its servers over TLS (`store.tls` of a
+/// memcached store; envoyproxy/ratelimit's `MEMCACHE_TLS`): TCP to `host:port`, then TLS
+/// verifying the server by its host.
+pub fn memcached_connector(files: &crate::config::TlsConfig) -> Result<sluice::store::MemcachedConnector, String> {
+    let config = client_config(&files.ca_file, &files.cert_file, &files.key_file)?;
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    Ok(Arc::new(move |addr: String| {
+        let connector = connector.clone();
+        Box::pin(async move {
+            let host = addr.rsplit_once(':').map_or(addr.as_str(), |(h, _)| h);
+            let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+            let name = ServerName::try_from(host).map_err(std::io::Error::other)?;
+            let tcp = tokio::net::TcpStream::connect(&addr).await?;
+            tcp.set_nodelay(true)?;
+            let tls: Box<dyn sluice::store::MemcachedIo> = Box::new(connector.connect(name, tcp).await?);
+            Ok(tls)
+        })
+    }))
+}
+
 /// TLS files read, not yet in force.
 pub struct Read(ServerConfig, ServerConfig);
 
@@ -182,33 +238,7 @@ pub fn client_connector(
     + 'static,
     String,
 > {
-    let mut roots = rustls::RootCertStore::empty();
-    match &files.ca_file {
-        Some(path) => {
-            for ca in CertificateDer::pem_file_iter(path).map_err(|e| format!("ca_file {}: {e}", path.display()))? {
-                roots.add(ca.map_err(|e| format!("ca_file {}: {e}", path.display()))?).map_err(|e| e.to_string())?;
-            }
-        }
-        None => {
-            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
-        }
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots);
-    let mut config = match (&files.cert_file, &files.key_file) {
-        (Some(cert), Some(key)) => {
-            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
-                .and_then(|c| c.collect())
-                .map_err(|e| format!("cert_file {}: {e}", cert.display()))?;
-            let key = PrivateKeyDer::from_pem_file(key).map_err(|e| format!("key_file {}: {e}", key.display()))?;
-            builder.with_client_auth_cert(certs, key).map_err(|e| e.to_string())?
-        }
-        (None, None) => builder.with_no_client_auth(),
-        _ => return Err("cert_file and key_file go together: set both, or neither".into()),
-    };
+    let mut config = client_config(&files.ca_file, &files.cert_file, &files.key_file)?;
     config.alpn_protocols = vec![b"h2".to_vec()];
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
     let name = rustls::pki_types::ServerName::try_from(server_name.to_string())

@@ -194,3 +194,46 @@ async fn mutual_tls_can_require_the_clients_name() {
         assert_eq!(!refused, taken, "{san} over gRPC\n{}", s.log());
     }
 }
+
+/// The memcached store over TLS (`store.tls`; envoyproxy/ratelimit's `MEMCACHE_TLS`):
+/// memcached with `-Z` and the test CA's certificate, verified by its address; a limit
+/// of 2 counts there (the third call refused, not failed open). With another CA, the
+/// server is not trusted: decisions fail open, saying so.
+#[tokio::test]
+async fn the_memcached_store_speaks_tls() {
+    let certs = TempDir::new("sluice-memcached-tls");
+    make_certs(certs.path(), "ca", &["server"]);
+    make_certs(certs.path(), "other", &[]);
+    let f = |name: &str| certs.path().join(name).display().to_string();
+    let bin = sluice_testkit::require("memcached", "memcached");
+    let mut server = None;
+    // a port found free can be taken before memcached binds it: try a few
+    for _ in 0..5 {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let ssl = format!("ssl_chain_cert={},ssl_key={}", f("server.crt"), f("server.key"));
+        let mut cmd = std::process::Command::new(&bin);
+        cmd.args(["-l", "127.0.0.1", "-p", &port.to_string(), "-U", "0", "-u", "root", "-Z", "-o", &ssl]);
+        let process = sluice_testkit::Process::spawn(&mut cmd).unwrap();
+        if sluice_testkit::wait_for_port(port, Duration::from_secs(5)) {
+            server = Some((process, port));
+            break;
+        }
+    }
+    let (_memcached, port) = server.expect("memcached with TLS never listened");
+    for (ca, counted) in [("ca.crt", true), ("other.crt", false)] {
+        let store =
+            format!("store: {{kind: memcached, servers: [\"127.0.0.1:{port}\"], tls: {{ca_file: {}}}}}\n", f(ca));
+        let s = common::start_unready(&store, RULES);
+        let client = reqwest::Client::new();
+        let mut answers = Vec::new();
+        for _ in 0..3 {
+            let r = common::hit(&client, &s.base, "d", &[("user", ca)]).await;
+            answers.push((r.status().as_u16(), common::header(&r, "x-sluice-degraded")));
+        }
+        let statuses: Vec<u16> = answers.iter().map(|a| a.0).collect();
+        match counted {
+            true => assert_eq!(statuses, [200, 200, 429], "{answers:?}\n{}", s.log()),
+            false => assert!(answers.iter().all(|a| a == &(200, "fail-open".to_string())), "{answers:?}"),
+        }
+    }
+}

@@ -165,8 +165,9 @@ pub fn store(store: &StoreConfig, rules: &Rules) -> Result<(), CheckError> {
             }
             tls(connection.tls.as_ref()).map_err(|e| at("tls", &e))?;
         }
-        StoreConfig::Memcached { servers, timeout } => {
+        StoreConfig::Memcached { servers, timeout, tls: files } => {
             MemcachedStore::new(servers, timeout.to_std()).map_err(|e| at("servers", &e))?;
+            tls(files.as_ref()).map_err(|e| at("tls", &e))?;
         }
         StoreConfig::Migrating { from, to, percent } => {
             if *percent > 100 {
@@ -287,6 +288,8 @@ pub enum UnfitStore {
     },
     #[error("store tls: give both cert_file and key_file, or neither")]
     TlsPair,
+    #[error("store tls: {0}")]
+    Tls(String),
 }
 
 /// Refuses rules the store cannot run (Memcached has fixed windows only) when the

@@ -370,7 +370,10 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
             "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION: the Redis certificate is always verified",
         ),
         (set("MEMCACHE_SRV"), "MEMCACHE_SRV: list the servers in MEMCACHE_HOST_PORT"),
-        (on("MEMCACHE_TLS"), "MEMCACHE_TLS: memcached is spoken in plain TCP"),
+        (
+            on("MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION"),
+            "MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION: the memcached certificates are always verified",
+        ),
         (not("BACKEND_TYPE", &["redis", "memcache"]), "BACKEND_TYPE: redis or memcache"),
         (not("REDIS_TYPE", &["single", "cluster", "sentinel"]), "REDIS_TYPE: SINGLE, CLUSTER or SENTINEL"),
         (not("REDIS_SOCKET_TYPE", &["tcp", "unix"]), "REDIS_SOCKET_TYPE: tcp or unix"),
@@ -384,9 +387,7 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
 fn store(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Result<Value, String> {
     let lower = |name: &str, default: &str| get(name).unwrap_or_else(|| default.into()).to_ascii_lowercase();
     if lower("BACKEND_TYPE", "redis") == "memcache" {
-        let servers = get("MEMCACHE_HOST_PORT").ok_or("BACKEND_TYPE=memcache needs MEMCACHE_HOST_PORT")?;
-        let servers: Vec<&str> = servers.split(',').map(str::trim).collect();
-        return Ok(json!({"kind": "memcached", "servers": servers}));
+        return memcached(get, on);
     }
     let given = get("REDIS_URL").unwrap_or_else(|| "/var/run/nutcracker/ratelimit.sock".into());
     // theirs is host:port, but a URL is what users write too: its scheme is taken
@@ -465,6 +466,17 @@ fn without_scheme(given: &str) -> Result<(String, Option<bool>), String> {
     Ok((nodes.join(","), tls))
 }
 
+/// A memcached store, from `MEMCACHE_HOST_PORT` and `MEMCACHE_TLS` with its files.
+fn memcached(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Result<Value, String> {
+    let servers = get("MEMCACHE_HOST_PORT").ok_or("BACKEND_TYPE=memcache needs MEMCACHE_HOST_PORT")?;
+    let servers: Vec<&str> = servers.split(',').map(str::trim).collect();
+    let tls = on("MEMCACHE_TLS").then(|| {
+        json!({"ca_file": get("MEMCACHE_TLS_CACERT"), "cert_file": get("MEMCACHE_TLS_CLIENT_CERT"),
+            "key_file": get("MEMCACHE_TLS_CLIENT_KEY")})
+    });
+    Ok(json!({"kind": "memcached", "servers": servers, "tls": tls}))
+}
+
 /// Their `password` or `username:password`.
 fn credentials(auth: Option<String>) -> (Option<String>, Option<String>) {
     match auth {
@@ -527,6 +539,15 @@ mod tests {
             assert!(e.contains(says), "{e}");
         }
         assert!(read(&[("BACKEND_TYPE", "memcache")]).err().unwrap().contains("MEMCACHE_HOST_PORT"));
+        let tls = read(&[
+            ("USE_STATSD", "false"),
+            ("BACKEND_TYPE", "memcache"),
+            ("MEMCACHE_HOST_PORT", "m1:11211,m2:11211"),
+            ("MEMCACHE_TLS", "true"),
+            ("MEMCACHE_TLS_CACERT", "/certs/ca.crt"),
+        ])
+        .unwrap();
+        assert_eq!(tls.config["store"]["tls"]["ca_file"], "/certs/ca.crt", "MEMCACHE_TLS");
     }
 
     /// Istio's sample sets `HOST=::` and `GRPC_HOST=::`: an IPv6 address, written in

@@ -380,6 +380,11 @@ pub enum StoreConfig {
         servers: Vec<String>,
         #[serde(default = "default_timeout")]
         timeout: Duration,
+        /// TLS to the servers (memcached's `-Z`), verifying each against `ca_file` (or
+        /// the system's roots) by its host, presenting `cert_file` when set; plain TCP
+        /// without it.
+        #[serde(default)]
+        tls: Option<TlsConfig>,
     },
     /// GitHub's migration: each client on `to` or `from` by a stable hash of its tag
     /// against `percent`, which can change live (config reload, admin API).

@@ -139,8 +139,13 @@ fn store(
         }
         StoreConfig::RedisSentinel(c) => resilient(sentinel(c)?, tuning),
         c @ StoreConfig::RedisCluster { .. } => resilient(cluster(c)?, tuning),
-        StoreConfig::Memcached { servers, timeout } => {
-            resilient(MemcachedStore::new(servers, timeout.to_std())?, tuning)
+        StoreConfig::Memcached { servers, timeout, tls } => {
+            let store = MemcachedStore::new(servers, timeout.to_std())?;
+            let store = match tls {
+                Some(files) => store.with_connector(crate::tls::memcached_connector(files).map_err(UnfitStore::Tls)?),
+                None => store,
+            };
+            resilient(store, tuning)
         }
         StoreConfig::Migrating { from, to, percent } => {
             if *percent > 100 {

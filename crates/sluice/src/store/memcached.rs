@@ -29,8 +29,21 @@ use tokio::net::TcpStream;
 /// A key outlives its window by this many seconds.
 const GRACE_S: u64 = 1;
 
+/// A byte stream the store speaks memcached's protocol over: a TCP connection, or what
+/// a [`Connector`] makes of one (TLS, say).
+pub trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
+
+/// Opens a connection to a server's `host:port` (see [`MemcachedStore::with_connector`]).
+pub type Connector = std::sync::Arc<
+    dyn Fn(String) -> std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<Box<dyn Io>>> + Send>>
+        + Send
+        + Sync,
+>;
+
 /// One connection, kept in a small pool per server.
-type Conn = BufStream<TcpStream>;
+type Conn = BufStream<Box<dyn Io>>;
 
 /// A memcached server and its idle connections.
 struct Server {
@@ -42,6 +55,8 @@ struct Server {
 pub struct MemcachedStore {
     servers: Vec<Server>,
     timeout: Duration,
+    /// How connections are opened; plain TCP without one.
+    connector: Option<Connector>,
 }
 
 /// A reply line of the text protocol.
@@ -73,7 +88,27 @@ impl MemcachedStore {
             .iter()
             .map(|a| Server { addr: a.trim_start_matches("memcached://").to_string(), idle: Mutex::new(Vec::new()) })
             .collect();
-        Ok(Self { servers, timeout })
+        Ok(Self { servers, timeout, connector: None })
+    }
+
+    /// The same store, opening its connections with `connector` (TLS to the servers,
+    /// say: the library itself speaks plain TCP).
+    pub fn with_connector(mut self, connector: Connector) -> Self {
+        self.connector = Some(connector);
+        self
+    }
+
+    /// A new connection to `server`.
+    async fn connect(&self, server: &Server) -> std::io::Result<Conn> {
+        let io: Box<dyn Io> = match &self.connector {
+            Some(connect) => connect(server.addr.clone()).await?,
+            None => {
+                let s = TcpStream::connect(&server.addr).await?;
+                s.set_nodelay(true).ok();
+                Box::new(s)
+            }
+        };
+        Ok(BufStream::new(io))
     }
 
     fn server(&self, tag: Tag) -> &Server {
@@ -85,14 +120,10 @@ impl MemcachedStore {
         let idle = server.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let mut conn = match idle {
             Some(c) => c,
-            None => {
-                let s = tokio::time::timeout(self.timeout, TcpStream::connect(&server.addr))
-                    .await
-                    .map_err(|_| StoreError::unavailable(format!("memcached {}: connect timed out", server.addr)))?
-                    .map_err(|e| StoreError::unavailable(format!("memcached {}: {e}", server.addr)).because(e))?;
-                s.set_nodelay(true).ok();
-                BufStream::new(s)
-            }
+            None => tokio::time::timeout(self.timeout, self.connect(server))
+                .await
+                .map_err(|_| StoreError::unavailable(format!("memcached {}: connect timed out", server.addr)))?
+                .map_err(|e| StoreError::unavailable(format!("memcached {}: {e}", server.addr)).because(e))?,
         };
         let reply = tokio::time::timeout(self.timeout, exchange(&mut conn, line, data))
             .await

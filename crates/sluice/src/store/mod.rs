@@ -22,7 +22,7 @@ use crate::tag::Tag;
 use crate::time::Millis;
 use async_trait::async_trait;
 
-pub use memcached::MemcachedStore;
+pub use memcached::{Connector as MemcachedConnector, Io as MemcachedIo, MemcachedStore};
 pub use memory::{MemoryStats, MemoryStore};
 pub use migrating::MigratingStore;
 pub(crate) use registry::LocalRegistry;
