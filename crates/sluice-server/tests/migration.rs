@@ -137,3 +137,99 @@ async fn a_moved_client_is_not_refused_from_the_near_cache() {
     // back on the old backend, whose window still holds the three
     assert_eq!(statuses(1).await, [429]);
 }
+
+/// dnsmasq on a free loopback UDP port, answering the SRV record
+/// `_memcache._tcp.sluice.test` with `localhost:PORT` (one `(port, weight)` a record).
+struct Dns {
+    _process: sluice_testkit::Process,
+    port: u16,
+}
+
+impl Dns {
+    /// On a free port.
+    fn start(records: &[u16]) -> Self {
+        // a port found free can be taken before dnsmasq binds it: try a few
+        for _ in 0..5 {
+            let port = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            if let Some(dns) = Self::on(port, records) {
+                return dns;
+            }
+        }
+        panic!("dnsmasq never answered");
+    }
+
+    /// On `port` (the one a server before it held), once it answers.
+    fn on(port: u16, records: &[u16]) -> Option<Self> {
+        let bin = ["/usr/sbin/dnsmasq", "/usr/bin/dnsmasq"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| sluice_testkit::require("dnsmasq", "dnsmasq-base"));
+        let mut cmd = std::process::Command::new(&bin);
+        cmd.args(["--no-daemon", "--listen-address=127.0.0.1", "--bind-interfaces", "--no-resolv", "--no-hosts"])
+            .args(["--conf-file=/dev/null", "--pid-file=", "--user=root", &format!("--port={port}")])
+            .args(records.iter().map(|r| format!("--srv-host=_memcache._tcp.sluice.test,localhost,{r},0,1")));
+        let process = sluice_testkit::Process::spawn(&mut cmd).unwrap();
+        let at = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let answers = (0..50).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            srv_answers("_memcache._tcp.sluice.test", at)
+        });
+        answers.then_some(Self { _process: process, port })
+    }
+}
+
+/// Whether a name server at `at` answers an SRV query (a UDP round trip).
+fn srv_answers(name: &str, at: std::net::SocketAddr) -> bool {
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    socket.set_read_timeout(Some(std::time::Duration::from_millis(200))).unwrap();
+    let mut q = vec![0x12, 0x34, 0x01, 0, 0, 1, 0, 0, 0, 0, 0, 0];
+    for label in name.split('.') {
+        q.push(label.len() as u8);
+        q.extend(label.as_bytes());
+    }
+    q.extend([0, 0, 33, 0, 1]);
+    socket.send_to(&q, at).is_ok() && socket.recv(&mut [0u8; 512]).is_ok()
+}
+
+/// The memcached store's servers from a DNS SRV record (`store.srv`; envoyproxy/ratelimit's
+/// `MEMCACHE_SRV` and `MEMCACHE_SRV_REFRESH`), asked of dnsmasq: a limit counts on the
+/// server it names; when the record names another server, the next refresh moves the
+/// client there, where it starts afresh.
+#[tokio::test]
+async fn memcached_servers_come_from_an_srv_record() {
+    let (m1, m2) = (MemcachedServer::start(), MemcachedServer::start());
+    let port = |m: &MemcachedServer| m.addr().rsplit(':').next().unwrap().parse::<u16>().unwrap();
+    let dns = Dns::start(&[port(&m1)]);
+    let store = format!(
+        "store: {{kind: memcached, srv: _memcache._tcp.sluice.test, srv_refresh: 200ms, srv_nameserver: \"127.0.0.1:{}\"}}\n",
+        dns.port
+    );
+    let rule =
+        "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 2}\n";
+    let s = start_with(&store, rule);
+    let client = reqwest::Client::new();
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(common::hit(&client, &s.base, "d", &[("user", "a")]).await.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429], "{}", s.log());
+    let items = |m: &MemcachedServer| {
+        let stats = m.command("stats").unwrap();
+        stats.lines().find_map(|l| l.strip_prefix("STAT curr_items ")?.trim().parse::<u64>().ok()).unwrap_or(0)
+    };
+    assert!((items(&m1), items(&m2)).0 > 0 && items(&m2) == 0, "counted on the server the record names");
+    // the record now names the other server: on the next refresh the client is there
+    let at = dns.port;
+    drop(dns);
+    let _dns = Dns::on(at, &[port(&m2)]).expect("dnsmasq again on its port");
+    let started = std::time::Instant::now();
+    while common::hit(&client, &s.base, "d", &[("user", "a")]).await.status() != 200 {
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "the refresh never moved the client:\n{}",
+            s.log()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}

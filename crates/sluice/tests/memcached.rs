@@ -77,3 +77,26 @@ async fn a_full_cache_forgets_live_windows() {
     assert!(d.allowed, "the live window was evicted: the client got a fresh limit");
     assert_eq!(d.used, 1);
 }
+
+/// The server list replaced (as a DNS SRV record names other servers): a client whose
+/// server goes starts afresh on the one that takes it, the change is said to the
+/// near-cache (`routing`), the same list again is no change, and an empty one is ignored.
+#[tokio::test]
+async fn the_server_list_can_change() {
+    let (a, b) = (MemcachedServer::start(), MemcachedServer::start());
+    let s = store(&a);
+    let now = sluice::store::conformance::t0();
+    let limit = Limit::FixedWindow { limit: 2, window: 60_000, aligned: false };
+    let op = Op { key: 3, limit, cost: 1, lease: None, shadow: false };
+    let used = |d: &[sluice::algo::Decision]| d[0].used;
+    assert_eq!(used(&s.apply(Tag(9), &[op], now).await.unwrap()), 1);
+    let before = s.routing();
+    s.set_servers(&[]);
+    s.set_servers(&[a.addr()]);
+    assert_eq!(s.routing(), before, "an empty list, or the same one, changes nothing");
+    assert_eq!(used(&s.apply(Tag(9), &[op], now).await.unwrap()), 2);
+    s.set_servers(&[b.addr()]);
+    assert_ne!(s.routing(), before);
+    assert_eq!(s.address(), b.addr());
+    assert_eq!(used(&s.apply(Tag(9), &[op], now).await.unwrap()), 1, "afresh on the new server");
+}

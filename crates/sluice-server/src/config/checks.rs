@@ -165,8 +165,8 @@ pub fn store(store: &StoreConfig, rules: &Rules) -> Result<(), CheckError> {
             }
             tls(connection.tls.as_ref()).map_err(|e| at("tls", &e))?;
         }
-        StoreConfig::Memcached { servers, timeout, tls: files } => {
-            MemcachedStore::new(servers, timeout.to_std()).map_err(|e| at("servers", &e))?;
+        StoreConfig::Memcached { servers, timeout, tls: files, srv, .. } => {
+            memcached_servers(servers, srv.as_deref(), timeout.to_std()).map_err(|e| at("servers", &e))?;
             tls(files.as_ref()).map_err(|e| at("tls", &e))?;
         }
         StoreConfig::Migrating { from, to, percent } => {
@@ -250,6 +250,17 @@ pub fn telemetry(telemetry: &crate::otel::TelemetryConfig) -> Result<(), CheckEr
         ));
     }
     Ok(())
+}
+
+/// A memcached store's servers: listed, or named by an SRV record, not both.
+fn memcached_servers(servers: &[String], srv: Option<&str>, timeout: std::time::Duration) -> Result<(), String> {
+    match srv {
+        Some(_) if !servers.is_empty() => {
+            Err("store.servers and store.srv are both set: name the servers, or the SRV record that names them".into())
+        }
+        Some(_) => Ok(()),
+        None => MemcachedStore::new(servers, timeout).map(drop).map_err(|e| e.to_string()),
+    }
 }
 
 /// `limiter.reservations: true` asks for a store that keeps them: memcached (on either

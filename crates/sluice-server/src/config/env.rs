@@ -112,7 +112,8 @@ fn checked(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> (
         Value::Null
     });
     refused.extend(ports(get, on));
-    refused.extend(AGES.iter().chain(&[("REDIS_TIMEOUT", ""), ("STATS_FLUSH_INTERVAL", "")]).filter_map(|(var, _)| {
+    let durations = [("REDIS_TIMEOUT", ""), ("STATS_FLUSH_INTERVAL", ""), ("MEMCACHE_SRV_REFRESH", "")];
+    refused.extend(AGES.iter().chain(&durations).filter_map(|(var, _)| {
         let value = get(var)?;
         let why = sluice::config::Duration::parse(&value).err()?;
         Some(format!("{var}={value} is not a duration ({why}): write e.g. 24h, 90s or 500ms"))
@@ -355,7 +356,6 @@ pub fn note(notes: &[String]) {
 
 /// The variables set to ask for what Sluice does not do, each with why.
 fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Vec<String> {
-    let set = |name: &str| get(name).is_some();
     let not =
         |name: &str, allowed: &[&str]| get(name).is_some_and(|v| !allowed.contains(&v.to_ascii_lowercase().as_str()));
     let checks = [
@@ -369,7 +369,6 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
             on("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION"),
             "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION: the Redis certificate is always verified",
         ),
-        (set("MEMCACHE_SRV"), "MEMCACHE_SRV: list the servers in MEMCACHE_HOST_PORT"),
         (
             on("MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION"),
             "MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION: the memcached certificates are always verified",
@@ -468,12 +467,18 @@ fn without_scheme(given: &str) -> Result<(String, Option<bool>), String> {
 
 /// A memcached store, from `MEMCACHE_HOST_PORT` and `MEMCACHE_TLS` with its files.
 fn memcached(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Result<Value, String> {
-    let servers = get("MEMCACHE_HOST_PORT").ok_or("BACKEND_TYPE=memcache needs MEMCACHE_HOST_PORT")?;
-    let servers: Vec<&str> = servers.split(',').map(str::trim).collect();
     let tls = on("MEMCACHE_TLS").then(|| {
         json!({"ca_file": get("MEMCACHE_TLS_CACERT"), "cert_file": get("MEMCACHE_TLS_CLIENT_CERT"),
             "key_file": get("MEMCACHE_TLS_CLIENT_KEY")})
     });
+    // their MEMCACHE_SRV, when set, names the servers instead of MEMCACHE_HOST_PORT
+    if let Some(srv) = get("MEMCACHE_SRV") {
+        let refresh = get("MEMCACHE_SRV_REFRESH").unwrap_or_else(|| "0s".into());
+        return Ok(json!({"kind": "memcached", "srv": srv, "srv_refresh": refresh, "tls": tls}));
+    }
+    let servers =
+        get("MEMCACHE_HOST_PORT").ok_or("BACKEND_TYPE=memcache needs MEMCACHE_HOST_PORT (or MEMCACHE_SRV)")?;
+    let servers: Vec<&str> = servers.split(',').map(str::trim).collect();
     Ok(json!({"kind": "memcached", "servers": servers, "tls": tls}))
 }
 
@@ -548,6 +553,17 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(tls.config["store"]["tls"]["ca_file"], "/certs/ca.crt", "MEMCACHE_TLS");
+        let srv = read(&[
+            ("USE_STATSD", "false"),
+            ("BACKEND_TYPE", "memcache"),
+            ("MEMCACHE_SRV", "_memcache._tcp.cache.svc"),
+            ("MEMCACHE_SRV_REFRESH", "30s"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (&srv.config["store"]["srv"], &srv.config["store"]["srv_refresh"]),
+            (&json!("_memcache._tcp.cache.svc"), &json!("30s"))
+        );
     }
 
     /// Istio's sample sets `HOST=::` and `GRPC_HOST=::`: an IPv6 address, written in

@@ -376,8 +376,19 @@ pub enum StoreConfig {
     /// GitHub's old backend: fixed windows only, and a cache that evicts (see
     /// docs/operations.md). For migrating away from, with `migrating`.
     Memcached {
-        /// `host:port` of each server; each client lives on one.
+        /// `host:port` of each server; each client lives on one. Empty with `srv`.
+        #[serde(default)]
         servers: Vec<String>,
+        /// A DNS SRV record naming the servers instead (`_memcache._tcp.example.com`;
+        /// envoyproxy/ratelimit's `MEMCACHE_SRV`), read at start.
+        #[serde(default)]
+        srv: Option<String>,
+        /// Read the SRV record again this often (their `MEMCACHE_SRV_REFRESH`; 0s: never).
+        #[serde(default = "never")]
+        srv_refresh: Duration,
+        /// The name server to ask (default: the first of /etc/resolv.conf, port 53).
+        #[serde(default)]
+        srv_nameserver: Option<SocketAddr>,
         #[serde(default = "default_timeout")]
         timeout: Duration,
         /// TLS to the servers (memcached's `-Z`), verifying each against `ca_file` (or
@@ -510,6 +521,10 @@ fn default_max_keys() -> usize {
 
 fn default_timeout() -> Duration {
     Duration(1_000)
+}
+
+fn never() -> Duration {
+    Duration(0)
 }
 
 fn default_cluster_retries() -> u32 {

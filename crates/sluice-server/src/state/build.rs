@@ -139,8 +139,9 @@ fn store(
         }
         StoreConfig::RedisSentinel(c) => resilient(sentinel(c)?, tuning),
         c @ StoreConfig::RedisCluster { .. } => resilient(cluster(c)?, tuning),
-        StoreConfig::Memcached { servers, timeout, tls } => {
-            let store = MemcachedStore::new(servers, timeout.to_std())?;
+        StoreConfig::Memcached { servers, timeout, tls, srv, srv_refresh, srv_nameserver } => {
+            let refresh = srv_refresh.to_std();
+            let store = memcached(servers, timeout.to_std(), srv.as_deref(), refresh, *srv_nameserver)?;
             let store = match tls {
                 Some(files) => store.with_connector(crate::tls::memcached_connector(files).map_err(UnfitStore::Tls)?),
                 None => store,
@@ -183,6 +184,53 @@ fn sentinel(c: &SentinelConfig) -> Result<RedisStore, BuildError> {
 }
 
 /// A remote store behind the deadline and breaker of `tuning`.
+/// How long a name server has to answer an SRV query.
+const SRV_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The memcached store of `servers`, or of the servers the SRV record `srv` names (read
+/// again every `refresh`, when not 0).
+fn memcached(
+    servers: &[String],
+    timeout: std::time::Duration,
+    srv: Option<&str>,
+    refresh: std::time::Duration,
+    nameserver: Option<std::net::SocketAddr>,
+) -> Result<MemcachedStore, StoreError> {
+    let Some(name) = srv else { return MemcachedStore::new(servers, timeout) };
+    let found = crate::state::srv::lookup(name, nameserver, SRV_TIMEOUT)
+        .map_err(|why| StoreError::unavailable(format!("store.srv {name}: {why}")))?;
+    let store = MemcachedStore::new(&found, timeout)?;
+    refresh_srv(store.server_list(), name.to_string(), nameserver, refresh);
+    Ok(store)
+}
+
+/// Reads the SRV record `name` again every `every` (none for 0) and puts the servers it
+/// names in force; a lookup that fails keeps those in force, said at most every 10 s.
+fn refresh_srv(
+    servers: sluice::store::MemcachedServers,
+    name: String,
+    nameserver: Option<std::net::SocketAddr>,
+    every: std::time::Duration,
+) {
+    if every.is_zero() || tokio::runtime::Handle::try_current().is_err() {
+        return;
+    }
+    tokio::spawn(async move {
+        let failing = crate::logs::Sometimes::default();
+        loop {
+            tokio::time::sleep(every).await;
+            let (n, ns) = (name.clone(), nameserver);
+            match tokio::task::spawn_blocking(move || crate::state::srv::lookup(&n, ns, SRV_TIMEOUT)).await {
+                Ok(Ok(found)) => servers.set(&found),
+                Ok(Err(why)) if failing.due() => {
+                    tracing::warn!(srv = %name, error = %why, "the memcached SRV record cannot be read; the servers in force stay")
+                }
+                _ => {}
+            }
+        }
+    });
+}
+
 fn resilient<S: Store>(store: S, tuning: &Arc<Tuning>) -> Arc<dyn Store> {
     Arc::new(Resilient::tuned(store, tuning.clone()))
 }

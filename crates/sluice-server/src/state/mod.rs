@@ -5,6 +5,7 @@ pub mod build;
 pub mod credentials;
 pub mod history;
 pub mod rlqs;
+pub mod srv;
 pub mod xds;
 
 use arc_swap::{ArcSwap, ArcSwapOption};

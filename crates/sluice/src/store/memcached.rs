@@ -20,8 +20,10 @@ use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::store::b64;
 use crate::tag::Tag;
 use crate::time::Millis;
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufStream};
 use tokio::net::TcpStream;
@@ -51,9 +53,49 @@ struct Server {
     idle: Mutex<Vec<Conn>>,
 }
 
+impl Server {
+    fn new(addr: &str) -> Self {
+        Self { addr: addr.trim_start_matches("memcached://").to_string(), idle: Mutex::new(Vec::new()) }
+    }
+}
+
+/// The servers of a [`MemcachedStore`], replaced whole when their list changes, and how
+/// many times it did (clients move between servers when it does).
+#[derive(Clone)]
+pub struct ServerList(Arc<(ArcSwap<Vec<Arc<Server>>>, AtomicU64)>);
+
+impl ServerList {
+    /// Puts `addrs` in place of the servers (their list discovered again: a DNS SRV
+    /// record, say); a server in both keeps its idle connections. Clients whose server
+    /// changes start afresh on their new one, as when a memcached node is added or lost.
+    /// An empty list is ignored: the servers in force stay.
+    pub fn set(&self, addrs: &[String]) {
+        if addrs.is_empty() {
+            return;
+        }
+        let current = self.load();
+        let next: Vec<_> = addrs
+            .iter()
+            .map(|a| {
+                let addr = a.trim_start_matches("memcached://");
+                current.iter().find(|s| s.addr == addr).cloned().unwrap_or_else(|| Arc::new(Server::new(a)))
+            })
+            .collect();
+        if next.iter().map(|s| &s.addr).eq(current.iter().map(|s| &s.addr)) {
+            return;
+        }
+        self.0.0.store(Arc::new(next));
+        self.0.1.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn load(&self) -> arc_swap::Guard<Arc<Vec<Arc<Server>>>> {
+        self.0.0.load()
+    }
+}
+
 /// The Memcached store.
 pub struct MemcachedStore {
-    servers: Vec<Server>,
+    servers: ServerList,
     timeout: Duration,
     /// How connections are opened; plain TCP without one.
     connector: Option<Connector>,
@@ -84,11 +126,20 @@ impl MemcachedStore {
         if servers.is_empty() {
             return Err(StoreError::unavailable("store.servers is empty: list at least one memcached host:port"));
         }
-        let servers = servers
-            .iter()
-            .map(|a| Server { addr: a.trim_start_matches("memcached://").to_string(), idle: Mutex::new(Vec::new()) })
-            .collect();
-        Ok(Self { servers, timeout, connector: None })
+        let servers = servers.iter().map(|a| Arc::new(Server::new(a))).collect::<Vec<_>>();
+        let list = ServerList(Arc::new((ArcSwap::from_pointee(servers), AtomicU64::new(0))));
+        Ok(Self { servers: list, timeout, connector: None })
+    }
+
+    /// Puts `addrs` in place of the servers (see [`ServerList::set`]).
+    pub fn set_servers(&self, addrs: &[String]) {
+        self.servers.set(addrs);
+    }
+
+    /// A handle on the store's servers, to change them from elsewhere (a task that
+    /// reads a DNS SRV record again, say).
+    pub fn server_list(&self) -> ServerList {
+        self.servers.clone()
     }
 
     /// The same store, opening its connections with `connector` (TLS to the servers,
@@ -111,8 +162,9 @@ impl MemcachedStore {
         Ok(BufStream::new(io))
     }
 
-    fn server(&self, tag: Tag) -> &Server {
-        &self.servers[((tag.0 >> 64) as u64 % self.servers.len() as u64) as usize]
+    fn server(&self, tag: Tag) -> Arc<Server> {
+        let servers = self.servers.load();
+        servers[((tag.0 >> 64) as u64 % servers.len() as u64) as usize].clone()
     }
 
     /// Sends one command (and its data block) and reads its reply.
@@ -290,7 +342,8 @@ fn no_concurrency() -> StoreError {
 #[async_trait]
 impl Store for MemcachedStore {
     async fn apply(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        let s = self.server(tag);
+        let server = self.server(tag);
+        let s = &*server;
         // charge one by one: (op, counter key, reset, count, charged, refused, limit)
         let mut done = Vec::with_capacity(ops.len());
         for op in ops {
@@ -327,7 +380,8 @@ impl Store for MemcachedStore {
     }
 
     async fn peek(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<Vec<Decision>, StoreError> {
-        let s = self.server(tag);
+        let server = self.server(tag);
+        let s = &*server;
         let mut out = Vec::with_capacity(ops.len());
         for op in ops {
             let limit = fixed_only(&op.limit)?;
@@ -355,7 +409,8 @@ impl Store for MemcachedStore {
     }
 
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: Millis) -> Result<(), StoreError> {
-        let s = self.server(tag);
+        let server = self.server(tag);
+        let s = &*server;
         for r in refunds {
             fixed_only(&r.limit)?;
             let key = state_key(tag, r.key);
@@ -373,7 +428,8 @@ impl Store for MemcachedStore {
     /// Deletes each window's stored reset: the next hit starts a fresh window (under a new
     /// counter key). One delete per state: Memcached has no atomic multi-key change.
     async fn reset(&self, tag: Tag, ops: &[Op], _now: Millis) -> Result<(), StoreError> {
-        let s = self.server(tag);
+        let server = self.server(tag);
+        let s = &*server;
         for op in ops {
             fixed_only(&op.limit)?;
             match self.call(s, &format!("delete {}:r", state_key(tag, op.key)), None).await? {
@@ -385,12 +441,16 @@ impl Store for MemcachedStore {
     }
 
     async fn ready(&self) -> bool {
-        let s = &self.servers[0];
-        matches!(self.call(s, "version", None).await, Ok(Reply::Version))
+        let first = self.servers.load()[0].clone();
+        matches!(self.call(&first, "version", None).await, Ok(Reply::Version))
+    }
+
+    fn routing(&self) -> u64 {
+        self.servers.0.1.load(Ordering::Relaxed)
     }
 
     fn address(&self) -> String {
-        self.servers.iter().map(|s| s.addr.as_str()).collect::<Vec<_>>().join(", ")
+        self.servers.load().iter().map(|s| s.addr.as_str()).collect::<Vec<_>>().join(", ")
     }
     fn kind(&self) -> &'static str {
         "memcached"

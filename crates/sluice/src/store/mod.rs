@@ -22,7 +22,9 @@ use crate::tag::Tag;
 use crate::time::Millis;
 use async_trait::async_trait;
 
-pub use memcached::{Connector as MemcachedConnector, Io as MemcachedIo, MemcachedStore};
+pub use memcached::{
+    Connector as MemcachedConnector, Io as MemcachedIo, MemcachedStore, ServerList as MemcachedServers,
+};
 pub use memory::{MemoryStats, MemoryStore};
 pub use migrating::MigratingStore;
 pub(crate) use registry::LocalRegistry;
