@@ -329,3 +329,44 @@ async fn sigterm_releases_nothing_a_live_lease_holds() {
     assert_eq!(r.json::<serde_json::Value>().await.unwrap()["released"], true, "{}", b.log());
     assert_eq!(take(b.base.clone()).await.unwrap().status(), 200);
 }
+
+/// envoyproxy/ratelimit's `REDIS_PERSECOND`: their per-second limits on a Redis of their
+/// own, the rest on the main one, from their environment: a second call in the second is
+/// refused by the per-second limit, and each Redis holds its own window only.
+#[tokio::test]
+async fn per_second_limits_live_on_a_redis_of_their_own() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    let (main, second) = (RedisServer::start(), RedisServer::start());
+    let dir = sluice_testkit::TempDir::new("sluice-persecond");
+    let rule = "domain: d\ndescriptors:\n  - key: burst\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 10}\n";
+    let (main_url, second_url) = (main.addr().to_string(), second.addr().to_string());
+    let vars = [
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", main_url.as_str()),
+        ("REDIS_PERSECOND", "true"),
+        ("REDIS_PERSECOND_SOCKET_TYPE", "tcp"),
+        ("REDIS_PERSECOND_URL", second_url.as_str()),
+    ];
+    let (_sluice, grpc) = common::their_way(&dir, rule, &vars);
+    let mut rls =
+        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
+            format!("http://{grpc}"),
+        )
+        .await
+        .unwrap();
+    let call = || {
+        let mut r = common::rls_request("d", &[("burst", "a")]);
+        r.descriptors.extend(common::rls_request("d", &[("user", "a")]).descriptors);
+        r
+    };
+    let first = rls.should_rate_limit(call()).await.unwrap().into_inner();
+    assert_eq!(first.overall_code, Code::Ok as i32);
+    let second_call = rls.should_rate_limit(call()).await.unwrap().into_inner();
+    assert_eq!(second_call.overall_code, Code::OverLimit as i32, "1 a second: {second_call:?}");
+    assert_eq!(second_call.statuses[0].code, Code::OverLimit as i32, "refused by the per-second limit");
+    // (the hourly limit counts the refused call too, as theirs does: 10 - 2)
+    assert_eq!(second_call.statuses[1].limit_remaining, 8);
+    let keys = |r: &RedisServer| r.command("DBSIZE").unwrap().trim().trim_start_matches(':').parse::<u64>().unwrap();
+    assert_eq!((keys(&main), keys(&second)), (1, 1), "each Redis holds its own window, and only it");
+    assert!(second.script_calls() > 0 && main.script_calls() > 0);
+}

@@ -49,3 +49,13 @@ sluice::conformance_suite!(redis_sentinel, async {
     let opts = RedisOptions { replica_acks: 1, ..options() };
     (RedisStore::sentinel(&sentinel, opts).unwrap(), set)
 });
+
+// envoyproxy/ratelimit's REDIS_PERSECOND: one-second windows on a Redis of their own
+sluice::conformance_suite!(redis_per_second, async {
+    let (main, second) = (RedisServer::start(), RedisServer::start());
+    let store = |r: &RedisServer| {
+        std::sync::Arc::new(RedisStore::new(&r.url(), &[], options()).unwrap())
+            as std::sync::Arc<dyn sluice::store::Store>
+    };
+    (sluice::store::PerSecondStore::new(store(&main), store(&second)), (main, second))
+});

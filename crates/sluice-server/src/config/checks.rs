@@ -176,6 +176,10 @@ pub fn store(store: &StoreConfig, rules: &Rules) -> Result<(), CheckError> {
             self::store(from, rules)?;
             self::store(to, rules)?;
         }
+        StoreConfig::PerSecond { main, per_second } => {
+            self::store(main, rules)?;
+            self::store(per_second, rules)?;
+        }
     }
     Ok(())
 }
@@ -270,6 +274,7 @@ pub fn reservations(limiter: &sluice::config::LimiterConfig, store: &StoreConfig
         match s {
             StoreConfig::Memcached { .. } => true,
             StoreConfig::Migrating { from, to, .. } => memcached(from) || memcached(to),
+            StoreConfig::PerSecond { main, per_second } => memcached(main) || memcached(per_second),
             _ => false,
         }
     }
@@ -320,6 +325,10 @@ fn supports(store: &StoreConfig, rules: &Rules) -> Result<(), UnfitStore> {
         StoreConfig::Migrating { from, to, .. } => {
             supports(from, rules)?;
             supports(to, rules)
+        }
+        StoreConfig::PerSecond { main, per_second } => {
+            supports(main, rules)?;
+            supports(per_second, rules)
         }
         _ => Ok(()),
     }

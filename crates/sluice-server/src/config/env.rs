@@ -29,6 +29,11 @@ const WITHOUT_EFFECT: &[&str] = &[
     "REDIS_PIPELINE_LIMIT",
     "REDIS_CLUSTER_PIPELINE_PARALLELISM",
     "REDIS_POOL_ON_EMPTY_BEHAVIOR",
+    "REDIS_PERSECOND_POOL_SIZE",
+    "REDIS_PERSECOND_PIPELINE_WINDOW",
+    "REDIS_PERSECOND_PIPELINE_LIMIT",
+    "REDIS_PERSECOND_CLUSTER_PIPELINE_PARALLELISM",
+    "REDIS_PERSECOND_POOL_ON_EMPTY_BEHAVIOR",
     "REDIS_HEALTH_CHECK_ACTIVE_CONNECTION",
     "REDIS_STARTUP_INITIAL_INTERVAL",
     "REDIS_STARTUP_MAX_INTERVAL",
@@ -107,12 +112,17 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
 /// it is set, each with why: one error names them all.
 fn checked(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> (Value, Vec<String>) {
     let mut refused = refusals(get, on);
-    let store = store(get, on).map(|s| redis_timeout(get, s)).unwrap_or_else(|e| {
+    let store = store(get, on).unwrap_or_else(|e| {
         refused.push(e);
         Value::Null
     });
     refused.extend(ports(get, on));
-    let durations = [("REDIS_TIMEOUT", ""), ("STATS_FLUSH_INTERVAL", ""), ("MEMCACHE_SRV_REFRESH", "")];
+    let durations = [
+        ("REDIS_TIMEOUT", ""),
+        ("REDIS_PERSECOND_TIMEOUT", ""),
+        ("STATS_FLUSH_INTERVAL", ""),
+        ("MEMCACHE_SRV_REFRESH", ""),
+    ];
     refused.extend(AGES.iter().chain(&durations).filter_map(|(var, _)| {
         let value = get(var)?;
         let why = sluice::config::Duration::parse(&value).err()?;
@@ -133,16 +143,6 @@ fn listeners(get: &dyn Fn(&str) -> Option<String>, server: &mut Value) {
         let host = get("DEBUG_HOST").unwrap_or_else(|| "0.0.0.0".into());
         server["debug"] = json!(address(&host, &get("DEBUG_PORT").unwrap_or_else(|| "6070".into())));
     }
-}
-
-/// `store` with their `REDIS_TIMEOUT` (a Redis store's: it bounds connecting and each
-/// reply, as `timeout` does here).
-fn redis_timeout(get: &dyn Fn(&str) -> Option<String>, mut store: Value) -> Value {
-    let redis = matches!(store["kind"].as_str(), Some("redis" | "redis_cluster" | "redis_sentinel"));
-    if let Some(t) = get("REDIS_TIMEOUT").filter(|t| redis && sluice::config::Duration::parse(t).is_ok()) {
-        store["timeout"] = json!(t);
-    }
-    store
 }
 
 /// Their connection ages, and where each goes.
@@ -360,10 +360,6 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
         |name: &str, allowed: &[&str]| get(name).is_some_and(|v| !allowed.contains(&v.to_ascii_lowercase().as_str()));
     let checks = [
         (not("CONFIG_TYPE", &["file", "grpc_xds_sotw"]), "CONFIG_TYPE: FILE or GRPC_XDS_SOTW"),
-        (
-            on("REDIS_PERSECOND"),
-            "REDIS_PERSECOND: every window lives in one store; point REDIS_URL at one Redis (or a cluster) sized for all limits",
-        ),
         (not("STATSD_PROTOCOL", &["tcp", "udp"]), "STATSD_PROTOCOL: tcp or udp"),
         (
             on("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION"),
@@ -384,15 +380,35 @@ fn refusals(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> 
 
 /// `store`, from `BACKEND_TYPE` and the `REDIS_*` or `MEMCACHE_*` variables.
 fn store(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Result<Value, String> {
-    let lower = |name: &str, default: &str| get(name).unwrap_or_else(|| default.into()).to_ascii_lowercase();
-    if lower("BACKEND_TYPE", "redis") == "memcache" {
+    if get("BACKEND_TYPE").is_some_and(|b| b.eq_ignore_ascii_case("memcache")) {
         return memcached(get, on);
     }
-    let given = get("REDIS_URL").unwrap_or_else(|| "/var/run/nutcracker/ratelimit.sock".into());
+    let main = redis(get, on, "REDIS", "ratelimit")?;
+    if !on("REDIS_PERSECOND") {
+        return Ok(main);
+    }
+    // their per-second Redis: the windows of one second on a store of their own
+    let second = redis(get, on, "REDIS_PERSECOND", "ratelimitpersecond")?;
+    Ok(json!({"kind": "per_second", "main": main, "per_second": second}))
+}
+
+/// A Redis store from the variables `{prefix}_URL`, `_TYPE`, `_SOCKET_TYPE`, `_AUTH`,
+/// `_TLS`, `_SENTINEL_AUTH` and `_TIMEOUT` (`REDIS` or `REDIS_PERSECOND`), with the TLS
+/// files of `REDIS_TLS_*`; `socket` names their default Unix socket.
+fn redis(
+    get: &dyn Fn(&str) -> Option<String>,
+    on: &dyn Fn(&str) -> bool,
+    prefix: &str,
+    socket: &str,
+) -> Result<Value, String> {
+    let var = |name: &str| format!("{prefix}_{name}");
+    let v = |name: &str| get(&var(name));
+    let lower = |name: &str, default: &str| v(name).unwrap_or_else(|| default.into()).to_ascii_lowercase();
+    let given = v("URL").unwrap_or_else(|| format!("/var/run/nutcracker/{socket}.sock"));
     // theirs is host:port, but a URL is what users write too: its scheme is taken
-    let (url, by_scheme) = without_scheme(&given)?;
-    let (user, password) = credentials(get("REDIS_AUTH"));
-    let tls = on("REDIS_TLS") || by_scheme == Some(true);
+    let (url, by_scheme) = without_scheme(&given, &var("URL"))?;
+    let (user, password) = credentials(v("AUTH"));
+    let tls = on(&var("TLS")) || by_scheme == Some(true);
     let files = json!({"ca_file": get("REDIS_TLS_CACERT"), "cert_file": get("REDIS_TLS_CLIENT_CERT"),
         "key_file": get("REDIS_TLS_CLIENT_KEY")});
     let tls_files = if tls { files } else { Value::Null };
@@ -404,7 +420,8 @@ fn store(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Res
         };
         format!("{scheme}://{auth}{address}")
     };
-    Ok(match lower("REDIS_TYPE", "single").as_str() {
+    let (url_var, socket_var) = (var("URL"), var("SOCKET_TYPE"));
+    let mut store = match lower("TYPE", "single").as_str() {
         "cluster" => {
             let nodes: Vec<String> = url.split(',').map(|n| with_auth(n.trim())).collect();
             json!({"kind": "redis_cluster", "nodes": nodes, "tls": tls_files})
@@ -413,38 +430,55 @@ fn store(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Res
             // theirs: the primary's name, then the Sentinels
             let mut parts = url.split(',').map(str::trim);
             let master = parts.next().unwrap_or_default();
-            let (sentinel_username, sentinel_password) = credentials(get("REDIS_SENTINEL_AUTH"));
+            let (sentinel_username, sentinel_password) = credentials(v("SENTINEL_AUTH"));
             json!({"kind": "redis_sentinel", "master_name": master, "sentinels": parts.collect::<Vec<_>>(),
                 "username": user, "password": password, "sentinel_username": sentinel_username,
                 "sentinel_password": sentinel_password, "tls": tls_files})
         }
-        _ if by_scheme.is_some() && lower("REDIS_SOCKET_TYPE", "tcp") == "unix" => {
-            return Err(format!("REDIS_URL={given} is a TCP URL, but REDIS_SOCKET_TYPE is unix: set it to tcp"));
+        _ if by_scheme.is_some() && lower("SOCKET_TYPE", "tcp") == "unix" => {
+            return Err(format!("{url_var}={given} is a TCP URL, but {socket_var} is unix: set it to tcp"));
         }
-        _ if by_scheme.is_none() && lower("REDIS_SOCKET_TYPE", "unix") == "unix" => {
-            if !url.starts_with('/') {
-                return Err(format!(
-                    "REDIS_URL={url} is not a socket path, and REDIS_SOCKET_TYPE is {}: the default socket type is \
-                     unix, as envoyproxy/ratelimit's is; for a host:port set REDIS_SOCKET_TYPE=tcp",
-                    get("REDIS_SOCKET_TYPE").unwrap_or_else(|| "unset".into())
-                ));
-            }
-            let auth = password.map(|p| format!("?pass={}", percent_encode(&p))).unwrap_or_default();
-            json!({"kind": "redis", "url": format!("redis+unix://{url}{auth}")})
+        _ if by_scheme.is_none() && lower("SOCKET_TYPE", "unix") == "unix" => {
+            unix_socket(&url, password.as_deref(), &url_var, &socket_var, v("SOCKET_TYPE"))?
         }
         _ => {
             let built = with_auth(&url);
             sluice::store::redis::check_url(&built).map_err(|_| {
-                format!("REDIS_URL={given} is not host:port (or redis://host:port, rediss:// for TLS), e.g. redis:6379")
+                format!("{url_var}={given} is not host:port (or redis://host:port, rediss:// for TLS), e.g. redis:6379")
             })?;
             json!({"kind": "redis", "url": built, "tls": tls_files})
         }
-    })
+    };
+    // their _TIMEOUT bounds connecting and each reply, as `timeout` does here
+    if let Some(t) = v("TIMEOUT").filter(|t| sluice::config::Duration::parse(t).is_ok()) {
+        store["timeout"] = json!(t);
+    }
+    Ok(store)
+}
+
+/// A Redis store on the Unix socket `url` (their default socket type): refused, naming
+/// `url_var` and `socket_var`, when `url` is no path.
+fn unix_socket(
+    url: &str,
+    password: Option<&str>,
+    url_var: &str,
+    socket_var: &str,
+    socket_type: Option<String>,
+) -> Result<Value, String> {
+    if !url.starts_with('/') {
+        return Err(format!(
+            "{url_var}={url} is not a socket path, and {socket_var} is {}: the default socket type is unix, as \
+             envoyproxy/ratelimit's is; for a host:port set {socket_var}=tcp",
+            socket_type.unwrap_or_else(|| "unset".into())
+        ));
+    }
+    let auth = password.map(|p| format!("?pass={}", percent_encode(p))).unwrap_or_default();
+    Ok(json!({"kind": "redis", "url": format!("redis+unix://{url}{auth}")}))
 }
 
 /// REDIS_URL without a `redis://` or `rediss://` scheme (and whether that scheme asks for
 /// TLS), as each node of a list; another scheme is refused.
-fn without_scheme(given: &str) -> Result<(String, Option<bool>), String> {
+fn without_scheme(given: &str, var: &str) -> Result<(String, Option<bool>), String> {
     let mut tls = None;
     let mut nodes = Vec::new();
     for node in given.split(',') {
@@ -457,7 +491,7 @@ fn without_scheme(given: &str) -> Result<(String, Option<bool>), String> {
             }
             Some((scheme, _)) => {
                 return Err(format!(
-                    "REDIS_URL={given}: {scheme}:// is not a Redis scheme; write host:port (or redis://host:port)"
+                    "{var}={given}: {scheme}:// is not a Redis scheme; write host:port (or redis://host:port)"
                 ));
             }
         }
@@ -537,10 +571,14 @@ mod tests {
 
     #[test]
     fn what_cannot_be_honoured_is_refused_with_every_reason() {
-        let e = read(&[("STATSD_PROTOCOL", "quic"), ("REDIS_PERSECOND", "true"), ("CONFIG_TYPE", "GRPC_XDS_DELTA")])
-            .err()
-            .unwrap();
-        for says in ["STATSD_PROTOCOL", "REDIS_PERSECOND", "CONFIG_TYPE", "docs/envoy.md"] {
+        let e = read(&[
+            ("STATSD_PROTOCOL", "quic"),
+            ("REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", "true"),
+            ("CONFIG_TYPE", "GRPC_XDS_DELTA"),
+        ])
+        .err()
+        .unwrap();
+        for says in ["STATSD_PROTOCOL", "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION", "CONFIG_TYPE", "docs/envoy.md"] {
             assert!(e.contains(says), "{e}");
         }
         assert!(read(&[("BACKEND_TYPE", "memcache")]).err().unwrap().contains("MEMCACHE_HOST_PORT"));
@@ -553,6 +591,32 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(tls.config["store"]["tls"]["ca_file"], "/certs/ca.crt", "MEMCACHE_TLS");
+        let split = read(&[
+            ("USE_STATSD", "false"),
+            ("REDIS_SOCKET_TYPE", "tcp"),
+            ("REDIS_URL", "main:6379"),
+            ("REDIS_PERSECOND", "true"),
+            ("REDIS_PERSECOND_URL", "second:6379"),
+            ("REDIS_PERSECOND_SOCKET_TYPE", "tcp"),
+            ("REDIS_PERSECOND_TIMEOUT", "2s"),
+        ])
+        .unwrap();
+        let store = &split.config["store"];
+        assert_eq!((&store["kind"], &store["main"]["url"]), (&json!("per_second"), &json!("redis://main:6379")));
+        assert_eq!(
+            (&store["per_second"]["url"], &store["per_second"]["timeout"]),
+            (&json!("redis://second:6379"), &json!("2s"))
+        );
+        let e = read(&[
+            ("USE_STATSD", "false"),
+            ("REDIS_URL", "/m"),
+            ("REDIS_PERSECOND", "true"),
+            ("REDIS_PERSECOND_URL", "s:1"),
+        ]);
+        assert!(
+            e.err().unwrap().contains("REDIS_PERSECOND_URL=s:1 is not a socket path"),
+            "the variable at fault named"
+        );
         let srv = read(&[
             ("USE_STATSD", "false"),
             ("BACKEND_TYPE", "memcache"),

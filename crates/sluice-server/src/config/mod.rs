@@ -397,6 +397,10 @@ pub enum StoreConfig {
         #[serde(default)]
         tls: Option<TlsConfig>,
     },
+    /// envoyproxy/ratelimit's `REDIS_PERSECOND`: fixed windows of one second on a store
+    /// of their own (`per_second`), every other limit on `main`; a decision that meets
+    /// both is two calls, kept all or nothing (`store/per_second.rs`).
+    PerSecond { main: Box<StoreConfig>, per_second: Box<StoreConfig> },
     /// GitHub's migration: each client on `to` or `from` by a stable hash of its tag
     /// against `percent`, which can change live (config reload, admin API).
     Migrating {

@@ -158,6 +158,11 @@ fn store(
             *migration = Some(store.clone());
             store
         }
+        StoreConfig::PerSecond { main, per_second } => {
+            let main = store(main, tuning, clock.clone(), migration)?;
+            let second = store(per_second, tuning, clock, &mut None)?;
+            Arc::new(sluice::store::PerSecondStore::new(main, second))
+        }
         StoreConfig::RedisSharded { shards, connection } => {
             if shards.is_empty() {
                 return Err(UnfitStore::NoShards.into());

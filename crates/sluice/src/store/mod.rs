@@ -10,6 +10,7 @@ pub mod conformance;
 mod memcached;
 mod memory;
 mod migrating;
+mod per_second;
 #[cfg(feature = "redis")]
 pub mod redis;
 mod registry;
@@ -27,6 +28,7 @@ pub use memcached::{
 };
 pub use memory::{MemoryStats, MemoryStore};
 pub use migrating::MigratingStore;
+pub use per_second::PerSecondStore;
 pub(crate) use registry::LocalRegistry;
 pub use registry::{Change, RegistryOp, RegistryReply, TOMBSTONES};
 pub use resilient::{BreakerState, Resilience, ResilienceStats, Resilient, Tuning};
