@@ -537,3 +537,67 @@ async fn quota_mode_lets_requests_through_while_a_quota_is_left() {
     assert_eq!(codes, [200, 200, 200, 429, 429, 429, 429], "{}\n{}", log(), envoy.log());
     assert_eq!(redis.command("DBSIZE").map(|r| r.starts_with(":")).ok(), Some(true));
 }
+
+/// Quota mode as a gateway routes by it, through a real Envoy: two quotas on one route,
+/// each rule with its `metadata` (`tier`); the answer's dynamic metadata keeps the tier of
+/// the first quota that passed, and a route matching that metadata (after a Lua filter
+/// clears the route cache, so the route is chosen again once the rate limit filter has
+/// answered) sends the request to a fallback cluster once the premium quota is spent.
+/// Premium (2) then standard (2 more) then 429s.
+#[tokio::test]
+async fn a_spent_quota_routes_to_the_fallback_cluster() {
+    let domains = "  - domain: api\n    descriptors:\n      - key: premium\n        quota_mode: true\n        metadata: {tier: premium}\n        rate_limit: {unit: hour, requests_per_unit: 2}\n      - key: standard\n        quota_mode: true\n        metadata: {tier: standard}\n        rate_limit: {unit: hour, requests_per_unit: 4}\n";
+    let s = start_with("envoy: {response_dynamic_metadata: true}\n", domains);
+    let grpc: u16 = s.grpc.rsplit(':').next().unwrap().parse().unwrap();
+    let fallback = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let fallback_port = fallback.local_addr().unwrap().port();
+    let fallback_hits = envoy_kit::Hits::default();
+    tokio::spawn(envoy_kit::upstream(fallback, fallback_hits.clone()));
+    let config = |up: u16| {
+        let base = bootstrap(
+            up,
+            "",
+            QUOTA_ROUTES,
+            &(ratelimit_filter("api") + LUA_REROUTE),
+            &grpc_cluster("sluice", &[grpc], ""),
+        );
+        // the primary route is the second: the first matches once the metadata says standard
+        let fallback_route = "              - match:\n                  prefix: \"/\"\n                  dynamic_metadata:\n                  - filter: envoy.filters.http.ratelimit\n                    path: [{key: metadata}, {key: tier}]\n                    value: {string_match: {exact: standard}}\n                route: {cluster: fallback}\n";
+        let cluster = format!(
+            "  - name: fallback\n    type: STATIC\n    connect_timeout: 1s\n    load_assignment: {{cluster_name: fallback, endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {fallback_port}}}}}}}}}]}}]}}\n"
+        );
+        base.replacen("              routes:\n", &format!("              routes:\n{fallback_route}"), 1) + &cluster
+    };
+    let envoy = Envoy::start(config).await;
+    let client = reqwest::Client::new();
+    let mut codes = Vec::new();
+    for _ in 0..6 {
+        let r = client
+            .get(format!("http://127.0.0.1:{}/v1/chat", envoy.port))
+            .header("x-user", "ada")
+            .send()
+            .await
+            .unwrap();
+        codes.push(r.status().as_u16());
+    }
+    let (primary, fallback) = (envoy.hits.lock().unwrap().len(), fallback_hits.lock().unwrap().len());
+    assert_eq!(codes, [200, 200, 200, 200, 429, 429], "{}\n{}", s.log(), envoy.log());
+    assert_eq!(
+        (primary, fallback),
+        (2, 2),
+        "premium's two on the primary, standard's on the fallback\n{}",
+        envoy.log()
+    );
+}
+
+/// The route's actions for [`a_spent_quota_routes_to_the_fallback_cluster`]: one descriptor
+/// a quota, both of the `x-user` header.
+const QUOTA_ROUTES: &str = "                  rate_limits:\n                  - actions:\n                    - request_headers: {header_name: x-user, descriptor_key: premium}\n                  - actions:\n                    - request_headers: {header_name: x-user, descriptor_key: standard}\n";
+
+/// A Lua filter after the rate limit filter that has the route chosen again, now that
+/// the rate limit filter's dynamic metadata is set.
+const LUA_REROUTE: &str = r#"          - name: envoy.filters.http.lua
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
+              default_source_code: {inline_string: "function envoy_on_request(h) h:clearRouteCache() end"}
+"#;

@@ -162,7 +162,9 @@ async fn a_rules_quota_mode_marks_what_is_spent_and_refuses_when_all_is() {
     };
     let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
     let mut ask = async |entries: &[(&str, &str)]| rls.should_rate_limit(call(entries)).await.unwrap().into_inner();
-    assert_eq!(codes(&ask(&both).await), (ok, vec![ok, ok]));
+    let r = ask(&both).await;
+    assert_eq!(codes(&r), (ok, vec![ok, ok]));
+    assert_eq!(tier(&r).as_deref(), Some("premium"), "both passed: the first's value stays, as theirs");
     let r = ask(&both).await;
     assert_eq!(codes(&r), (ok, vec![over, ok]), "premium spent, standard left");
     assert_eq!(tier(&r).as_deref(), Some("standard"), "the metadata of what passed only");

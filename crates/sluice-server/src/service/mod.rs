@@ -227,7 +227,8 @@ fn unknown_domain(engine: &crate::state::Engine, req: &Request) -> RateLimitResp
 /// `dynamic_metadata` as envoyproxy/ratelimit writes it (`envoy.response_dynamic_metadata`):
 /// the domain, each descriptor's entries as `key=value` (and its `hitsAddend`, `limit`),
 /// the request's `hitsAddend`, and `metadata`: the config `metadata` of the rules of the
-/// descriptors that were allowed, merged (nested maps merged, a later value replacing).
+/// descriptors that were allowed, merged (nested maps merged; for any other value the
+/// first descriptor's is kept, as their `mergeMetadata` keeps it).
 /// Written from the engine's request, which holds all of Envoy's.
 fn dynamic_metadata(req: &Request, v: Option<&Verdict>) -> pb::Struct {
     use serde_json::{Map, Value, json};
@@ -262,7 +263,9 @@ fn dynamic_metadata(req: &Request, v: Option<&Verdict>) -> pb::Struct {
     pb::Struct { fields: fields.into_iter().map(|(k, v)| (k, pb_value(v))).collect() }
 }
 
-/// Merges `from` into `into`: maps under the same key merge, anything else replaces.
+/// Merges `from` into `into`: maps under the same key merge, and a key `into` already
+/// has keeps its value (envoyproxy/ratelimit's `mergeMetadata`: the first descriptor that
+/// passed names it).
 fn merge<'a>(
     into: &mut serde_json::Map<String, serde_json::Value>,
     from: impl Iterator<Item = (&'a String, &'a serde_json::Value)>,
@@ -270,7 +273,8 @@ fn merge<'a>(
     for (k, v) in from {
         match (into.get_mut(k), v) {
             (Some(serde_json::Value::Object(mine)), serde_json::Value::Object(theirs)) => merge(mine, theirs.iter()),
-            _ => {
+            (Some(_), _) => {}
+            (None, _) => {
                 into.insert(k.clone(), v.clone());
             }
         }
