@@ -32,8 +32,17 @@ pub fn start(config: StatsdConfig, state: Arc<AppState>) {
         tick.tick().await;
         loop {
             tick.tick().await;
-            let stats = state.engine.load().limiter.rules().stats();
-            let lines = sender.lines(&stats);
+            let mut stats = state.engine.load().limiter.rules().stats();
+            stats.extend(state.service_stats.counters().map(|(name, n)| (name.to_string(), n)));
+            let mut lines = sender.lines(&stats);
+            let timer = "ratelimit_server.ShouldRateLimit.response_time";
+            lines.extend(
+                state
+                    .service_stats
+                    .take_times()
+                    .iter()
+                    .map(|ms| line(timer, &format!("{ms:.3}"), "ms", &sender.config)),
+            );
             if let Err(e) = sender.send(&lines).await {
                 if sender.log.due() {
                     tracing::warn!(address = %sender.config.address, error = %e, "cannot send stats to StatsD (logged at most every 10 s); they are dropped");
@@ -60,7 +69,7 @@ impl Sender {
             let before = self.last.insert(name.clone(), *now).unwrap_or(0);
             let delta = if *now >= before { now - before } else { *now };
             if delta > 0 {
-                out.push(line(name, delta, &self.config));
+                out.push(line(name, &delta.to_string(), "c", &self.config));
             }
         }
         out
@@ -95,17 +104,18 @@ impl Sender {
     }
 }
 
-/// One counter's line in `config`'s format.
-fn line(name: &str, delta: u64, config: &StatsdConfig) -> String {
+/// One stat's line in `config`'s format: `value` of `kind` (`c` a counter's delta, `ms`
+/// a timer's sample).
+fn line(name: &str, value: &str, kind: &str, config: &StatsdConfig) -> String {
     match config.format {
         Format::Lyft => {
             let tags: String = config.tags.iter().map(|(k, v)| format!(".__{k}={v}")).collect();
-            format!("{name}{tags}:{delta}|c")
+            format!("{name}{tags}:{value}|{kind}")
         }
-        Format::Dogstatsd if config.tags.is_empty() => format!("{name}:{delta}|c"),
+        Format::Dogstatsd if config.tags.is_empty() => format!("{name}:{value}|{kind}"),
         Format::Dogstatsd => {
             let tags: Vec<String> = config.tags.iter().map(|(k, v)| format!("{k}:{v}")).collect();
-            format!("{name}:{delta}|c|#{}", tags.join(","))
+            format!("{name}:{value}|{kind}|#{}", tags.join(","))
         }
     }
 }
@@ -153,7 +163,7 @@ mod tests {
         assert_eq!(s.lines(&[(name.clone(), 5)]), ["ratelimit.service.rate_limit.d.user.total_hits.__env=prod:2|c"]);
         assert_eq!(s.lines(&[(name.clone(), 1)]).len(), 1, "a counter compiled again counts from 0");
         let dog = config(Format::Dogstatsd, &[("env", "prod"), ("az", "b")]);
-        assert_eq!(line(&name, 4, &dog), "ratelimit.service.rate_limit.d.user.total_hits:4|c|#az:b,env:prod");
+        assert_eq!(line(&name, "4", "c", &dog), "ratelimit.service.rate_limit.d.user.total_hits:4|c|#az:b,env:prod");
     }
 
     #[test]

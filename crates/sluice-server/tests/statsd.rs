@@ -61,9 +61,13 @@ fn counters_once(lines: &Lines, name: &str, want: u64) -> BTreeMap<String, u64> 
             let (head, tags) = l.split_once("|#").map_or((l.as_str(), None), |(h, t)| (h, Some(t)));
             let (stat, rest) = head.rsplit_once(':').unwrap_or_else(|| panic!("not a StatsD line: {l}"));
             let (value, kind) = rest.split_once('|').unwrap_or_else(|| panic!("not a StatsD line: {l}"));
-            assert_eq!(kind, "c", "a counter: {l}");
             let key = tags.map_or(stat.to_string(), |t| format!("{stat}#{t}"));
-            *sums.entry(key).or_insert(0) += value.parse::<u64>().unwrap();
+            match kind {
+                "c" => *sums.entry(key).or_insert(0) += value.parse::<u64>().unwrap(),
+                // a timer's sample: counted as samples, under NAME|ms
+                "ms" => *sums.entry(format!("{key}|ms")).or_insert(0) += u64::from(value.parse::<f64>().is_ok()),
+                other => panic!("a counter or a timer, not {other}: {l}"),
+            }
         }
         if sums.get(name) == Some(&want) {
             return sums;
@@ -110,11 +114,16 @@ async fn their_environment_sends_over_tcp_and_as_dogstatsd() {
         let rule = "domain: d\ndescriptors:\n  - key: user\n    value: a\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";
         let dog = if dog { "true" } else { "false" };
         let _sluice = their_calls(rule, &url, port, &[("EXTRA_TAGS", "az:one"), ("USE_DOG_STATSD", dog)], 2).await;
-        let (lines, name) = match dog {
-            "false" => (&tcp_lines, "ratelimit.service.rate_limit.d.user_a.total_hits.__az=one".to_string()),
-            _ => (&udp_lines, "ratelimit.service.rate_limit.d.user_a.total_hits#az:one".to_string()),
+        let (lines, name): (_, fn(&str) -> String) = match dog {
+            "false" => (&tcp_lines, |s| format!("{s}.__az=one")),
+            _ => (&udp_lines, |s| format!("{s}#az:one")),
         };
-        counters_once(lines, &name, 2);
+        counters_once(lines, &name("ratelimit.service.rate_limit.d.user_a.total_hits"), 2);
+        // their service's stats beside each rule's (counted once the call is answered:
+        // perhaps a flush later), a response time a call
+        counters_once(lines, &name("ratelimit_server.ShouldRateLimit.total_requests"), 2);
+        let got = counters_once(lines, &(name("ratelimit_server.ShouldRateLimit.response_time") + "|ms"), 2);
+        assert_eq!(got.get(&name("ratelimit.service.config_load_success")), Some(&1), "{got:#?}");
     }
 }
 

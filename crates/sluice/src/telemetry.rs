@@ -277,6 +277,13 @@ impl PolicyCounters {
 }
 
 impl PolicyCounters {
+    /// A refusal of `hits` answered from the near-cache (also counted by [`Self::count`]).
+    pub(crate) fn near_cache_hit(&self, hits: u64) {
+        if let Some(s) = &self.stat {
+            s.near_cache(hits);
+        }
+    }
+
     /// The domain and policy it counts.
     pub(crate) fn names(&self) -> (&str, &str) {
         (&self.names.0, &self.names.1)
@@ -327,7 +334,8 @@ impl ReservationCounters {
 
 /// The names of a rule's stats under its key, in the order [`StatCounts::counts`] keeps
 /// them (envoyproxy/ratelimit's `ratelimit.service.rate_limit.KEY.NAME`).
-pub const STAT_NAMES: [&str; 5] = ["total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode"];
+pub const STAT_NAMES: [&str; 6] =
+    ["total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode", "over_limit_with_local_cache"];
 
 /// One `rate_limit:` rule's hits, counted as envoyproxy/ratelimit counts them, under its
 /// statsd key.
@@ -335,13 +343,13 @@ pub const STAT_NAMES: [&str; 5] = ["total_hits", "over_limit", "near_limit", "wi
 pub struct StatCounts {
     /// `DOMAIN.KEY1[.KEY2...]`.
     pub key: String,
-    counts: [std::sync::atomic::AtomicU64; 5],
+    counts: [std::sync::atomic::AtomicU64; 6],
 }
 
 impl StatCounts {
     fn count(&self, allowed: bool, near: bool, shadow: bool, hits: u64) {
         use std::sync::atomic::Ordering::Relaxed;
-        let [total, over, near_limit, within, shadow_mode] = &self.counts;
+        let [total, over, near_limit, within, shadow_mode, _] = &self.counts;
         total.fetch_add(hits, Relaxed);
         match allowed {
             false => {
@@ -359,8 +367,13 @@ impl StatCounts {
         }
     }
 
+    /// Hits refused from the near-cache, without a store call (their local cache's).
+    fn near_cache(&self, hits: u64) {
+        self.counts[5].fetch_add(hits, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// The counts so far, in the order of [`STAT_NAMES`].
-    pub fn counts(&self) -> [u64; 5] {
+    pub fn counts(&self) -> [u64; 6] {
         self.counts.each_ref().map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
     }
 }

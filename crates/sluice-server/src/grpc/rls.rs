@@ -48,5 +48,6 @@ unary::unary_service!(Rls, method, unary);
 async fn unary(state: &AppState, _: &str, req: GrpcRequest) -> Result<GrpcResponse, Status> {
     let ask = Ask::from_metadata(req.headers().get("x-sluice-mode").map(|v| v.as_bytes()))?;
     let request: RateLimitRequest = unary::read(state, req).await?;
-    Ok(unary::answer(&crate::service::answer(state, request, ask).await?))
+    let answering = crate::service::answer(state, request, ask);
+    Ok(unary::answer(&crate::service::counted(state, answering).await?))
 }

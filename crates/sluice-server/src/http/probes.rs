@@ -74,5 +74,7 @@ pub(crate) async fn rlconfig(State(state): Shared) -> String {
 /// `GET /stats`: each `rate_limit:` rule's hits under their stat names, `NAME: VALUE` a
 /// line, counted since the rules in force were loaded.
 pub(crate) async fn stats(State(state): Shared) -> String {
-    state.engine.load().limiter.rules().stats().into_iter().map(|(name, n)| format!("{name}: {n}\n")).collect()
+    let rules = state.engine.load().limiter.rules().stats();
+    let service = state.service_stats.counters().map(|(name, n)| (name.to_string(), n));
+    rules.into_iter().chain(service).map(|(name, n)| format!("{name}: {n}\n")).collect()
 }

@@ -58,7 +58,26 @@ impl Ask {
 /// One decision for Envoy: the engine's verdict as its response, or the status that
 /// says why there is none.
 pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<RateLimitResponse, Status> {
-    answer(state, r, Ask::Decide).await
+    counted(state, answer(state, r, Ask::Decide)).await
+}
+
+/// `answering` (a `ShouldRateLimit`), counted and timed for their service stats
+/// (`state::service_stats`).
+pub async fn counted(
+    state: &AppState,
+    answering: impl std::future::Future<Output = Result<RateLimitResponse, Status>>,
+) -> Result<RateLimitResponse, Status> {
+    let started = std::time::Instant::now();
+    let answered = answering.await;
+    let degraded = |a: &RateLimitResponse| a.response_headers_to_add.iter().any(|h| h.key == "x-sluice-degraded");
+    let decided = match &answered {
+        Ok(a) => Ok(degraded(a)),
+        // UNAVAILABLE: a store failing closed (not rules still to come over xDS)
+        Err(s) if s.code() == tonic::Code::Unavailable => Ok(!s.message().starts_with("no rate limit configuration")),
+        Err(_) => Err(()),
+    };
+    state.service_stats.answered(started.elapsed(), decided);
+    answered
 }
 
 /// What `ask` answers for Envoy's request.

@@ -5,6 +5,7 @@ pub mod build;
 pub mod credentials;
 pub mod history;
 pub mod rlqs;
+pub mod service_stats;
 pub mod srv;
 pub mod xds;
 
@@ -39,6 +40,8 @@ pub struct AppState {
     pub api_tokens: Vec<String>,
     /// The data-plane calls refused for their credentials.
     pub refusals: credentials::Refusals,
+    /// envoyproxy/ratelimit's service stats, for StatsD.
+    pub service_stats: service_stats::ServiceStats,
     pub max_body_bytes: usize,
     /// `server.body_timeout`.
     pub body_timeout: std::time::Duration,
@@ -101,6 +104,8 @@ impl AppState {
             admin_token: server.admin_token.clone(),
             api_tokens: server.api_tokens.clone(),
             refusals: credentials::Refusals::default(),
+            // the config loaded at start, as their service counts it
+            service_stats: service_stats::ServiceStats::loaded(),
             max_body_bytes: server.max_body_bytes,
             body_timeout: server.body_timeout.to_std(),
             metrics,

@@ -621,9 +621,11 @@ impl Limiter {
             };
             let d = &p.decision;
             let near = d.used as f64 >= ratio * d.limit as f64;
-            c.count(d.allowed, near, req.descriptors[di].hits_addend.or(req.hits_addend).unwrap_or(1));
+            let hits = req.descriptors[di].hits_addend.or(req.hits_addend).unwrap_or(1);
+            c.count(d.allowed, near, hits);
             if matches!(p.source, Source::NearCache(_)) {
                 domain.counters.near_cache.increment(1);
+                c.near_cache_hit(hits);
             }
             if let Some(lists) = &c.top {
                 let entries = || req.descriptors[di].entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));

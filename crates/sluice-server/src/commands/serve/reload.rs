@@ -103,6 +103,7 @@ pub fn watch(source: Option<Source>, mut config: Config, mut bytes: Vec<u8>, sta
                 Ok(now) => bytes = now,
                 Err(e) => {
                     failed.increment(1);
+                    state.service_stats.config_loaded(false);
                     tracing::error!(error = %e, "config file cannot be read; the last good config stays");
                     continue;
                 }
@@ -111,9 +112,11 @@ pub fn watch(source: Option<Source>, mut config: Config, mut bytes: Vec<u8>, sta
                 Ok(next) => {
                     config = next;
                     ok.increment(1);
+                    state.service_stats.config_loaded(true);
                 }
                 Err(e) => {
                     failed.increment(1);
+                    state.service_stats.config_loaded(false);
                     tracing::error!(error = %e, "config reload refused; the last good config stays");
                 }
             }
