@@ -41,6 +41,8 @@ struct RateLimitDescriptor {
     key: String,
     #[prost(message, optional, tag = "3")]
     rate_limit: Option<RateLimitPolicy>,
+    #[prost(bool, tag = "7")]
+    quota_mode: bool,
 }
 
 #[derive(Clone, PartialEq, Message)]
@@ -55,7 +57,7 @@ struct RateLimitPolicy {
 /// cannot compile.
 fn per_user(n: u32, unit: i32) -> Vec<Any> {
     let rate_limit = Some(RateLimitPolicy { unit, requests_per_unit: n });
-    let descriptors = vec![RateLimitDescriptor { key: "user".into(), rate_limit }];
+    let descriptors = vec![RateLimitDescriptor { key: "user".into(), rate_limit, quota_mode: false }];
     let config = RateLimitConfig { name: "eg-config".into(), domain: "eg".into(), descriptors };
     vec![Any { type_url: TYPE_URL.into(), value: config.encode_to_vec() }]
 }
@@ -560,6 +562,7 @@ async fn a_push_past_the_size_bound_is_not_taken() {
     let rule = |i: usize| RateLimitDescriptor {
         key: format!("a-rather-long-descriptor-key-{i}"),
         rate_limit: Some(RateLimitPolicy { unit: 2, requests_per_unit: 1 }),
+        quota_mode: false,
     };
     let config = RateLimitConfig { name: "big".into(), domain: "eg".into(), descriptors: (0..40).map(rule).collect() };
     let big = vec![Any { type_url: TYPE_URL.into(), value: config.encode_to_vec() }];
@@ -649,5 +652,66 @@ async fn a_silent_control_plane_is_said_counted_and_retried() {
         }
         assert!(Instant::now() < deadline, "the stream never said closed:\n{metrics}");
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Quota mode and StatsD with the rules pushed over xDS: `quota_mode` in a pushed
+/// resource is ACKed (it was NACKed) and decides as from a file, two quotas of 1 and 2 an
+/// hour, each call charged to both while they have room: two calls pass, the third is
+/// refused; and StatsD counts the pushed rules' hits under their names.
+#[tokio::test]
+async fn quota_mode_and_statsd_with_pushed_rules() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    let quota = |key: &str, n: u32| RateLimitDescriptor {
+        key: key.into(),
+        rate_limit: Some(RateLimitPolicy { unit: 3, requests_per_unit: n }),
+        quota_mode: true,
+    };
+    let config = RateLimitConfig {
+        name: "q".into(),
+        domain: "eg".into(),
+        descriptors: vec![quota("premium", 1), quota("standard", 2)],
+    };
+    let plane = Arc::new(Plane::default());
+    plane.push("q1", vec![Any { type_url: TYPE_URL.into(), value: config.encode_to_vec() }]);
+    let cp = ControlPlane::start(plane.clone(), 0);
+    let statsd = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    statsd.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+    let redis = RedisServer::start();
+    let dir = TempDir::new("sluice-xds-quota");
+    let port = statsd.local_addr().unwrap().port().to_string();
+    let vars = [
+        ("USE_STATSD", "true"),
+        ("STATSD_PROTOCOL", "udp"),
+        ("STATSD_HOST", "127.0.0.1"),
+        ("STATSD_PORT", port.as_str()),
+        ("STATS_FLUSH_INTERVAL", "200ms"),
+    ];
+    let (_s, _, grpc, _) = instance(&dir, "q", cp.port, &redis.addr().to_string(), &vars);
+    let log = || std::fs::read_to_string(dir.path().join("q").join("sluice.log")).unwrap_or_default();
+    plane.answered(&["q"], "q1", None, &log).await;
+    let mut rls =
+        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
+            format!("http://{grpc}"),
+        )
+        .await
+        .unwrap();
+    let mut codes = Vec::new();
+    for _ in 0..4 {
+        let mut r = common::rls_request("eg", &[("premium", "a")]);
+        r.descriptors.extend(common::rls_request("eg", &[("standard", "a")]).descriptors);
+        codes.push(rls.should_rate_limit(r).await.unwrap().into_inner().overall_code);
+    }
+    let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+    assert_eq!(codes, [ok, ok, over, over], "premium 1, standard 2: two pass\n{}", log());
+    let started = Instant::now();
+    let mut seen = String::new();
+    while !seen.contains("ratelimit.service.rate_limit.eg.standard.total_hits:") {
+        assert!(started.elapsed() < Duration::from_secs(10), "no StatsD line for the pushed rule:\n{seen}\n{}", log());
+        let mut buf = [0u8; 65_536];
+        if let Ok(n) = statsd.recv(&mut buf) {
+            seen += &String::from_utf8_lossy(&buf[..n]);
+            seen.push('\n');
+        }
     }
 }
