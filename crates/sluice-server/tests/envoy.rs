@@ -300,12 +300,7 @@ async fn istios_sample_serves_on_ipv6() {
     assert!(http.starts_with("[::1]:") && grpc.starts_with("[::1]:"), "{http} {grpc}");
     let r = reqwest::get(format!("http://{http}/healthcheck")).await.unwrap();
     assert_eq!(r.status(), 200);
-    let mut rls =
-        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
-            format!("http://{grpc}"),
-        )
-        .await
-        .unwrap();
+    let mut rls = common::rls(&grpc).await;
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
     let mut codes = Vec::new();
     for path in ["/productpage", "/productpage", "/reviews"] {

@@ -348,12 +348,7 @@ async fn per_second_limits_live_on_a_redis_of_their_own() {
         ("REDIS_PERSECOND_URL", second_url.as_str()),
     ];
     let (_sluice, grpc) = common::their_way(&dir, rule, &vars);
-    let mut rls =
-        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
-            format!("http://{grpc}"),
-        )
-        .await
-        .unwrap();
+    let mut rls = common::rls(&grpc).await;
     let call = || {
         let mut r = common::rls_request("d", &[("burst", "a")]);
         r.descriptors.extend(common::rls_request("d", &[("user", "a")]).descriptors);

@@ -148,12 +148,7 @@ async fn their_calls(
         ("STATS_FLUSH_INTERVAL", "200ms"),
     ];
     let (sluice, grpc) = common::their_way(&dir, rule, &[&statsd[..], vars].concat());
-    let mut rls =
-        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
-            format!("http://{grpc}"),
-        )
-        .await
-        .unwrap();
+    let mut rls = common::rls(&grpc).await;
     for _ in 0..calls {
         rls.should_rate_limit(common::rls_request("d", &[("user", "a")])).await.unwrap();
     }

@@ -491,12 +491,7 @@ async fn before_the_first_push() {
     let r = common::hit(&client, &format!("http://{http}"), "eg", &[("user", "x")]).await;
     assert_eq!(r.status(), 503);
     assert!(r.text().await.unwrap().contains("no_rules_yet"));
-    let mut rls =
-        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
-            format!("http://{grpc}"),
-        )
-        .await
-        .unwrap();
+    let mut rls = common::rls(&grpc).await;
     let status = rls.should_rate_limit(common::rls_request("eg", &[("user", "x")])).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::Unavailable);
     assert!(status.message().contains(&format!("xDS server at 127.0.0.1:{port}")), "{}", status.message());
@@ -690,12 +685,7 @@ async fn quota_mode_and_statsd_with_pushed_rules() {
     let (_s, _, grpc, _) = instance(&dir, "q", cp.port, &redis.addr().to_string(), &vars);
     let log = || std::fs::read_to_string(dir.path().join("q").join("sluice.log")).unwrap_or_default();
     plane.answered(&["q"], "q1", None, &log).await;
-    let mut rls =
-        envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(
-            format!("http://{grpc}"),
-        )
-        .await
-        .unwrap();
+    let mut rls = common::rls(&grpc).await;
     let mut codes = Vec::new();
     for _ in 0..4 {
         let mut r = common::rls_request("eg", &[("premium", "a")]);

@@ -337,3 +337,16 @@ pub fn their_way(dir: &TempDir, rule: &str, vars: &[(&str, &str)]) -> (Process, 
     let (process, _http, grpc) = spawn_command(cmd, dir.path());
     (process, grpc)
 }
+
+/// A client of Envoy's rate limit service at `grpc` (`host:port`).
+pub async fn rls(
+    grpc: &str,
+) -> envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient<
+    tonic::transport::Channel,
+> {
+    envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient::connect(format!(
+        "http://{grpc}"
+    ))
+    .await
+    .unwrap_or_else(|e| panic!("no gRPC at {grpc}: {e}"))
+}
