@@ -67,6 +67,21 @@ pub struct StatsdConfig {
     /// Tags on every stat (their `EXTRA_TAGS`).
     #[serde(default)]
     pub tags: std::collections::BTreeMap<String, String>,
+    /// With `format: dogstatsd`: stat names rewritten into a name and tags, the first
+    /// whose `pattern` matches (their `USE_DOG_STATSD_MOGRIFIERS`).
+    #[serde(default)]
+    pub mogrifiers: Vec<Mogrifier>,
+}
+
+/// One mogrifier: a stat whose name matches `pattern` (a regular expression) is sent as
+/// `name`, with `tags`; `$0`, `$1`... in either are the match and its groups.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mogrifier {
+    pub pattern: String,
+    pub name: String,
+    #[serde(default)]
+    pub tags: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]

@@ -14,7 +14,7 @@
 //! a later flush does not resend them), and the next flush tries again.
 
 use crate::logs::Sometimes;
-use crate::otel::{Format, Protocol, StatsdConfig};
+use crate::otel::{Format, Mogrifier, Protocol, StatsdConfig};
 use crate::state::AppState;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,7 +26,8 @@ const DATAGRAM: usize = 1_432;
 /// Sends the stats every `flush_interval` until the process ends.
 pub fn start(config: StatsdConfig, state: Arc<AppState>) {
     tokio::spawn(async move {
-        let mut sender = Sender { config, last: HashMap::new(), tcp: None, log: Sometimes::default() };
+        let mogrifiers = compiled(&config.mogrifiers);
+        let mut sender = Sender { config, mogrifiers, last: HashMap::new(), tcp: None, log: Sometimes::default() };
         let mut tick = tokio::time::interval(sender.config.flush_interval.to_std());
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
@@ -36,13 +37,8 @@ pub fn start(config: StatsdConfig, state: Arc<AppState>) {
             stats.extend(state.service_stats.counters().map(|(name, n)| (name.to_string(), n)));
             let mut lines = sender.lines(&stats);
             let timer = "ratelimit_server.ShouldRateLimit.response_time";
-            lines.extend(
-                state
-                    .service_stats
-                    .take_times()
-                    .iter()
-                    .map(|ms| line(timer, &format!("{ms:.3}"), "ms", &sender.config)),
-            );
+            let times = state.service_stats.take_times();
+            lines.extend(times.iter().map(|ms| sender.line(timer, &format!("{ms:.3}"), "ms")));
             if let Err(e) = sender.send(&lines).await {
                 if sender.log.due() {
                     tracing::warn!(address = %sender.config.address, error = %e, "cannot send stats to StatsD (logged at most every 10 s); they are dropped");
@@ -54,6 +50,7 @@ pub fn start(config: StatsdConfig, state: Arc<AppState>) {
 
 struct Sender {
     config: StatsdConfig,
+    mogrifiers: Vec<(regex_lite::Regex, Mogrifier)>,
     /// What each stat was at the last flush.
     last: HashMap<String, u64>,
     tcp: Option<tokio::net::TcpStream>,
@@ -69,7 +66,7 @@ impl Sender {
             let before = self.last.insert(name.clone(), *now).unwrap_or(0);
             let delta = if *now >= before { now - before } else { *now };
             if delta > 0 {
-                out.push(line(name, &delta.to_string(), "c", &self.config));
+                out.push(self.line(name, &delta.to_string(), "c"));
             }
         }
         out
@@ -104,20 +101,60 @@ impl Sender {
     }
 }
 
-/// One stat's line in `config`'s format: `value` of `kind` (`c` a counter's delta, `ms`
-/// a timer's sample).
-fn line(name: &str, value: &str, kind: &str, config: &StatsdConfig) -> String {
-    match config.format {
-        Format::Lyft => {
-            let tags: String = config.tags.iter().map(|(k, v)| format!(".__{k}={v}")).collect();
-            format!("{name}{tags}:{value}|{kind}")
-        }
-        Format::Dogstatsd if config.tags.is_empty() => format!("{name}:{value}|{kind}"),
-        Format::Dogstatsd => {
-            let tags: Vec<String> = config.tags.iter().map(|(k, v)| format!("{k}:{v}")).collect();
-            format!("{name}:{value}|{kind}|#{}", tags.join(","))
+impl Sender {
+    /// One stat's line in the config's format: `value` of `kind` (`c` a counter's delta,
+    /// `ms` a timer's sample). DogStatsD's: the name mogrified, its tags after the config's.
+    fn line(&self, name: &str, value: &str, kind: &str) -> String {
+        let config = &self.config;
+        match config.format {
+            Format::Lyft => {
+                let tags: String = config.tags.iter().map(|(k, v)| format!(".__{k}={v}")).collect();
+                format!("{name}{tags}:{value}|{kind}")
+            }
+            Format::Dogstatsd => {
+                let (name, extra) = mogrify(&self.mogrifiers, name);
+                let tags: Vec<String> = config.tags.iter().map(|(k, v)| format!("{k}:{v}")).chain(extra).collect();
+                match tags.is_empty() {
+                    true => format!("{name}:{value}|{kind}"),
+                    false => format!("{name}:{value}|{kind}|#{}", tags.join(",")),
+                }
+            }
         }
     }
+}
+
+/// The mogrifiers with their patterns compiled (each checked at load: `checks::telemetry`).
+fn compiled(mogrifiers: &[Mogrifier]) -> Vec<(regex_lite::Regex, Mogrifier)> {
+    mogrifiers.iter().filter_map(|m| Some((regex_lite::Regex::new(&m.pattern).ok()?, m.clone()))).collect()
+}
+
+/// `name` rewritten by the first mogrifier whose pattern matches it, with its tags (as
+/// their godogstats does); unchanged, without tags, when none does.
+fn mogrify(mogrifiers: &[(regex_lite::Regex, Mogrifier)], name: &str) -> (String, Vec<String>) {
+    for (pattern, m) in mogrifiers {
+        let Some(found) = pattern.captures(name) else { continue };
+        let groups: Vec<&str> = (0..found.len()).map(|i| found.get(i).map_or("", |g| g.as_str())).collect();
+        let tags = m.tags.iter().map(|(k, v)| format!("{k}:{}", placed(v, &groups))).collect();
+        return (placed(&m.name, &groups), tags);
+    }
+    (name.to_string(), Vec::new())
+}
+
+/// `pattern` with each `$N` replaced by group N of the match (left as written past the
+/// last group).
+fn placed(pattern: &str, groups: &[&str]) -> String {
+    let mut out = String::new();
+    let mut rest = pattern;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        let digits: String = rest[at + 1..].chars().take_while(char::is_ascii_digit).collect();
+        match digits.parse::<usize>().ok().and_then(|i| groups.get(i)) {
+            Some(g) => out.push_str(g),
+            None => out.push_str(&rest[at..at + 1 + digits.len()]),
+        }
+        rest = &rest[at + 1 + digits.len()..];
+    }
+    out + rest
 }
 
 /// `lines` packed into datagrams of at most [`DATAGRAM`] bytes, a line never split.
@@ -146,6 +183,7 @@ mod tests {
             format,
             flush_interval: sluice::config::Duration(10_000),
             tags: tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            mogrifiers: Vec::new(),
         }
     }
 
@@ -154,6 +192,7 @@ mod tests {
         let name = "ratelimit.service.rate_limit.d.user.total_hits".to_string();
         let mut s = Sender {
             config: config(Format::Lyft, &[("env", "prod")]),
+            mogrifiers: Vec::new(),
             last: HashMap::new(),
             tcp: None,
             log: Default::default(),
@@ -162,8 +201,28 @@ mod tests {
         assert!(s.lines(&[(name.clone(), 3)]).is_empty(), "nothing moved, nothing sent");
         assert_eq!(s.lines(&[(name.clone(), 5)]), ["ratelimit.service.rate_limit.d.user.total_hits.__env=prod:2|c"]);
         assert_eq!(s.lines(&[(name.clone(), 1)]).len(), 1, "a counter compiled again counts from 0");
-        let dog = config(Format::Dogstatsd, &[("env", "prod"), ("az", "b")]);
-        assert_eq!(line(&name, "4", "c", &dog), "ratelimit.service.rate_limit.d.user.total_hits:4|c|#az:b,env:prod");
+        s.config = config(Format::Dogstatsd, &[("env", "prod"), ("az", "b")]);
+        assert_eq!(s.line(&name, "4", "c"), "ratelimit.service.rate_limit.d.user.total_hits:4|c|#az:b,env:prod");
+        // their mogrifiers: the first that matches names it and adds its tags
+        let m = |pattern: &str, name: &str, tags: &[(&str, &str)]| Mogrifier {
+            pattern: pattern.into(),
+            name: name.into(),
+            tags: tags.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        };
+        s.mogrifiers = compiled(&[
+            m(
+                r"^ratelimit\.service\.rate_limit\.([^.]+)\.(.+)\.(\w+)$",
+                "ratelimit.service.rate_limit.$3",
+                &[("domain", "$1"), ("descriptor", "$2")],
+            ),
+            m(r"^ratelimit", "never.reached", &[]),
+        ]);
+        assert_eq!(
+            s.line(&name, "4", "c"),
+            "ratelimit.service.rate_limit.total_hits:4|c|#az:b,env:prod,descriptor:user,domain:d"
+        );
+        assert_eq!(s.line("other.stat", "1", "c"), "other.stat:1|c|#az:b,env:prod", "no match: as it was");
+        assert_eq!(placed("$1-$9-$", &["all", "one"]), "one-$9-$");
     }
 
     #[test]

@@ -113,12 +113,24 @@ async fn their_environment_sends_over_tcp_and_as_dogstatsd() {
     for (dog, port) in [(false, tcp_port), (true, udp_port)] {
         let rule = "domain: d\ndescriptors:\n  - key: user\n    value: a\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";
         let dog = if dog { "true" } else { "false" };
-        let _sluice = their_calls(rule, &url, port, &[("EXTRA_TAGS", "az:one"), ("USE_DOG_STATSD", dog)], 2).await;
+        // DogStatsD's with their mogrifier: a rule's stats named by what it counts, tagged
+        let mogrifier = [
+            ("USE_DOG_STATSD_MOGRIFIERS", "RL"),
+            ("DOG_STATSD_MOGRIFIER_RL_PATTERN", r"^ratelimit\.service\.rate_limit\.(\w+)\.(.+)\.(\w+)$"),
+            ("DOG_STATSD_MOGRIFIER_RL_NAME", "ratelimit.service.rate_limit.$3"),
+            ("DOG_STATSD_MOGRIFIER_RL_TAGS", "domain:$1,descriptor:$2"),
+        ];
+        let vars = [&[("EXTRA_TAGS", "az:one"), ("USE_DOG_STATSD", dog)][..], &mogrifier].concat();
+        let _sluice = their_calls(rule, &url, port, &vars, 2).await;
         let (lines, name): (_, fn(&str) -> String) = match dog {
             "false" => (&tcp_lines, |s| format!("{s}.__az=one")),
             _ => (&udp_lines, |s| format!("{s}#az:one")),
         };
-        counters_once(lines, &name("ratelimit.service.rate_limit.d.user_a.total_hits"), 2);
+        let total_hits = match dog {
+            "false" => name("ratelimit.service.rate_limit.d.user_a.total_hits"),
+            _ => "ratelimit.service.rate_limit.total_hits#az:one,descriptor:user_a,domain:d".to_string(),
+        };
+        counters_once(lines, &total_hits, 2);
         // their service's stats beside each rule's (counted once the call is answered:
         // perhaps a flush later), a response time a call
         counters_once(lines, &name("ratelimit_server.ShouldRateLimit.total_requests"), 2);

@@ -246,6 +246,14 @@ pub fn telemetry(telemetry: &crate::otel::TelemetryConfig) -> Result<(), CheckEr
             "telemetry.statsd.flush_interval is 0s: write how often to send, e.g. 10s".into(),
         ));
     }
+    for (i, m) in s.mogrifiers.iter().enumerate() {
+        if let Err(e) = regex_lite::Regex::new(&m.pattern) {
+            return Err(at(
+                "mogrifiers",
+                format!("telemetry.statsd.mogrifiers[{i}].pattern `{}` is not a regular expression: {e}", m.pattern),
+            ));
+        }
+    }
     let port = s.address.rsplit_once(':').and_then(|(h, p)| (!h.is_empty()).then_some(p));
     if port.is_none_or(|p| p.parse::<u16>().is_err()) {
         return Err(at(

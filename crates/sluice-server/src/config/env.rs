@@ -45,7 +45,6 @@ const WITHOUT_EFFECT: &[&str] = &[
     "RUNTIME_IGNOREDOTFILES",
     "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
     "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS",
-    "USE_DOG_STATSD_MOGRIFIERS",
     "GRPC_SERVER_TLS_CA_CERT",
     "XDS_CLIENT_BACKOFF_RANDOM_FACTOR",
     "XDS_CLIENT_BACKOFF_JITTER",
@@ -117,6 +116,7 @@ fn checked(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> (
         Value::Null
     });
     refused.extend(ports(get, on));
+    refused.extend(mogrifier_refusals(get));
     let durations = [
         ("REDIS_TIMEOUT", ""),
         ("REDIS_PERSECOND_TIMEOUT", ""),
@@ -302,17 +302,53 @@ fn statsd(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> Op
     let host = get("STATSD_HOST").unwrap_or_else(|| "localhost".into());
     let port = get("STATSD_PORT").unwrap_or_else(|| "8125".into());
     let default = if dog { "udp" } else { "tcp" };
-    let tags: serde_json::Map<String, Value> = get("EXTRA_TAGS")
-        .unwrap_or_default()
-        .split(',')
-        .filter_map(|p| p.split_once(':').map(|(k, v)| (k.trim().to_string(), json!(v.trim()))))
+    let mogrifiers: Vec<Value> = mogrifier_names(get)
+        .iter()
+        .map(|m| {
+            let v = |part: &str| get(&format!("DOG_STATSD_MOGRIFIER_{m}_{part}"));
+            json!({"pattern": v("PATTERN"), "name": v("NAME"), "tags": tag_pairs(&v("TAGS").unwrap_or_default())})
+        })
         .collect();
     let mut out = json!({"address": address(&host, &port), "format": if dog { "dogstatsd" } else { "lyft" },
-        "protocol": get("STATSD_PROTOCOL").unwrap_or_else(|| default.into()).to_ascii_lowercase(), "tags": tags});
+        "protocol": get("STATSD_PROTOCOL").unwrap_or_else(|| default.into()).to_ascii_lowercase(),
+        "tags": tag_pairs(&get("EXTRA_TAGS").unwrap_or_default()), "mogrifiers": mogrifiers});
     if let Some(every) = get("STATS_FLUSH_INTERVAL") {
         out["flush_interval"] = json!(every);
     }
     Some(out)
+}
+
+/// `k:v,k2:v2` (their `EXTRA_TAGS`, a mogrifier's `_TAGS`) as a map.
+fn tag_pairs(text: &str) -> serde_json::Map<String, Value> {
+    text.split(',').filter_map(|p| p.split_once(':').map(|(k, v)| (k.trim().to_string(), json!(v.trim())))).collect()
+}
+
+/// Their `USE_DOG_STATSD_MOGRIFIERS`: the mogrifiers' names, each read from
+/// `DOG_STATSD_MOGRIFIER_{NAME}_PATTERN`, `_NAME` and `_TAGS`.
+fn mogrifier_names(get: &dyn Fn(&str) -> Option<String>) -> Vec<String> {
+    get("USE_DOG_STATSD_MOGRIFIERS")
+        .unwrap_or_default()
+        .split(',')
+        .map(|n| n.trim().to_string())
+        .filter(|n| !n.is_empty())
+        .collect()
+}
+
+/// The mogrifiers missing a part, or whose pattern does not compile, each named.
+fn mogrifier_refusals(get: &dyn Fn(&str) -> Option<String>) -> Vec<String> {
+    let mut refused = Vec::new();
+    for m in mogrifier_names(get) {
+        let var = |part: &str| format!("DOG_STATSD_MOGRIFIER_{m}_{part}");
+        for part in ["PATTERN", "NAME"] {
+            if get(&var(part)).is_none() {
+                refused.push(format!("{}: the mogrifier {m} needs it", var(part)));
+            }
+        }
+        if let Some(Err(e)) = get(&var("PATTERN")).map(|p| regex_lite::Regex::new(&p)) {
+            refused.push(format!("{}: not a regular expression ({e})", var("PATTERN")));
+        }
+    }
+    refused
 }
 
 /// `telemetry`, from `TRACING_*` and `OTEL_EXPORTER_OTLP_ENDPOINT`: their default
@@ -820,6 +856,32 @@ mod tests {
         assert_eq!(c["server"]["debug"], "0.0.0.0:6071", "their DEBUG_HOST's default");
         assert_eq!(c["server"]["tls"]["client_san"], "envoy.internal");
         assert_eq!(c["server"]["grpc_uds"], "/var/run/ratelimit.sock");
+        let dog = read(&[
+            ("USE_STATSD", "false"),
+            ("REDIS_URL", "/s"),
+            ("USE_DOG_STATSD", "true"),
+            ("USE_DOG_STATSD_MOGRIFIERS", "RL"),
+            ("DOG_STATSD_MOGRIFIER_RL_PATTERN", r"^ratelimit\.service\.rate_limit\.(\w+)\.(.+)\.(\w+)$"),
+            ("DOG_STATSD_MOGRIFIER_RL_NAME", "ratelimit.service.rate_limit.$3"),
+            ("DOG_STATSD_MOGRIFIER_RL_TAGS", "domain:$1,descriptor:$2"),
+        ])
+        .unwrap()
+        .config;
+        let m = &dog["telemetry"]["statsd"]["mogrifiers"][0];
+        assert_eq!((&m["name"], &m["tags"]["domain"]), (&json!("ratelimit.service.rate_limit.$3"), &json!("$1")));
+        let e = read(&[
+            ("USE_STATSD", "false"),
+            ("REDIS_URL", "/s"),
+            ("USE_DOG_STATSD", "true"),
+            ("USE_DOG_STATSD_MOGRIFIERS", "X"),
+            ("DOG_STATSD_MOGRIFIER_X_PATTERN", "("),
+        ]);
+        let e = e.err().unwrap();
+        assert!(
+            e.contains("DOG_STATSD_MOGRIFIER_X_NAME: the mogrifier X needs it")
+                && e.contains("X_PATTERN: not a regular expression"),
+            "{e}"
+        );
         let e = read(&[("USE_STATSD", "false"), ("REDIS_URL", "/s"), ("DEBUG_PORT", "x")]).err().unwrap();
         assert!(e.contains("DEBUG_PORT=x is not a port number"), "{e}");
         let e = read(&[("USE_STATSD", "false"), ("REDIS_URL", "/s"), ("GRPC_MAX_CONNECTION_AGE", "a while")])
