@@ -867,6 +867,12 @@ mod tests {
         ])
         .unwrap()
         .config;
+        // StatsD is on unless asked off, as theirs: to localhost:8125 over TCP
+        let by_default = read(&[("REDIS_URL", "/s")]).unwrap().config;
+        let s = &by_default["telemetry"]["statsd"];
+        assert_eq!((&s["address"], &s["protocol"]), (&json!("localhost:8125"), &json!("tcp")));
+        let off = read(&[("REDIS_URL", "/s"), ("DISABLE_STATS", "true")]).unwrap().config;
+        assert!(off["telemetry"]["statsd"].is_null(), "DISABLE_STATS");
         let m = &dog["telemetry"]["statsd"]["mogrifiers"][0];
         assert_eq!((&m["name"], &m["tags"]["domain"]), (&json!("ratelimit.service.rate_limit.$3"), &json!("$1")));
         let e = read(&[
