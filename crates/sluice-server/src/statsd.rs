@@ -34,7 +34,7 @@ pub fn start(config: StatsdConfig, state: Arc<AppState>) {
         loop {
             tick.tick().await;
             let mut stats = state.engine.load().limiter.rules().stats();
-            stats.extend(state.service_stats.counters().map(|(name, n)| (name.to_string(), n)));
+            stats.extend(state.service_stats.counters());
             let mut lines = sender.lines(&stats);
             let timer = "ratelimit_server.ShouldRateLimit.response_time";
             let times = state.service_stats.take_times();

@@ -120,8 +120,19 @@ async fn their_environment_sends_over_tcp_and_as_dogstatsd() {
             ("DOG_STATSD_MOGRIFIER_RL_NAME", "ratelimit.service.rate_limit.$3"),
             ("DOG_STATSD_MOGRIFIER_RL_TAGS", "domain:$1,descriptor:$2"),
         ];
-        let vars = [&[("EXTRA_TAGS", "az:one"), ("USE_DOG_STATSD", dog)][..], &mogrifier].concat();
-        let _sluice = their_calls(rule, &url, port, &vars, 2).await;
+        // SHADOW_MODE: the second call, over the limit, is allowed (global_shadow_mode);
+        // each run its own clients on the one Redis
+        let secret = format!("statsd-{dog}");
+        let own = [
+            ("EXTRA_TAGS", "az:one"),
+            ("USE_DOG_STATSD", dog),
+            ("SHADOW_MODE", "true"),
+            ("SLUICE_KEY_SECRET", &secret),
+        ];
+        let vars = [&own[..], &mogrifier].concat();
+        let (_sluice, _dir, grpc) = their_calls(rule, &url, port, &vars, 2).await;
+        // a domain no rule names: answered OK, and counted by name
+        common::rls(&grpc).await.should_rate_limit(common::rls_request("nowhere", &[("user", "a")])).await.unwrap();
         let (lines, name): (_, fn(&str) -> String) = match dog {
             "false" => (&tcp_lines, |s| format!("{s}.__az=one")),
             _ => (&udp_lines, |s| format!("{s}#az:one")),
@@ -133,9 +144,11 @@ async fn their_environment_sends_over_tcp_and_as_dogstatsd() {
         counters_once(lines, &total_hits, 2);
         // their service's stats beside each rule's (counted once the call is answered:
         // perhaps a flush later), a response time a call
-        counters_once(lines, &name("ratelimit_server.ShouldRateLimit.total_requests"), 2);
-        let got = counters_once(lines, &(name("ratelimit_server.ShouldRateLimit.response_time") + "|ms"), 2);
+        counters_once(lines, &name("ratelimit_server.ShouldRateLimit.total_requests"), 3);
+        counters_once(lines, &(name("ratelimit_server.ShouldRateLimit.response_time") + "|ms"), 3);
+        let got = counters_once(lines, &name("ratelimit.service.rate_limit.nowhere.domain_not_found"), 1);
         assert_eq!(got.get(&name("ratelimit.service.config_load_success")), Some(&1), "{got:#?}");
+        assert_eq!(got.get(&name("ratelimit.service.global_shadow_mode")), Some(&1), "{got:#?}");
     }
 }
 
@@ -148,7 +161,7 @@ async fn their_calls(
     port: u16,
     vars: &[(&str, &str)],
     calls: usize,
-) -> (sluice_testkit::Process, sluice_testkit::TempDir) {
+) -> (sluice_testkit::Process, sluice_testkit::TempDir, String) {
     let dir = sluice_testkit::TempDir::new("sluice-statsd");
     let port = port.to_string();
     let statsd = [
@@ -164,7 +177,7 @@ async fn their_calls(
     for _ in 0..calls {
         rls.should_rate_limit(common::rls_request("d", &[("user", "a")])).await.unwrap();
     }
-    (sluice, dir)
+    (sluice, dir, grpc)
 }
 
 /// The reference StatsD server, Etsy's daemon (npm's `statsd`, which scripts/test

@@ -249,6 +249,8 @@ pub struct Rules {
     pub(crate) count_refused: bool,
     /// `limiter.quota_mode`, for limits that come with a request.
     pub(crate) quota_mode: bool,
+    /// `limiter.shadow_mode`: every rule in shadow mode.
+    shadow_mode: bool,
     /// Why there are no rules yet, when they are still to come (pushed by a control
     /// plane): every request is answered [`crate::RequestError::NoRules`] until then.
     pub(crate) pending: Option<Arc<str>>,
@@ -289,6 +291,7 @@ impl Rules {
             max_overrides: limiter.max_overrides,
             count_refused: limiter.count_refused_hits.unwrap_or(false),
             quota_mode: limiter.quota_mode,
+            shadow_mode: limiter.shadow_mode,
             pending: None,
         })
     }
@@ -386,6 +389,11 @@ impl Rules {
             .collect();
         out.sort();
         out
+    }
+
+    /// Whether every rule is in shadow mode (`limiter.shadow_mode`, their `SHADOW_MODE`).
+    pub fn global_shadow(&self) -> bool {
+        self.shadow_mode
     }
 
     pub fn domain_names(&self) -> Vec<&str> {

@@ -75,6 +75,6 @@ pub(crate) async fn rlconfig(State(state): Shared) -> String {
 /// line, counted since the rules in force were loaded.
 pub(crate) async fn stats(State(state): Shared) -> String {
     let rules = state.engine.load().limiter.rules().stats();
-    let service = state.service_stats.counters().map(|(name, n)| (name.to_string(), n));
+    let service = state.service_stats.counters();
     rules.into_iter().chain(service).map(|(name, n)| format!("{name}: {n}\n")).collect()
 }

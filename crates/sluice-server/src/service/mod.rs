@@ -99,9 +99,15 @@ pub async fn answer(state: &AppState, r: RateLimitRequest, ask: Ask) -> Result<R
         Ok(v) if v.outcome == Outcome::Unavailable => {
             Err(Status::unavailable("the rate limit store is unavailable (fail-closed)"))
         }
-        Ok(v) => Ok(response(&v, &engine, &req)),
+        Ok(v) => {
+            if ask == Ask::Decide && engine.limiter.rules().global_shadow() && v.shadow_denials().next().is_some() {
+                state.service_stats.shadowed();
+            }
+            Ok(response(&v, &engine, &req))
+        }
         Err(CheckError::Request(RequestError::UnknownDomain { .. })) if !req.domain.is_empty() => {
             tracing::debug!(domain = %req.domain.escape_debug(), "unknown domain: answered OK");
+            state.service_stats.unknown_domain(&req.domain);
             Ok(unknown_domain(&engine, &req))
         }
         Err(e) => Err(status_of(e)),
