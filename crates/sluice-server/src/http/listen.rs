@@ -53,6 +53,10 @@ pub struct Bounds {
     pub header_timeout: Duration,
     pub max_connections: usize,
     pub shutdown_grace: Duration,
+    /// Each request is told its connection's peer ([`PeerAddr`]): only when something
+    /// reads it (the log line of a call refused for its credentials, with
+    /// `server.api_tokens`), since the first extension of a request costs an allocation.
+    pub peers: bool,
 }
 
 impl Bounds {
@@ -62,6 +66,7 @@ impl Bounds {
             header_timeout: server.header_timeout.to_std(),
             max_connections: server.max_connections,
             shutdown_grace: server.shutdown_grace.to_std(),
+            peers: !server.api_tokens.is_empty(),
         }
     }
 }
@@ -117,7 +122,7 @@ pub async fn serve(
         while connections.try_join_next().is_some() {}
         let (router, open, closed, stop_rx, tls) =
             (router.clone(), open.clone(), closed.clone(), stop_rx.clone(), tls.clone());
-        let peer = PeerAddr(stream.peer_addr().ok());
+        let peer = bounds.peers.then(|| PeerAddr(stream.peer_addr().ok()));
         connections.spawn(async move {
             match tls {
                 None => connection(stream, router, peer, bounds, full, stop_rx).await,
@@ -260,7 +265,7 @@ async fn health(stream: tokio::net::TcpStream, router: Router) {
 async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static>(
     stream: S,
     router: Router,
-    peer: PeerAddr,
+    peer: Option<PeerAddr>,
     bounds: Bounds,
     over_limit: bool,
     mut stop: watch::Receiver<bool>,
@@ -274,7 +279,9 @@ async fn connection<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Se
     }
     let stream = Lingering { io: stream, shut: false, until: None, discarded: 0 };
     let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
-        request.extensions_mut().insert(peer);
+        if let Some(peer) = peer {
+            request.extensions_mut().insert(peer);
+        }
         tower::ServiceExt::oneshot(router.clone(), request)
     });
     let conn = builder.serve_connection(TokioIo::new(stream), service);
@@ -297,7 +304,7 @@ async fn secure_connection(
     stream: tokio::net::TcpStream,
     tls: &crate::tls::Tls,
     router: Router,
-    peer: PeerAddr,
+    peer: Option<PeerAddr>,
     bounds: Bounds,
     over_limit: bool,
     stop: watch::Receiver<bool>,
