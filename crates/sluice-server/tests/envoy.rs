@@ -195,8 +195,10 @@ async fn their_environment_alone_answers_a_real_envoy() {
             ("REDIS_URL", &socket),
             ("REDIS_POOL_SIZE", "10"),
             ("LIMIT_RESPONSE_HEADERS_ENABLED", "true"),
-            // one of the three renamed, as their LIMIT_*_HEADER allow
+            // the three renamed, as their LIMIT_*_HEADER allow
+            ("LIMIT_LIMIT_HEADER", "X-Quota"),
             ("LIMIT_REMAINING_HEADER", "X-Quota-Left"),
+            ("LIMIT_RESET_HEADER", "X-Quota-Reset"),
         ],
     );
     let log = || std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
@@ -205,13 +207,18 @@ async fn their_environment_alone_answers_a_real_envoy() {
     let mut answers = Vec::new();
     for _ in 0..3 {
         let r = client.get(format!("http://127.0.0.1:{listen}/x")).header("x-user", "dana").send().await.unwrap();
-        let limit = r.headers().get("ratelimit-limit").cloned();
-        answers.push((r.status().as_u16(), r.headers().get("x-quota-left").cloned(), limit));
+        let header = |name: &str| r.headers().get(name).map(|v| v.to_str().unwrap().to_string());
+        let named = ["x-quota", "x-quota-left", "x-quota-reset", "ratelimit-limit"].map(header);
+        answers.push((r.status().as_u16(), named));
     }
     // a store that did not answer would have failed open: the 429 is Redis's count
-    assert_eq!(answers[2].0, 429, "{answers:?}\n{}", log());
-    assert_eq!(answers[2].1.as_ref().map(|v| v.to_str().unwrap()), Some("0"), "the name LIMIT_REMAINING_HEADER gave");
-    assert_eq!(answers[2].2.as_ref().map(|v| v.to_str().unwrap()), Some("2"), "their default for the others");
+    let (status, [limit, left, reset, default]) = &answers[2];
+    assert_eq!(*status, 429, "{answers:?}\n{}", log());
+    assert_eq!(limit.as_deref(), Some("2"), "the name LIMIT_LIMIT_HEADER gave: {answers:?}");
+    assert_eq!(left.as_deref(), Some("0"), "the name LIMIT_REMAINING_HEADER gave");
+    let reset: u64 = reset.as_deref().expect("the name LIMIT_RESET_HEADER gave").parse().unwrap();
+    assert!((1..=60).contains(&reset), "seconds to the minute's end: {reset}");
+    assert_eq!(*default, None, "their default name is not sent as well");
     assert!(log().contains("store=\"redis\""), "{}", log());
     assert!(log().contains("REDIS_POOL_SIZE"), "named as without effect:\n{}", log());
 }

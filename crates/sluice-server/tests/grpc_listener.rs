@@ -230,3 +230,51 @@ async fn grpc_is_served_on_a_unix_socket() {
     let scrape = common::metrics(&reqwest::Client::new(), &s.base).await;
     assert_eq!(common::series(&scrape, "sluice_grpc_connections"), 1.0, "under the same bounds: {scrape}");
 }
+
+/// The same from envoyproxy/ratelimit's environment: `GRPC_UDS` puts gRPC on the socket,
+/// and `GRPC_MAX_CONNECTION_AGE` with `_GRACE` close a connection there after its age
+/// (the idle timeout is minutes away), its client served again on a new one.
+#[tokio::test]
+async fn their_environment_puts_grpc_on_a_socket_with_an_age() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    let dir = sluice_testkit::TempDir::new("sluice-env-uds");
+    let socket = dir.path().join("rls.sock");
+    let rule = "domain: d\ndescriptors:\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 2}\n";
+    let redis = sluice_testkit::RedisServer::start();
+    let url = redis.addr().to_string();
+    let vars = [
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", url.as_str()),
+        ("GRPC_UDS", socket.to_str().unwrap()),
+        ("GRPC_MAX_CONNECTION_AGE", "1s"),
+        ("GRPC_MAX_CONNECTION_AGE_GRACE", "1s"),
+    ];
+    let (_sluice, grpc) = common::their_way(&dir, rule, &vars);
+    assert_eq!(grpc, format!("unix:{}", socket.display()));
+    let ready = std::fs::read_to_string(dir.path().join("ready")).unwrap();
+    let base = format!("http://{}", ready.lines().find_map(|l| l.strip_prefix("http=")).unwrap());
+    let open =
+        || async { common::series(&common::metrics(&reqwest::Client::new(), &base).await, "sluice_grpc_connections") };
+    let connector = tower::service_fn(move |_: tonic::transport::Uri| {
+        let path = socket.clone();
+        async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+    });
+    let channel =
+        tonic::transport::Endpoint::from_static("http://sluice.sock").connect_with_connector(connector).await.unwrap();
+    let mut rls = RateLimitServiceClient::new(channel);
+    let code = rls.should_rate_limit(request("env")).await.unwrap().into_inner().overall_code;
+    assert_eq!((code, open().await), (Code::Ok as i32, 1.0));
+    let started = Instant::now();
+    while open().await > 0.0 {
+        assert!(started.elapsed() < Duration::from_secs(8), "still open after {:?}", started.elapsed());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut answered = rls.should_rate_limit(request("env")).await;
+    if answered.is_err() {
+        answered = rls.should_rate_limit(request("env")).await;
+    }
+    let code = answered.expect("served on a new connection").into_inner().overall_code;
+    assert_eq!(code, Code::Ok as i32, "the second of two");
+    let code = rls.should_rate_limit(request("env")).await.unwrap().into_inner().overall_code;
+    assert_eq!(code, Code::OverLimit as i32);
+}

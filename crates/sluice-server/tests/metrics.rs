@@ -297,3 +297,44 @@ async fn the_debug_listener_prints_the_rules_and_their_stats() {
     }
     assert!(get("/").await.contains("/rlconfig: print out the currently loaded configuration"));
 }
+
+/// The same two listeners from envoyproxy/ratelimit's environment: `USE_PROMETHEUS` with
+/// `PROMETHEUS_ADDR` and `PROMETHEUS_PATH`, `DEBUG_HOST` and `DEBUG_PORT`. A decision over
+/// gRPC shows in the scrape at that path, under their metric names, and in `/stats`;
+/// `/rlconfig` prints their rule file.
+#[tokio::test]
+async fn their_environment_names_the_metrics_path_and_the_debug_port() {
+    let dir = sluice_testkit::TempDir::new("sluice-env-listeners");
+    let rule = "domain: d\ndescriptors:\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 1}\n";
+    let redis = sluice_testkit::RedisServer::start();
+    let url = redis.addr().to_string();
+    let vars = [
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", url.as_str()),
+        ("USE_PROMETHEUS", "true"),
+        ("PROMETHEUS_ADDR", "127.0.0.1:0"),
+        ("PROMETHEUS_PATH", "/stats/prometheus"),
+        ("DEBUG_HOST", "127.0.0.1"),
+        ("DEBUG_PORT", "0"),
+    ];
+    let (_sluice, grpc) = common::their_way(&dir, rule, &vars);
+    let ready = std::fs::read_to_string(dir.path().join("ready")).unwrap();
+    let at =
+        |name: &str| ready.lines().find_map(|l| l.strip_prefix(name)).unwrap_or_else(|| panic!("{name} in {ready}"));
+    let (metrics, debug) = (at("metrics=").to_string(), at("debug=").to_string());
+    let mut rls = common::rls(&grpc).await;
+    for _ in 0..2 {
+        rls.should_rate_limit(common::rls_request("d", &[("user", "ann")])).await.unwrap();
+    }
+    let get = |url: String| async move { reqwest::get(url).await.unwrap() };
+    let scrape = get(format!("http://{metrics}/stats/prometheus")).await;
+    assert_eq!(scrape.status(), 200);
+    let scrape = scrape.text().await.unwrap();
+    let labels = [("domain", "d"), ("key1", "user")];
+    assert_eq!(sample(&scrape, "ratelimit_service_rate_limit_over_limit", &labels), Some(1.0), "{scrape}");
+    assert_eq!(get(format!("http://{metrics}/metrics")).await.status(), 404, "PROMETHEUS_PATH moved it");
+    let stats = get(format!("http://{debug}/stats")).await.text().await.unwrap();
+    assert!(stats.contains("ratelimit.service.rate_limit.d.user.total_hits: 2\n"), "{stats}");
+    let rules = get(format!("http://{debug}/rlconfig")).await.text().await.unwrap();
+    assert_eq!(rules, "d.user: unit=HOUR requests_per_unit=1, shadow_mode: false, quota_mode: false\n");
+}

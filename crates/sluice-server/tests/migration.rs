@@ -138,12 +138,14 @@ async fn a_moved_client_is_not_refused_from_the_near_cache() {
     assert_eq!(statuses(1).await, [429]);
 }
 
-/// dnsmasq on a free loopback UDP port, answering the SRV record
-/// `_memcache._tcp.sluice.test` with `localhost:PORT` (one `(port, weight)` a record).
+/// dnsmasq on a loopback UDP port, answering the SRV record `_memcache._tcp.sluice.test`
+/// with `localhost:PORT` (one `(port, weight)` a record).
 struct Dns {
     _process: sluice_testkit::Process,
     port: u16,
 }
+
+const LOOPBACK: std::net::Ipv4Addr = std::net::Ipv4Addr::LOCALHOST;
 
 impl Dns {
     /// On a free port.
@@ -151,26 +153,26 @@ impl Dns {
         // a port found free can be taken before dnsmasq binds it: try a few
         for _ in 0..5 {
             let port = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-            if let Some(dns) = Self::on(port, records) {
+            if let Some(dns) = Self::on(LOOPBACK, port, records) {
                 return dns;
             }
         }
         panic!("dnsmasq never answered");
     }
 
-    /// On `port` (the one a server before it held), once it answers.
-    fn on(port: u16, records: &[u16]) -> Option<Self> {
+    /// On `ip:port` (the one a server before it held), once it answers.
+    fn on(ip: std::net::Ipv4Addr, port: u16, records: &[u16]) -> Option<Self> {
         let bin = ["/usr/sbin/dnsmasq", "/usr/bin/dnsmasq"]
             .into_iter()
             .find(|p| std::path::Path::new(p).exists())
             .map(std::path::PathBuf::from)
             .unwrap_or_else(|| sluice_testkit::require("dnsmasq", "dnsmasq-base"));
         let mut cmd = std::process::Command::new(&bin);
-        cmd.args(["--no-daemon", "--listen-address=127.0.0.1", "--bind-interfaces", "--no-resolv", "--no-hosts"])
+        cmd.args(["--no-daemon", &format!("--listen-address={ip}"), "--bind-interfaces", "--no-resolv", "--no-hosts"])
             .args(["--conf-file=/dev/null", "--pid-file=", "--user=root", &format!("--port={port}")])
             .args(records.iter().map(|r| format!("--srv-host=_memcache._tcp.sluice.test,localhost,{r},0,1")));
         let process = sluice_testkit::Process::spawn(&mut cmd).unwrap();
-        let at = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        let at = std::net::SocketAddr::from((ip, port));
         let answers = (0..50).any(|_| {
             std::thread::sleep(std::time::Duration::from_millis(20));
             srv_answers("_memcache._tcp.sluice.test", at)
@@ -222,7 +224,7 @@ async fn memcached_servers_come_from_an_srv_record() {
     // the record now names the other server: on the next refresh the client is there
     let at = dns.port;
     drop(dns);
-    let _dns = Dns::on(at, &[port(&m2)]).expect("dnsmasq again on its port");
+    let _dns = Dns::on(LOOPBACK, at, &[port(&m2)]).expect("dnsmasq again on its port");
     let started = std::time::Instant::now();
     while common::hit(&client, &s.base, "d", &[("user", "a")]).await.status() != 200 {
         assert!(
@@ -232,4 +234,45 @@ async fn memcached_servers_come_from_an_srv_record() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+}
+
+/// The same from envoyproxy/ratelimit's environment (`BACKEND_TYPE=memcache`,
+/// `MEMCACHE_SRV`, `MEMCACHE_SRV_REFRESH`), where the record is asked of the system's name
+/// server as theirs asks it: Sluice runs in a mount namespace of its own (`unshare -m`)
+/// whose /etc/resolv.conf names a dnsmasq on port 53 of a loopback address of this test.
+#[tokio::test]
+async fn their_environment_finds_memcached_by_srv() {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    let m = MemcachedServer::start();
+    let port: u16 = m.addr().rsplit(':').next().unwrap().parse().unwrap();
+    let pid = std::process::id();
+    let ip = std::net::Ipv4Addr::new(127, 53, (pid >> 8) as u8, (pid as u8).max(1));
+    let _dns = Dns::on(ip, 53, &[port]).expect("dnsmasq on port 53 (this test runs as root, as scripts/test)");
+    let dir = sluice_testkit::TempDir::new("sluice-env-srv");
+    let resolv = dir.path().join("resolv.conf");
+    std::fs::write(&resolv, format!("nameserver {ip}\n")).unwrap();
+    let files = dir.path().join("runtime/ratelimit/config");
+    std::fs::create_dir_all(&files).unwrap();
+    let rule = "domain: d\ndescriptors:\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 2}\n";
+    std::fs::write(files.join("api.yaml"), rule).unwrap();
+    let unshare = sluice_testkit::require("unshare", "util-linux");
+    let mut cmd = std::process::Command::new(unshare);
+    let run = format!("mount --bind {} /etc/resolv.conf && exec \"$0\" \"$@\"", resolv.display());
+    cmd.args(["-m", "sh", "-c", &run]).arg(common::bin()).args(["serve", "--ratelimit-env"]);
+    let runtime = dir.path().join("runtime").display().to_string();
+    cmd.envs([("HOST", "127.0.0.1"), ("PORT", "0"), ("GRPC_HOST", "127.0.0.1"), ("GRPC_PORT", "0")])
+        .envs([("USE_STATSD", "false"), ("RUNTIME_ROOT", runtime.as_str()), ("RUNTIME_SUBDIRECTORY", "ratelimit")])
+        .envs([("BACKEND_TYPE", "memcache"), ("MEMCACHE_SRV", "_memcache._tcp.sluice.test")])
+        .env("MEMCACHE_SRV_REFRESH", "1s");
+    let (_sluice, _http, grpc) = common::spawn_command(cmd, dir.path());
+    let mut rls = common::rls(&grpc).await;
+    let mut codes = Vec::new();
+    for _ in 0..3 {
+        let answer = rls.should_rate_limit(common::rls_request("d", &[("user", "env")])).await.unwrap();
+        codes.push(answer.into_inner().overall_code);
+    }
+    let log = std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
+    assert_eq!(codes, [Code::Ok as i32, Code::Ok as i32, Code::OverLimit as i32], "{log}");
+    let stats = m.command("stats").unwrap();
+    assert!(!stats.contains("STAT curr_items 0\r"), "counted on the server the record names:\n{stats}");
 }

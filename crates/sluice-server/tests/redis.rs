@@ -349,19 +349,77 @@ async fn per_second_limits_live_on_a_redis_of_their_own() {
     ];
     let (_sluice, grpc) = common::their_way(&dir, rule, &vars);
     let mut rls = common::rls(&grpc).await;
-    let call = || {
-        let mut r = common::rls_request("d", &[("burst", "a")]);
-        r.descriptors.extend(common::rls_request("d", &[("user", "a")]).descriptors);
+    let call = |user: &str| {
+        let mut r = common::rls_request("d", &[("burst", user)]);
+        r.descriptors.extend(common::rls_request("d", &[("user", user)]).descriptors);
         r
     };
-    let first = rls.should_rate_limit(call()).await.unwrap().into_inner();
-    assert_eq!(first.overall_code, Code::Ok as i32);
-    let second_call = rls.should_rate_limit(call()).await.unwrap().into_inner();
-    assert_eq!(second_call.overall_code, Code::OverLimit as i32, "1 a second: {second_call:?}");
+    // two calls in one second (a pair that straddles a second's end is tried again, as
+    // another client: the second's window is new)
+    let (mut second_call, mut users) = (None, 0);
+    for attempt in 0..5 {
+        let user = format!("a{attempt}");
+        users += 1;
+        let first = rls.should_rate_limit(call(&user)).await.unwrap().into_inner();
+        assert_eq!(first.overall_code, Code::Ok as i32);
+        let answer = rls.should_rate_limit(call(&user)).await.unwrap().into_inner();
+        if answer.overall_code == Code::OverLimit as i32 {
+            second_call = Some(answer);
+            break;
+        }
+    }
+    let second_call = second_call.expect("a second call in the second refused by 1 a second");
     assert_eq!(second_call.statuses[0].code, Code::OverLimit as i32, "refused by the per-second limit");
     // (the hourly limit counts the refused call too, as theirs does: 10 - 2)
     assert_eq!(second_call.statuses[1].limit_remaining, 8);
     let keys = |r: &RedisServer| r.command("DBSIZE").unwrap().trim().trim_start_matches(':').parse::<u64>().unwrap();
-    assert_eq!((keys(&main), keys(&second)), (1, 1), "each Redis holds its own window, and only it");
+    // an hour's windows on the main one, one a client; a second's (gone in a second or
+    // two) on the other
+    let (on_main, on_second) = (keys(&main), keys(&second));
+    assert!(on_main == users && (1..=users).contains(&on_second), "{on_main} and {on_second} keys for {users}");
     assert!(second.script_calls() > 0 && main.script_calls() > 0);
+}
+
+/// Their `REDIS_TIMEOUT` and `REDIS_PERSECOND_TIMEOUT`: each Redis's own bound on a reply.
+/// With each Redis stopped (SIGSTOP: connections held, nothing answered), a call that
+/// needs the main one (10 ms) is answered after its timeout; one that needs the per-second
+/// one (2 s) after `limiter.deadline`, 100 ms, which decides first. The fastest of three
+/// calls each, so a slow scheduler cannot make the first look slower.
+#[tokio::test]
+async fn their_redis_timeouts_bound_a_stalled_call() {
+    let (main, second) = (RedisServer::start(), RedisServer::start());
+    let dir = sluice_testkit::TempDir::new("sluice-env-timeouts");
+    let rule = "domain: d\ndescriptors:\n  - key: burst\n    rate_limit: {unit: second, requests_per_unit: 100}\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 10}\n";
+    let (main_url, second_url) = (main.addr().to_string(), second.addr().to_string());
+    let vars = [
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", main_url.as_str()),
+        ("REDIS_TIMEOUT", "10ms"),
+        ("REDIS_PERSECOND", "true"),
+        ("REDIS_PERSECOND_SOCKET_TYPE", "tcp"),
+        ("REDIS_PERSECOND_URL", second_url.as_str()),
+        ("REDIS_PERSECOND_TIMEOUT", "2s"),
+    ];
+    let (_sluice, grpc) = common::their_way(&dir, rule, &vars);
+    let mut rls = common::rls(&grpc).await;
+    let mut fastest = async |key: &str| {
+        let mut took = Vec::new();
+        for _ in 0..3 {
+            let started = Instant::now();
+            let _ = rls.should_rate_limit(common::rls_request("d", &[(key, "t")])).await;
+            took.push(started.elapsed());
+        }
+        took.into_iter().min().unwrap()
+    };
+    for key in ["user", "burst"] {
+        assert!(fastest(key).await < Duration::from_millis(50), "{key} answered at once while its Redis runs");
+    }
+    main.signal("-STOP");
+    let took = fastest("user").await;
+    main.signal("-CONT");
+    assert!((Duration::from_millis(10)..Duration::from_millis(60)).contains(&took), "REDIS_TIMEOUT: {took:?}");
+    second.signal("-STOP");
+    let took = fastest("burst").await;
+    second.signal("-CONT");
+    assert!((Duration::from_millis(100)..Duration::from_millis(1_000)).contains(&took), "the deadline: {took:?}");
 }

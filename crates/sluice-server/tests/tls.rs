@@ -192,8 +192,25 @@ async fn mutual_tls_can_require_the_clients_name() {
         assert_eq!(answer.is_ok(), taken, "{san}: {answer:?}\n{}", s.log());
         let refused = refused_h2(&s.grpc, client(certs.path(), "ca", Some("client"), b"h2")).await;
         assert_eq!(!refused, taken, "{san} over gRPC\n{}", s.log());
+        // the same from their environment (TLS on gRPC alone, as theirs)
+        let dir = TempDir::new("sluice-env-san");
+        let f = |name: &str| certs.path().join(name).display().to_string();
+        let (cert, key, ca) = (f("server.crt"), f("server.key"), f("ca.crt"));
+        let vars = [
+            ("GRPC_SERVER_USE_TLS", "true"),
+            ("GRPC_SERVER_TLS_CERT", cert.as_str()),
+            ("GRPC_SERVER_TLS_KEY", key.as_str()),
+            ("GRPC_CLIENT_TLS_CACERT", ca.as_str()),
+            ("GRPC_CLIENT_TLS_SAN", san),
+        ];
+        let (_sluice, grpc) = common::their_way(&dir, ENV_RULE, &vars);
+        let refused = refused_h2(&grpc, client(certs.path(), "ca", Some("client"), b"h2")).await;
+        assert_eq!(!refused, taken, "{san} from GRPC_CLIENT_TLS_SAN");
     }
 }
+
+/// [`RULES`] as one of envoyproxy/ratelimit's domain files.
+const ENV_RULE: &str = "domain: d\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 2}\n";
 
 /// The memcached store over TLS (`store.tls`; envoyproxy/ratelimit's `MEMCACHE_TLS`):
 /// memcached with `-Z` and the test CA's certificate, verified by its address; a limit
@@ -236,4 +253,23 @@ async fn the_memcached_store_speaks_tls() {
             false => assert!(answers.iter().all(|a| a == &(200, "fail-open".to_string())), "{answers:?}"),
         }
     }
+    // the same store from their environment: MEMCACHE_TLS with its CA file
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    let dir = TempDir::new("sluice-env-memcached-tls");
+    let (at, ca) = (format!("127.0.0.1:{port}"), f("ca.crt"));
+    let vars = [
+        ("BACKEND_TYPE", "memcache"),
+        ("MEMCACHE_HOST_PORT", at.as_str()),
+        ("MEMCACHE_TLS", "true"),
+        ("MEMCACHE_TLS_CACERT", ca.as_str()),
+    ];
+    let (_sluice, grpc) = common::their_way(&dir, ENV_RULE, &vars);
+    let mut rls = common::rls(&grpc).await;
+    let mut codes = Vec::new();
+    for _ in 0..3 {
+        let answer = rls.should_rate_limit(common::rls_request("d", &[("user", "env")])).await.unwrap();
+        codes.push(answer.into_inner().overall_code);
+    }
+    let log = std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
+    assert_eq!(codes, [Code::Ok as i32, Code::Ok as i32, Code::OverLimit as i32], "{log}");
 }
