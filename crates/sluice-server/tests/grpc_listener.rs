@@ -214,14 +214,7 @@ async fn grpc_is_served_on_a_unix_socket() {
     drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
     let s = common::start_with(&format!("  grpc_uds: {}\n", socket.display()), &common::rule(2));
     assert_eq!(s.grpc, format!("unix:{}", socket.display()), "the ready file names the socket");
-    let path = socket.clone();
-    let connector = tower::service_fn(move |_: tonic::transport::Uri| {
-        let path = path.clone();
-        async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-    });
-    let channel =
-        tonic::transport::Endpoint::from_static("http://sluice.sock").connect_with_connector(connector).await.unwrap();
-    let mut rls = RateLimitServiceClient::new(channel);
+    let mut rls = unix_client(&socket).await;
     let mut codes = Vec::new();
     for _ in 0..3 {
         codes.push(rls.should_rate_limit(request("uds")).await.unwrap().into_inner().overall_code);
@@ -229,6 +222,19 @@ async fn grpc_is_served_on_a_unix_socket() {
     assert_eq!(codes, [Code::Ok as i32, Code::Ok as i32, Code::OverLimit as i32]);
     let scrape = common::metrics(&reqwest::Client::new(), &s.base).await;
     assert_eq!(common::series(&scrape, "sluice_grpc_connections"), 1.0, "under the same bounds: {scrape}");
+}
+
+/// A client of the rate limit service on the Unix socket `path` (each new connection
+/// opens it again).
+async fn unix_client(path: &std::path::Path) -> RateLimitServiceClient<tonic::transport::Channel> {
+    let path = path.to_path_buf();
+    let connector = tower::service_fn(move |_: tonic::transport::Uri| {
+        let path = path.clone();
+        async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+    });
+    let channel =
+        tonic::transport::Endpoint::from_static("http://sluice.sock").connect_with_connector(connector).await.unwrap();
+    RateLimitServiceClient::new(channel)
 }
 
 /// The same from envoyproxy/ratelimit's environment: `GRPC_UDS` puts gRPC on the socket,
@@ -255,13 +261,7 @@ async fn their_environment_puts_grpc_on_a_socket_with_an_age() {
     let base = format!("http://{}", ready.lines().find_map(|l| l.strip_prefix("http=")).unwrap());
     let open =
         || async { common::series(&common::metrics(&reqwest::Client::new(), &base).await, "sluice_grpc_connections") };
-    let connector = tower::service_fn(move |_: tonic::transport::Uri| {
-        let path = socket.clone();
-        async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
-    });
-    let channel =
-        tonic::transport::Endpoint::from_static("http://sluice.sock").connect_with_connector(connector).await.unwrap();
-    let mut rls = RateLimitServiceClient::new(channel);
+    let mut rls = unix_client(&socket).await;
     let code = rls.should_rate_limit(request("env")).await.unwrap().into_inner().overall_code;
     assert_eq!((code, open().await), (Code::Ok as i32, 1.0));
     let started = Instant::now();

@@ -242,7 +242,6 @@ async fn memcached_servers_come_from_an_srv_record() {
 /// whose /etc/resolv.conf names a dnsmasq on port 53 of a loopback address of this test.
 #[tokio::test]
 async fn their_environment_finds_memcached_by_srv() {
-    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
     let m = MemcachedServer::start();
     let port: u16 = m.addr().rsplit(':').next().unwrap().parse().unwrap();
     let pid = std::process::id();
@@ -265,14 +264,8 @@ async fn their_environment_finds_memcached_by_srv() {
         .envs([("BACKEND_TYPE", "memcache"), ("MEMCACHE_SRV", "_memcache._tcp.sluice.test")])
         .env("MEMCACHE_SRV_REFRESH", "1s");
     let (_sluice, _http, grpc) = common::spawn_command(cmd, dir.path());
-    let mut rls = common::rls(&grpc).await;
-    let mut codes = Vec::new();
-    for _ in 0..3 {
-        let answer = rls.should_rate_limit(common::rls_request("d", &[("user", "env")])).await.unwrap();
-        codes.push(answer.into_inner().overall_code);
-    }
-    let log = std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
-    assert_eq!(codes, [Code::Ok as i32, Code::Ok as i32, Code::OverLimit as i32], "{log}");
+    let (codes, log) = common::overall_codes(&grpc, "d", &[("user", "env")], 3, dir.path()).await;
+    assert_eq!(codes, common::TWO_THEN_OVER, "{log}");
     let stats = m.command("stats").unwrap();
     assert!(!stats.contains("STAT curr_items 0\r"), "counted on the server the record names:\n{stats}");
 }

@@ -254,7 +254,6 @@ async fn the_memcached_store_speaks_tls() {
         }
     }
     // the same store from their environment: MEMCACHE_TLS with its CA file
-    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
     let dir = TempDir::new("sluice-env-memcached-tls");
     let (at, ca) = (format!("127.0.0.1:{port}"), f("ca.crt"));
     let vars = [
@@ -264,12 +263,6 @@ async fn the_memcached_store_speaks_tls() {
         ("MEMCACHE_TLS_CACERT", ca.as_str()),
     ];
     let (_sluice, grpc) = common::their_way(&dir, ENV_RULE, &vars);
-    let mut rls = common::rls(&grpc).await;
-    let mut codes = Vec::new();
-    for _ in 0..3 {
-        let answer = rls.should_rate_limit(common::rls_request("d", &[("user", "env")])).await.unwrap();
-        codes.push(answer.into_inner().overall_code);
-    }
-    let log = std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
-    assert_eq!(codes, [Code::Ok as i32, Code::Ok as i32, Code::OverLimit as i32], "{log}");
+    let (codes, log) = common::overall_codes(&grpc, "d", &[("user", "env")], 3, dir.path()).await;
+    assert_eq!(codes, common::TWO_THEN_OVER, "{log}");
 }

@@ -338,6 +338,29 @@ pub fn their_way(dir: &TempDir, rule: &str, vars: &[(&str, &str)]) -> (Process, 
     (process, grpc)
 }
 
+/// The overall codes of `n` calls of the rate limit service at `grpc`, each for `entries`
+/// of `domain`, with the log of the server in `dir` to print beside them.
+pub async fn overall_codes(
+    grpc: &str,
+    domain: &str,
+    entries: &[(&str, &str)],
+    n: usize,
+    dir: &Path,
+) -> (Vec<i32>, String) {
+    let mut rls = rls(grpc).await;
+    let mut codes = Vec::new();
+    for _ in 0..n {
+        codes.push(rls.should_rate_limit(rls_request(domain, entries)).await.unwrap().into_inner().overall_code);
+    }
+    (codes, std::fs::read_to_string(dir.join("sluice.log")).unwrap_or_default())
+}
+
+/// `[OK, OK, OVER_LIMIT]`: three calls against a limit of two.
+pub const TWO_THEN_OVER: [i32; 3] = {
+    use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+    [Code::Ok as i32, Code::Ok as i32, Code::OverLimit as i32]
+};
+
 /// A client of Envoy's rate limit service at `grpc` (`host:port`).
 pub async fn rls(
     grpc: &str,
