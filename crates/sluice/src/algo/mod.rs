@@ -17,6 +17,7 @@
 //! normalized ones.
 
 pub(crate) mod concurrency;
+pub mod escrow;
 pub(crate) mod fixed_window;
 pub mod grant;
 pub mod overload;

@@ -1,0 +1,233 @@
+//! One limit across regions: quota grants one level up (escrow: O'Neil, TODS 1986; the
+//! demarcation protocol of Barbara and Garcia-Molina).
+//!
+//! A global rule's window (a limit `L`, aligned to the clock so that every region agrees
+//! where it starts and ends) lives in the *global store*. Regions take shares of it as
+//! quota grants ([`super::grant`]), in the background, and give back what they will not
+//! use. A region keeps what it holds in its own store as a [`Pool`]: a window whose
+//! capacity is what the region holds rather than the limit. Its instances take their
+//! grants from the pool as they take them from any window, so a decision never calls the
+//! global store and never waits on it.
+//!
+//! Two invariants bound what the fleet admits in a window:
+//!
+//! 1. In the global store, the units granted to regions never pass `L` (the grant
+//!    algorithm's own invariant, in one atomic step of that store).
+//! 2. A pool's capacity never passes what its region holds in the global store: the
+//!    region adds to its pool ([`fill`]) only after the global store granted, and takes
+//!    from its pool ([`drain`], only what is unspent there) before it gives back.
+//!
+//! So every region admits at most its pool's capacity, at most what it holds, and the
+//! holdings sum to at most `L`. A step lost between the two stores (a process killed, a
+//! link cut, a reply lost) leaves a capacity *below* the holding: units idle until the
+//! window ends, never a unit spent twice. Each window is a state of its own (its key
+//! names the window), so units taken ahead for the next window never meet this one's.
+//!
+//! [`plan`] is what a region's allocator does at each tick, from the region's recent
+//! demand: hold enough for the next `horizon` (about twice the cross-region round trip
+//! and a tick), ask for more before it runs out, and give back what it holds beyond
+//! twice that, so that units follow demand from region to region.
+
+use super::fixed_window::WindowState;
+use super::grant::{self, Ask, GrantBook, Granted, Open};
+use crate::time::Millis;
+
+/// A region's pool of one global window: what it holds (`cap`), what its instances took
+/// (`used`), and where the window ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Pool {
+    pub cap: u64,
+    pub used: u64,
+    pub resets_at: Millis,
+}
+
+impl Pool {
+    /// The pool as it stands for the window ending at `window_end`: empty if what is
+    /// stored belongs to another window.
+    pub fn of_window(self, window_end: Millis) -> Self {
+        if self.resets_at == window_end { self } else { Pool { cap: 0, used: 0, resets_at: window_end } }
+    }
+
+    /// Units held and not yet taken by an instance.
+    pub fn unspent(&self) -> u64 {
+        self.cap.saturating_sub(self.used)
+    }
+
+    fn window(&self) -> WindowState {
+        WindowState { used: self.used, resets_at: self.resets_at }
+    }
+}
+
+/// Adds `units` the global store granted for the window ending at `window_end`.
+pub fn fill(p: Pool, units: u64, window_end: Millis) -> Pool {
+    let p = p.of_window(window_end);
+    Pool { cap: p.cap.saturating_add(units), ..p }
+}
+
+/// Takes up to `units` unspent units out of the pool, to give back to the global store:
+/// returns how many it took (never more than is unspent) and the pool.
+pub fn drain(p: Pool, units: u64, window_end: Millis) -> (u64, Pool) {
+    let p = p.of_window(window_end);
+    let n = units.min(p.unspent());
+    (n, Pool { cap: p.cap - n, ..p })
+}
+
+/// An instance's grant from the pool: [`grant::grant`] with the pool's capacity as the
+/// limit, so an instance never takes what the region does not hold.
+pub fn grant(p: Pool, book: GrantBook, ask: &Ask, now: Millis) -> (Granted, Pool, GrantBook) {
+    let (g, s, book) = grant::grant(p.window(), book, p.cap, ask, now);
+    (g, Pool { used: s.used, ..p }, book)
+}
+
+/// An instance gives back `unspent` units of its grant `id` ([`grant::give_back`]).
+pub fn give_back(p: Pool, book: GrantBook, id: u64, unspent: u64, window: Millis) -> (u64, Pool, GrantBook) {
+    let (back, s, book) = grant::give_back(p.window(), book, id, unspent, window);
+    (back, Pool { used: s.used, ..p }, book)
+}
+
+/// What a region's allocator does next for one global window.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Move {
+    /// Nothing: what is held fits the demand.
+    Hold,
+    /// Ask the global store for up to `want` more units, and at least `need` (nothing if
+    /// fewer are left).
+    Take { want: u64, need: u64 },
+    /// Drain the units of `parts` from the pool, then give back each `(id, unspent)`:
+    /// `unspent` units as part of grant `id`, which the global store then closes.
+    GiveBack { parts: Vec<(u64, u64)> },
+}
+
+/// What a region knows of one global window: its demand (units asked for, admitted or
+/// not, per second, lately), what is unspent in its pool, its grants open in the global
+/// store, and what the global store said was left when it last answered (`None`: not
+/// asked yet).
+#[derive(Debug, Clone, Copy)]
+pub struct Seen<'a> {
+    pub demand_per_s: f64,
+    pub unspent: u64,
+    pub open: &'a [Open],
+    pub left_globally: Option<u64>,
+}
+
+/// The region's next move for a window of which `left` ms remain. It holds the demand of
+/// the next `horizon` ms (or of what is left of the window, if less): below that it asks
+/// for twice that, and at least that much (the global store's grants are otherwise a
+/// share of what is left, sized for a fleet of instances, not for a few regions) or what
+/// is left globally if less; above twice that it gives back down to it, whole grants
+/// first, largest first, while they fit in the excess (so later give-backs stay
+/// possible), then part of the smallest left.
+pub fn plan(seen: Seen, horizon: Millis, left: Millis) -> Move {
+    let Seen { demand_per_s, unspent, open, left_globally } = seen;
+    let target = (demand_per_s * horizon.min(left) as f64 / 1_000.0).ceil() as u64;
+    if unspent < target.max(1) && demand_per_s > 0.0 {
+        if left_globally == Some(0) {
+            return Move::Hold;
+        }
+        let need = (target - unspent.min(target)).max(1).min(left_globally.unwrap_or(u64::MAX).max(1));
+        return Move::Take { want: 2 * target.max(1) - unspent, need };
+    }
+    let mut excess = unspent.saturating_sub(2 * target);
+    let mut grants: Vec<&Open> = open.iter().collect();
+    grants.sort_by_key(|o| std::cmp::Reverse(o.units));
+    let mut parts = Vec::new();
+    for o in grants.iter().filter(|o| o.units > 0) {
+        if o.units <= excess {
+            parts.push((o.id, o.units));
+            excess -= o.units;
+        }
+    }
+    let smallest_left = grants.iter().rev().find(|o| !parts.iter().any(|(id, _)| *id == o.id));
+    if let (true, Some(o)) = (excess > 0, smallest_left) {
+        parts.push((o.id, excess.min(o.units)));
+    }
+    if parts.is_empty() { Move::Hold } else { Move::GiveBack { parts } }
+}
+
+/// The region's grants it may close as spent when it next asks (oldest first): as many
+/// as leave open grants holding at least what is unspent in its pool, so that the global
+/// store's book keeps only grants a give-back may still name.
+pub fn spent(open: &[Open], unspent: u64) -> Vec<u64> {
+    let mut held: u64 = open.iter().map(|o| o.units).sum();
+    let mut ids = Vec::new();
+    for o in open {
+        if held - o.units < unspent {
+            break;
+        }
+        held -= o.units;
+        ids.push(o.id);
+    }
+    ids
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const END: Millis = 60_000;
+
+    fn open(id: u64, units: u64) -> Open {
+        Open { id, units, expires: END }
+    }
+
+    #[test]
+    fn a_pool_grants_no_more_than_the_region_holds() {
+        let p = fill(Pool::default(), 10, END);
+        let ask = Ask { need: 1, want: 100, id: 1, close: &[] };
+        let (g, p, book) = grant(p, GrantBook::default(), &ask, 0);
+        assert_eq!((g.units, p.used, p.cap), (5, 5, 10), "half of what is held, as grants share a window");
+        let mut p = p;
+        let mut book = book;
+        let mut granted = g.units;
+        for id in 2..100 {
+            let (g, q, b) = grant(p, book, &Ask { need: 1, want: 100, id, close: &[] }, 0);
+            (p, book, granted) = (q, b, granted + g.units);
+        }
+        assert_eq!((granted, p.unspent()), (10, 0), "all of it, and not a unit more");
+        let (g, _, _) = grant(fill(p, 3, END), book, &Ask { need: 1, want: 100, id: 200, close: &[] }, 0);
+        assert!(g.units > 0, "a fill makes room again");
+    }
+
+    #[test]
+    fn a_drain_takes_only_what_is_unspent_and_another_window_is_empty() {
+        let p = Pool { cap: 10, used: 7, resets_at: END };
+        assert_eq!(drain(p, 5, END), (3, Pool { cap: 7, used: 7, resets_at: END }));
+        assert_eq!(drain(p, 5, END + 60_000), (0, Pool { cap: 0, used: 0, resets_at: END + 60_000 }));
+        assert_eq!(fill(p, 4, END + 60_000).cap, 4, "a fill of the next window starts from nothing");
+        let (back, p, _) = give_back(p, GrantBook::default(), 9, 5, END);
+        assert_eq!((back, p.used), (0, 7), "a grant the pool does not know gives back nothing");
+    }
+
+    fn seen(demand_per_s: f64, unspent: u64, open: &[Open]) -> Seen<'_> {
+        Seen { demand_per_s, unspent, open, left_globally: None }
+    }
+
+    #[test]
+    fn the_plan_follows_demand_with_room_either_way() {
+        // 100 units a second, a horizon of 300 ms: 30 held
+        assert_eq!(plan(seen(100.0, 10, &[]), 300, 60_000), Move::Take { want: 50, need: 20 });
+        let nearly_out = Seen { left_globally: Some(7), ..seen(100.0, 10, &[]) };
+        assert_eq!(plan(nearly_out, 300, 60_000), Move::Take { want: 50, need: 7 }, "what is left, if less");
+        let out = Seen { left_globally: Some(0), ..seen(100.0, 10, &[]) };
+        assert_eq!(plan(out, 300, 60_000), Move::Hold, "nothing left to ask for");
+        assert_eq!(plan(seen(100.0, 45, &[open(1, 45)]), 300, 60_000), Move::Hold, "up to twice the target");
+        let one = [open(1, 20)];
+        let near_end = seen(100.0, 20, &one);
+        assert_eq!(plan(near_end, 300, 100), Move::Hold, "near the end, the window's rest is the horizon");
+        assert_eq!(plan(seen(0.0, 0, &[]), 300, 60_000), Move::Hold, "no demand, nothing asked");
+        let grants = [open(1, 20), open(2, 50), open(3, 5)];
+        let back = Move::GiveBack { parts: vec![(2, 50), (3, 5), (1, 5)] };
+        assert_eq!(plan(seen(0.0, 60, &grants), 300, 60_000), back, "whole grants, largest first, then a part");
+        let back = Move::GiveBack { parts: vec![(4, 74)] };
+        assert_eq!(plan(seen(10.0, 80, &[open(4, 90)]), 300, 60_000), back, "a part of one too large");
+        assert_eq!(plan(seen(0.0, 3, &[]), 300, 60_000), Move::Hold, "nothing to give back through");
+    }
+
+    #[test]
+    fn spent_grants_are_the_oldest_that_leave_the_unspent_covered() {
+        let grants = [open(1, 10), open(2, 10), open(3, 10)];
+        assert_eq!(spent(&grants, 12), [1], "20 left open cover 12");
+        assert_eq!(spent(&grants, 0), [1, 2, 3]);
+        assert!(spent(&grants, 25).is_empty());
+    }
+}
