@@ -4,6 +4,9 @@
 //! server that cannot be found is an error that says how to install it: a test that
 //! needs a server fails without one, it never passes silently.
 
+mod proxy;
+pub use proxy::Proxy;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
