@@ -118,7 +118,8 @@ macro_rules! conformance_suite {
     (fixed_window_only $name:ident, $make:expr) => {
         $crate::conformance_suite!(@tests $name, $make; fixed_window_counts_and_resets, aligned_window_ends_on_boundary,
             all_or_nothing, shadow_does_not_block, peek_never_charges, refunds, tags_and_keys_are_independent,
-            reset_forgets_state, registry_is_versioned, grants_are_shares_given_back_once, reservations_hold_and_settle,
+            reset_forgets_state, registry_is_versioned, grants_are_shares_given_back_once, pools_hold_what_the_region_holds,
+            reservations_hold_and_settle,
             reservations_follow_the_model, reservations_count_billions, reservations_are_bounded,
             refusals_with_holds_say_when_the_first_lapses, lapsed_holds_come_back_when_touched_late);
     };
@@ -128,6 +129,7 @@ macro_rules! conformance_suite {
             token_bucket_burst_and_refill, sliding_window_weighs_previous, concurrency_leases, refunds,
             tags_and_keys_are_independent, sequence_matches_model, reset_forgets_state, reset_forgets_every_kind,
             registry_is_versioned, grants_are_shares_given_back_once, bucket_grants_hold_the_refill_back,
+            pools_hold_what_the_region_holds,
             reservations_hold_and_settle, reservations_follow_the_model, reservations_and_grants_share_a_window,
             reservations_count_billions, reservations_are_bounded, refusals_with_holds_say_when_the_first_lapses,
             lapsed_holds_come_back_when_touched_late);

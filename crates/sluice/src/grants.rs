@@ -336,7 +336,7 @@ impl Ledger {
     /// A grant to ask for (the spent grants it closes are added when it is sent).
     fn ask(&self, op: &Op, need: u64, want: u64) -> GrantAsk {
         let id = self.new_id();
-        GrantAsk { key: op.key, limit: op.limit, need, want: want.max(need), id, close: Vec::new() }
+        GrantAsk { key: op.key, limit: op.limit, need, want: want.max(need), id, close: Vec::new(), pool: false }
     }
 
     /// Asks `store` for the grant `ask` and adds what it grants (grants of another

@@ -514,7 +514,7 @@ impl Share {
             0 => Vec::new(),
             _ => self.grant.take().map(|(id, _)| id).into_iter().collect(),
         };
-        let ask = GrantAsk { key: target.key, limit: target.limit, need, want, id, close };
+        let ask = GrantAsk { key: target.key, limit: target.limit, need, want, id, close, pool: false };
         let g = limiter.store().grant(target.tag, ask, now).await?;
         if g.units > 0 {
             self.grant = Some((id, g.units));

@@ -33,19 +33,50 @@ use super::grant::{self, Ask, GrantBook, Granted, Open};
 use crate::time::Millis;
 
 /// A region's pool of one global window: what it holds (`cap`), what its instances took
-/// (`used`), and where the window ends.
+/// (`used`), where the window ends; which allocator acts on it until when (`claim_until`:
+/// one at a time, so that a region's instances do not all ask at once); and the region's
+/// recent demand, as its instances report it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Pool {
     pub cap: u64,
     pub used: u64,
     pub resets_at: Millis,
+    pub claim_until: Millis,
+    pub demand: Demand,
+}
+
+/// Units asked for in a region (admitted or not) in two buckets of a set length: the one
+/// that started at `at` (`this`), and the one before it (`before`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Demand {
+    pub at: Millis,
+    pub before: u64,
+    pub this: u64,
+}
+
+impl Demand {
+    /// Counts `arrived` units at `now`, in buckets of `bucket` ms.
+    pub fn report(self, arrived: u64, bucket: Millis, now: Millis) -> Self {
+        let d = match now.saturating_sub(self.at) {
+            e if e < bucket => self,
+            e if e < 2 * bucket => Demand { at: now, before: self.this, this: 0 },
+            _ => Demand { at: now, before: 0, this: 0 },
+        };
+        Demand { this: d.this.saturating_add(arrived), ..d }
+    }
+
+    /// Units a second, over the last bucket and the current one.
+    pub fn per_s(&self, bucket: Millis, now: Millis) -> f64 {
+        let span = bucket + now.saturating_sub(self.at).min(bucket);
+        (self.before + self.this) as f64 * 1_000.0 / span.max(1) as f64
+    }
 }
 
 impl Pool {
     /// The pool as it stands for the window ending at `window_end`: empty if what is
     /// stored belongs to another window.
     pub fn of_window(self, window_end: Millis) -> Self {
-        if self.resets_at == window_end { self } else { Pool { cap: 0, used: 0, resets_at: window_end } }
+        if self.resets_at == window_end { self } else { Pool { resets_at: window_end, ..Pool::default() } }
     }
 
     /// Units held and not yet taken by an instance.
@@ -55,6 +86,41 @@ impl Pool {
 
     fn window(&self) -> WindowState {
         WindowState { used: self.used, resets_at: self.resets_at }
+    }
+}
+
+/// What an allocator does to a pool, in one atomic step of the region's store, after
+/// reporting the units its instance was asked for since its last call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    /// Nothing: read it.
+    Read,
+    /// Take the pool's claim for `ttl` ms, if no other allocator holds it: 1 if taken.
+    Claim { ttl: Millis },
+    /// Add units the global store granted ([`fill`]); the claim ends.
+    Fill(u64),
+    /// Take unspent units out, to give back ([`drain`]); the claim ends.
+    Drain(u64),
+    /// End the claim (a grant asked for and refused).
+    Release,
+}
+
+/// One allocator call on the pool of the window ending at `end`: `arrived` units
+/// reported, then `act`. Returns the units the act moved (a claim: 1 if taken) and the
+/// pool after it.
+pub fn change(p: Pool, end: Millis, arrived: u64, act: Act, (bucket, now): (Millis, Millis)) -> (u64, Pool) {
+    let p = p.of_window(end);
+    let p = Pool { demand: p.demand.report(arrived, bucket, now), ..p };
+    match act {
+        Act::Read => (0, p),
+        Act::Claim { ttl } if now >= p.claim_until => (1, Pool { claim_until: now + ttl, ..p }),
+        Act::Claim { .. } => (0, p),
+        Act::Fill(units) => (units, Pool { claim_until: 0, ..fill(p, units, end) }),
+        Act::Drain(units) => {
+            let (n, p) = drain(p, units, end);
+            (n, Pool { claim_until: 0, ..p })
+        }
+        Act::Release => (0, Pool { claim_until: 0, ..p }),
     }
 }
 
@@ -190,12 +256,33 @@ mod tests {
 
     #[test]
     fn a_drain_takes_only_what_is_unspent_and_another_window_is_empty() {
-        let p = Pool { cap: 10, used: 7, resets_at: END };
-        assert_eq!(drain(p, 5, END), (3, Pool { cap: 7, used: 7, resets_at: END }));
-        assert_eq!(drain(p, 5, END + 60_000), (0, Pool { cap: 0, used: 0, resets_at: END + 60_000 }));
+        let p = Pool { cap: 10, used: 7, resets_at: END, ..Pool::default() };
+        assert_eq!(drain(p, 5, END), (3, Pool { cap: 7, ..p }));
+        assert_eq!(drain(p, 5, END + 60_000), (0, Pool { resets_at: END + 60_000, ..Pool::default() }));
         assert_eq!(fill(p, 4, END + 60_000).cap, 4, "a fill of the next window starts from nothing");
         let (back, p, _) = give_back(p, GrantBook::default(), 9, 5, END);
         assert_eq!((back, p.used), (0, 7), "a grant the pool does not know gives back nothing");
+    }
+
+    #[test]
+    fn one_allocator_at_a_time_and_the_region_s_demand_counted() {
+        let at = |now| (100, now);
+        let (claimed, p) = change(Pool::default(), END, 30, Act::Claim { ttl: 500 }, at(1_000));
+        assert_eq!((claimed, p.claim_until, p.demand.this), (1, 1_500, 30));
+        let (claimed, p) = change(p, END, 20, Act::Claim { ttl: 500 }, at(1_050));
+        assert_eq!((claimed, p.demand.this), (0, 50), "another instance: not while it is held");
+        let (filled, p) = change(p, END, 0, Act::Fill(40), at(1_120));
+        assert_eq!((filled, p.cap, p.claim_until), (40, 40, 0), "a fill ends the claim");
+        assert_eq!(p.demand, Demand { at: 1_120, before: 50, this: 0 }, "a new bucket");
+        assert_eq!(p.demand.per_s(100, 1_170), 50.0 * 1_000.0 / 150.0);
+        let (claimed, p) = change(p, END, 0, Act::Claim { ttl: 500 }, at(1_200));
+        let (_, p) = change(p, END, 0, Act::Release, at(1_210));
+        assert_eq!((claimed, p.claim_until), (1, 0));
+        let (drained, p) = change(Pool { used: 35, ..p }, END, 0, Act::Drain(10), at(1_220));
+        assert_eq!((drained, p.cap), (5, 35), "only what is unspent");
+        let (_, p) = change(p, END, 0, Act::Read, at(2_000));
+        assert_eq!(p.demand, Demand { at: 2_000, before: 0, this: 0 }, "long quiet: no demand");
+        assert_eq!(change(p, END + 60_000, 0, Act::Read, at(2_000)).1.cap, 0, "the next window's is its own");
     }
 
     fn seen(demand_per_s: f64, unspent: u64, open: &[Open]) -> Seen<'_> {

@@ -14,7 +14,8 @@
 //! argument), so the suite crosses window boundaries without sleeping. Every check uses
 //! fresh random tags, so checks may share one store and one server.
 
-use super::{Commit, GiveBack, GrantAsk, Refund, RegistryOp, Reservation, Settled, Store};
+use super::{Commit, GiveBack, GrantAsk, PoolCall, Refund, RegistryOp, Reservation, Settled, Store};
+use crate::algo::escrow::Act;
 use crate::algo::{self, Decision, Lease, Limit, Op, State};
 use crate::tag::Tag;
 use crate::time::{Clock, Millis};
@@ -297,7 +298,7 @@ pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
     let t0 = t0();
     let t = fresh_tag();
     let l = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
-    let ask = |id, need, want| GrantAsk { key: 1, limit: l, need, want, id, close: Vec::new() };
+    let ask = |id, need, want| GrantAsk { key: 1, limit: l, need, want, id, close: Vec::new(), pool: false };
     if !s.grants() {
         assert!(s.grant(t, ask(1, 1, 10), t0).await.is_err(), "a store taking no grants must refuse one");
         return;
@@ -324,6 +325,48 @@ pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
     assert_eq!(s.give_back(t, back(10, 4, t0 + 120_000), t0 + 60_003).await.unwrap(), 0);
     let g = s.grant(t, ask(11, 1, 1_000), t0 + 60_004).await.unwrap();
     assert_eq!((g.units, g.holders, g.decision.reset_at), (50, 1, t0 + 120_004));
+}
+
+/// Regional pools of global windows (`algo::escrow`): an instance's grant from a pool is
+/// bounded by what was filled, not by the limit; a drain takes only what is unspent; one
+/// allocator holds the claim at a time, and a fill or a drain ends it; the region's demand
+/// is counted; each window's pool is its own. A store that keeps none says so.
+pub async fn pools_hold_what_the_region_holds(s: &dyn Store) {
+    let t = fresh_tag();
+    let l = Limit::FixedWindow { limit: 100, window: 10_000, aligned: true };
+    let now = (t0() / 10_000) * 10_000 + 100;
+    let end = now - 100 + 10_000;
+    let call = |act, arrived| PoolCall { key: 1, limit: l, end, arrived, act, bucket: 1_000 };
+    let ask = |id, want| GrantAsk { key: 1, limit: l, need: 1, want, id, close: Vec::new(), pool: true };
+    if !s.pools() {
+        assert!(s.pool(t, call(Act::Read, 0), now).await.is_err(), "a store keeping no pools must refuse a call");
+        return;
+    }
+    assert_eq!(s.grant(t, ask(1, 50), now).await.unwrap().units, 0, "nothing filled: nothing granted");
+    let (filled, p) = s.pool(t, call(Act::Fill(10), 7), now).await.unwrap();
+    assert_eq!((filled, p.cap, p.used, p.resets_at, p.demand.this), (10, 10, 0, end, 7));
+    let g = s.grant(t, ask(2, 4), now + 1).await.unwrap();
+    assert_eq!((g.units, g.decision.remaining), (4, 6), "within what is held");
+    let (drained, p) = s.pool(t, call(Act::Drain(100), 5), now + 2).await.unwrap();
+    assert_eq!((drained, p.cap, p.used, p.demand.this), (6, 4, 4, 12), "only the unspent");
+    assert_eq!(s.grant(t, ask(3, 50), now + 3).await.unwrap().units, 0, "all of it granted: nothing more");
+    let back = GiveBack { key: 1, limit: l, id: 2, unspent: 3, window: end };
+    assert_eq!(s.give_back(t, back, now + 4).await.unwrap(), 3, "an instance gives back into the pool");
+    assert_eq!(s.grant(t, ask(4, 50), now + 5).await.unwrap().units, 1, "a share of the 3 back");
+    let (claimed, p) = s.pool(t, call(Act::Claim { ttl: 500 }, 0), now + 6).await.unwrap();
+    assert_eq!((claimed, p.claim_until), (1, now + 506));
+    assert_eq!(s.pool(t, call(Act::Claim { ttl: 500 }, 0), now + 7).await.unwrap().0, 0, "one at a time");
+    let (_, p) = s.pool(t, call(Act::Fill(20), 0), now + 8).await.unwrap();
+    assert_eq!((p.cap, p.claim_until), (24, 0), "a fill ends the claim");
+    assert_eq!(s.pool(t, call(Act::Claim { ttl: 500 }, 0), now + 9).await.unwrap().0, 1);
+    assert_eq!(s.pool(t, call(Act::Release, 0), now + 10).await.unwrap().1.claim_until, 0);
+    let plain = GrantAsk { pool: false, ..ask(5, 1_000) };
+    assert_eq!(s.grant(t, plain, now + 11).await.unwrap().decision.limit, 100, "a plain grant keeps the limit");
+    // the next window's pool is its own (its key names it), filled ahead of its start
+    let next = PoolCall { key: 2, end: end + 10_000, ..call(Act::Fill(9), 0) };
+    assert_eq!(s.pool(t, next, end).await.unwrap().1.cap, 9);
+    let (_, p) = s.pool(t, call(Act::Read, 0), now + 12).await.unwrap();
+    assert_eq!(p.cap, 24, "this window's is untouched");
 }
 
 /// Reservations (`algo::reservation`): held units count against every limit of the
@@ -400,7 +443,9 @@ pub async fn reservations_and_grants_share_a_window(s: &dyn Store) {
     let (t0, t) = (t0(), fresh_tag());
     let l = Limit::FixedWindow { limit: 100, window: 60_000, aligned: false };
     assert!(s.reserve(t, &[op(1, l, 30)], Reservation { id: 1, ttl: 5_000 }, t0).await.unwrap()[0].allowed);
-    let g = s.grant(t, GrantAsk { key: 1, limit: l, need: 1, want: 1_000, id: 9, close: Vec::new() }, t0 + 1).await;
+    let g = s
+        .grant(t, GrantAsk { key: 1, limit: l, need: 1, want: 1_000, id: 9, close: Vec::new(), pool: false }, t0 + 1)
+        .await;
     assert_eq!(g.unwrap().units, 35, "half of the 70 neither held nor committed");
     let back = GiveBack { key: 1, limit: l, id: 9, unspent: 5, window: t0 + 60_000 };
     assert_eq!(s.give_back(t, back, t0 + 2).await.unwrap(), 5);
@@ -578,7 +623,8 @@ pub async fn bucket_grants_hold_the_refill_back(s: &dyn Store) {
     let t = fresh_tag();
     // 10 tokens a second, burst 20
     let l = Limit::TokenBucket { rate: 10, per: 1_000, burst: 20 };
-    let ask = |id, want, close: &[u64]| GrantAsk { key: 1, limit: l, need: 1, want, id, close: close.to_vec() };
+    let ask =
+        |id, want, close: &[u64]| GrantAsk { key: 1, limit: l, need: 1, want, id, close: close.to_vec(), pool: false };
     let g = s.grant(t, ask(1, 100, &[]), t0).await.unwrap();
     assert_eq!((g.units, g.holders, g.decision.remaining), (10, 1, 10), "half of a full bucket");
     // 900 ms later a bucket would hold 19; the 10 units held keep it at 10
@@ -624,7 +670,7 @@ pub async fn concurrent_grants_never_pass_the_limit(s: Arc<dyn Store>) {
     let tasks: Vec<_> = (0..200u64)
         .map(|id| {
             let s = s.clone();
-            let ask = GrantAsk { key: 1, limit: l, need: 1, want: 37, id, close: Vec::new() };
+            let ask = GrantAsk { key: 1, limit: l, need: 1, want: 37, id, close: Vec::new(), pool: false };
             tokio::spawn(async move { s.grant(t, ask, t0 + id % 5).await.unwrap().units })
         })
         .collect();
@@ -637,7 +683,7 @@ pub async fn concurrent_grants_never_pass_the_limit(s: Arc<dyn Store>) {
     // the rest, asked for one by one until nothing is left: no unit twice, none lost
     for id in 200.. {
         match s
-            .grant(t, GrantAsk { key: 1, limit: l, need: 1, want: 37, id, close: Vec::new() }, t0 + 11)
+            .grant(t, GrantAsk { key: 1, limit: l, need: 1, want: 37, id, close: Vec::new(), pool: false }, t0 + 11)
             .await
             .unwrap()
             .units

@@ -13,9 +13,10 @@
 //! comes back as windows end; [`MemoryStats::full`] counts the calls that found none.
 
 use super::{
-    Commit, GiveBack, GrantAsk, Hold, LocalRegistry, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store,
-    StoreError, no_grants_for, only_windows,
+    Commit, GiveBack, GrantAsk, Hold, LocalRegistry, PoolCall, Refund, RegistryOp, RegistryReply, Reservation, Settled,
+    Store, StoreError, no_grants_for, only_windows,
 };
+use crate::algo::escrow::{self, Pool};
 use crate::algo::grant::{self, GrantBook, Granted};
 use crate::algo::reservation::{self, Ledger};
 use crate::algo::{self, ConcurrencyState, Decision, Lease, Limit, Op, State};
@@ -76,6 +77,9 @@ struct Shard {
     books: HashMap<Slot, GrantBook, BuildHasherDefault<FoldHasher>>,
     /// The reservations of windows that have some (see [`crate::algo::reservation`]).
     ledgers: HashMap<Slot, Ledger, BuildHasherDefault<FoldHasher>>,
+    /// Regional pools of global windows (see [`crate::algo::escrow`]): all but `used`,
+    /// which is the window's.
+    pools: HashMap<Slot, Pool, BuildHasherDefault<FoldHasher>>,
     /// Collecting scans the shard; do it at most once a second.
     next_collect: Millis,
 }
@@ -109,6 +113,7 @@ impl MemoryStore {
                     map: Map::default(),
                     books: Default::default(),
                     ledgers: Default::default(),
+                    pools: Default::default(),
                     next_collect: 0,
                 })
             })
@@ -169,6 +174,7 @@ impl MemoryStore {
         let before = shard.map.len();
         shard.map.retain(|_, e| e.expires_at > now);
         shard.books.retain(|_, b| b.expires() + grant::SKEW > now);
+        shard.pools.retain(|_, p| p.resets_at > now);
         // a ledger lives as long as its window: a hold past its deadline is given back
         // when the window is next touched, however late (collected at the hold's own
         // deadline, its units were never given back)
@@ -431,6 +437,9 @@ impl Store for MemoryStore {
         let (granted, state, book) = match (ask.limit, state) {
             (Limit::FixedWindow { limit, window, aligned }, State::Window(s)) => {
                 let s = algo::fixed_window::normalize(s, window, aligned, now);
+                // a region's pool: what the region holds bounds it
+                let pool = shard.pools.get(&at).map(|p| p.of_window(s.resets_at));
+                let limit = if ask.pool { pool.map_or(0, |p| p.cap) } else { limit };
                 let (g, s, book) = grant::grant(s, book, limit, &a, now);
                 (g, State::Window(s), book)
             }
@@ -468,6 +477,21 @@ impl Store for MemoryStore {
         };
         Self::put_granted(&mut shard, at, &back.limit, state, book);
         Ok(units)
+    }
+
+    fn pools(&self) -> bool {
+        true
+    }
+
+    async fn pool(&self, tag: Tag, call: PoolCall, now: Millis) -> Result<(u64, Pool), StoreError> {
+        let mut shard = self.shard(tag);
+        let at = slot(tag, call.key);
+        let window = Self::window(&shard, at);
+        let used = if window.resets_at == call.end { window.used } else { 0 };
+        let kept = shard.pools.get(&at).copied().unwrap_or_default();
+        let (moved, pool) = escrow::change(Pool { used, ..kept }, call.end, call.arrived, call.act, (call.bucket, now));
+        shard.pools.insert(at, pool);
+        Ok((moved, pool))
     }
 
     fn reservations(&self) -> bool {

@@ -16,6 +16,7 @@ pub mod redis;
 mod registry;
 mod resilient;
 
+use crate::algo::escrow::{Act, Pool};
 use crate::algo::grant::Granted;
 pub use crate::algo::reservation::{Hold, Settled};
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
@@ -53,7 +54,9 @@ pub struct Refund {
 
 /// A grant to take (see [`crate::algo::grant`]): up to `want` units, at least `need`,
 /// of the fixed-window or token-bucket state `key`, recorded as grant `id`; the grants
-/// in `close` (this instance's, of the same state) are spent.
+/// in `close` (this instance's, of the same state) are spent. With `pool`, the state is
+/// a region's pool of a global window ([`crate::algo::escrow`]): what the region holds
+/// bounds the grant, not the limit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GrantAsk {
     pub key: u64,
@@ -62,6 +65,21 @@ pub struct GrantAsk {
     pub want: u64,
     pub id: u64,
     pub close: Vec<u64>,
+    pub pool: bool,
+}
+
+/// An allocator's call on a region's pool of a global window (see
+/// [`crate::algo::escrow::change`]): the pool of fixed window `key` (under `limit`) that
+/// ends at `end`, with `arrived` units reported (demand counted in buckets of `bucket`
+/// ms), then `act`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolCall {
+    pub key: u64,
+    pub limit: Limit,
+    pub end: Millis,
+    pub arrived: u64,
+    pub act: Act,
+    pub bucket: Millis,
 }
 
 /// Unspent units of grant `id`, taken from state `key` (a fixed window: in the window
@@ -228,6 +246,22 @@ pub trait Store: Send + Sync + 'static {
         Err(StoreError::protocol(no_grants_reason(self.kind())))
     }
 
+    /// Whether the store keeps regional pools of global windows (the memory and Redis
+    /// stores do).
+    fn pools(&self) -> bool {
+        false
+    }
+
+    /// One allocator call on a pool ([`crate::algo::escrow::change`]), atomically:
+    /// the units it moved and the pool after it.
+    async fn pool(&self, tag: Tag, call: PoolCall, now: Millis) -> Result<(u64, Pool), StoreError> {
+        let _ = (tag, call, now);
+        Err(StoreError::protocol(format!(
+            "the {} store keeps no regional pools; use a memory or redis store",
+            self.kind()
+        )))
+    }
+
     /// Whether the store keeps reservations (see [`crate::algo::reservation`]).
     fn reservations(&self) -> bool {
         false
@@ -378,6 +412,12 @@ impl<R: Router> Store for R {
     }
     async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
         self.route(tag).give_back(tag, back, now).await
+    }
+    fn pools(&self) -> bool {
+        self.stores().iter().all(|s| s.pools())
+    }
+    async fn pool(&self, tag: Tag, call: PoolCall, now: Millis) -> Result<(u64, Pool), StoreError> {
+        self.route(tag).pool(tag, call, now).await
     }
     fn reservations(&self) -> bool {
         self.stores().iter().all(|s| s.reservations())

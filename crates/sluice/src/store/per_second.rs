@@ -11,7 +11,10 @@
 //! on the other side may see the charge (and be refused by it), never a charge that stays.
 //! A lease (concurrency) is the main store's alone, and is given back the same way.
 
-use super::{Commit, GiveBack, GrantAsk, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError};
+use super::{
+    Commit, GiveBack, GrantAsk, PoolCall, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError,
+};
+use crate::algo::escrow::Pool;
 use crate::algo::grant::Granted;
 use crate::algo::reservation::Hold;
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
@@ -185,6 +188,14 @@ impl Store for PerSecondStore {
 
     async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
         self.side(per_second(&back.limit)).give_back(tag, back, now).await
+    }
+
+    fn pools(&self) -> bool {
+        self.main.pools() && self.per_second.pools()
+    }
+
+    async fn pool(&self, tag: Tag, call: PoolCall, now: Millis) -> Result<(u64, Pool), StoreError> {
+        self.side(per_second(&call.limit)).pool(tag, call, now).await
     }
 
     fn reservations(&self) -> bool {

@@ -7,8 +7,10 @@
 //! What the client sees when a call fails is the engine's failure policy.
 
 use super::{
-    Commit, GiveBack, GrantAsk, Hold, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError,
+    Commit, GiveBack, GrantAsk, Hold, PoolCall, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store,
+    StoreError,
 };
+use crate::algo::escrow::Pool;
 use crate::algo::grant::Granted;
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
@@ -283,6 +285,12 @@ impl<S: Store> Store for Resilient<S> {
     }
     async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
         self.call(StoreOp::Grant, self.inner.give_back(tag, back, now)).await
+    }
+    fn pools(&self) -> bool {
+        self.inner.pools()
+    }
+    async fn pool(&self, tag: Tag, call: PoolCall, now: Millis) -> Result<(u64, Pool), StoreError> {
+        self.call(StoreOp::Grant, self.inner.pool(tag, call, now)).await
     }
     fn reservations(&self) -> bool {
         self.inner.reservations()

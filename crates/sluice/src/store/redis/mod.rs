@@ -22,8 +22,10 @@ pub use sentinel::{Auth, FOLLOW_EVERY, SentinelOptions};
 pub use sharded::ShardedRedisStore;
 
 use super::{
-    Commit, GiveBack, GrantAsk, Hold, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError, b64,
+    Commit, GiveBack, GrantAsk, Hold, PoolCall, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store,
+    StoreError, b64,
 };
+use crate::algo::escrow::{Act, Demand, Pool};
 use crate::algo::grant::Granted;
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
@@ -61,6 +63,7 @@ struct Scripts {
     registry: Script,
     grant: Script,
     give_back: Script,
+    pool: Script,
     reserve: Script,
     commit: Script,
 }
@@ -84,6 +87,7 @@ impl Scripts {
             )),
             grant: Script::new(format!("{lib}{}", include_str!("lua/grant.lua"))),
             give_back: Script::new(format!("{lib}{}", include_str!("lua/give_back.lua"))),
+            pool: Script::new(format!("{lib}{}", include_str!("lua/pool.lua"))),
             reserve: Script::new(format!("{lib}{}", include_str!("lua/reserve.lua"))),
             commit: Script::new(format!("{lib}{}", include_str!("lua/commit.lua"))),
         }
@@ -949,7 +953,7 @@ impl Store for RedisStore {
         let at = Location::of(tag, ask.key, &ask.limit, self.writer.options.buckets);
         let fill = |cmd: &mut Cmd| {
             cmd.arg(now).arg(GRACE_MS).arg(policy(&ask.limit, false)).arg(&at.field);
-            cmd.arg(ask.need).arg(ask.want).arg(ask.id).arg(&ask.close);
+            cmd.arg(ask.need).arg(ask.want).arg(ask.id).arg(u8::from(ask.pool)).arg(&ask.close);
         };
         // durable before it is spent: a failover must not grant the same units again
         let (script, acks) = (&self.granter.scripts.grant, self.granter.grant_acks);
@@ -973,6 +977,33 @@ impl Store for RedisStore {
         };
         let reply = self.writer.write(&self.writer.scripts.give_back, &[&at.key], fill).await?;
         redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("give-back reply: {e}")).because(e))
+    }
+
+    fn pools(&self) -> bool {
+        true
+    }
+
+    async fn pool(&self, tag: Tag, call: PoolCall, now: Millis) -> Result<(u64, Pool), StoreError> {
+        let at = Location::of(tag, call.key, &call.limit, self.writer.options.buckets);
+        let (act, units) = match call.act {
+            Act::Read => ("read", 0),
+            Act::Claim { ttl } => ("claim", ttl),
+            Act::Fill(units) => ("fill", units),
+            Act::Drain(units) => ("drain", units),
+            Act::Release => ("release", 0),
+        };
+        let fill = |cmd: &mut Cmd| {
+            cmd.arg(now).arg(GRACE_MS).arg(policy(&call.limit, false)).arg(&at.field);
+            cmd.arg(call.end).arg(call.arrived).arg(act).arg(units).arg(call.bucket);
+        };
+        let reply = self.writer.write(&self.writer.scripts.pool, &[&at.key], fill).await?;
+        let n: Vec<u64> =
+            redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("pool reply: {e}")).because(e))?;
+        let [moved, cap, used, claim_until, at, before, this] = n[..] else {
+            return Err(StoreError::protocol(format!("pool answered {} numbers", n.len())));
+        };
+        let demand = Demand { at, before, this };
+        Ok((moved, Pool { cap, used, resets_at: call.end, claim_until, demand }))
     }
 
     fn reservations(&self) -> bool {

@@ -3,15 +3,17 @@
 -- records it in the state's book.
 -- KEYS[1]   the state's bucket
 -- ARGV      now, grace (as apply's), the policy (as apply's), the state's field, need,
---           want, the grant's id (decimal), then the ids of the caller's spent grants
+--           want, the grant's id (decimal), 1 if the window is a region's pool of a
+--           global window (what the region holds bounds the grant, not the limit), then
+--           the ids of the caller's spent grants
 -- Reply     units granted, the state's decision after the grant (6 integers, as
 --           apply's), the grants open after it
 local now, grace = int(ARGV[1]), int(ARGV[2])
 local p = policy(ARGV[3])
 local kind, p1, p2, p3 = p[1], p[2], p[3], p[4]
-local key, field, need, want, id = KEYS[1], ARGV[4], int(ARGV[5]), int(ARGV[6]), ARGV[7]
+local key, field, need, want, id, pooled = KEYS[1], ARGV[4], int(ARGV[5]), int(ARGV[6]), ARGV[7], ARGV[8] == '1'
 local closing = {}
-for i = 8, #ARGV do closing[ARGV[i]] = true end
+for i = 9, #ARGV do closing[ARGV[i]] = true end
 local lx, ly, lz, le = load(kind, key, field, p2, now)
 local x, y, open, skew = granted_normalize(kind, lx, ly, book_load(key, field), closing, p1, p2, p3, now)
 -- a fixed window's open reservations stay with it (their earliest deadline, lz)
@@ -19,6 +21,7 @@ local h = nil
 if y == ly then h = lz end
 local n = #open / 3
 local units, expires = 0, y
+if pooled then p1 = pool_load(key, field, y) end
 if kind == FIXED_WINDOW then
   units = grant_size(max(p1 - x, 0), n, need, want)
 elseif n < MAX_OPEN then

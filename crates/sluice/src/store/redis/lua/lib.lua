@@ -566,3 +566,25 @@ end
 local function reserved_store(s, key, field, p, now, grace)
   store(FIXED_WINDOW, key, field, s.u, s.r, s.h, p[2], p[3], p[4], now, grace, s.lx, s.ly, s.lz, s.le, nil)
 end
+
+-- Regional pools of global windows (algo::escrow): a pool lives in the field beside its
+-- window's, `field .. '$'` (a field name never has '$'), as
+-- "e:cap:claim_until:demand_at:before:this", e the window's end (so pruning reads it).
+-- Its `used` is the window's own count.
+
+-- The pool of the window ending at `e` as stored (zeros if it is another window's):
+-- cap, claim_until, demand_at, before, this.
+local function pool_load(key, field, e)
+  local v = redis.call('HGET', key, field .. '$')
+  if v then
+    local pe, cap, claim, at, before, this = string.match(v, '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
+    if pe ~= nil and int(pe) == e then return int(cap), int(claim), int(at), int(before), int(this) end
+  end
+  return 0, 0, 0, 0, 0
+end
+
+local function pool_store(key, field, e, cap, claim, at, before, this, grace)
+  local v = num(e) .. ':' .. num(cap) .. ':' .. num(claim) .. ':' .. num(at) .. ':' .. num(before) .. ':' .. num(this)
+  redis.call('HSET', key, field .. '$', v)
+  live_until(key, e + grace)
+end
