@@ -180,14 +180,14 @@ fn ms(d: Duration) -> ConfigDuration {
 impl RuleBuilder {
     /// GitHub's fixed window: `limit` per `window`, starting at a client's first request.
     pub fn fixed_window(mut self, name: &str, limit: u64, window: Duration) -> Self {
-        let c = FixedWindowConfig { limit, window: ms(window), aligned: false };
+        let c = FixedWindowConfig { limit, window: ms(window), aligned: false, global: false };
         self.policies.push((name.into(), Algorithm::Fixed(c)));
         self
     }
 
     /// Stripe's token bucket: `rate` tokens per `per`, holding at most `burst`.
     pub fn token_bucket(mut self, name: &str, rate: u64, per: Duration, burst: u64) -> Self {
-        let c = TokenBucketConfig { rate, per: ms(per), burst };
+        let c = TokenBucketConfig { rate, per: ms(per), burst, global: false };
         self.policies.push((name.into(), Algorithm::Bucket(c)));
         self
     }

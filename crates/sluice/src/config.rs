@@ -290,6 +290,11 @@ pub struct RateLimitConfig {
     pub unlimited: bool,
     #[serde(default)]
     pub replaces: Vec<Replaces>,
+    /// Sluice's extension: one limit shared by every region (top-level `region` and
+    /// `global_store`): each region holds shares of it (docs/configuration.md, "One limit
+    /// across regions"). Its windows are aligned to the clock.
+    #[serde(default)]
+    pub global: bool,
 }
 
 /// An entry of `rate_limit.replaces`.
@@ -325,6 +330,9 @@ pub struct FixedWindowConfig {
     pub window: Duration,
     #[serde(default)]
     pub aligned: bool,
+    /// One limit shared by every region (see [`RateLimitConfig::global`]); aligned.
+    #[serde(default)]
+    pub global: bool,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -333,6 +341,9 @@ pub struct TokenBucketConfig {
     pub rate: u64,
     pub per: Duration,
     pub burst: u64,
+    /// Refused: a bucket is not shared across regions (yet); a `fixed_window` is.
+    #[serde(default)]
+    pub global: bool,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -399,11 +410,16 @@ impl PolicyConfig {
         }
     }
 
+    /// Whether the policy's limit is shared by every region (`global: true`).
+    pub fn global(&self) -> bool {
+        self.fixed_window.is_some_and(|c| c.global) || self.token_bucket.is_some_and(|c| c.global)
+    }
+
     /// The policy's limit: exactly one algorithm must be given.
     pub fn limit(&self) -> Result<Limit, PolicyError> {
         let mut found = Vec::new();
         if let Some(c) = self.fixed_window {
-            found.push(Limit::FixedWindow { limit: c.limit, window: c.window.0, aligned: c.aligned });
+            found.push(Limit::FixedWindow { limit: c.limit, window: c.window.0, aligned: c.aligned || c.global });
         }
         if let Some(c) = self.token_bucket {
             found.push(Limit::TokenBucket { rate: c.rate, per: c.per.0, burst: c.burst });

@@ -351,6 +351,8 @@ impl Ledger {
         out: &mut Leftovers,
     ) -> Result<Granted, StoreError> {
         rule.counters.store_calls.increment(1);
+        // a global limit's grants come from the region's pool (algo::escrow)
+        ask.pool = rule.global;
         // the grants spent since the last call are closed by this one (kept if it fails)
         if let Some(h) = self.shard(tag).get_mut(&(tag, ask.key)).filter(|h| h.limit == ask.limit) {
             ask.close = std::mem::take(&mut h.spent_ids);
@@ -426,7 +428,8 @@ impl Ledger {
             Some(h) => h.decision(0, false, now),
             None => {
                 let retry_after = Some(g.decision.reset_at.saturating_sub(now));
-                Decision { allowed: false, remaining: 0, retry_after, ..g.decision }
+                // a region's pool answers with what the region holds as its limit
+                Decision { allowed: false, remaining: 0, retry_after, limit: op.limit.capacity(), ..g.decision }
             }
         }
     }
@@ -544,7 +547,7 @@ mod tests {
     const OP: Op = Op { key: 1, limit: L, cost: 1, lease: None, shadow: false };
 
     fn rule() -> Arc<GrantRule> {
-        Arc::new(GrantRule { grants: Grants::AUTO, counters: GrantCounters::new("d", "p") })
+        Arc::new(GrantRule { grants: Grants::AUTO, counters: GrantCounters::new("d", "p"), global: false })
     }
 
     fn granted(units: u64, remaining: u64) -> Granted {

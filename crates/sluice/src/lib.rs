@@ -50,6 +50,7 @@ mod near_cache;
 pub mod overrides;
 mod plan;
 pub mod quota;
+pub mod regions;
 mod request;
 pub mod rules;
 pub mod store;

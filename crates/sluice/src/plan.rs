@@ -7,6 +7,7 @@
 //! (invariant 5). The plan also holds the skeleton of the verdict, one slot per policy,
 //! that the engine fills with the store's decisions.
 
+use crate::algo::escrow;
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::config::Failure;
 use crate::overrides::{Override, OverrideSet};
@@ -176,13 +177,22 @@ pub(crate) fn plan<'r>(
         let candidates = overrides.filter(|_| d.limit.is_none()).map(|o| o.candidates(&entries)).unwrap_or_default();
         for p in policies.iter().filter(|p| mode.wants(&p.limit) && !replaced.contains(&*p.name)) {
             let o = candidates.find(&p.name, now);
-            let mut op = op_for(rules, p, o.map(|o| &**o), &entries, cost, lease, di, req.lenient)?;
+            let mut op = windowed(p, op_for(rules, p, o.map(|o| &**o), &entries, cost, lease, di, req.lenient)?, now);
             op.shadow |= p.quota && mode.quota(); // vetoes nothing in the store: see quota_spent
             let grants = p.grants.clone().filter(|_| mode.charges());
             plan.add(tag, op, p, o.cloned(), di, grants);
         }
     }
     Ok(plan)
+}
+
+/// `op` of policy `p`, keyed by the window `now` is in when `p` is a global limit: each
+/// window of it is a state of its own (see [`escrow`]).
+fn windowed(p: &Policy, op: Op, now: Millis) -> Op {
+    match p.grants.as_ref().is_some_and(|g| g.global) {
+        true => Op { key: escrow::window_key(op.key, &op.limit, now), ..op },
+        false => op,
+    }
 }
 
 /// The policy of a limit that came with the request (Envoy's descriptor `limit`),
@@ -349,6 +359,7 @@ mod tests {
             requests_per_unit: Some(10),
             unlimited: false,
             replaces: replaces.iter().map(|r| Replaces { name: crate::config::Name(r.to_string()) }).collect(),
+            global: false,
         };
         let mut domain = DomainBuilder::new("api").into_config().unwrap();
         let mut any = crate::config::DescriptorConfig::new("user".into(), None);

@@ -47,6 +47,9 @@ pub(crate) struct Policy {
 pub(crate) struct GrantRule {
     pub grants: Grants,
     pub counters: GrantCounters,
+    /// One limit across regions: its grants come from the region's pool, its window's
+    /// key names the window ([`crate::algo::escrow`]).
+    pub global: bool,
 }
 
 /// How the `descriptor` label of `sluice_decisions_detailed_total` is written for a
@@ -340,6 +343,13 @@ impl Rules {
         found
     }
 
+    /// Whether a limit is shared across regions (`global: true`).
+    pub fn use_global(&self) -> bool {
+        let mut found = false;
+        self.each_policy(&mut |p| found |= p.grants.as_ref().is_some_and(|g| g.global));
+        found
+    }
+
     /// Calls `f` with every policy of every rule.
     fn each_policy(&self, f: &mut dyn FnMut(&Policy)) {
         self.domains.values().flat_map(Domain::policies).for_each(f);
@@ -498,17 +508,25 @@ fn metric_label(c: &DescriptorConfig, steps: &[Step]) -> Option<MetricLabel> {
 }
 
 /// The grants policy `policy` (of `domain`) of rule `c` takes: those of `grants:` on the
-/// rule, for the algorithms grants keep exact, with the policy's grant counters.
+/// rule, for the algorithms grants keep exact, with the policy's grant counters. A
+/// `global` limit always takes them (`auto` unless the rule says), from its region's pool.
 fn grants_for(
     c: &DescriptorConfig,
     domain: &str,
     policy: &str,
-    limit: &Limit,
+    (limit, global): (&Limit, bool),
 ) -> Result<Option<Arc<GrantRule>>, String> {
-    let Some(grants) = c.grants else { return Ok(None) };
+    if global && !matches!(limit, Limit::FixedWindow { .. }) {
+        return Err(format!(
+            "`global: true` shares fixed windows across regions, not a {}: a bucket's refill would have to be \
+             shared too (write it as a fixed_window)",
+            limit.algorithm()
+        ));
+    }
+    let Some(grants) = c.grants.or(global.then_some(Grants::AUTO)) else { return Ok(None) };
     match limit {
         Limit::FixedWindow { .. } | Limit::TokenBucket { .. } => {
-            Ok(Some(Arc::new(GrantRule { grants, counters: GrantCounters::new(domain, policy) })))
+            Ok(Some(Arc::new(GrantRule { grants, counters: GrantCounters::new(domain, policy), global })))
         }
         Limit::SlidingWindow { .. } => Err("`grants` cannot keep a sliding_window exact (its count weighs the \
              previous window, which a grant taken earlier cannot know): use a fixed_window"
@@ -574,7 +592,7 @@ fn add(
             )),
             metric: own.metric.clone(),
             anonymous: false,
-            grants: grants_for(c, inherited.domain, &p.name.0, &limit).map_err(at)?,
+            grants: grants_for(c, inherited.domain, &p.name.0, (&limit, p.global())).map_err(at)?,
             count_refused: false,
         });
     }
@@ -618,7 +636,7 @@ fn node(
             return Err(err("rate_limit needs `unit` and `requests_per_unit` (or `unlimited: true`)".into()));
         };
         // 0 requests a unit is allowed here: envoyproxy/ratelimit's way to block a value
-        let limit = Limit::FixedWindow { limit: rpu, window: unit.millis(), aligned: false };
+        let limit = Limit::FixedWindow { limit: rpu, window: unit.millis(), aligned: rl.global };
         limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
         let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
         let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&names));
@@ -628,7 +646,7 @@ fn node(
             counters = counters.with_ratelimit_names(inherited.domain, &names);
         }
         let counters = Arc::new(counters);
-        let grants = grants_for(c, inherited.domain, &name, &limit).map_err(err)?;
+        let grants = grants_for(c, inherited.domain, &name, (&limit, rl.global)).map_err(err)?;
         node.policies.push(Policy {
             name: name.into(),
             limit,

@@ -28,9 +28,38 @@
 //! and a tick), ask for more before it runs out, and give back what it holds beyond
 //! twice that, so that units follow demand from region to region.
 
+use super::Limit;
 use super::fixed_window::WindowState;
 use super::grant::{self, Ask, GrantBook, Granted, Open};
 use crate::time::Millis;
+
+/// The key of the window of `limit` (a fixed window, aligned) that `now` is in, for the
+/// state `key`: each window of a global limit is a state of its own, so units asked for
+/// ahead of a window never meet the one before. Reversible: [`base_key`].
+pub fn window_key(key: u64, limit: &Limit, now: Millis) -> u64 {
+    key ^ mix(now / window_length(limit))
+}
+
+/// The state key [`window_key`] was made from, given the window's end.
+pub fn base_key(window_key: u64, limit: &Limit, end: Millis) -> u64 {
+    window_key ^ mix(end / window_length(limit) - 1)
+}
+
+fn window_length(limit: &Limit) -> Millis {
+    match *limit {
+        Limit::FixedWindow { window, .. } => window.max(1),
+        _ => 1,
+    }
+}
+
+/// A 64-bit mix of a window's number (splitmix64's finalizer): windows next to each
+/// other give keys far apart.
+fn mix(n: u64) -> u64 {
+    let mut z = n.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
 
 /// A region's pool of one global window: what it holds (`cap`), what its instances took
 /// (`used`), where the window ends; which allocator acts on it until when (`claim_until`:
@@ -234,6 +263,15 @@ mod tests {
 
     fn open(id: u64, units: u64) -> Open {
         Open { id, units, expires: END }
+    }
+
+    #[test]
+    fn each_window_has_its_own_key_and_gives_back_the_first() {
+        let l = Limit::FixedWindow { limit: 10, window: 60_000, aligned: true };
+        let (k1, k2) = (window_key(7, &l, 1_000), window_key(7, &l, 61_000));
+        assert_ne!(k1, k2);
+        assert_eq!(window_key(7, &l, 59_999), k1);
+        assert_eq!((base_key(k1, &l, 60_000), base_key(k2, &l, 120_000)), (7, 7));
     }
 
     #[test]

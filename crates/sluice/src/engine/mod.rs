@@ -87,6 +87,8 @@ pub struct Limiter {
     issued: Arc<Issued>,
     /// When the grants held were last swept for revocations and idle keys.
     sweep: crate::time::Throttle,
+    /// The region's allocator, when limits are shared across regions.
+    regions: Option<Arc<crate::regions::Regions>>,
 }
 
 /// How often the grants held are swept (for resets, overrides and idle keys): what
@@ -107,7 +109,15 @@ impl Limiter {
             grants: Arc::default(),
             issued: Arc::default(),
             sweep: Default::default(),
+            regions: None,
         }
+    }
+
+    /// Counts the decisions of `global: true` limits for `regions`, the allocator that
+    /// keeps this region's pools filled (carried across reloads, as grants are).
+    pub fn with_regions(mut self, regions: Arc<crate::regions::Regions>) -> Self {
+        self.regions = Some(regions);
+        self
     }
 
     /// Uses the quota grants `grants` holds: how a config reload hands the units this
@@ -730,6 +740,9 @@ impl Limiter {
         out: &mut Leftovers,
     ) -> Result<Decision, StoreError> {
         let (mut turn, mut granted, began) = (None, None, self.clock.now());
+        if let Some(regions) = self.regions.as_ref().filter(|_| rule.global) {
+            regions.arrived(tag, op, began);
+        }
         loop {
             // the time now, not when the request came in: a grant's units lapse, and
             // waiting for a turn or the store takes time

@@ -1,0 +1,282 @@
+//! One limit across regions, a region's side: the allocator that keeps the region's pools
+//! of global windows filled from the global store, and gives back what the region does
+//! not need (see [`crate::algo::escrow`] for the design and its bound).
+//!
+//! Every instance runs one. Each counts the units its decisions were asked for on each
+//! global window (admitted or not), and at every tick reports them into the pool (so the
+//! pool holds the region's demand, all instances together), reads it, and plans. One
+//! allocator acts on a pool at a time (the pool's claim), so a region's instances do not
+//! all ask at once. A grant is asked for with this instance's id, so only this instance
+//! gives it back; the units themselves are the region's, in its pool. Decisions never
+//! wait on any of it: they spend grants taken from the pool, in the region's own store.
+
+use crate::algo::escrow::{self, Act, Move, Pool, Seen};
+use crate::algo::grant::Open;
+use crate::algo::{Limit, Op};
+use crate::store::{GiveBack, GrantAsk, PoolCall, Store, StoreError};
+use crate::tag::Tag;
+use crate::time::{Clock, Millis};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// How often an allocator looks at its pools.
+pub const TICK: Millis = 100;
+
+/// The cross-region round trip assumed until a global call has been timed.
+const FIRST_ROUND_TRIP: Millis = 100;
+
+/// What an instance's allocator counts, for `/metrics` and `sluice admin inspect`.
+#[derive(Debug, Default)]
+pub struct RegionStats {
+    /// Units the global store granted to this region through this instance.
+    pub taken: AtomicU64,
+    /// Units given back to the global store.
+    pub given_back: AtomicU64,
+    /// Calls to the global store, and those that failed.
+    pub global_calls: AtomicU64,
+    pub global_errors: AtomicU64,
+    /// The global calls' time, in microseconds, all together.
+    pub global_micros: AtomicU64,
+}
+
+/// One global limit's state of one client as this instance sees it.
+struct Active {
+    limit: Limit,
+    /// Units asked for since the last tick, not yet reported.
+    arrived: u64,
+    seen_at: Millis,
+    /// By window end: this instance's grants open in the global store, and what the
+    /// global store said was left when it last answered.
+    windows: BTreeMap<Millis, Holding>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Holding {
+    open: Vec<Open>,
+    left_globally: Option<u64>,
+}
+
+/// A region's allocator on one instance.
+pub struct Regions {
+    global: Arc<dyn Store>,
+    local: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    active: Mutex<HashMap<(Tag, u64), Active>>,
+    ids: AtomicU64,
+    /// The global calls' latency, smoothed, in ms: half the horizon.
+    latency: AtomicU64,
+    stats: RegionStats,
+}
+
+impl Regions {
+    /// An allocator between the region's store `local` and the `global` store.
+    pub fn new(global: Arc<dyn Store>, local: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Arc<Self> {
+        let mut seed = [0u8; 8];
+        let _ = getrandom::fill(&mut seed);
+        Arc::new(Self {
+            global,
+            local,
+            clock,
+            active: Mutex::new(HashMap::new()),
+            ids: AtomicU64::new(u64::from_le_bytes(seed) >> 1),
+            latency: AtomicU64::new(FIRST_ROUND_TRIP),
+            stats: RegionStats::default(),
+        })
+    }
+
+    pub fn stats(&self) -> &RegionStats {
+        &self.stats
+    }
+
+    /// How far ahead a region holds: twice the round trip to the global store and a tick.
+    pub fn horizon(&self) -> Millis {
+        2 * self.latency.load(Relaxed) + TICK
+    }
+
+    /// Counts a decision's units on a global window (`op`'s key names the window).
+    pub(crate) fn arrived(&self, tag: Tag, op: &Op, now: Millis) {
+        let end = window_end(&op.limit, now);
+        let base = escrow::base_key(op.key, &op.limit, end);
+        let mut active = self.active.lock().expect("regions lock");
+        let a = active.entry((tag, base)).or_insert_with(|| Active {
+            limit: op.limit,
+            arrived: 0,
+            seen_at: now,
+            windows: BTreeMap::new(),
+        });
+        a.arrived = a.arrived.saturating_add(op.cost.max(1));
+        a.seen_at = now;
+    }
+
+    /// Runs [`Self::step`] every [`TICK`] until the process ends.
+    pub fn spawn(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(std::time::Duration::from_millis(TICK));
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                me.step().await;
+            }
+        })
+    }
+
+    /// One tick: every client active on a global window (this one, and the next once
+    /// it is within the horizon) reports and plans, all at once.
+    pub async fn step(self: &Arc<Self>) {
+        let now = self.clock.now();
+        let horizon = self.horizon();
+        let mut work = Vec::new();
+        {
+            let mut active = self.active.lock().expect("regions lock");
+            active.retain(|_, a| {
+                let end = window_end(&a.limit, now);
+                a.windows.retain(|e, _| *e >= end);
+                a.seen_at + 2 * window_length(&a.limit) > now || !a.windows.is_empty()
+            });
+            for (&(tag, base), a) in active.iter_mut() {
+                let end = window_end(&a.limit, now);
+                work.push((tag, base, a.limit, end, std::mem::take(&mut a.arrived)));
+                if end - now <= horizon {
+                    work.push((tag, base, a.limit, end + window_length(&a.limit), 0));
+                }
+            }
+        }
+        let mut set = tokio::task::JoinSet::new();
+        for (tag, base, limit, end, arrived) in work {
+            let me = self.clone();
+            set.spawn(async move { me.allocate(tag, base, limit, end, arrived, now).await });
+        }
+        while set.join_next().await.is_some() {}
+    }
+
+    /// Reports and plans for the window of `limit` ending at `end`, of client `base`.
+    async fn allocate(&self, tag: Tag, base: u64, limit: Limit, end: Millis, arrived: u64, now: Millis) {
+        let window = window_length(&limit);
+        let key = escrow::window_key(base, &limit, end - window);
+        // a window asked for ahead of its start is asked for as at its start
+        let at = now.max(end - window);
+        let horizon = self.horizon();
+        let call = |act| PoolCall { key, limit, end, arrived: 0, act, bucket: horizon };
+        let Ok((_, pool)) = self.local.pool(tag, PoolCall { arrived, ..call(Act::Read) }, at).await else { return };
+        let holding = self.holding(tag, base, end);
+        let seen = Seen {
+            demand_per_s: pool.demand.per_s(horizon, at),
+            unspent: pool.unspent(),
+            open: &holding.open,
+            left_globally: holding.left_globally,
+        };
+        let m = escrow::plan(seen, horizon, end - at);
+        if m == Move::Hold
+            || !matches!(self.local.pool(tag, call(Act::Claim { ttl: 2 * horizon }), at).await, Ok((1, _)))
+        {
+            return;
+        }
+        let result = match m {
+            Move::Take { want, need } => self.take(tag, (base, key), &limit, (end, at), (want, need), &pool).await,
+            Move::GiveBack { parts } => self.give_back(tag, (base, key), &limit, (end, at), parts).await,
+            Move::Hold => Ok(()),
+        };
+        if result.is_err() {
+            let _ = self.local.pool(tag, call(Act::Release), at).await;
+        }
+    }
+
+    /// Asks the global store for units, then fills the pool with what it granted.
+    async fn take(
+        &self,
+        tag: Tag,
+        (base, key): (u64, u64),
+        limit: &Limit,
+        (end, at): (Millis, Millis),
+        (want, need): (u64, u64),
+        pool: &Pool,
+    ) -> Result<(), StoreError> {
+        let holding = self.holding(tag, base, end);
+        let close = escrow::spent(&holding.open, pool.unspent());
+        let id = self.ids.fetch_add(1, Relaxed);
+        let ask = GrantAsk { key, limit: *limit, need, want, id, close: close.clone(), pool: false };
+        let g = self.timed(self.global.grant(tag, ask, at)).await?;
+        self.update(tag, base, end, |h| {
+            h.open.retain(|o| !close.contains(&o.id));
+            if g.units > 0 {
+                h.open.push(Open { id, units: g.units, expires: end });
+            }
+            h.left_globally = Some(g.decision.remaining);
+        });
+        self.stats.taken.fetch_add(g.units, Relaxed);
+        let act = if g.units > 0 { Act::Fill(g.units) } else { Act::Release };
+        let fill = PoolCall { key, limit: *limit, end, arrived: 0, act, bucket: self.horizon() };
+        self.local.pool(tag, fill, at).await.map(|_| ())
+    }
+
+    /// Drains unspent units from the pool, then gives them back to the global store.
+    async fn give_back(
+        &self,
+        tag: Tag,
+        (base, key): (u64, u64),
+        limit: &Limit,
+        (end, at): (Millis, Millis),
+        parts: Vec<(u64, u64)>,
+    ) -> Result<(), StoreError> {
+        for (id, units) in parts {
+            let drain =
+                PoolCall { key, limit: *limit, end, arrived: 0, act: Act::Drain(units), bucket: self.horizon() };
+            let (n, _) = self.local.pool(tag, drain, at).await?;
+            self.update(tag, base, end, |h| h.open.retain(|o| o.id != id));
+            if n > 0 {
+                let back = GiveBack { key, limit: *limit, id, unspent: n, window: end };
+                let back = self.timed(self.global.give_back(tag, back, at)).await?;
+                self.stats.given_back.fetch_add(back, Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    /// A global call, timed and counted: its latency keeps the horizon.
+    async fn timed<T>(&self, call: impl std::future::Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        let started = Instant::now();
+        let result = call.await;
+        let took = started.elapsed();
+        self.stats.global_calls.fetch_add(1, Relaxed);
+        self.stats.global_micros.fetch_add(took.as_micros() as u64, Relaxed);
+        match &result {
+            Ok(_) => {
+                let ms = took.as_millis() as u64;
+                let old = self.latency.load(Relaxed);
+                self.latency.store((old * 7 + ms).div_ceil(8), Relaxed);
+            }
+            Err(_) => {
+                self.stats.global_errors.fetch_add(1, Relaxed);
+            }
+        }
+        result
+    }
+
+    fn holding(&self, tag: Tag, base: u64, end: Millis) -> Holding {
+        let active = self.active.lock().expect("regions lock");
+        active.get(&(tag, base)).and_then(|a| a.windows.get(&end)).cloned().unwrap_or_default()
+    }
+
+    fn update(&self, tag: Tag, base: u64, end: Millis, f: impl FnOnce(&mut Holding)) {
+        let mut active = self.active.lock().expect("regions lock");
+        if let Some(a) = active.get_mut(&(tag, base)) {
+            f(a.windows.entry(end).or_default());
+        }
+    }
+}
+
+fn window_length(limit: &Limit) -> Millis {
+    match *limit {
+        Limit::FixedWindow { window, .. } => window.max(1),
+        _ => 1,
+    }
+}
+
+/// Where the aligned window `now` is in ends.
+fn window_end(limit: &Limit, now: Millis) -> Millis {
+    let window = window_length(limit);
+    (now / window + 1) * window
+}
