@@ -27,7 +27,7 @@ pub const TICK: Millis = 100;
 /// The cross-region round trip assumed until a global call has been timed.
 const FIRST_ROUND_TRIP: Millis = 100;
 
-/// What an instance's allocator counts, for `/metrics` and `sluice admin inspect`.
+/// What an instance's allocator counts (also in `/metrics`: `sluice_region_*`).
 #[derive(Debug, Default)]
 pub struct RegionStats {
     /// Units the global store granted to this region through this instance.
@@ -68,6 +68,31 @@ pub struct Regions {
     /// The global calls' latency, smoothed, in ms: half the horizon.
     latency: AtomicU64,
     stats: RegionStats,
+    metrics: Metrics,
+}
+
+/// The allocator's series in `/metrics`.
+struct Metrics {
+    taken: metrics::Counter,
+    given_back: metrics::Counter,
+    ok: metrics::Counter,
+    errors: metrics::Counter,
+    seconds: metrics::Histogram,
+    horizon: metrics::Gauge,
+}
+
+impl Metrics {
+    fn new() -> Self {
+        use crate::telemetry::names::{REGION_GLOBAL_CALLS, REGION_GLOBAL_SECONDS, REGION_HORIZON, REGION_UNITS};
+        Self {
+            taken: metrics::counter!(REGION_UNITS, "kind" => "taken"),
+            given_back: metrics::counter!(REGION_UNITS, "kind" => "given_back"),
+            ok: metrics::counter!(REGION_GLOBAL_CALLS, "result" => "ok"),
+            errors: metrics::counter!(REGION_GLOBAL_CALLS, "result" => "error"),
+            seconds: metrics::histogram!(REGION_GLOBAL_SECONDS),
+            horizon: metrics::gauge!(REGION_HORIZON),
+        }
+    }
 }
 
 impl Regions {
@@ -83,6 +108,7 @@ impl Regions {
             ids: AtomicU64::new(u64::from_le_bytes(seed) >> 1),
             latency: AtomicU64::new(FIRST_ROUND_TRIP),
             stats: RegionStats::default(),
+            metrics: Metrics::new(),
         })
     }
 
@@ -110,14 +136,16 @@ impl Regions {
         a.seen_at = now;
     }
 
-    /// Runs [`Self::step`] every [`TICK`] until the process ends.
+    /// Runs [`Self::step`] every [`TICK`] while an engine holds this allocator (a reload
+    /// that builds another lets this one end).
     pub fn spawn(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
-        let me = self.clone();
+        let me = Arc::downgrade(self);
         tokio::spawn(async move {
             let mut every = tokio::time::interval(std::time::Duration::from_millis(TICK));
             every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 every.tick().await;
+                let Some(me) = me.upgrade() else { return };
                 me.step().await;
             }
         })
@@ -169,9 +197,7 @@ impl Regions {
             left_globally: holding.left_globally,
         };
         let m = escrow::plan(seen, horizon, end - at);
-        if m == Move::Hold
-            || !matches!(self.local.pool(tag, call(Act::Claim { ttl: 2 * horizon }), at).await, Ok((1, _)))
-        {
+        if m == Move::Hold || !matches!(self.local.pool(tag, call(Act::Claim { ttl: horizon }), at).await, Ok((1, _))) {
             return;
         }
         let result = match m {
@@ -207,6 +233,7 @@ impl Regions {
             h.left_globally = Some(g.decision.remaining);
         });
         self.stats.taken.fetch_add(g.units, Relaxed);
+        self.metrics.taken.increment(g.units);
         let act = if g.units > 0 { Act::Fill(g.units) } else { Act::Release };
         let fill = PoolCall { key, limit: *limit, end, arrived: 0, act, bucket: self.horizon() };
         self.local.pool(tag, fill, at).await.map(|_| ())
@@ -230,6 +257,7 @@ impl Regions {
                 let back = GiveBack { key, limit: *limit, id, unspent: n, window: end };
                 let back = self.timed(self.global.give_back(tag, back, at)).await?;
                 self.stats.given_back.fetch_add(back, Relaxed);
+                self.metrics.given_back.increment(back);
             }
         }
         Ok(())
@@ -242,14 +270,18 @@ impl Regions {
         let took = started.elapsed();
         self.stats.global_calls.fetch_add(1, Relaxed);
         self.stats.global_micros.fetch_add(took.as_micros() as u64, Relaxed);
+        self.metrics.seconds.record(took.as_secs_f64());
         match &result {
             Ok(_) => {
                 let ms = took.as_millis() as u64;
                 let old = self.latency.load(Relaxed);
                 self.latency.store((old * 7 + ms).div_ceil(8), Relaxed);
+                self.metrics.ok.increment(1);
+                self.metrics.horizon.set(self.horizon() as f64 / 1_000.0);
             }
             Err(_) => {
                 self.stats.global_errors.fetch_add(1, Relaxed);
+                self.metrics.errors.increment(1);
             }
         }
         result

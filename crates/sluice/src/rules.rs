@@ -12,6 +12,7 @@ use crate::algo::Limit;
 use crate::config::{DescriptorConfig, DomainConfig, Failure, Grants, LimiterConfig, RulesConfig};
 use crate::tag::{Tag, Tagger};
 use crate::telemetry::{DomainCounters, GrantCounters, PolicyCounters};
+use crate::time::Millis;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -345,8 +346,17 @@ impl Rules {
 
     /// Whether a limit is shared across regions (`global: true`).
     pub fn use_global(&self) -> bool {
-        let mut found = false;
-        self.each_policy(&mut |p| found |= p.grants.as_ref().is_some_and(|g| g.global));
+        !self.global_windows().is_empty()
+    }
+
+    /// The limits shared across regions (`global: true`): their names and windows.
+    pub fn global_windows(&self) -> Vec<(String, Millis)> {
+        let mut found = Vec::new();
+        self.each_policy(&mut |p| {
+            if let (Some(true), Limit::FixedWindow { window, .. }) = (p.grants.as_ref().map(|g| g.global), p.limit) {
+                found.push((p.name.to_string(), window));
+            }
+        });
         found
     }
 

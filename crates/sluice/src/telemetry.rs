@@ -55,6 +55,10 @@ pub mod names {
     pub const GRANT_LOCAL: &str = "sluice_grant_decisions_local_total";
     pub const GRANT_STORE_CALLS: &str = "sluice_grant_store_calls_total";
     pub const MIGRATION_PERCENT: &str = "sluice_migration_percent";
+    pub const REGION_UNITS: &str = "sluice_region_units_total";
+    pub const REGION_GLOBAL_CALLS: &str = "sluice_region_global_calls_total";
+    pub const REGION_GLOBAL_SECONDS: &str = "sluice_region_global_call_seconds";
+    pub const REGION_HORIZON: &str = "sluice_region_horizon_seconds";
     pub const RESERVATIONS: &str = "sluice_reservations_total";
     pub const RESERVATION_UNITS: &str = "sluice_reservation_units_total";
     pub const RESERVATION_SETTLEMENTS: &str = "sluice_reservation_settlements_total";
@@ -120,6 +124,7 @@ pub fn describe() {
     describe_counter!(GRANT_LOCAL, "Decisions answered from a grant, without a store call.");
     describe_counter!(GRANT_STORE_CALLS, "Store calls made for grants (taking and giving back).");
     describe_gauge!(MIGRATION_PERCENT, "A migrating store's share of clients on its `to` store.");
+    describe_regions();
     describe_reservations();
     describe_shedders();
 }
@@ -134,6 +139,20 @@ fn describe_shedders() {
     describe_gauge!(ADAPTIVE_IN_FLIGHT, "Requests running through the adaptive stage now.");
     describe_gauge!(ADAPTIVE_WAITING, "Requests waiting for a slot of the adaptive stage now.");
     describe_gauge!(ADAPTIVE_BASE_SECONDS, metrics::Unit::Seconds, "The no-load latency the adaptive stage learned.");
+}
+
+/// The regional allocator's help texts (one limit across regions).
+fn describe_regions() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    use names::*;
+    describe_counter!(REGION_UNITS, "Units of global limits this instance took from the global store, and gave back.");
+    describe_counter!(REGION_GLOBAL_CALLS, "Calls to the global store (ok, error): none is on a decision's path.");
+    describe_histogram!(REGION_GLOBAL_SECONDS, metrics::Unit::Seconds, "Time of each call to the global store.");
+    describe_gauge!(
+        REGION_HORIZON,
+        metrics::Unit::Seconds,
+        "How far ahead a region holds units of a global window: twice the global calls' latency and a tick."
+    );
 }
 
 /// The reservation metrics' help texts.

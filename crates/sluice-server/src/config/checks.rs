@@ -275,6 +275,57 @@ fn memcached_servers(servers: &[String], srv: Option<&str>, timeout: std::time::
     }
 }
 
+/// One limit across regions: `global: true` needs `region` and `global_store` (each
+/// without the other is a mistake too), and stores that keep grants and pools.
+pub fn regions(config: &crate::config::Config, rules: &Rules) -> Result<(), CheckError> {
+    let (region, global) = (config.region.as_deref(), config.global_store.as_ref());
+    match (rules.use_global(), region, global) {
+        (true, None, _) | (true, _, None) => {
+            let why = "a limit has `global: true`, which needs `region` (this instance's region) and `global_store` \
+                       (the store every region reaches): without them each region would count alone";
+            return Err(CheckError::at(&["global"], why.into()));
+        }
+        (_, Some(_), None) => {
+            let why = "`region` is set without `global_store`: name the store every region reaches, or remove `region`";
+            return Err(CheckError::at(&["region"], why.into()));
+        }
+        (_, None, Some(_)) => {
+            let why = "`global_store` is set without `region`: name this instance's region (each region's \
+                       instances share what it holds)";
+            return Err(CheckError::at(&["global_store"], why.into()));
+        }
+        _ => {}
+    }
+    if let Some(r) = region.filter(|r| r.is_empty() || r.len() > 64 || r.chars().any(|c| c.is_control())) {
+        let why = format!("region {r:?}: write a name of 1 to 64 printable characters");
+        return Err(CheckError::at(&["region"], why));
+    }
+    let memcached = |s: &StoreConfig| matches!(s, StoreConfig::Memcached { .. });
+    if global.is_some_and(memcached) || (global.is_some() && memcached(&config.store)) {
+        let why = "global limits need stores that keep quota grants and pools (memory or redis): the memcached \
+                   store keeps neither, as `store` or as `global_store`";
+        return Err(CheckError::at(&["global_store"], why.into()));
+    }
+    Ok(())
+}
+
+/// Global limits whose windows are shorter than regional pools serve well: a window
+/// should last at least 25 cross-region round trips (2 s at 80 ms), or a region's share
+/// runs out before the next arrives (docs/architecture.md, "One limit across regions").
+pub fn short_global_windows(rules: &Rules) -> Vec<String> {
+    rules
+        .global_windows()
+        .into_iter()
+        .filter(|(_, window)| *window < 2_000)
+        .map(|(name, window)| {
+            format!(
+                "global limit '{name}' has a window of {window} ms: regional pools serve windows of at least 25 \
+                 cross-region round trips (2 s at 80 ms); a shorter one leaves part of its limit unused"
+            )
+        })
+        .collect()
+}
+
 /// `limiter.reservations: true` asks for a store that keeps them: memcached (on either
 /// side of a migration too) is refused, saying so.
 pub fn reservations(limiter: &sluice::config::LimiterConfig, store: &StoreConfig) -> Result<(), CheckError> {
@@ -322,7 +373,9 @@ fn supports(store: &StoreConfig, rules: &Rules) -> Result<(), UnfitStore> {
     match store {
         StoreConfig::Memcached { .. } => {
             let mut other: Vec<&str> = rules.algorithms().into_iter().filter(|a| *a != "fixed_window").collect();
-            if rules.use_grants() {
+            if rules.use_global() {
+                other.push("grants and regional pools (`global: true` on a limit)");
+            } else if rules.use_grants() {
                 other.push("grants (`grants:` on a rule)");
             }
             match other.is_empty() {

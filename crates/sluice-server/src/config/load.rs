@@ -142,7 +142,7 @@ pub fn load(source: &Source) -> Result<Loaded, ConfigError> {
         }
     }
     let mut loaded = compile(config, &text, &file)?;
-    loaded.warnings = warnings;
+    loaded.warnings.splice(0..0, warnings);
     Ok(loaded)
 }
 
@@ -308,9 +308,11 @@ fn compile(mut config: Config, text: &str, file: &str) -> Result<Loaded, ConfigE
         .and_then(|()| config.xds.as_ref().map_or(Ok(()), crate::config::checks::xds))
         .and_then(|()| crate::config::checks::telemetry(&config.telemetry))
         .and_then(|()| crate::config::checks::store(&config.store, &rules))
-        .and_then(|()| crate::config::checks::reservations(&config.limiter, &config.store));
+        .and_then(|()| crate::config::checks::reservations(&config.limiter, &config.store))
+        .and_then(|()| crate::config::checks::regions(&config, &rules));
     checked.map_err(|e| ConfigError { file: file.to_string(), at: locate(text, &e.anchors), message: e.message })?;
-    Ok(Loaded { config, rules, warnings: Vec::new() })
+    let warnings = crate::config::checks::short_global_windows(&rules);
+    Ok(Loaded { config, rules, warnings })
 }
 
 /// The `*.yaml` and `*.yml` files of a `domains_from` directory, by name; and a line for

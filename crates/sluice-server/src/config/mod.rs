@@ -39,6 +39,15 @@ pub struct Config {
     /// The rules come from an xDS management server instead of `domains`.
     #[serde(default)]
     pub xds: Option<XdsConfig>,
+    /// This instance's region, when limits are shared across regions (`global: true` on a
+    /// limit): its instances share what the region holds of each global window.
+    #[serde(default)]
+    pub region: Option<String>,
+    /// The store every region reaches (the `store` section's schema), where global
+    /// limits live; decisions never call it (docs/configuration.md, "One limit across
+    /// regions").
+    #[serde(default)]
+    pub global_store: Option<StoreConfig>,
 }
 
 /// `xds`: the rules are pushed by an xDS management server (Envoy Gateway's, or any

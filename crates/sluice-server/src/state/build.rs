@@ -43,8 +43,35 @@ pub fn build(config: &Config, rules: Rules) -> Result<Built, BuildError> {
     if config.telemetry.otlp.is_some() {
         store = Arc::new(crate::otel::TracedStore(store));
     }
-    let engine = engine(config, rules, store, clock, None);
+    let regions = match &config.global_store {
+        Some(global) => Some(regions(global, &config.limiter, store.clone(), clock.clone())?),
+        None => None,
+    };
+    let mut engine = engine(config, rules, store, clock, None);
+    if let Some(regions) = regions {
+        engine.limiter = engine.limiter.with_regions(regions);
+    }
     Ok(Built { engine, migration, tuning })
+}
+
+/// The region's allocator between its store `local` and the `global_store`, started (it
+/// ticks in the background, when there is a runtime to tick in). The global store's
+/// calls have a deadline of a second at least: no decision waits on them, and a cross-
+/// region round trip can take most of `limiter.deadline`.
+fn regions(
+    global: &StoreConfig,
+    limiter: &LimiterConfig,
+    local: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+) -> Result<Arc<sluice::regions::Regions>, BuildError> {
+    let mut resilience = resilience(limiter);
+    resilience.deadline = resilience.deadline.max(Duration::from_secs(1));
+    let global = store(global, &Arc::new(Tuning::new(resilience)), clock.clone(), &mut None)?;
+    let regions = sluice::regions::Regions::new(global, local, clock);
+    if tokio::runtime::Handle::try_current().is_ok() {
+        regions.spawn();
+    }
+    Ok(regions)
 }
 
 /// An engine over an existing store, with the clock, near-cache and headers `config`
@@ -61,10 +88,16 @@ pub fn engine(
     let remote = !matches!(config.store, StoreConfig::Memory { .. });
     let limiter = Limiter::new(Arc::new(rules), store, clock);
     let limiter = match previous {
-        Some(p) => limiter
-            .with_overrides(p.overrides().clone())
-            .with_grants(p.grants().clone())
-            .with_issued(p.issued().clone()),
+        Some(p) => {
+            let limiter = limiter
+                .with_overrides(p.overrides().clone())
+                .with_grants(p.grants().clone())
+                .with_issued(p.issued().clone());
+            match p.regions() {
+                Some(r) => limiter.with_regions(r.clone()),
+                None => limiter,
+            }
+        }
         None => {
             limiter.overrides().watch(sluice::overrides::REFRESH);
             limiter

@@ -216,9 +216,8 @@ pub fn plan(seen: Seen, horizon: Millis, left: Millis) -> Move {
     let Seen { demand_per_s, unspent, open, left_globally } = seen;
     let target = (demand_per_s * horizon.min(left) as f64 / 1_000.0).ceil() as u64;
     if unspent < target.max(1) && demand_per_s > 0.0 {
-        if left_globally == Some(0) {
-            return Move::Hold;
-        }
+        // nothing left when last asked: ask again for anything (another region may have
+        // given some back since)
         let need = (target - unspent.min(target)).max(1).min(left_globally.unwrap_or(u64::MAX).max(1));
         return Move::Take { want: 2 * target.max(1) - unspent, need };
     }
@@ -334,7 +333,7 @@ mod tests {
         let nearly_out = Seen { left_globally: Some(7), ..seen(100.0, 10, &[]) };
         assert_eq!(plan(nearly_out, 300, 60_000), Move::Take { want: 50, need: 7 }, "what is left, if less");
         let out = Seen { left_globally: Some(0), ..seen(100.0, 10, &[]) };
-        assert_eq!(plan(out, 300, 60_000), Move::Hold, "nothing left to ask for");
+        assert_eq!(plan(out, 300, 60_000), Move::Take { want: 50, need: 1 }, "anything another gave back");
         assert_eq!(plan(seen(100.0, 45, &[open(1, 45)]), 300, 60_000), Move::Hold, "up to twice the target");
         let one = [open(1, 20)];
         let near_end = seen(100.0, 20, &one);

@@ -113,6 +113,11 @@ impl Limiter {
         }
     }
 
+    /// The region's allocator, when limits are shared across regions.
+    pub fn regions(&self) -> Option<&Arc<crate::regions::Regions>> {
+        self.regions.as_ref()
+    }
+
     /// Counts the decisions of `global: true` limits for `regions`, the allocator that
     /// keeps this region's pools filled (carried across reloads, as grants are).
     pub fn with_regions(mut self, regions: Arc<crate::regions::Regions>) -> Self {

@@ -1,0 +1,196 @@
+//! One limit across regions, from the front door: `sluice serve` in three regions, two
+//! instances each, each region on its own store (a redis-server in two of them, a
+//! six-node Redis Cluster in the third), all sharing one global Redis reached through a
+//! link that delays every byte 40 ms each way (`sluice_testkit::Proxy`). Clients of the
+//! HTTP API in every region ask for one tenant's limit; a checker counts every admission
+//! by the window its answer names. Never over the limit in any window, through a demand
+//! that moves between regions and an instance killed with SIGKILL; most of the limit used
+//! when demand is twice it. The baseline beside it: the same run with each region
+//! counting alone admits up to three times the limit.
+
+mod common;
+
+use common::{Sluice, hit, start_with};
+use sluice_testkit::{Proxy, RedisCluster, RedisServer};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+const LIMIT: u64 = 200;
+const WINDOW_S: u64 = 4;
+
+fn domains(global: bool) -> String {
+    format!(
+        "  - domain: api\n    descriptors:\n      - key: tenant\n        policies:\n          - name: tenant\n            fixed_window: {{limit: {LIMIT}, window: {WINDOW_S}s, global: {global}}}\n"
+    )
+}
+
+/// An instance of region `name` on `store` (a `store:` section), sharing `global`.
+fn instance(name: &str, store: &str, global: &str, shared: bool) -> Sluice {
+    let regions = match shared {
+        true => format!("region: {name}\nglobal_store: {{kind: redis, url: \"redis://{global}\"}}\n"),
+        false => String::new(),
+    };
+    start_with(&format!("{store}{regions}"), &domains(shared))
+}
+
+/// Admissions by the window each answer names (its reset, in epoch seconds), by region.
+type Windows = BTreeMap<u64, [u64; 3]>;
+
+/// Clients in each region at `rate(region, elapsed)` requests a second, for `run`; an
+/// instance of region 0 killed with SIGKILL at `kill_at`, if given.
+async fn drive(
+    regions: &mut [Vec<Sluice>],
+    run: Duration,
+    rate: impl Fn(usize, Duration) -> u64,
+    kill_at: Option<Duration>,
+) -> Windows {
+    let client = reqwest::Client::new();
+    let (started, mut windows, mut carry, mut turn) = (Instant::now(), Windows::new(), [0f64; 3], 0usize);
+    let (mut killed, mut last) = (false, Instant::now());
+    while started.elapsed() < run {
+        if kill_at.is_some_and(|k| started.elapsed() >= k) && !killed {
+            regions[0][0].process.kill();
+            killed = true;
+        }
+        let mut asks = Vec::new();
+        let step = last.elapsed().as_secs_f64();
+        last = Instant::now();
+        for (r, instances) in regions.iter().enumerate() {
+            carry[r] += rate(r, started.elapsed()) as f64 * step;
+            // the killed instance's clients go to the other
+            let alive = &instances[usize::from(killed && r == 0)..];
+            while carry[r] >= 1.0 {
+                carry[r] -= 1.0;
+                turn += 1;
+                let base = alive[turn % alive.len()].base.clone();
+                let client = client.clone();
+                asks.push(async move { (r, hit(&client, &base, "api", &[("tenant", "t1")]).await) });
+            }
+        }
+        for (r, answer) in futures_util::future::join_all(asks).await {
+            if answer.status() == 200 {
+                let reset: u64 = common::header(&answer, "x-ratelimit-reset").parse().unwrap();
+                windows.entry(reset).or_default()[r] += 1;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    windows
+}
+
+/// Twice the limit's rate, 80% of it in region `hot`.
+fn twice(region: usize, hot: usize) -> u64 {
+    let per_s = 2 * LIMIT / WINDOW_S;
+    if region == hot { per_s * 8 / 10 } else { per_s / 10 }
+}
+
+/// The windows wholly inside a run (not its first or last).
+fn whole(w: &Windows) -> Vec<(u64, u64)> {
+    let all: Vec<(u64, u64)> = w.iter().map(|(e, r)| (*e, r.iter().sum())).collect();
+    all[1..all.len().saturating_sub(1)].to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_regions_never_pass_one_limit() {
+    let global = RedisServer::start();
+    let (a, b, c) = (RedisServer::start(), RedisServer::start(), RedisCluster::start());
+    let links: Vec<Proxy> = (0..3).map(|_| Proxy::start(global.addr(), Duration::from_millis(40))).collect();
+    let nodes: Vec<String> = c.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let stores = [
+        format!("store: {{kind: redis, url: \"{}\"}}\n", a.url()),
+        format!("store: {{kind: redis, url: \"{}\"}}\n", b.url()),
+        format!("store: {{kind: redis_cluster, nodes: [{}]}}\n", nodes.join(", ")),
+    ];
+    let names = ["eu", "us", "ap"];
+    let mut regions: Vec<Vec<Sluice>> = (0..3)
+        .map(|r| (0..2).map(|_| instance(names[r], &stores[r], &links[r].addr().to_string(), true)).collect())
+        .collect();
+    // demand in eu, then moving to us; an eu instance killed holding its grants
+    let run = Duration::from_secs(5 * WINDOW_S);
+    let moved = |r: usize, t: Duration| twice(r, usize::from(t >= run / 2));
+    let windows = drive(&mut regions, run, moved, Some(run / 3)).await;
+    let log = || regions.iter().flatten().map(|s| s.log()).collect::<Vec<_>>().join("\n");
+    for (end, by_region) in &windows {
+        let total: u64 = by_region.iter().sum();
+        assert!(total <= LIMIT, "window ending at {end}: {by_region:?}, {total} over {LIMIT}\n{}", log());
+    }
+    for (end, total) in whole(&windows) {
+        assert!(total * 100 >= LIMIT * 90, "window ending at {end}: {total} of {LIMIT} used: {windows:?}");
+    }
+    eprintln!("shared: {windows:?}");
+    // what the allocators did, in /metrics: units taken and given back as demand moved
+    let scrape = common::metrics(&reqwest::Client::new(), &regions[1][0].base).await;
+    let value = |series: &str| common::series(&scrape, series);
+    assert!(value("sluice_region_units_total{kind=\"taken\"}") > 0.0, "{scrape}");
+    assert!(value("sluice_region_global_calls_total{result=\"ok\"}") > 0.0, "{scrape}");
+    let horizon = value("sluice_region_horizon_seconds");
+    assert!((0.2..2.0).contains(&horizon), "twice an 80 ms round trip and a tick: {horizon}");
+}
+
+/// The baseline: the same regions, each counting alone (no `global`), admit up to three
+/// times the limit in a window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn regions_counting_alone_admit_up_to_three_times() {
+    let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let mut regions: Vec<Vec<Sluice>> = servers
+        .iter()
+        .map(|s| vec![instance("", &format!("store: {{kind: redis, url: \"{}\"}}\n", s.url()), "", false)])
+        .collect();
+    let even = |_: usize, _: Duration| 2 * LIMIT / WINDOW_S;
+    let windows = drive(&mut regions, Duration::from_secs(3 * WINDOW_S), even, None).await;
+    let most = whole(&windows).iter().map(|(_, t)| *t).max().unwrap_or(0);
+    assert!(most > 2 * LIMIT, "alone, three regions admit past the limit: {windows:?}");
+    eprintln!("alone: {windows:?}");
+}
+
+/// `global: true` without `region` and `global_store` is refused at the line that says
+/// it, by `config check` and `serve` alike; each of the two without the other, a token
+/// bucket made global and a memcached store are refused too; a global window of 1 s is
+/// loaded with a warning that says how long one should be.
+#[test]
+fn a_global_limit_needs_its_regions_and_says_so() {
+    let rule = |limit: &str| {
+        format!(
+            "domains:\n  - domain: api\n    descriptors:\n      - key: tenant\n        policies:\n          - name: tenant\n            {limit}\n"
+        )
+    };
+    let window = "fixed_window: {limit: 10, window: 1m, global: true}";
+    let global = "global_store: {kind: redis, url: \"redis://127.0.0.1:1\"}\n";
+    for (config, says, line) in [
+        (rule(window), "needs `region`", 7),
+        (format!("region: eu\n{}", rule(window)), "needs `region`", 8),
+        (format!("region: eu\n{}", rule("fixed_window: {limit: 10, window: 1m}")), "without `global_store`", 1),
+        (format!("{global}{}", rule("fixed_window: {limit: 10, window: 1m}")), "without `region`", 1),
+        (
+            format!("region: eu\n{global}{}", rule("token_bucket: {rate: 1, per: 1s, burst: 5, global: true}")),
+            "not a token_bucket",
+            8,
+        ),
+        (
+            format!("region: eu\n{global}store: {{kind: memcached, servers: [\"127.0.0.1:1\"]}}\n{}", rule(window)),
+            "regional pools",
+            3,
+        ),
+    ] {
+        let dir = sluice_testkit::TempDir::new("sluice-global");
+        let file = dir.path().join("sluice.yaml");
+        std::fs::write(&file, &config).unwrap();
+        let check = std::process::Command::new(common::bin()).args(["config", "check"]).arg(&file).output().unwrap();
+        let err = String::from_utf8_lossy(&check.stderr);
+        assert!(!check.status.success() && err.contains(says), "{config}\n{err}");
+        assert!(err.contains(&format!("sluice.yaml:{line}:")), "the place is named: {err}");
+        let serve = std::process::Command::new(common::bin()).arg("serve").arg("--config").arg(&file).output().unwrap();
+        assert!(!serve.status.success() && String::from_utf8_lossy(&serve.stderr).contains(says), "serve: {config}");
+    }
+    let dir = sluice_testkit::TempDir::new("sluice-global");
+    let file = dir.path().join("sluice.yaml");
+    std::fs::write(
+        &file,
+        format!("region: eu\n{global}{}", rule("fixed_window: {limit: 10, window: 1s, global: true}")),
+    )
+    .unwrap();
+    let check = std::process::Command::new(common::bin()).args(["config", "check"]).arg(&file).output().unwrap();
+    let err = String::from_utf8_lossy(&check.stderr);
+    assert!(check.status.success(), "{err}");
+    assert!(err.contains("warning: global limit 'tenant' has a window of 1000 ms") && err.contains("25"), "{err}");
+}
