@@ -169,3 +169,44 @@ async fn files_added_and_removed_are_loaded_and_unloaded() {
     until("basic", 400).await;
     assert_eq!(status("added").await, 429);
 }
+
+/// `sluice config from-env` prints the config their environment makes, a file
+/// `config check` loads as it is (with their domain files where it says), and below it,
+/// as comments, each variable it read with its value (a credential's hidden) and each
+/// variable without effect here with why.
+#[test]
+fn from_env_prints_the_config_and_what_each_variable_became() {
+    let dir = sluice_testkit::TempDir::new("sluice-from-env");
+    let files = dir.path().join("runtime/ratelimit/config");
+    std::fs::create_dir_all(&files).unwrap();
+    std::fs::write(
+        files.join("api.yaml"),
+        "domain: api\ndescriptors:\n  - key: user\n    rate_limit: {unit: minute, requests_per_unit: 2}\n",
+    )
+    .unwrap();
+    let runtime = dir.path().join("runtime").display().to_string();
+    let vars = [
+        ("RUNTIME_ROOT", runtime.as_str()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", "127.0.0.1:6379"),
+        ("REDIS_AUTH", "hunter2-secret"),
+        ("REDIS_POOL_SIZE", "10"),
+        ("LIMIT_RESET_HEADER", "X-Reset-In"),
+        ("USE_STATSD", "false"),
+    ];
+    let out = std::process::Command::new(bin()).args(["config", "from-env"]).env_clear().envs(vars).output().unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("reset: X-Reset-In") && text.contains("kind: redis"), "{text}");
+    for line in ["#   LIMIT_RESET_HEADER=X-Reset-In", "#   REDIS_URL=127.0.0.1:6379", "#   REDIS_AUTH=(set)"] {
+        assert!(text.contains(line), "{line} not in:\n{text}");
+    }
+    assert!(!text.lines().any(|l| l.starts_with('#') && l.contains("hunter2")), "a credential in a comment:\n{text}");
+    let without = text.lines().find(|l| l.starts_with("# these have no effect here")).unwrap_or_default();
+    assert!(without.contains("REDIS_POOL_SIZE"), "{text}");
+    let file = dir.path().join("from-env.yaml");
+    std::fs::write(&file, &text).unwrap();
+    let check = std::process::Command::new(bin()).args(["config", "check"]).arg(&file).output().unwrap();
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+}

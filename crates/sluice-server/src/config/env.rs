@@ -365,10 +365,29 @@ fn tracing(get: &dyn Fn(&str) -> Option<String>) -> Value {
         "sampling_ratio": get("TRACING_SAMPLING_RATE").and_then(|r| r.parse::<f64>().ok()).unwrap_or(1.0)}})
 }
 
-/// `sluice config from-env`: prints the config the environment describes.
+/// `sluice config from-env`: prints the config the environment describes, then, as
+/// comments, each variable it read with its value, and what is worth a word (variables
+/// without effect here, which source of rules won).
 pub fn print() -> Result<(), String> {
-    let from = from_env(&|name| std::env::var(name).ok())?;
+    let read = std::cell::RefCell::new(std::collections::BTreeMap::new());
+    let get = |name: &str| {
+        let value = std::env::var(name).ok();
+        if let Some(v) = &value {
+            read.borrow_mut().insert(name.to_string(), v.clone());
+        }
+        value
+    };
+    let from = from_env(&get)?;
     print!("{}", serde_norway::to_string(&from.config).map_err(|e| e.to_string())?);
+    // what was read, as comments: the output stays a config file
+    println!("# made of these variables of envoyproxy/ratelimit's (credentials not shown):");
+    for (name, value) in read.borrow().iter() {
+        let secret = ["AUTH", "PASSWORD", "SECRET", "TOKEN", "KEY"].iter().any(|w| name.contains(w));
+        println!("#   {name}={}", if secret { "(set)" } else { value.as_str() });
+    }
+    for note in &from.notes {
+        println!("# {note}");
+    }
     Ok(())
 }
 
