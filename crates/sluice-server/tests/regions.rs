@@ -36,6 +36,21 @@ fn instance(name: &str, store: &str, global: &str, shared: bool) -> Sluice {
 /// Admissions by the window each answer names (its reset, in epoch seconds), by region.
 type Windows = BTreeMap<u64, [u64; 3]>;
 
+/// What a run saw: admissions by window, and every answer's time.
+struct Run {
+    windows: Windows,
+    took: Vec<Duration>,
+}
+
+impl Run {
+    /// The answers' time at quantile `q` (0 to 1).
+    fn quantile(&self, q: f64) -> Duration {
+        let mut took = self.took.clone();
+        took.sort();
+        took[((took.len() - 1) as f64 * q) as usize]
+    }
+}
+
 /// Clients in each region at `rate(region, elapsed)` requests a second, for `run`; an
 /// instance of region 0 killed with SIGKILL at `kill_at`, if given.
 async fn drive(
@@ -43,9 +58,10 @@ async fn drive(
     run: Duration,
     rate: impl Fn(usize, Duration) -> u64,
     kill_at: Option<Duration>,
-) -> Windows {
+) -> Run {
     let client = reqwest::Client::new();
     let (started, mut windows, mut carry, mut turn) = (Instant::now(), Windows::new(), [0f64; 3], 0usize);
+    let mut took = Vec::new();
     let (mut killed, mut last) = (false, Instant::now());
     while started.elapsed() < run {
         if kill_at.is_some_and(|k| started.elapsed() >= k) && !killed {
@@ -64,10 +80,14 @@ async fn drive(
                 turn += 1;
                 let base = alive[turn % alive.len()].base.clone();
                 let client = client.clone();
-                asks.push(async move { (r, hit(&client, &base, "api", &[("tenant", "t1")]).await) });
+                asks.push(async move {
+                    let asked = Instant::now();
+                    (r, hit(&client, &base, "api", &[("tenant", "t1")]).await, asked.elapsed())
+                });
             }
         }
-        for (r, answer) in futures_util::future::join_all(asks).await {
+        for (r, answer, time) in futures_util::future::join_all(asks).await {
+            took.push(time);
             if answer.status() == 200 {
                 let reset: u64 = common::header(&answer, "x-ratelimit-reset").parse().unwrap();
                 windows.entry(reset).or_default()[r] += 1;
@@ -75,7 +95,7 @@ async fn drive(
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    windows
+    Run { windows, took }
 }
 
 /// Twice the limit's rate, 80% of it in region `hot`.
@@ -108,16 +128,19 @@ async fn three_regions_never_pass_one_limit() {
     // demand in eu, then moving to us; an eu instance killed holding its grants
     let run = Duration::from_secs(5 * WINDOW_S);
     let moved = |r: usize, t: Duration| twice(r, usize::from(t >= run / 2));
-    let windows = drive(&mut regions, run, moved, Some(run / 3)).await;
+    let shared = drive(&mut regions, run, moved, Some(run / 3)).await;
+    let windows = &shared.windows;
     let log = || regions.iter().flatten().map(|s| s.log()).collect::<Vec<_>>().join("\n");
-    for (end, by_region) in &windows {
+    for (end, by_region) in windows {
         let total: u64 = by_region.iter().sum();
         assert!(total <= LIMIT, "window ending at {end}: {by_region:?}, {total} over {LIMIT}\n{}", log());
     }
-    for (end, total) in whole(&windows) {
+    for (end, total) in whole(windows) {
         assert!(total * 100 >= LIMIT * 90, "window ending at {end}: {total} of {LIMIT} used: {windows:?}");
     }
-    eprintln!("shared: {windows:?}");
+    let (p50, p99) = (shared.quantile(0.5), shared.quantile(0.99));
+    eprintln!("shared: {windows:?}, answers p50 {p50:?} p99 {p99:?}");
+    assert!(p50 < Duration::from_millis(40), "a decision waited on the global store: p50 {p50:?}");
     // what the allocators did, in /metrics: units taken and given back as demand moved
     let scrape = common::metrics(&reqwest::Client::new(), &regions[1][0].base).await;
     let value = |series: &str| common::series(&scrape, series);
@@ -137,10 +160,36 @@ async fn regions_counting_alone_admit_up_to_three_times() {
         .map(|s| vec![instance("", &format!("store: {{kind: redis, url: \"{}\"}}\n", s.url()), "", false)])
         .collect();
     let even = |_: usize, _: Duration| 2 * LIMIT / WINDOW_S;
-    let windows = drive(&mut regions, Duration::from_secs(3 * WINDOW_S), even, None).await;
-    let most = whole(&windows).iter().map(|(_, t)| *t).max().unwrap_or(0);
-    assert!(most > 2 * LIMIT, "alone, three regions admit past the limit: {windows:?}");
-    eprintln!("alone: {windows:?}");
+    let alone = drive(&mut regions, Duration::from_secs(3 * WINDOW_S), even, None).await;
+    let most = whole(&alone.windows).iter().map(|(_, t)| *t).max().unwrap_or(0);
+    assert!(most > 2 * LIMIT, "alone, three regions admit past the limit: {:?}", alone.windows);
+    eprintln!("alone: {:?}, answers p50 {:?}", alone.windows, alone.quantile(0.5));
+}
+
+/// The other baseline: every decision of every region calls one global Redis, 40 ms
+/// away each way. Exact, and each decision waits the round trip.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_far_store_for_every_decision_costs_the_round_trip() {
+    let global = RedisServer::start();
+    let links: Vec<Proxy> = (0..3).map(|_| Proxy::start(global.addr(), Duration::from_millis(40))).collect();
+    let mut regions: Vec<Vec<Sluice>> = links
+        .iter()
+        .map(|l| {
+            vec![instance(
+                "",
+                &format!("store: {{kind: redis, url: \"redis://{}\"}}\nlimiter: {{deadline: 1s}}\n", l.addr()),
+                "",
+                false,
+            )]
+        })
+        .collect();
+    let far = drive(&mut regions, Duration::from_secs(3 * WINDOW_S), |r, _| twice(r, 0), None).await;
+    for (end, by_region) in &far.windows {
+        assert!(by_region.iter().sum::<u64>() <= LIMIT, "window ending at {end}: {by_region:?}");
+    }
+    let p50 = far.quantile(0.5);
+    eprintln!("far: {:?}, answers p50 {p50:?} p99 {:?}", far.windows, far.quantile(0.99));
+    assert!(p50 >= Duration::from_millis(80), "each decision waits the round trip: p50 {p50:?}");
 }
 
 /// `global: true` without `region` and `global_store` is refused at the line that says
