@@ -996,7 +996,11 @@ impl Store for RedisStore {
             cmd.arg(now).arg(GRACE_MS).arg(policy(&call.limit, false)).arg(&at.field);
             cmd.arg(call.end).arg(call.arrived).arg(act).arg(units).arg(call.bucket);
         };
-        let reply = self.writer.write(&self.writer.scripts.pool, &[&at.key], fill).await?;
+        // a drain is durable before its units are given back: a failover that lost it
+        // would give the region back units another region may then spend
+        let acks = if matches!(call.act, Act::Drain(_)) { self.granter.grant_acks } else { 0 };
+        let script = &self.granter.scripts.pool;
+        let reply = self.granter.write_acked(script, &[&at.key], fill, acks, GRANT_ACK_WAIT).await?;
         let n: Vec<u64> =
             redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("pool reply: {e}")).because(e))?;
         let [moved, cap, used, claim_until, at, before, this] = n[..] else {
