@@ -30,8 +30,10 @@ fn instance(name: &str, store: &str, global: &str, shared: bool) -> Sluice {
         true => format!("region: {name}\nglobal_store: {{kind: redis, url: \"redis://{global}\"}}\n"),
         false => String::new(),
     };
-    start_with(&format!("{store}{regions}"), &domains(shared))
+    start_with(&format!("  admin_token: {TOKEN}\n{store}{regions}"), &domains(shared))
 }
+
+const TOKEN: &str = "a-region-admin-token";
 
 /// Admissions by the window each answer names (its reset, in epoch seconds), by region.
 type Windows = BTreeMap<u64, [u64; 3]>;
@@ -148,6 +150,23 @@ async fn three_regions_never_pass_one_limit() {
     assert!(value("sluice_region_global_calls_total{result=\"ok\"}") > 0.0, "{scrape}");
     let horizon = value("sluice_region_horizon_seconds");
     assert!((0.2..2.0).contains(&horizon), "twice an 80 ms round trip and a tick: {horizon}");
+    // and in `sluice admin inspect`: the region's pool of the window now
+    let inspect = std::process::Command::new(common::bin())
+        .args(["admin", "--server", &regions[1][0].base, "inspect", "--domain", "api", "tenant=t1", "--json"])
+        .env("SLUICE_ADMIN_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    let seen: serde_json::Value = serde_json::from_slice(&inspect.stdout).unwrap();
+    let region = &seen["policies"][0]["region"];
+    let (held, taken) = (region["held"].as_u64().unwrap(), region["taken_by_instances"].as_u64().unwrap());
+    assert!(taken <= held && held <= LIMIT && region["demand_per_s"].is_number(), "{seen}");
+    let text = std::process::Command::new(common::bin())
+        .args(["admin", "--server", &regions[1][0].base, "inspect", "--domain", "api", "tenant=t1"])
+        .env("SLUICE_ADMIN_TOKEN", TOKEN)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("region holds") && text.contains("this instance's grants in the global store"), "{text}");
 }
 
 /// The baseline: the same regions, each counting alone (no `global`), admit up to three

@@ -62,7 +62,8 @@ mod verdict;
 
 pub use builder::{DomainBuilder, RuleBuilder, RulesBuilder};
 pub use engine::{
-    CheckError, HeldLeases, HeldReservations, Issued, Limiter, MAX_RESERVED_DESCRIPTORS, MAX_RESERVED_WINDOWS, Reserved,
+    CheckError, HeldLeases, HeldReservations, Issued, Limiter, MAX_RESERVED_DESCRIPTORS, MAX_RESERVED_WINDOWS,
+    RegionalPool, Reserved,
 };
 pub use overrides::{Override, OverrideError, Overrides, Rejected};
 pub use request::{Descriptor, Entry, LimitOverride, Request, RequestError};

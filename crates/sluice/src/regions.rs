@@ -287,6 +287,16 @@ impl Regions {
         result
     }
 
+    /// The pool of the global window `op` (a decision's op: its key names the window)
+    /// is in at `now`, read from the region's store, and this instance's grants for it in
+    /// the global store: for inspecting a client.
+    pub(crate) async fn inspect(&self, tag: Tag, op: &Op, now: Millis) -> Result<(Pool, Vec<Open>), StoreError> {
+        let end = window_end(&op.limit, now);
+        let read = PoolCall { key: op.key, limit: op.limit, end, arrived: 0, act: Act::Read, bucket: self.horizon() };
+        let (_, pool) = self.local.pool(tag, read, now).await?;
+        Ok((pool, self.holding(tag, escrow::base_key(op.key, &op.limit, end), end).open))
+    }
+
     fn holding(&self, tag: Tag, base: u64, end: Millis) -> Holding {
         let active = self.active.lock().expect("regions lock");
         active.get(&(tag, base)).and_then(|a| a.windows.get(&end)).cloned().unwrap_or_default()

@@ -344,6 +344,12 @@ impl Rules {
         found
     }
 
+    /// Whether policy `policy` of `domain` is shared across regions (`global: true`).
+    pub fn is_global(&self, domain: &str, policy: &str) -> bool {
+        let Some(d) = self.domains.get(domain) else { return false };
+        d.policies().iter().any(|p| &*p.name == policy && p.grants.as_ref().is_some_and(|g| g.global))
+    }
+
     /// Whether a limit is shared across regions (`global: true`).
     pub fn use_global(&self) -> bool {
         !self.global_windows().is_empty()

@@ -203,6 +203,10 @@ async fn inspect(State(state): Shared, query: Result<Query<Vec<(String, String)>
         Ok(h) => h,
         Err(e) => return check_error(e),
     };
+    let pools = match limiter.pools(&req).await {
+        Ok(p) => p,
+        Err(e) => return check_error(e),
+    };
     match limiter.status(&req).await {
         Ok(v) => {
             let mut policies = Vec::new();
@@ -216,6 +220,9 @@ async fn inspect(State(state): Shared, query: Result<Query<Vec<(String, String)>
                             .map(|(id, expires)| json!({"lease_id": id.to_string(), "expires_at_ms": expires}))
                             .collect();
                         json["leases"] = Value::Array(leases);
+                    }
+                    if let Some(r) = pools.iter().find(|r| r.descriptor == di && r.policy == p.name) {
+                        json["region"] = region_json(r, limiter.now());
                     }
                     if let Some(r) = reserved.iter().find(|r| r.descriptor == di && r.policy == p.name) {
                         let holds: Vec<Value> = r
@@ -235,6 +242,21 @@ async fn inspect(State(state): Shared, query: Result<Query<Vec<(String, String)>
         }
         Err(e) => check_error(e),
     }
+}
+
+/// A global limit's regional pool, as `inspect` shows it.
+fn region_json(r: &sluice::RegionalPool, now: u64) -> Value {
+    let p = &r.pool;
+    let grants: Vec<Value> =
+        r.grants_here.iter().map(|g| json!({"grant": g.id.to_string(), "units": g.units})).collect();
+    json!({
+        "held": p.cap,
+        "taken_by_instances": p.used,
+        "unspent": p.unspent(),
+        "demand_per_s": (p.demand.per_s(1_000, now) * 10.0).round() / 10.0,
+        "window_end_ms": p.resets_at,
+        "grants_from_this_instance": grants,
+    })
 }
 
 /// `GET /v1/admin/top?domain=D[&rule=R][&k=20][&outcome=refused|admitted]`: the `k`

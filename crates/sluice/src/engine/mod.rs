@@ -91,6 +91,19 @@ pub struct Limiter {
     regions: Option<Arc<crate::regions::Regions>>,
 }
 
+/// A region's pool of one global limit of a client, for inspecting it.
+#[derive(Debug, Clone)]
+pub struct RegionalPool {
+    /// Which of the request's descriptors the policy belongs to.
+    pub descriptor: usize,
+    /// The policy's name.
+    pub policy: Arc<str>,
+    /// What the region holds of the window now, what its instances took, its demand.
+    pub pool: crate::algo::escrow::Pool,
+    /// This instance's grants open in the global store for that window.
+    pub grants_here: Vec<crate::algo::grant::Open>,
+}
+
 /// How often the grants held are swept (for resets, overrides and idle keys): what
 /// bounds how long a revoked grant is still spent.
 const SWEEP_EVERY: Millis = 250;
@@ -474,6 +487,21 @@ impl Limiter {
             g.ops.iter().zip(&g.slots).map(named)
         });
         Ok(ops.collect())
+    }
+
+    /// Each global limit (`global: true`) the request meets: its region's pool of the
+    /// window now, and this instance's grants for it in the global store. Never charges;
+    /// empty when limits are not shared across regions.
+    pub async fn pools(&self, req: &Request) -> Result<Vec<RegionalPool>, CheckError> {
+        let Some(regions) = &self.regions else { return Ok(Vec::new()) };
+        let (now, mut out) = (self.clock.now(), Vec::new());
+        for (tag, op, policy, descriptor) in self.peek_ops(req, now)? {
+            if self.rules.is_global(&req.domain, &policy) {
+                let (pool, grants_here) = regions.inspect(tag, &op, now).await?;
+                out.push(RegionalPool { descriptor, policy, pool, grants_here });
+            }
+        }
+        Ok(out)
     }
 
     /// The time now, by this engine's clock.

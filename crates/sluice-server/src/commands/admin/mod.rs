@@ -342,6 +342,14 @@ fn inspected(v: &Value) -> String {
             p["remaining"],
             p["reset"].as_u64().map_or_else(|| p["reset"].to_string(), |secs| date(secs * 1000)),
         ));
+        if let Some(r) = p.get("region").filter(|r| r.is_object()) {
+            let here = r["grants_from_this_instance"].as_array().map_or(0, Vec::len);
+            out.push_str(&format!(
+                "    region holds {} of this window ({} taken by its instances, {} unspent), asked {}/s; \
+                 this instance's grants in the global store: {here}\n",
+                r["held"], r["taken_by_instances"], r["unspent"], r["demand_per_s"]
+            ));
+        }
         for r in p["reservations"].as_array().into_iter().flatten() {
             out.push_str(&format!(
                 "    reservation {}  holds {}  lapses at {}\n",
