@@ -123,7 +123,7 @@ impl Regions {
 
     /// Counts a decision's units on a global window (`op`'s key names the window).
     pub(crate) fn arrived(&self, tag: Tag, op: &Op, now: Millis) {
-        let end = window_end(&op.limit, now);
+        let end = escrow::window_end(&op.limit, now);
         let base = escrow::base_key(op.key, &op.limit, end);
         let mut active = self.active.lock().expect("regions lock");
         let a = active.entry((tag, base)).or_insert_with(|| Active {
@@ -151,63 +151,75 @@ impl Regions {
         })
     }
 
-    /// One tick: every client active on a global window (this one, and the next once
-    /// it is within the horizon) reports and plans, all at once.
+    /// One tick: every client active on a global window reports and plans, all at once
+    /// (and for the next window too, once it is within the horizon).
     pub async fn step(self: &Arc<Self>) {
         let now = self.clock.now();
-        let horizon = self.horizon();
         let mut work = Vec::new();
         {
             let mut active = self.active.lock().expect("regions lock");
             active.retain(|_, a| {
-                let end = window_end(&a.limit, now);
+                let end = escrow::window_end(&a.limit, now);
                 a.windows.retain(|e, _| *e >= end);
-                a.seen_at + 2 * window_length(&a.limit) > now || !a.windows.is_empty()
+                a.seen_at + 2 * escrow::window_length(&a.limit) > now || !a.windows.is_empty()
             });
             for (&(tag, base), a) in active.iter_mut() {
-                let end = window_end(&a.limit, now);
-                work.push((tag, base, a.limit, end, std::mem::take(&mut a.arrived)));
-                if end - now <= horizon {
-                    work.push((tag, base, a.limit, end + window_length(&a.limit), 0));
-                }
+                work.push((tag, base, a.limit, std::mem::take(&mut a.arrived)));
             }
         }
         let mut set = tokio::task::JoinSet::new();
-        for (tag, base, limit, end, arrived) in work {
+        for (tag, base, limit, arrived) in work {
             let me = self.clone();
-            set.spawn(async move { me.allocate(tag, base, limit, end, arrived, now).await });
+            set.spawn(async move { me.allocate(tag, base, limit, arrived, now).await });
         }
         while set.join_next().await.is_some() {}
     }
 
-    /// Reports and plans for the window of `limit` ending at `end`, of client `base`.
-    async fn allocate(&self, tag: Tag, base: u64, limit: Limit, end: Millis, arrived: u64, now: Millis) {
-        let window = window_length(&limit);
-        let key = escrow::window_key(base, &limit, end - window);
+    /// Reports and plans for the window of `limit` that `now` is in, of client `base`;
+    /// then, once the next window is within the horizon, asks ahead for it at this
+    /// window's demand (its own pool has seen none yet).
+    async fn allocate(&self, tag: Tag, base: u64, limit: Limit, arrived: u64, now: Millis) {
+        let end = escrow::window_end(&limit, now);
+        let demand = self.allocate_window(tag, base, &limit, (end, arrived, None), now).await;
+        if let Some(demand) = demand.filter(|_| end - now <= self.horizon()) {
+            let next = end + escrow::window_length(&limit);
+            self.allocate_window(tag, base, &limit, (next, 0, Some(demand)), now).await;
+        }
+    }
+
+    /// Reports `arrived` into the pool of the window ending at `end` and plans for it,
+    /// from the pool's demand or `demand` if given; returns the demand it planned with.
+    async fn allocate_window(
+        &self,
+        tag: Tag,
+        base: u64,
+        limit: &Limit,
+        (end, arrived, demand): (Millis, u64, Option<f64>),
+        now: Millis,
+    ) -> Option<f64> {
+        let key = escrow::window_key(base, limit, end - escrow::window_length(limit));
         // a window asked for ahead of its start is asked for as at its start
-        let at = now.max(end - window);
+        let at = now.max(end - escrow::window_length(limit));
         let horizon = self.horizon();
-        let call = |act| PoolCall { key, limit, end, arrived: 0, act, bucket: horizon };
-        let Ok((_, pool)) = self.local.pool(tag, PoolCall { arrived, ..call(Act::Read) }, at).await else { return };
+        let call = |act| PoolCall { key, limit: *limit, end, arrived: 0, act, bucket: horizon };
+        let (_, pool) = self.local.pool(tag, PoolCall { arrived, ..call(Act::Read) }, at).await.ok()?;
         let holding = self.holding(tag, base, end);
-        let seen = Seen {
-            demand_per_s: pool.demand.per_s(horizon, at),
-            unspent: pool.unspent(),
-            open: &holding.open,
-            left_globally: holding.left_globally,
-        };
+        let demand_per_s = demand.unwrap_or_else(|| pool.demand.per_s(horizon, at));
+        let seen =
+            Seen { demand_per_s, unspent: pool.unspent(), open: &holding.open, left_globally: holding.left_globally };
         let m = escrow::plan(seen, horizon, end - at);
         if m == Move::Hold || !matches!(self.local.pool(tag, call(Act::Claim { ttl: horizon }), at).await, Ok((1, _))) {
-            return;
+            return Some(demand_per_s);
         }
         let result = match m {
-            Move::Take { want, need } => self.take(tag, (base, key), &limit, (end, at), (want, need), &pool).await,
-            Move::GiveBack { parts } => self.give_back(tag, (base, key), &limit, (end, at), parts).await,
+            Move::Take { want, need } => self.take(tag, (base, key), limit, (end, at), (want, need), &pool).await,
+            Move::GiveBack { parts } => self.give_back(tag, (base, key), limit, (end, at), parts).await,
             Move::Hold => Ok(()),
         };
         if result.is_err() {
             let _ = self.local.pool(tag, call(Act::Release), at).await;
         }
+        Some(demand_per_s)
     }
 
     /// Asks the global store for units, then fills the pool with what it granted.
@@ -291,7 +303,7 @@ impl Regions {
     /// is in at `now`, read from the region's store, and this instance's grants for it in
     /// the global store: for inspecting a client.
     pub(crate) async fn inspect(&self, tag: Tag, op: &Op, now: Millis) -> Result<(Pool, Vec<Open>), StoreError> {
-        let end = window_end(&op.limit, now);
+        let end = escrow::window_end(&op.limit, now);
         let read = PoolCall { key: op.key, limit: op.limit, end, arrived: 0, act: Act::Read, bucket: self.horizon() };
         let (_, pool) = self.local.pool(tag, read, now).await?;
         Ok((pool, self.holding(tag, escrow::base_key(op.key, &op.limit, end), end).open))
@@ -308,17 +320,4 @@ impl Regions {
             f(a.windows.entry(end).or_default());
         }
     }
-}
-
-fn window_length(limit: &Limit) -> Millis {
-    match *limit {
-        Limit::FixedWindow { window, .. } => window.max(1),
-        _ => 1,
-    }
-}
-
-/// Where the aligned window `now` is in ends.
-fn window_end(limit: &Limit, now: Millis) -> Millis {
-    let window = window_length(limit);
-    (now / window + 1) * window
 }

@@ -45,11 +45,18 @@ pub fn base_key(window_key: u64, limit: &Limit, end: Millis) -> u64 {
     window_key ^ mix(end / window_length(limit) - 1)
 }
 
-fn window_length(limit: &Limit) -> Millis {
+/// The length of a global limit's window (a fixed window's; 1 for any other limit).
+pub fn window_length(limit: &Limit) -> Millis {
     match *limit {
         Limit::FixedWindow { window, .. } => window.max(1),
         _ => 1,
     }
+}
+
+/// Where the aligned window of `limit` that `now` is in ends.
+pub fn window_end(limit: &Limit, now: Millis) -> Millis {
+    let window = window_length(limit);
+    (now / window + 1) * window
 }
 
 /// A 64-bit mix of a window's number (splitmix64's finalizer): windows next to each
