@@ -14,62 +14,80 @@ use sluice::time::{Clock, SystemClock};
 use sluice::{Limiter, Request};
 use sluice_testkit::{Proxy, RedisServer};
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Units a window, and the window (aligned to the clock).
 const LIMIT: u64 = 200;
 const WINDOW_MS: u64 = 2_000;
 
-fn rules() -> Arc<sluice::rules::Rules> {
+fn rules(limit: u64) -> Arc<sluice::rules::Rules> {
     let config = serde_json::json!({"domains": [{"domain": "api", "descriptors": [
         {"key": "tenant", "policies": [{"name": "tenant",
-            "fixed_window": {"limit": LIMIT, "window": "2s", "global": true}}]},
+            "fixed_window": {"limit": limit, "window": "2s", "global": true}}]},
     ]}]});
     Arc::new(serde_json::from_value::<RulesConfig>(config).unwrap().compile().unwrap())
 }
 
 /// An instance of a region: its engine over the region's store, and its allocator.
-fn instance(local: Arc<dyn Store>, global: Arc<dyn Store>) -> (Limiter, Arc<Regions>) {
+fn instance(local: Arc<dyn Store>, global: Arc<dyn Store>, limit: u64) -> Limiter {
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let regions = Regions::new(global, local.clone(), clock.clone());
     regions.spawn();
-    (Limiter::new(rules(), local, clock).with_regions(regions.clone()), regions)
+    Limiter::new(rules(limit), local, clock).with_regions(regions)
 }
 
-/// Admissions by window end, and by region.
+/// Three regions of two instances, over the stores `local(region)` and `global`.
+fn regions(
+    local: impl Fn(usize) -> Arc<dyn Store>,
+    global: impl Fn(usize) -> Arc<dyn Store>,
+    limit: u64,
+) -> Vec<Vec<Limiter>> {
+    (0..3)
+        .map(|r| {
+            let (local, global) = (local(r), global(r));
+            (0..2).map(|_| instance(local.clone(), global.clone(), limit)).collect()
+        })
+        .collect()
+}
+
+/// What a run saw: admissions by the window each decision names (its reset), by
+/// region; requests by window; decisions made.
 #[derive(Default)]
 struct Checker {
     windows: BTreeMap<u64, [u64; 3]>,
+    asked: BTreeMap<u64, u64>,
+    decisions: u64,
 }
 
 /// Sends `rate(region, elapsed_ms)` requests a second from each region's instances for
-/// `ms`, each for tenant `t1` at cost 1, and counts what is admitted by window.
-async fn drive(instances: &[Vec<Limiter>], ms: u64, rate: impl Fn(usize, u64) -> u64) -> Checker {
-    let checker = Arc::new(Mutex::new(Checker::default()));
+/// `ms` (or until `most` decisions), each for tenant `t1` at cost 1, and counts them.
+async fn drive(instances: &[Vec<Limiter>], (ms, most): (u64, u64), rate: impl Fn(usize, u64) -> u64) -> Checker {
+    let mut c = Checker::default();
     let started = SystemClock.now();
-    let step = 10;
-    let mut carry = [0f64; 3];
-    let mut turn = 0usize;
-    while SystemClock.now() < started + ms {
-        let elapsed = SystemClock.now() - started;
+    let (mut carry, mut turn, mut last) = ([0f64; 3], 0usize, started);
+    let request = Request::new("api").descriptor([("tenant", "t1")]);
+    while SystemClock.now() < started + ms && c.decisions < most {
+        let now = SystemClock.now();
+        let (elapsed, step) = (now - started, now - last);
+        last = now;
         for (r, region) in instances.iter().enumerate() {
             carry[r] += rate(r, elapsed) as f64 * step as f64 / 1_000.0;
             while carry[r] >= 1.0 {
                 carry[r] -= 1.0;
                 turn += 1;
-                let limiter = &region[turn % region.len()];
-                let v = limiter.check(&Request::new("api").descriptor([("tenant", "t1")])).await.unwrap();
+                let v = region[turn % region.len()].check(&request).await.unwrap();
+                let end = v.descriptors[0].policies[0].decision.reset_at;
+                *c.asked.entry((now / WINDOW_MS + 1) * WINDOW_MS).or_default() += 1;
+                c.decisions += 1;
                 if v.allowed() {
-                    let now = SystemClock.now();
-                    let end = (now / WINDOW_MS + 1) * WINDOW_MS;
-                    checker.lock().unwrap().windows.entry(end).or_default()[r] += 1;
+                    c.windows.entry(end).or_default()[r] += 1;
                 }
             }
         }
-        tokio::time::sleep(Duration::from_millis(step)).await;
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    Arc::try_unwrap(checker).ok().unwrap().into_inner().unwrap()
+    c
 }
 
 /// The windows wholly inside the run (not the first, cut by its start, nor the last).
@@ -78,35 +96,54 @@ fn whole(c: &Checker) -> Vec<(u64, u64)> {
     all[1..all.len().saturating_sub(1)].to_vec()
 }
 
-fn assert_never_over(c: &Checker) {
+fn assert_never_over(c: &Checker, limit: u64) {
     // the figures, for a failure's output and `--nocapture`
-    eprintln!("admitted by window end, by region: {:?}", c.windows);
+    eprintln!("admitted by window end, by region: {:?} ({} decisions)", c.windows, c.decisions);
     for (end, by_region) in &c.windows {
         let total: u64 = by_region.iter().sum();
-        assert!(total <= LIMIT, "window ending at {end}: {by_region:?} admitted, {total} over {LIMIT}");
+        assert!(total <= limit, "window ending at {end}: {by_region:?} admitted, {total} over {limit}");
     }
 }
 
-/// Twice the limit's rate, 80% in region `hot`.
-fn twice(region: usize, hot: usize) -> u64 {
-    let per_s = 2 * LIMIT * 1_000 / WINDOW_MS;
+/// Twice the rate of a limit of `limit` a window, 80% in region `hot`.
+fn twice(region: usize, hot: usize, limit: u64) -> u64 {
+    let per_s = 2 * limit * 1_000 / WINDOW_MS;
     if region == hot { per_s * 8 / 10 } else { per_s / 10 }
+}
+
+fn memory() -> Arc<dyn Store> {
+    Arc::new(MemoryStore::new(100_000))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn regions_share_one_limit_over_memory_stores() {
-    let global: Arc<dyn Store> = Arc::new(MemoryStore::new(100_000));
-    let instances: Vec<Vec<Limiter>> = (0..3)
-        .map(|_| {
-            let local: Arc<dyn Store> = Arc::new(MemoryStore::new(100_000));
-            (0..2).map(|_| instance(local.clone(), global.clone()).0).collect()
-        })
-        .collect();
+    let global = memory();
+    let instances = regions(|_| memory(), |_| global.clone(), LIMIT);
     // demand moves from region 0 to region 1 half way
-    let c = drive(&instances, 5 * WINDOW_MS, |r, t| twice(r, usize::from(t >= 5 * WINDOW_MS / 2))).await;
-    assert_never_over(&c);
+    let moving = |r, t| twice(r, usize::from(t >= 5 * WINDOW_MS / 2), LIMIT);
+    let c = drive(&instances, (5 * WINDOW_MS, u64::MAX), moving).await;
+    assert_never_over(&c, LIMIT);
     for (end, total) in whole(&c) {
         assert!(total * 100 >= LIMIT * 90, "window ending at {end}: {total} of {LIMIT} used: {:?}", c.windows);
+    }
+}
+
+/// A million decisions (or a minute's worth, on a slow machine) on a limit of 100,000 a
+/// window: never over in any window, and at least 90% used in every whole window asked
+/// for at least twice the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_million_decisions_never_pass_the_limit() {
+    const BIG: u64 = 100_000;
+    let global = memory();
+    let instances = regions(|_| memory(), |_| global.clone(), BIG);
+    let moving = |r, t: u64| twice(r, ((t / 3_000) % 3) as usize, BIG);
+    let c = drive(&instances, (60_000, 1_000_000), moving).await;
+    assert_never_over(&c, BIG);
+    assert!(c.decisions >= 300_000, "only {} decisions in a minute", c.decisions);
+    for (end, total) in whole(&c) {
+        if c.asked.get(&end).is_some_and(|a| *a >= 2 * BIG) {
+            assert!(total * 100 >= BIG * 90, "window ending at {end}: {total} of {BIG} used: {:?}", c.windows);
+        }
     }
 }
 
@@ -123,25 +160,21 @@ async fn regions_share_one_limit_over_redis_across_a_slow_link() {
     let regional: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
     // each region reaches the global store through a link of its own: 40 ms each way
     let links: Vec<Proxy> = (0..3).map(|_| Proxy::start(global.addr(), Duration::from_millis(40))).collect();
-    let mut instances = Vec::new();
-    for (r, server) in regional.iter().enumerate() {
-        let local = redis(&server.addr().to_string());
-        let global = redis(&links[r].addr().to_string());
-        instances.push((0..2).map(|_| instance(local.clone(), global.clone()).0).collect::<Vec<_>>());
-    }
-    let c = drive(&instances, 4 * WINDOW_MS, |r, _| twice(r, 0)).await;
-    assert_never_over(&c);
+    let instances = regions(|r| redis(&regional[r].addr().to_string()), |r| redis(&links[r].addr().to_string()), LIMIT);
+    let hot = |r, _| twice(r, 0, LIMIT);
+    let c = drive(&instances, (4 * WINDOW_MS, u64::MAX), hot).await;
+    assert_never_over(&c, LIMIT);
     for (end, total) in whole(&c) {
         assert!(total * 100 >= LIMIT * 90, "window ending at {end}: {total} of {LIMIT} used: {:?}", c.windows);
     }
     // region 0, with most of the demand, cut off: it spends what it holds, then refuses;
     // the others go on; healed, the fleet uses the limit again
     links[0].cut();
-    let cut = drive(&instances, 2 * WINDOW_MS, |r, _| twice(r, 0)).await;
-    assert_never_over(&cut);
+    let cut = drive(&instances, (2 * WINDOW_MS, u64::MAX), hot).await;
+    assert_never_over(&cut, LIMIT);
     links[0].heal();
-    let healed = drive(&instances, 4 * WINDOW_MS, |r, _| twice(r, 0)).await;
-    assert_never_over(&healed);
+    let healed = drive(&instances, (4 * WINDOW_MS, u64::MAX), hot).await;
+    assert_never_over(&healed, LIMIT);
     let last = whole(&healed);
     assert!(last.iter().any(|(_, total)| total * 100 >= LIMIT * 90), "healed: {:?}", healed.windows);
 }
