@@ -423,3 +423,33 @@ async fn their_redis_timeouts_bound_a_stalled_call() {
     second.signal("-CONT");
     assert!((Duration::from_millis(100)..Duration::from_millis(1_000)).contains(&took), "the deadline: {took:?}");
 }
+
+/// `failure: local` from the front door: with the Redis stopped, an instance that knows
+/// only itself admits the limit of each window by its own count, marked
+/// `x-sluice-degraded: local`, then answers 429 (the limit's refusal, with
+/// `Retry-After`), not fail-open's 200 nor fail-closed's 503.
+#[tokio::test]
+async fn a_local_failure_policy_counts_alone_while_the_store_is_down() {
+    let redis = RedisServer::start();
+    let rules = "  - domain: d\n    descriptors:\n      - key: user\n        failure: local\n        rate_limit: {unit: hour, requests_per_unit: 3}\n";
+    let s = start_with(&redis_store(&redis, &[]), rules);
+    let client = reqwest::Client::new();
+    assert_eq!(hit(&client, &s.base, "d", &[("user", "before")]).await.status(), 200);
+    redis.signal("-STOP");
+    let mut seen = Vec::new();
+    for _ in 0..5 {
+        let r = hit(&client, &s.base, "d", &[("user", "a")]).await;
+        let retry = r.headers().contains_key("retry-after");
+        seen.push((r.status().as_u16(), header(&r, "x-sluice-degraded"), retry));
+    }
+    redis.signal("-CONT");
+    let local = |status, retry| (status, "local".to_string(), retry);
+    assert_eq!(
+        seen,
+        [local(200, false), local(200, false), local(200, false), local(429, true), local(429, true)],
+        "{}",
+        s.log()
+    );
+    let scrape = common::metrics(&client, &s.base).await;
+    assert!(scrape.contains("sluice_degraded_total{domain=\"d\",failure=\"local\"} 5"), "{scrape}");
+}

@@ -154,6 +154,10 @@ pub enum Failure {
     /// Allowed, and marked `x-sluice-degraded: fail-open`.
     #[default]
     Open,
+    /// Decided by this instance alone, up to its fair part of the limit (the limit over
+    /// the instances it last knew), and marked `x-sluice-degraded: local`
+    /// (see [`crate::fallback`]).
+    Local,
     /// Refused with 503, and marked `x-sluice-degraded: fail-closed`.
     Closed,
 }
@@ -163,6 +167,7 @@ impl Failure {
     pub fn header_value(self) -> &'static str {
         match self {
             Failure::Open => "fail-open",
+            Failure::Local => "local",
             Failure::Closed => "fail-closed",
         }
     }

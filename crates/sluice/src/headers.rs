@@ -99,6 +99,7 @@ pub fn render(v: &Verdict, cfg: &HeadersConfig) -> Vec<(&'static str, String)> {
     let mut out = Vec::new();
     if let Some(f) = v.degraded {
         // decided by the failure policy, not by the store: say so, and invent no numbers
+        // (`local` has its own count's, below)
         out.push(("x-sluice-degraded", f.header_value().to_string()));
         if v.outcome == Outcome::Unavailable {
             out.push(("retry-after", "1".to_string()));

@@ -41,6 +41,7 @@ mod engine;
 #[cfg(feature = "conformance")]
 #[doc(hidden)]
 pub mod engine_conformance;
+pub mod fallback;
 pub mod grants;
 mod hash;
 pub mod headers;

@@ -344,6 +344,13 @@ impl Rules {
         found
     }
 
+    /// Whether a limit is decided by `failure: local` when the store fails.
+    pub fn use_local_failure(&self) -> bool {
+        let mut found = false;
+        self.each_policy(&mut |p| found |= p.failure == crate::config::Failure::Local);
+        found
+    }
+
     /// Whether policy `policy` of `domain` is shared across regions (`global: true`).
     pub fn is_global(&self, domain: &str, policy: &str) -> bool {
         let Some(d) = self.domains.get(domain) else { return false };

@@ -482,6 +482,7 @@ impl GrantCounters {
 pub(crate) struct DomainCounters {
     fail_open: Counter,
     fail_closed: Counter,
+    local: Counter,
     leases_acquired: Counter,
     /// Refusals answered from the near-cache (per domain: each is also counted as its
     /// policy's over_limit decision).
@@ -501,16 +502,21 @@ impl DomainCounters {
         Self {
             fail_open: counter!(names::DEGRADED, "domain" => d.clone(), "failure" => "open"),
             fail_closed: counter!(names::DEGRADED, "domain" => d.clone(), "failure" => "closed"),
+            local: counter!(names::DEGRADED, "domain" => d.clone(), "failure" => "local"),
             leases_acquired: counter!(names::LEASES_ACQUIRED, "domain" => d.clone()),
             near_cache: counter!(names::NEAR_CACHE_HITS, "domain" => d),
         }
     }
 
-    /// Counts one request: decided by a failure policy (open or closed), a lease taken.
-    pub(crate) fn count(&self, fail_open: bool, fail_closed: bool, leased: bool) {
-        for (happened, counter) in
-            [(fail_open, &self.fail_open), (fail_closed, &self.fail_closed), (leased, &self.leases_acquired)]
-        {
+    /// Counts one request: decided by a failure policy (`[open, local, closed]`: the
+    /// stricter met), a lease taken.
+    pub(crate) fn count(&self, [fail_open, local, fail_closed]: [bool; 3], leased: bool) {
+        for (happened, counter) in [
+            (fail_open, &self.fail_open),
+            (fail_closed, &self.fail_closed),
+            (local, &self.local),
+            (leased, &self.leases_acquired),
+        ] {
             if happened {
                 counter.increment(1);
             }

@@ -67,6 +67,9 @@ pub enum Source {
     Skipped,
     /// The store failed; the policy's failure policy decided.
     Degraded,
+    /// The store failed, and this instance decided by its fair part of the limit
+    /// (`failure: local`): a refusal is the limit's, 429.
+    Local,
 }
 
 /// One policy's decision.
@@ -205,9 +208,11 @@ pub(crate) fn binding(descriptors: &[DescriptorVerdict]) -> Option<(usize, usize
 }
 
 /// The most binding decision among enforced policies (or, with `shadow`, among shadow
-/// ones) that were evaluated.
+/// ones) that were evaluated (by the store, or by this instance's own count under
+/// `failure: local`: its numbers are that count's).
 fn most_binding<'a, K>(all: impl Iterator<Item = (K, &'a PolicyDecision)>, shadow: bool) -> Option<K> {
-    all.filter(|(_, p)| p.shadow == shadow && matches!(p.source, Source::Store | Source::NearCache(_)))
+    let evaluated = |p: &PolicyDecision| matches!(p.source, Source::Store | Source::NearCache(_) | Source::Local);
+    all.filter(|(_, p)| p.shadow == shadow && evaluated(p))
         .min_by_key(|(_, p)| {
             let d = &p.decision;
             // among allowed decisions the headers describe a rate limit, not the lease

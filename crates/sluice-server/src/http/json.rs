@@ -182,6 +182,7 @@ fn policy_json(p: &PolicyDecision) -> PolicyJson<'_> {
             Source::NearCache(_) => "near_cache",
             Source::Skipped => "skipped",
             Source::Degraded => "degraded",
+            Source::Local => "local",
         },
     }
 }

@@ -51,6 +51,7 @@ pub fn build(config: &Config, rules: Rules) -> Result<Built, BuildError> {
     if let Some(regions) = regions {
         engine.limiter = engine.limiter.with_regions(regions);
     }
+
     Ok(Built { engine, migration, tuning })
 }
 
@@ -92,7 +93,8 @@ pub fn engine(
             let limiter = limiter
                 .with_overrides(p.overrides().clone())
                 .with_grants(p.grants().clone())
-                .with_issued(p.issued().clone());
+                .with_issued(p.issued().clone())
+                .with_fallback(p.fallback().clone());
             match p.regions() {
                 Some(r) => limiter.with_regions(r.clone()),
                 None => limiter,
@@ -107,6 +109,10 @@ pub fn engine(
         n if remote && n > 0 => limiter.with_near_cache(n),
         _ => limiter,
     };
+    if limiter.rules().use_local_failure() && tokio::runtime::Handle::try_current().is_ok() {
+        // `failure: local` needs to know its fleet (once: a reload keeps the heartbeat)
+        limiter.spawn_heartbeat();
+    }
     let reservations_off = config.limiter.reservations == Some(false);
     Engine { limiter, headers: config.headers, envoy: config.envoy, reservations_off }
 }

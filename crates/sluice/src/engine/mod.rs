@@ -89,6 +89,8 @@ pub struct Limiter {
     sweep: crate::time::Throttle,
     /// The region's allocator, when limits are shared across regions.
     regions: Option<Arc<crate::regions::Regions>>,
+    /// `failure: local`'s counts, and the instances last known.
+    fallback: Arc<crate::fallback::Fallback>,
 }
 
 /// A region's pool of one global limit of a client, for inspecting it.
@@ -123,7 +125,27 @@ impl Limiter {
             issued: Arc::default(),
             sweep: Default::default(),
             regions: None,
+            fallback: Arc::default(),
         }
+    }
+
+    /// Decides `failure: local` with `fallback`'s counts (the previous engine's, across a
+    /// reload).
+    pub fn with_fallback(mut self, fallback: Arc<crate::fallback::Fallback>) -> Self {
+        self.fallback = fallback;
+        self
+    }
+
+    /// What `failure: local` counts, and the instances it knows.
+    pub fn fallback(&self) -> &Arc<crate::fallback::Fallback> {
+        &self.fallback
+    }
+
+    /// Keeps this instance counted in its store's set of instances (for `failure:
+    /// local`'s fair part), every [`crate::fallback::HEARTBEAT`], while its fallback is
+    /// in use. Needs a Tokio runtime.
+    pub fn spawn_heartbeat(&self) {
+        self.fallback.spawn_heartbeat(self.store.clone(), &self.rules.tagger, self.clock.clone());
     }
 
     /// The region's allocator, when limits are shared across regions.
@@ -632,6 +654,7 @@ impl Limiter {
                 // a refusal from the near-cache stands for its own op; the others of the
                 // group were not evaluated
                 Source::NearCache(at) if at != i => Source::Skipped,
+                Source::Degraded if g.failures[i] == Failure::Local => Source::Local,
                 s => s,
             };
             let charged = allowed && d.allowed && op.cost > 0 && op.lease.is_none() && source == Source::Store;
@@ -653,13 +676,16 @@ impl Limiter {
         degraded: Option<Failure>,
         leased: bool,
     ) {
-        domain.counters.count(degraded == Some(Failure::Open), degraded == Some(Failure::Closed), leased);
+        let by = [Failure::Open, Failure::Local, Failure::Closed].map(|f| degraded == Some(f));
+        domain.counters.count(by, leased);
         if !mode.charges() {
             return;
         }
         let ratio = self.rules.near_limit_ratio;
         for (di, p) in descriptors.iter().enumerate().flat_map(|(di, d)| d.policies.iter().map(move |p| (di, p))) {
-            let (Some(c), false) = (&p.counters, matches!(p.source, Source::Skipped | Source::Degraded)) else {
+            let (Some(c), false) =
+                (&p.counters, matches!(p.source, Source::Skipped | Source::Degraded | Source::Local))
+            else {
                 continue;
             };
             let d = &p.decision;
@@ -884,6 +910,9 @@ impl Limiter {
                     d.allowed = false;
                     d.reset_at = now + FAIL_CLOSED_RETRY;
                     d.retry_after = Some(FAIL_CLOSED_RETRY);
+                }
+                if f == Failure::Local {
+                    d = self.fallback.decide(g.tag, op, now);
                 }
                 d
             })
