@@ -77,8 +77,10 @@ fn counters_once(lines: &Lines, name: &str, want: u64) -> BTreeMap<String, u64> 
     }
 }
 
-const DOMAINS: &str =
-    "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 2}\n";
+const DOMAINS: &str = concat!(
+    "  - domain: d\n    descriptors:\n      - key: user\n        rate_limit: {unit: hour, requests_per_unit: 2}\n",
+    "      - key: plan\n        detailed_metric: true\n        rate_limit: {unit: hour, requests_per_unit: 2}\n"
+);
 
 #[tokio::test]
 async fn udp_from_the_config_file_in_lyfts_format() {
@@ -100,6 +102,11 @@ async fn udp_from_the_config_file_in_lyfts_format() {
     }
     let got = counters_once(&lines, &name("total_hits"), 5);
     assert_eq!(got.get(&name("over_limit")), Some(&3), "{got:#?}");
+    // a detailed_metric rule: each value under a name of its own, as theirs
+    common::hit(&client, &s.base, "d", &[("plan", "pro")]).await;
+    let plan = "ratelimit.service.rate_limit.d.plan_pro.total_hits.__env=test";
+    let got = counters_once(&lines, plan, 1);
+    assert_eq!(got.get("ratelimit.service.rate_limit.d.plan.total_hits.__env=test"), None, "{got:#?}");
 }
 
 /// Their environment: StatsD is on unless `USE_STATSD=false`, over TCP as theirs; and

@@ -62,6 +62,9 @@ pub(crate) struct MetricLabel(Arc<[LabelPart]>);
 enum LabelPart {
     /// The entry as the request has it: `key_value`.
     Request,
+    /// The entry as the request has it, its key alone for an empty value (their
+    /// `value_to_metric`).
+    Value,
     /// As the config has it: `key`, `key_value` or `key_wildcard`.
     Config(String),
 }
@@ -77,6 +80,7 @@ impl MetricLabel {
             .zip(entries)
             .map(|(part, (k, v))| match part {
                 LabelPart::Request => format!("{}_{}", printable(k), printable(v)),
+                LabelPart::Value => crate::telemetry::entry_name(&printable(k), &printable(v)),
                 LabelPart::Config(text) => printable(text),
             })
             .collect();
@@ -97,6 +101,9 @@ pub(crate) struct Node {
     pub shared: Option<Box<[Option<String>]>>,
     /// `metadata`, passed on in Envoy's response.
     pub metadata: Option<Arc<serde_json::Map<String, serde_json::Value>>>,
+    /// An `unlimited` rule's stats under its key: listed, never counted, as
+    /// envoyproxy/ratelimit registers them and never passes the rule to its cache.
+    stat: Option<crate::telemetry::StatCounts>,
     children: Level,
 }
 
@@ -164,16 +171,30 @@ impl Domain {
 
     /// Every policy of every rule of the domain.
     fn policies(&self) -> Vec<&Policy> {
+        self.nodes().into_iter().flat_map(|n| &n.policies).collect()
+    }
+
+    fn nodes(&self) -> Vec<&Node> {
         let (mut levels, mut all) = (vec![&self.root], Vec::new());
         while let Some(level) = levels.pop() {
             for rules in level.by_key.values() {
                 for node in rules.exact.values().chain(rules.wildcards.iter().map(|(_, n)| n)).chain(&rules.any) {
-                    all.extend(&node.policies);
+                    all.push(node);
                     levels.push(&node.children);
                 }
             }
         }
         all
+    }
+
+    /// The stats counted in `/stats`: every `rate_limit:` rule's, an `unlimited` one's,
+    /// and those of descriptors' own `limit`s.
+    fn stat_counts(&self) -> impl Iterator<Item = &crate::telemetry::StatCounts> {
+        let nodes = self.nodes();
+        let rules = nodes
+            .into_iter()
+            .flat_map(|n| n.policies.iter().map(|p| p.counters.stat.as_ref()).chain([n.stat.as_ref()]));
+        rules.chain([self.override_counters.stat.as_ref()]).flatten()
     }
 
     /// The rule a descriptor's entries reach, if any.
@@ -410,14 +431,13 @@ impl Rules {
         let mut out: Vec<(String, u64)> = self
             .domains
             .values()
-            .flat_map(|d| d.policies())
-            .filter_map(|p| p.counters.stat.as_ref())
-            .flat_map(|s| {
-                let counts = s.counts();
+            .flat_map(|d| d.stat_counts())
+            .flat_map(|s| s.all())
+            .flat_map(|(key, counts)| {
                 crate::telemetry::STAT_NAMES
                     .iter()
                     .zip(counts)
-                    .map(move |(name, n)| (format!("ratelimit.service.rate_limit.{}.{name}", s.key), n))
+                    .map(move |(name, n)| (format!("ratelimit.service.rate_limit.{key}.{name}"), n))
             })
             .collect();
         out.sort();
@@ -456,7 +476,9 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
         client_key: d.client_key.clone(),
         root,
         counters: DomainCounters::new(&d.domain.0),
-        override_counters: Arc::new(PolicyCounters::new(&d.domain.0, REQUEST_LIMIT, false, inherited.lists())),
+        override_counters: Arc::new(
+            PolicyCounters::new(&d.domain.0, REQUEST_LIMIT, false, inherited.lists()).with_request_stats(&d.domain.0),
+        ),
         by_digest: Default::default(),
     })
 }
@@ -519,15 +541,16 @@ impl Step {
 /// `detailed_metric` on that rule, else the values of the rules with `value_to_metric`
 /// on the way, else none (the policy's own counters say it all).
 fn metric_label(c: &DescriptorConfig, steps: &[Step]) -> Option<MetricLabel> {
-    let label = |request: &dyn Fn(&Step) -> bool| {
-        let part = |s: &Step| if request(s) { LabelPart::Request } else { LabelPart::Config(s.name.clone()) };
-        MetricLabel(steps.iter().map(part).collect())
-    };
-    if c.detailed_metric {
-        // every value but a shared wildcard's
-        return Some(label(&|s| s.shared.is_none()));
+    let config = |s: &Step| LabelPart::Config(s.name.clone());
+    let label = |part: &dyn Fn(&Step) -> LabelPart| MetricLabel(steps.iter().map(part).collect());
+    if c.detailed_metric && steps.iter().all(|s| s.shared.is_none()) {
+        return Some(label(&|_| LabelPart::Request));
     }
-    steps.iter().any(|s| s.by_value).then(|| label(&|s| s.by_value))
+    if c.detailed_metric {
+        // every value but a shared wildcard's, an empty one as its key (as theirs)
+        return Some(label(&|s| if s.shared.is_none() { LabelPart::Value } else { config(s) }));
+    }
+    steps.iter().any(|s| s.by_value).then(|| label(&|s| if s.by_value { LabelPart::Value } else { config(s) }))
 }
 
 /// The grants policy `policy` (of `domain`) of rule `c` takes: those of `grants:` on the
@@ -653,6 +676,11 @@ fn node(
         )));
     }
     node.unlimited = rl.unlimited;
+    let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
+    if rl.unlimited {
+        let key = std::iter::once(inherited.domain).chain(names.iter().copied()).collect::<Vec<_>>().join(".");
+        node.stat = Some(crate::telemetry::StatCounts::new(key, false));
+    }
     node.replaces = rl.replaces.iter().map(|r| Arc::from(r.name.0.as_str())).collect();
     if !rl.unlimited {
         let (Some(unit), Some(rpu)) = (rl.unit, rl.requests_per_unit) else {
@@ -661,7 +689,6 @@ fn node(
         // 0 requests a unit is allowed here: envoyproxy/ratelimit's way to block a value
         let limit = Limit::FixedWindow { limit: rpu, window: unit.millis(), aligned: rl.global };
         limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
-        let names: Vec<&str> = steps.iter().map(|s| s.name.as_str()).collect();
         let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&names));
         let mut counters = PolicyCounters::new(inherited.domain, &name, own.shadow, inherited.lists())
             .with_stat_key(inherited.domain, &names);

@@ -12,6 +12,7 @@
 //! metric [`names`] are public; the handles are the crate's.
 
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+use std::collections::HashMap;
 use std::fmt;
 
 /// Every metric name, for the docs and the tests.
@@ -261,8 +262,32 @@ impl PolicyCounters {
     /// (each step `key` or `key_value`), as envoyproxy/ratelimit names its stats.
     pub(crate) fn with_stat_key(mut self, domain: &str, steps: &[&str]) -> Self {
         let key = std::iter::once(domain).chain(steps.iter().copied()).collect::<Vec<_>>().join(".");
-        self.stat = Some(StatCounts { key, counts: Default::default() });
+        self.stat = Some(StatCounts::new(key, false));
         self
+    }
+
+    /// Counted in process under each request's own name, `DOMAIN.KEY1[_VALUE1]...`: the
+    /// counters of a descriptor's own `limit`, as envoyproxy/ratelimit names their stats.
+    pub(crate) fn with_request_stats(mut self, domain: &str) -> Self {
+        self.stat = Some(StatCounts::new(domain.to_string(), true));
+        self
+    }
+
+    /// The name a request's decision counts under in `/stats`, when not the rule's key:
+    /// the domain and the request's `entries` as its rule's `label` wrote them, or as a
+    /// descriptor's own `limit` names them (`key`, or `key_value` for a value).
+    pub(crate) fn stat_name<'e>(
+        &self,
+        label: Option<&str>,
+        entries: impl Iterator<Item = (&'e str, &'e str)>,
+    ) -> Option<String> {
+        let stat = self.stat.as_ref()?;
+        let parts = match (stat.by_request, label) {
+            (true, _) => entries.map(|(k, v)| entry_name(k, v)).collect::<Vec<_>>().join("."),
+            (false, Some(label)) => label.to_string(),
+            (false, None) => return None,
+        };
+        Some(format!("{}.{parts}", self.names.0))
     }
 
     /// Also counted under envoyproxy/ratelimit's names, for the rule reached by `steps`
@@ -274,13 +299,14 @@ impl PolicyCounters {
 
     /// Counts one decision of `hits`. `near` is whether an allowed decision used at
     /// least the near-limit share of its quota.
-    pub(crate) fn count(&self, allowed: bool, near: bool, hits: u64) {
+    /// `stat` names the `/stats` counts it adds to, when not the rule's key.
+    pub(crate) fn count(&self, stat: Option<&str>, allowed: bool, near: bool, hits: u64) {
         let shadow = matches!(self.decided, Decided::Shadow { .. });
         if let Some(r) = &self.ratelimit {
             r.count(allowed, near, shadow, hits);
         }
         if let Some(s) = &self.stat {
-            s.count(allowed, near, shadow, hits);
+            s.count(stat, allowed, near, shadow, hits);
         }
         match (&self.decided, allowed) {
             (Decided::Shadow { over_limit }, false) | (Decided::Enforced { over_limit, .. }, false) => {
@@ -297,9 +323,9 @@ impl PolicyCounters {
 
 impl PolicyCounters {
     /// A refusal of `hits` answered from the near-cache (also counted by [`Self::count`]).
-    pub(crate) fn near_cache_hit(&self, hits: u64) {
+    pub(crate) fn near_cache_hit(&self, stat: Option<&str>, hits: u64) {
         if let Some(s) = &self.stat {
-            s.near_cache(hits);
+            s.near_cache(stat, hits);
         }
     }
 
@@ -357,43 +383,119 @@ pub const STAT_NAMES: [&str; 6] =
     ["total_hits", "over_limit", "near_limit", "within_limit", "shadow_mode", "over_limit_with_local_cache"];
 
 /// One `rate_limit:` rule's hits, counted as envoyproxy/ratelimit counts them, under its
-/// statsd key.
+/// statsd key, and under the names its requests give it (a `detailed_metric` or
+/// `value_to_metric` rule's values, a descriptor's own `limit`).
 #[derive(Debug)]
 pub struct StatCounts {
     /// `DOMAIN.KEY1[.KEY2...]`.
     pub key: String,
+    /// A descriptor's own `limit` (the domain's `request_limit`): counted under the
+    /// request's entries alone (their `descriptorKey`), the key counting only the names
+    /// past [`STAT_MAX_NAMES`].
+    by_request: bool,
     counts: [std::sync::atomic::AtomicU64; 6],
+    /// The counts under the requests' names.
+    named: std::sync::Mutex<HashMap<String, [u64; 6]>>,
+    /// How many names may be counted apart, shared by every rule.
+    budget: &'static NameBudget,
 }
 
+/// An entry as envoyproxy/ratelimit names it in a stat: `key_value`, or `key` for an
+/// empty value.
+pub(crate) fn entry_name(key: &str, value: &str) -> String {
+    match value {
+        "" => key.to_string(),
+        v => format!("{key}_{v}"),
+    }
+}
+
+/// Most names counted apart in one process (over every rule): each is a line of `/stats`
+/// and of every StatsD flush, so a client sending unique values to a `detailed_metric`
+/// rule would otherwise grow both without end. Past it, hits count under the rule's key.
+pub const STAT_MAX_NAMES: usize = 10_000;
+
+/// The names all [`StatCounts`] hold now, and the most they may.
+#[derive(Debug)]
+struct NameBudget {
+    held: std::sync::atomic::AtomicUsize,
+    max: usize,
+}
+
+static NAME_BUDGET: NameBudget = NameBudget { held: std::sync::atomic::AtomicUsize::new(0), max: STAT_MAX_NAMES };
+
 impl StatCounts {
-    fn count(&self, allowed: bool, near: bool, shadow: bool, hits: u64) {
-        use std::sync::atomic::Ordering::Relaxed;
-        let [total, over, near_limit, within, shadow_mode, _] = &self.counts;
-        total.fetch_add(hits, Relaxed);
+    pub(crate) fn new(key: String, by_request: bool) -> Self {
+        Self { key, by_request, counts: Default::default(), named: Default::default(), budget: &NAME_BUDGET }
+    }
+
+    /// Adds `hits` to the counts `name` (or the key's, for `None`) keeps, as
+    /// envoyproxy/ratelimit counts them.
+    fn count(&self, name: Option<&str>, allowed: bool, near: bool, shadow: bool, hits: u64) {
+        let mut add = [hits, 0, 0, 0, 0, 0];
         match allowed {
             false => {
-                over.fetch_add(hits, Relaxed);
-                if shadow {
-                    shadow_mode.fetch_add(hits, Relaxed);
-                }
+                add[1] = hits;
+                add[4] = if shadow { hits } else { 0 };
             }
             true => {
-                within.fetch_add(hits, Relaxed);
-                if near {
-                    near_limit.fetch_add(hits, Relaxed);
-                }
+                add[3] = hits;
+                add[2] = if near { hits } else { 0 };
             }
         }
+        self.add(name, add);
     }
 
     /// Hits refused from the near-cache, without a store call (their local cache's).
-    fn near_cache(&self, hits: u64) {
-        self.counts[5].fetch_add(hits, std::sync::atomic::Ordering::Relaxed);
+    fn near_cache(&self, name: Option<&str>, hits: u64) {
+        self.add(name, [0, 0, 0, 0, 0, hits]);
+    }
+
+    fn add(&self, name: Option<&str>, add: [u64; 6]) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if let Some(name) = name.filter(|n| *n != self.key) {
+            let mut named = self.named.lock().unwrap_or_else(|p| p.into_inner());
+            let counts = match named.get_mut(name) {
+                Some(counts) => Some(counts),
+                None if self.budget.held.fetch_add(1, Relaxed) < self.budget.max => {
+                    Some(named.entry(name.to_string()).or_default())
+                }
+                None => {
+                    self.budget.held.fetch_sub(1, Relaxed);
+                    None
+                }
+            };
+            if let Some(counts) = counts {
+                counts.iter_mut().zip(add).for_each(|(c, a)| *c = c.saturating_add(a));
+                return;
+            }
+        }
+        self.counts.iter().zip(add).for_each(|(c, a)| _ = c.fetch_add(a, Relaxed));
     }
 
     /// The counts so far, in the order of [`STAT_NAMES`].
     pub fn counts(&self) -> [u64; 6] {
         self.counts.each_ref().map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    /// Every name counted and its counts: the key's (for a descriptor's own `limit`,
+    /// only once it counted some, as `DOMAIN._other`), then the requests' names.
+    pub fn all(&self) -> Vec<(String, [u64; 6])> {
+        let own = self.counts();
+        let mut all = match self.by_request {
+            false => vec![(self.key.clone(), own)],
+            true if own.iter().any(|&n| n > 0) => vec![(format!("{}.{DETAILED_OVERFLOW}", self.key), own)],
+            true => Vec::new(),
+        };
+        let named = self.named.lock().unwrap_or_else(|p| p.into_inner());
+        all.extend(named.iter().map(|(name, counts)| (name.clone(), *counts)));
+        all
+    }
+}
+
+impl Drop for StatCounts {
+    fn drop(&mut self) {
+        let held = self.named.get_mut().map_or(0, |n| n.len());
+        self.budget.held.fetch_sub(held, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -664,6 +766,33 @@ pub(crate) fn memory_store(keys: usize, collected: u64, full: u64) {
 mod tests {
     use super::*;
 
+    #[test]
+    fn stats_count_under_the_requests_names_within_a_budget() {
+        static BUDGET: NameBudget = NameBudget { held: std::sync::atomic::AtomicUsize::new(0), max: 2 };
+        let named = |s: &StatCounts| s.all().into_iter().map(|(n, c)| (n, c[0])).collect::<HashMap<_, _>>();
+        let mut rule = StatCounts::new("d.user".into(), false);
+        rule.budget = &BUDGET;
+        rule.count(Some("d.user_ann"), true, false, false, 3);
+        rule.count(Some("d.user"), false, false, false, 1);
+        rule.count(Some("d.user_bob"), true, false, false, 1);
+        // the budget is spent: a third name counts under the key
+        rule.count(Some("d.user_eve"), true, false, false, 5);
+        rule.count(Some("d.user_ann"), true, false, false, 1);
+        let want = HashMap::from([("d.user".to_string(), 6), ("d.user_ann".into(), 4), ("d.user_bob".into(), 1)]);
+        assert_eq!(named(&rule), want);
+        drop(rule);
+        assert_eq!(BUDGET.held.load(std::sync::atomic::Ordering::Relaxed), 0, "a dropped rule gives its names back");
+        // a descriptor's own limit: its key lists only what went past the budget
+        let mut own = StatCounts::new("d".into(), true);
+        own.budget = &BUDGET;
+        own.count(Some("d.user_ann"), false, false, false, 2);
+        assert_eq!(named(&own), HashMap::from([("d.user_ann".to_string(), 2)]));
+        for name in ["d.a", "d.b"] {
+            own.count(Some(name), true, false, false, 1);
+        }
+        assert_eq!(named(&own)["d._other"], 1);
+    }
+
     /// Unique values sent to a `detailed_metric` rule stop making series at the bound;
     /// the rest are counted under one label.
     #[test]
@@ -694,11 +823,11 @@ mod tests {
         metrics::with_local_recorder(&recorder, || {
             let deep = PolicyCounters::new("eg", "p", false, None)
                 .with_ratelimit_names("eg", &["route_r1", "user", "plan_pro"]);
-            deep.count(true, false, 3);
-            deep.count(true, true, 2);
-            deep.count(false, false, 4);
+            deep.count(None, true, false, 3);
+            deep.count(None, true, true, 2);
+            deep.count(None, false, false, 4);
             let shadow = PolicyCounters::new("eg", "s", true, None).with_ratelimit_names("eg", &["path_/x"]);
-            shadow.count(false, false, 1);
+            shadow.count(None, false, false, 1);
         });
         let text = handle.render();
         let value = |series: &str| {

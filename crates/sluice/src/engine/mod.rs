@@ -691,18 +691,19 @@ impl Limiter {
             let d = &p.decision;
             let near = d.used as f64 >= ratio * d.limit as f64;
             let hits = req.descriptors[di].hits_addend.or(req.hits_addend).unwrap_or(1);
-            c.count(d.allowed, near, hits);
+            let entries = || req.descriptors[di].entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
+            let label = p.metric.as_ref().map(|l| l.render(entries()));
+            let stat = c.stat_name(label.as_deref(), entries());
+            c.count(stat.as_deref(), d.allowed, near, hits);
             if matches!(p.source, Source::NearCache(_)) {
                 domain.counters.near_cache.increment(1);
-                c.near_cache_hit(hits);
+                c.near_cache_hit(stat.as_deref(), hits);
             }
             if let Some(lists) = &c.top {
-                let entries = || req.descriptors[di].entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
                 lists.count(d.allowed, self.clock.now(), entries);
             }
-            if let Some(label) = &p.metric {
-                let entries = req.descriptors[di].entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
-                telemetry::detailed(&req.domain, &p.name, label.render(entries), d.allowed || p.shadow);
+            if let Some(label) = label {
+                telemetry::detailed(&req.domain, &p.name, label, d.allowed || p.shadow);
             }
             if p.shadow && !d.allowed {
                 tracing::info!(domain = %req.domain, policy = %p.name, "shadow mode: this request would have been refused");
