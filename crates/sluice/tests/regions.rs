@@ -12,7 +12,7 @@ use sluice::store::redis::{RedisOptions, RedisStore};
 use sluice::store::{MemoryStore, Resilience, Resilient, Store};
 use sluice::time::{Clock, SystemClock};
 use sluice::{Limiter, Request};
-use sluice_testkit::{Proxy, RedisServer};
+use sluice_testkit::{Proxy, RedisSentinels, RedisServer};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,8 +22,10 @@ const LIMIT: u64 = 200;
 const WINDOW_MS: u64 = 2_000;
 
 fn rules(limit: u64) -> Arc<sluice::rules::Rules> {
+    // `failure: closed`: with its own store down, a region admits only what its
+    // instances' grants hold (`open` would admit past the limit, marked degraded)
     let config = serde_json::json!({"domains": [{"domain": "api", "descriptors": [
-        {"key": "tenant", "policies": [{"name": "tenant",
+        {"key": "tenant", "failure": "closed", "policies": [{"name": "tenant",
             "fixed_window": {"limit": limit, "window": "2s", "global": true}}]},
     ]}]});
     Arc::new(serde_json::from_value::<RulesConfig>(config).unwrap().compile().unwrap())
@@ -177,4 +179,60 @@ async fn regions_share_one_limit_over_redis_across_a_slow_link() {
     assert_never_over(&healed, LIMIT);
     let last = whole(&healed);
     assert!(last.iter().any(|(_, total)| total * 100 >= LIMIT * 90), "healed: {:?}", healed.windows);
+}
+
+/// A store on the primary the Sentinels of `set` name, each grant waiting for a replica.
+fn sentinel(set: &RedisSentinels) -> Arc<dyn Store> {
+    let sentinel = sluice::store::redis::SentinelOptions {
+        sentinels: set.addrs(),
+        master_name: RedisSentinels::MASTER.into(),
+        ..Default::default()
+    };
+    let store = RedisStore::sentinel(&sentinel, RedisOptions::default()).unwrap();
+    let resilience = Resilience { deadline: Duration::from_secs(1), ..Resilience::default() };
+    Arc::new(Resilient::new(store, resilience))
+}
+
+/// Kills the primary of `set` and waits until the Sentinels agree on another, then
+/// starts the old one again (it comes back as a replica, as a restarted pod does); the
+/// time the promotion took.
+fn fail_over(set: &mut RedisSentinels) -> Duration {
+    let (old, killed) = (set.primary.port(), std::time::Instant::now());
+    set.primary.kill();
+    while set.agreed_primary_port().is_none_or(|p| p == old) {
+        assert!(killed.elapsed() < Duration::from_secs(30), "no promotion 30 s after the primary died");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let promoted = killed.elapsed();
+    set.primary.restart();
+    promoted
+}
+
+/// Region 0's own primary killed under load, then the global store's: each promoted by
+/// its Sentinels. A grant (from the global store to a region, from a region's pool to an
+/// instance) waits for a replica before it is spent, so the promoted replica never
+/// grants the same units again: never over the limit in any window, and once both are
+/// promoted the fleet uses the limit again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_regional_and_the_global_primary_fail_over_under_load() {
+    let (mut global, mut region0) = (RedisSentinels::start(2, 3, 1_000), RedisSentinels::start(2, 3, 1_000));
+    let others: Vec<RedisServer> = (0..2).map(|_| RedisServer::start()).collect();
+    let local = |r: usize| if r == 0 { sentinel(&region0) } else { redis(&others[r - 1].addr().to_string()) };
+    let instances = regions(local, |_| sentinel(&global), LIMIT);
+    let hot = |r, _| twice(r, 0, LIMIT);
+    let killer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(3 * WINDOW_MS));
+        let regional = fail_over(&mut region0);
+        std::thread::sleep(Duration::from_millis(2 * WINDOW_MS));
+        let far = fail_over(&mut global);
+        eprintln!("region 0's primary promoted after {regional:?}, the global one after {far:?}");
+        (region0, global)
+    });
+    let c = drive(&instances, (12 * WINDOW_MS, u64::MAX), hot).await;
+    assert_never_over(&c, LIMIT);
+    let _kept = killer.join().unwrap();
+    let after = drive(&instances, (4 * WINDOW_MS, u64::MAX), hot).await;
+    assert_never_over(&after, LIMIT);
+    let used = whole(&after);
+    assert!(used.iter().any(|(_, total)| total * 100 >= LIMIT * 90), "after both failovers: {:?}", after.windows);
 }

@@ -54,6 +54,8 @@ pub enum Rule {
     Sw,
     /// A fixed window of 40 in 2 s, decided from quota grants.
     Gr,
+    /// A fixed window of 40 in 2 s shared by every region (`--regions`).
+    Gl,
 }
 
 impl Rule {
@@ -63,6 +65,7 @@ impl Rule {
             Rule::Tb => "tb",
             Rule::Sw => "sw",
             Rule::Gr => "gr",
+            Rule::Gl => "gl",
         }
     }
 }
@@ -200,12 +203,12 @@ fn windows<'a>(of: impl Iterator<Item = &'a Decision>) -> Vec<Vec<&'a Decision>>
     out
 }
 
-/// Fixed windows (fw, and gr from grants): a window admits at most its limit (the
+/// Fixed windows (fw, gr from grants, gl across regions): a window admits at most its limit (the
 /// highest any of its decisions reported: a reload or an override may lower it within
 /// the window), and no admitted decision reports fewer used than the fleet admitted in
 /// its window before it was even sent.
 fn fixed_windows(ds: &[Decision], v: &mut Vec<Violation>) {
-    for w in windows(ds.iter().filter(|d| matches!(d.rule, Rule::Fw | Rule::Gr))) {
+    for w in windows(ds.iter().filter(|d| matches!(d.rule, Rule::Fw | Rule::Gr | Rule::Gl))) {
         let Some(first) = w.first() else { continue };
         let limit = w.iter().map(|d| d.limit).max().unwrap_or(0);
         let admitted = w.iter().filter(|d| d.allowed).count() as u64;
@@ -409,6 +412,9 @@ impl Report {
              calls unanswered",
             self.grpc, self.degraded, self.longest_to_exact, seen.unanswered
         );
+        if let Some(line) = shared_use(seen) {
+            println!("{line}");
+        }
         let kinds: Vec<String> = self.kinds.iter().map(|(k, n)| format!("{k} {n}")).collect();
         println!("faults by kind: {}", kinds.join(", "));
         println!(
@@ -419,6 +425,26 @@ impl Report {
             self.violations.len()
         );
     }
+}
+
+/// With regions: what the hot clients' windows of the shared limit admitted (each
+/// asked for far more than the limit), least, median and most.
+fn shared_use(seen: &Seen) -> Option<String> {
+    let hot = seen.decisions.iter().filter(|d| d.rule == Rule::Gl && d.client < 4);
+    let mut admitted: Vec<(u64, u64)> = windows(hot)
+        .iter()
+        .map(|w| (w.iter().filter(|d| d.allowed).count() as u64, w.iter().map(|d| d.limit).max().unwrap_or(0)))
+        .collect();
+    admitted.sort_unstable();
+    let (least, median, most) = (admitted.first()?, admitted[admitted.len() / 2], admitted.last()?);
+    Some(format!(
+        "gl, the limit the regions share: {} windows of hot clients admitted {} least, {} median, {} most, of {}",
+        admitted.len(),
+        least.0,
+        median.0,
+        most.0,
+        most.1
+    ))
 }
 
 /// 1234567 as "1,234,567".

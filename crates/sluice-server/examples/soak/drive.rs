@@ -70,10 +70,13 @@ impl Client {
     async fn run(mut self, stop: Arc<AtomicBool>) {
         while !stop.load(Ordering::Relaxed) {
             tokio::time::sleep(Duration::from_millis(self.rng.between(5, 25))).await;
-            let Some((instance, at)) = self.pick() else { continue };
             // a few hot clients take most of the traffic; a long tail the rest
             let client = if self.rng.below(10) < 6 { self.rng.below(4) } else { 4 + self.rng.below(100) } as u32;
+            let Some((instance, at)) = self.pick(client) else { continue };
+            // with regions, a quarter of the calls are for the limit they share
+            let global = self.fleet.regions() > 0 && self.rng.below(4) == 0;
             let answered = match self.rng.below(100) {
+                _ if global => self.decide_global(client).await,
                 0..30 => self.decide(Rule::Fw, client, instance, &at).await,
                 30..45 => self.decide(Rule::Tb, client, instance, &at).await,
                 45..60 => self.decide(Rule::Sw, client, instance, &at).await,
@@ -87,14 +90,34 @@ impl Client {
         }
     }
 
-    /// A running instance, at random.
-    fn pick(&mut self) -> Option<(u8, Arc<Endpoint>)> {
+    /// A running instance for `client`'s own limits, at random: with regions, one of its
+    /// home region's (a limit not shared across regions counts in each region apart, so
+    /// each client keeps to one region and the checks stay fleet-wide).
+    fn pick(&mut self, client: u32) -> Option<(u8, Arc<Endpoint>)> {
+        let home = (self.fleet.regions() > 0).then(|| client as usize % self.fleet.regions());
+        self.pick_in(home, false)
+    }
+
+    /// A running instance of `region` (or of any region when it has none up and
+    /// `anywhere`), at random.
+    fn pick_in(&mut self, region: Option<usize>, anywhere: bool) -> Option<(u8, Arc<Endpoint>)> {
         let up: Vec<(usize, Arc<Endpoint>)> = {
             let eps = self.fleet.endpoints.read().unwrap();
             eps.iter().enumerate().filter_map(|(i, e)| Some((i, e.clone()?))).collect()
         };
-        let (i, e) = up.get(self.rng.below(up.len() as u64) as usize)?.clone();
-        Some((i as u8, e))
+        let there: Vec<&(usize, Arc<Endpoint>)> =
+            up.iter().filter(|(i, _)| region.is_none_or(|r| self.fleet.region_of(*i) == r)).collect();
+        let from = if there.is_empty() && anywhere { up.iter().collect() } else { there };
+        let (i, e) = from.get(self.rng.below(from.len() as u64) as usize)?;
+        Some((*i as u8, e.clone()))
+    }
+
+    /// A decision of the limit the regions share, 80% of them in the hot region.
+    async fn decide_global(&mut self, client: u32) -> Option<()> {
+        let hot = self.fleet.hot.load(Ordering::Relaxed);
+        let region = (self.rng.below(10) < 8).then_some(hot);
+        let Some((instance, at)) = self.pick_in(region, true) else { return Some(()) };
+        self.decide(Rule::Gl, client, instance, &at).await
     }
 
     /// One decision of `rule` for `client`, over HTTP or gRPC (half and half).
@@ -172,7 +195,7 @@ impl Client {
         let degraded = v.get("degraded").is_some();
         tokio::time::sleep(Duration::from_millis(self.rng.between(20, 200))).await;
         let released = self.clock.ms();
-        let back = self.pick().map(|(_, e)| e.http.clone()).unwrap_or_else(|| at.http.clone());
+        let back = self.pick(client).map(|(_, e)| e.http.clone()).unwrap_or_else(|| at.http.clone());
         let _ = self.http.delete(format!("{back}/v1/leases/{id}")).send().await;
         if !degraded {
             self.log.with(|s| s.leases.push(Lease { client, acquired, released }));
@@ -197,7 +220,7 @@ impl Client {
         // policy, its window unknown; its script may still run once the store wakes
         let degraded = degraded(&v);
         tokio::time::sleep(Duration::from_millis(self.rng.between(20, 200))).await;
-        let back = self.pick().map(|(_, e)| e.http.clone()).unwrap_or_else(|| at.http.clone());
+        let back = self.pick(client).map(|(_, e)| e.http.clone()).unwrap_or_else(|| at.http.clone());
         let settled =
             self.http.post(format!("{back}/v1/reservations/{id}/commit")).json(&json!({"actual": actual})).send().await;
         let committed = match settled {

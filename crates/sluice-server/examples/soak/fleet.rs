@@ -3,8 +3,9 @@
 //! when the run ends.
 
 use crate::{Args, Rng};
-use sluice_testkit::{Process, RedisCluster, RedisSentinels, RedisServer, TempDir};
+use sluice_testkit::{Process, Proxy, RedisCluster, RedisSentinels, RedisServer, TempDir};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -46,10 +47,23 @@ impl StoreKind {
 /// The store's servers.
 pub enum Servers {
     Redis(RedisServer),
-    Replicas { primary: RedisServer, _replicas: Vec<RedisServer> },
+    Replicas {
+        primary: RedisServer,
+        _replicas: Vec<RedisServer>,
+    },
     Sentinel(RedisSentinels),
     Cluster(RedisCluster),
+    /// `--regions`: each region's redis-server, the global one, and each region's link
+    /// to it.
+    Regions {
+        regional: Vec<RedisServer>,
+        global: RedisServer,
+        links: Vec<Proxy>,
+    },
 }
+
+/// The delay each way on a region's link to the global store.
+pub const LINK_DELAY_MS: u64 = 20;
 
 /// Where an instance answers.
 pub struct Endpoint {
@@ -69,13 +83,23 @@ pub struct Fleet {
     /// Each instance's endpoint while it runs (None while the nemesis holds it down).
     pub endpoints: RwLock<Vec<Option<Arc<Endpoint>>>>,
     sluice: PathBuf,
-    store_section: String,
+    /// The `store:` section (and with regions, the region's lines), by region.
+    store_sections: Vec<String>,
     plant: Option<String>,
     dir: TempDir,
+    /// The region most of gl's demand comes from (`--regions`; the nemesis moves it).
+    pub hot: AtomicUsize,
 }
 
-/// The rules: every kind the promise covers (see `check::Rule`).
-pub fn domains(fw_limit: u64) -> String {
+/// The rules: every kind the promise covers (see `check::Rule`), and with regions, one
+/// shared across them.
+pub fn domains(fw_limit: u64, regions: bool) -> String {
+    let global = match regions {
+        true => {
+            "      - key: gl\n        policies: [{name: gl, fixed_window: {limit: 40, window: 2s, global: true}}]\n"
+        }
+        false => "",
+    };
     format!(
         "domains:
   - domain: soak
@@ -93,29 +117,31 @@ pub fn domains(fw_limit: u64) -> String {
         policies: [{{name: gr, fixed_window: {{limit: 40, window: 2s}}}}]
       - key: rv
         policies: [{{name: rv, fixed_window: {{limit: 200, window: 2s}}}}]
-"
+{global}"
     )
 }
 
 impl Fleet {
     /// The store's servers and 2 to 4 instances (drawn from the seed).
     pub async fn start(args: &Args, rng: &mut Rng) -> Self {
-        let (servers, store_section) = tokio::task::spawn_blocking({
-            let kind = args.store;
-            move || start_store(kind)
+        let (servers, store_sections) = tokio::task::spawn_blocking({
+            let (kind, regions) = (args.store, args.regions);
+            move || if regions > 0 { start_regions(regions) } else { start_store(kind) }
         })
         .await
         .expect("start the store");
-        let n = rng.between(2, 4) as usize;
+        // with regions: two instances in each
+        let n = if args.regions > 0 { 2 * args.regions } else { rng.between(2, 4) as usize };
         let fleet = Self {
             kind: args.store,
             servers: Mutex::new(servers),
             instances: Mutex::new(Vec::new()),
             endpoints: RwLock::new(Vec::new()),
             sluice: args.sluice.clone(),
-            store_section,
+            store_sections,
             plant: args.plant.clone(),
             dir: TempDir::new("sluice-soak"),
+            hot: AtomicUsize::new(0),
         };
         for i in 0..n {
             let dir = fleet.dir.path().join(format!("instance-{i}"));
@@ -130,6 +156,19 @@ impl Fleet {
 
     pub fn size(&self) -> usize {
         self.endpoints.read().unwrap().len()
+    }
+
+    /// How many regions share the global limit (0 without `--regions`).
+    pub fn regions(&self) -> usize {
+        match self.store_sections.len() {
+            1 => 0,
+            n => n,
+        }
+    }
+
+    /// Instance `i`'s region (instances go round the regions).
+    pub fn region_of(&self, i: usize) -> usize {
+        i % self.store_sections.len()
     }
 
     pub fn dir(&self) -> &Path {
@@ -153,8 +192,8 @@ impl Fleet {
         let text = format!(
             "server:\n  http: 127.0.0.1:0\n  grpc: 127.0.0.1:0\n  admin_token: {ADMIN_TOKEN}\n\
              limiter:\n  key_secret: {secret}\n  deadline: {DEADLINE_MS}ms\n  failure: open\n{}{}",
-            self.store_section,
-            domains(fw_limit)
+            self.store_sections[self.region_of(i)],
+            domains(fw_limit, self.regions() > 0)
         );
         std::fs::write(dir.join("sluice.yaml"), text).unwrap();
     }
@@ -215,16 +254,49 @@ impl Fleet {
         }
     }
 
-    /// The base URL of a running instance other than none, for the admin API.
-    pub fn any_http(&self) -> Option<String> {
-        self.endpoints.read().unwrap().iter().flatten().next().map(|e| e.http.clone())
+    /// The base URL of a running instance, for the admin API: one in each region (each
+    /// region keeps its own overrides, in its own store).
+    pub fn admin_https(&self) -> Vec<String> {
+        let eps = self.endpoints.read().unwrap();
+        let mut by_region: Vec<Option<String>> = vec![None; self.store_sections.len()];
+        for (i, e) in eps.iter().enumerate() {
+            if let (Some(e), slot @ None) = (e, &mut by_region[i % self.store_sections.len()]) {
+                *slot = Some(e.http.clone());
+            }
+        }
+        by_region.into_iter().flatten().collect()
     }
+}
+
+/// `regions` regions, each a redis-server of its own, and a global one each reaches
+/// through a link of its own; each region's config lines (`store:`, `region:`,
+/// `global_store:`).
+fn start_regions(regions: usize) -> (Servers, Vec<String>) {
+    let global = RedisServer::start();
+    let regional: Vec<RedisServer> = (0..regions).map(|_| RedisServer::start()).collect();
+    let delay = Duration::from_millis(LINK_DELAY_MS);
+    let links: Vec<Proxy> = (0..regions).map(|_| Proxy::start(global.addr(), delay)).collect();
+    let sections = (0..regions)
+        .map(|r| {
+            format!(
+                "store:\n  kind: redis\n  url: \"{}\"\nregion: r{r}\nglobal_store: {{kind: redis, url: \"redis://{}\"}}\n",
+                regional[r].url(),
+                links[r].addr()
+            )
+        })
+        .collect();
+    (Servers::Regions { regional, global, links }, sections)
 }
 
 /// The store's servers and the config's `store:` section. Writes to the store wait for a
 /// replica where there are replicas (`replica_acks: 1`): without it a failover loses the
 /// writes the replica had not received, and the fleet admits them again.
-fn start_store(kind: StoreKind) -> (Servers, String) {
+fn start_store(kind: StoreKind) -> (Servers, Vec<String>) {
+    let (servers, section) = start_one(kind);
+    (servers, vec![section])
+}
+
+fn start_one(kind: StoreKind) -> (Servers, String) {
     match kind {
         StoreKind::Redis => {
             let r = RedisServer::start();

@@ -5,8 +5,11 @@
 //! verifies the promises (docs/operations.md, "Promises"), naming the first violation.
 //!
 //! `cargo run --release -p sluice-server --example soak -- --minutes 60 --seed 7 --store
-//! redis|replicas|sentinel|cluster [--sluice PATH] [--faults KIND,...] [--plant
-//! split-secrets]`. The same seed
+//! redis|replicas|sentinel|cluster [--regions N] [--sluice PATH] [--faults KIND,...]
+//! [--plant split-secrets]`. `--regions N`: N regions of two instances, each on its own
+//! redis-server, sharing a global limit through a global Redis reached over links that
+//! delay 20 ms each way, which the nemesis cuts and heals; demand moves between regions.
+//! The same seed
 //! draws the same instances, traffic mix and fault schedule (what the processes and the
 //! machine make of it differs run to run). Exits 1 on a violation.
 
@@ -47,6 +50,8 @@ pub struct Args {
     pub plant: Option<String>,
     /// The kinds of fault to inject (all the store can take when empty).
     pub faults: Vec<String>,
+    /// Regions sharing one global limit (0: one region, no global store).
+    pub regions: usize,
 }
 
 fn args() -> Result<Args, String> {
@@ -57,6 +62,7 @@ fn args() -> Result<Args, String> {
         sluice: std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../target/release/sluice")),
         plant: None,
         faults: Vec::new(),
+        regions: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -68,8 +74,12 @@ fn args() -> Result<Args, String> {
             "--sluice" => a.sluice = value()?.into(),
             "--plant" => a.plant = Some(value()?),
             "--faults" => a.faults = value()?.split(',').map(str::to_string).collect(),
+            "--regions" => a.regions = value()?.parse().map_err(|e| format!("--regions: {e}"))?,
             other => return Err(format!("unknown argument {other}")),
         }
+    }
+    if a.regions == 1 || a.regions > 4 || a.regions > 0 && a.store != fleet::StoreKind::Redis {
+        return Err("--regions takes 2 to 4, each region on a redis-server of its own (--store redis)".into());
     }
     if !a.sluice.exists() {
         return Err(format!("no sluice binary at {} (build it, or pass --sluice PATH)", a.sluice.display()));
@@ -91,10 +101,11 @@ async fn main() {
     let fleet = Arc::new(fleet::Fleet::start(&args, &mut rng).await);
     keep_logs_on_panic(fleet.dir().to_path_buf());
     eprintln!(
-        "soak: seed {} store {} instances {} for {} min",
+        "soak: seed {} store {} instances {} regions {} for {} min",
         args.seed,
         args.store.name(),
         fleet.size(),
+        args.regions.max(1),
         args.minutes
     );
     let clock = check::Clock::now();

@@ -16,8 +16,13 @@ const QUIET_MS: u64 = 6_000;
 const FAILOVER_EVERY_MS: u64 = 25_000;
 
 /// The kinds of fault a store can take.
-fn kinds(store: StoreKind) -> Vec<&'static str> {
+fn kinds(store: StoreKind, regions: bool) -> Vec<&'static str> {
     let mut k = vec!["kill-instance", "term-instance", "pause-primary", "reload-limit", "override"];
+    if regions {
+        // a region cut off from the global store and healed; demand moving between regions
+        k.extend(["partition", "shift", "shift"]);
+        return k;
+    }
     if matches!(store, StoreKind::Sentinel | StoreKind::Cluster) {
         k.push("failover");
     }
@@ -30,7 +35,7 @@ fn kinds(store: StoreKind) -> Vec<&'static str> {
 /// Injects faults until `length` less the quiet end has passed; the fault log.
 pub async fn run(fleet: Arc<Fleet>, mut rng: Rng, clock: Clock, length: Duration, only: &[String]) -> Vec<Fault> {
     let end = length.as_millis() as u64;
-    let mut kinds = kinds(fleet.kind);
+    let mut kinds = kinds(fleet.kind, fleet.regions() > 0);
     if !only.is_empty() {
         kinds.retain(|k| only.iter().any(|o| o == k));
         assert!(!kinds.is_empty(), "none of {only:?} is a fault this store takes");
@@ -55,6 +60,8 @@ pub async fn run(fleet: Arc<Fleet>, mut rng: Rng, clock: Clock, length: Duration
             "pause-primary" => pause(&fleet, &mut rng).await,
             "failover" => failover(&fleet).await,
             "move-slots" => move_slots(&fleet, &mut rng).await,
+            "partition" => partition(&fleet, &mut rng).await,
+            "shift" => shift(&fleet, &mut rng),
             "reload-limit" => {
                 lowered = !lowered;
                 let limit = if lowered { 12 } else { 20 };
@@ -101,6 +108,10 @@ async fn pause(fleet: &Fleet, rng: &mut Rng) -> String {
                 let n = ps[rng.below(ps.len() as u64) as usize];
                 (c.nodes[n].pid(), format!("cluster primary {n}"))
             }
+            Servers::Regions { regional, global, .. } => match rng.below(regional.len() as u64 + 1) as usize {
+                r if r < regional.len() => (regional[r].pid(), format!("region r{r}'s redis")),
+                _ => (global.pid(), "the global redis".to_string()),
+            },
         }
     };
     let paused = rng.between(200, 800);
@@ -108,6 +119,31 @@ async fn pause(fleet: &Fleet, rng: &mut Rng) -> String {
     tokio::time::sleep(Duration::from_millis(paused)).await;
     signal(pid, "-CONT");
     format!("{which} stopped {paused} ms")
+}
+
+/// Cuts a region's link to the global store for 1 to 6 s (up to three windows), then
+/// heals it: the region spends what it holds, then refuses.
+async fn partition(fleet: &Fleet, rng: &mut Rng) -> String {
+    let r = rng.below(fleet.regions() as u64) as usize;
+    let held = rng.between(1_000, 6_000);
+    let link = |f: &dyn Fn(&sluice_testkit::Proxy)| {
+        if let Servers::Regions { links, .. } = &*fleet.servers.lock().unwrap() {
+            f(&links[r]);
+        }
+    };
+    link(&|l| l.cut());
+    tokio::time::sleep(Duration::from_millis(held)).await;
+    link(&|l| l.heal());
+    format!("region r{r} cut off from the global store for {held} ms")
+}
+
+/// Moves most of the shared limit's demand to another region, at once.
+fn shift(fleet: &Fleet, rng: &mut Rng) -> String {
+    let n = fleet.regions();
+    let from = fleet.hot.load(std::sync::atomic::Ordering::Relaxed);
+    let to = (from + 1 + rng.below(n as u64 - 1) as usize) % n;
+    fleet.hot.store(to, std::sync::atomic::Ordering::Relaxed);
+    format!("gl demand from region r{from} to r{to}")
 }
 
 fn signal(pid: u32, sig: &str) {
@@ -198,15 +234,14 @@ async fn override_client(fleet: &Fleet, rng: &mut Rng) -> String {
     let http = reqwest::Client::new();
     let body = serde_json::json!({"domain": "soak", "entries": [{"key": "fw", "value": format!("c{client}")}], "limit": 5, "reason": "soak"});
     let id = format!("soak-c{client}");
-    let set = match fleet.any_http() {
-        Some(base) => {
-            http.put(format!("{base}/v1/overrides/{id}")).bearer_auth(ADMIN_TOKEN).json(&body).send().await.ok()
-        }
-        None => None,
-    };
+    let mut set = Vec::new();
+    for base in fleet.admin_https() {
+        let put = http.put(format!("{base}/v1/overrides/{id}")).bearer_auth(ADMIN_TOKEN).json(&body).send().await;
+        set.push(put.map_or(0, |r| r.status().as_u16()));
+    }
     tokio::time::sleep(Duration::from_millis(held)).await;
-    if let Some(base) = fleet.any_http() {
+    for base in fleet.admin_https() {
         let _ = http.delete(format!("{base}/v1/overrides/{id}")).bearer_auth(ADMIN_TOKEN).send().await;
     }
-    format!("client c{client} fw limit 5 for {held} ms (set: {:?})", set.map(|r| r.status().as_u16()))
+    format!("client c{client} fw limit 5 for {held} ms (set: {set:?})")
 }

@@ -179,7 +179,12 @@ impl SentinelLink {
         current.as_ref().map(|(_, c)| c.clone()).ok_or_else(|| RedisError::from((ErrorKind::Io, "no server yet")))
     }
 
-    /// Notes how a call ended: an error a failover causes makes the follower look now.
+    /// Notes how a call ended: an error a failover causes drops the connection, so no
+    /// call goes to that address again until the Sentinels name it (the next call asks
+    /// them), and makes the follower look now. A connection left to reconnect by itself
+    /// would follow the address, not the role: a primary killed, a replica promoted and
+    /// the old one started again (empty, still a primary until the Sentinels demote it)
+    /// would take writes the fleet then loses, grants among them.
     pub(crate) fn saw<T>(&self, result: &Result<T, RedisError>) {
         if let Err(e) = result {
             let moved = e.is_io_error()
@@ -188,6 +193,7 @@ impl SentinelLink {
                 || e.is_timeout()
                 || e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly);
             if moved {
+                *self.current.lock().unwrap_or_else(|p| p.into_inner()) = None;
                 self.suspect.notify_one();
             }
         }
