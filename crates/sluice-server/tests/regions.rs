@@ -30,7 +30,7 @@ fn instance(name: &str, store: &str, global: &str, shared: bool) -> Sluice {
         true => format!("region: {name}\nglobal_store: {{kind: redis, url: \"redis://{global}\"}}\n"),
         false => String::new(),
     };
-    start_with(&format!("  admin_token: {TOKEN}\n{store}{regions}"), &domains(shared))
+    start_with(&format!("  admin_token: {TOKEN}\n  ui: true\n{store}{regions}"), &domains(shared))
 }
 
 const TOKEN: &str = "a-region-admin-token";
@@ -167,6 +167,30 @@ async fn three_regions_never_pass_one_limit() {
         .unwrap();
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("region holds") && text.contains("this instance's grants in the global store"), "{text}");
+    live_page_shows_the_region(&regions[1][0].base).await;
+}
+
+/// The live page's region card: its endpoint's figures, and the page showing them.
+async fn live_page_shows_the_region(base: &str) {
+    let c = reqwest::Client::new();
+    let o: serde_json::Value =
+        c.get(format!("{base}/v1/admin/overview")).bearer_auth(TOKEN).send().await.unwrap().json().await.unwrap();
+    let region = &o["region"];
+    let n = |k: &str| region[k].as_u64().unwrap_or_else(|| panic!("no {k} in {o}"));
+    assert!(n("clients") >= 1 && n("spent") <= n("held") && n("held") <= LIMIT, "{o}");
+    assert!(n("taken") > 0 && n("global_calls") > 0 && region["global_mean_ms"].as_f64() > Some(0.0), "{o}");
+    let dom = common::chromium(
+        &["--dump-dom"],
+        &format!("{}/ui", base.replace("http://", &format!("http://admin:{TOKEN}@"))),
+    );
+    let shown = |id: &str| {
+        let at = dom.find(&format!("id=\"{id}\">")).unwrap_or_else(|| panic!("no {id} on the page:\n{dom}"));
+        let rest = &dom[at + id.len() + 6..];
+        rest[..rest.find('<').unwrap()].to_string()
+    };
+    assert!(dom.contains("<div class=\"card\" id=\"region\">"), "the region card is hidden:\n{dom}");
+    assert!(shown("region-calls").parse::<u64>().is_ok_and(|calls| calls >= n("global_calls")), "{dom}");
+    assert_eq!(shown("region-errors"), region["global_errors"].to_string(), "{dom}");
 }
 
 /// The baseline: the same regions, each counting alone (no `global`), admit up to three

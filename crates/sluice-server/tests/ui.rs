@@ -4,28 +4,12 @@
 
 mod common;
 
-use common::{hit, start_with};
+use common::{chromium, hit, start_with};
 use serde_json::Value;
-use sluice_testkit::{TempDir, require};
-use std::process::Command;
+use sluice_testkit::TempDir;
 
 const TOKEN: &str = "ui-7d1e-secret-0123";
 const DOMAINS: &str = "  - domain: api\n    descriptors:\n      - key: user\n        rate_limit: {name: hourly, unit: hour, requests_per_unit: 5}\n";
-
-/// Runs headless Chromium on `url` with `args` (its JavaScript given 4 s of virtual time).
-fn chromium(args: &[&str], url: &str) -> String {
-    let program = require("chromium", "chromium");
-    let profile = TempDir::new("sluice-chromium");
-    let out = Command::new(program)
-        .args(["--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=4000"])
-        .arg(format!("--user-data-dir={}", profile.path().display()))
-        .args(args)
-        .arg(url)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "chromium failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 #[tokio::test]
 async fn the_live_page_shows_what_its_endpoint_returns() {
@@ -93,7 +77,7 @@ async fn the_page_is_off_unless_asked_and_needs_a_token() {
     let dir = TempDir::new("sluice-ui-no-token");
     let config = dir.path().join("sluice.yaml");
     std::fs::write(&config, format!("{}  ui: true\ndomains:\n{DOMAINS}", common::SERVER)).unwrap();
-    let out = Command::new(common::bin()).args(["serve", "--config"]).arg(&config).output().unwrap();
+    let out = std::process::Command::new(common::bin()).args(["serve", "--config"]).arg(&config).output().unwrap();
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && said.contains("server.ui is on but server.admin_token is not set"), "{said}");
 }

@@ -41,6 +41,25 @@ pub struct RegionStats {
     pub global_micros: AtomicU64,
 }
 
+/// A region as one instance sees it ([`Regions::view`]).
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct RegionView {
+    /// Clients of global limits active here, and what their pools hold and have spent
+    /// in the windows now.
+    pub clients: usize,
+    pub held: u64,
+    pub spent: u64,
+    /// This instance's allocator since it started: units taken from the global store and
+    /// given back, its calls there, those that failed, and their mean time.
+    pub taken: u64,
+    pub given_back: u64,
+    pub global_calls: u64,
+    pub global_errors: u64,
+    pub global_mean_ms: f64,
+    /// How far ahead the region holds.
+    pub horizon_ms: Millis,
+}
+
 /// One global limit's state of one client as this instance sees it.
 struct Active {
     limit: Limit,
@@ -307,6 +326,32 @@ impl Regions {
         let read = PoolCall { key: op.key, limit: op.limit, end, arrived: 0, act: Act::Read, bucket: self.horizon() };
         let (_, pool) = self.local.pool(tag, read, now).await?;
         Ok((pool, self.holding(tag, escrow::base_key(op.key, &op.limit, end), end).open))
+    }
+
+    /// The region as this instance sees it, for the live page: what the pools of up to
+    /// `most` clients active here hold and have spent in their windows now (read from the
+    /// region's store; pools it cannot read are left out), and this allocator's counts.
+    pub async fn view(&self, most: usize) -> RegionView {
+        let now = self.clock.now();
+        let active: Vec<(Tag, u64, Limit)> = {
+            let active = self.active.lock().expect("regions lock");
+            active.iter().take(most).map(|(&(tag, base), a)| (tag, base, a.limit)).collect()
+        };
+        let mut view = RegionView { clients: active.len(), horizon_ms: self.horizon(), ..RegionView::default() };
+        for (tag, base, limit) in active {
+            let end = escrow::window_end(&limit, now);
+            let key = escrow::window_key(base, &limit, end - escrow::window_length(&limit));
+            let read = PoolCall { key, limit, end, arrived: 0, act: Act::Read, bucket: self.horizon() };
+            if let Ok((_, pool)) = self.local.pool(tag, read, now).await {
+                view.held += pool.cap;
+                view.spent += pool.used;
+            }
+        }
+        let s = &self.stats;
+        (view.taken, view.given_back) = (s.taken.load(Relaxed), s.given_back.load(Relaxed));
+        (view.global_calls, view.global_errors) = (s.global_calls.load(Relaxed), s.global_errors.load(Relaxed));
+        view.global_mean_ms = s.global_micros.load(Relaxed) as f64 / 1_000.0 / view.global_calls.max(1) as f64;
+        view
     }
 
     fn holding(&self, tag: Tag, base: u64, end: Millis) -> Holding {

@@ -373,3 +373,19 @@ pub async fn rls(
     .await
     .unwrap_or_else(|e| panic!("no gRPC at {grpc}: {e}"))
 }
+
+/// Runs headless Chromium on `url` with `args` (its JavaScript given 4 s of virtual time);
+/// what it printed.
+pub fn chromium(args: &[&str], url: &str) -> String {
+    let program = sluice_testkit::require("chromium", "chromium");
+    let profile = TempDir::new("sluice-chromium");
+    let out = Command::new(program)
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=4000"])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .args(args)
+        .arg(url)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "chromium failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
