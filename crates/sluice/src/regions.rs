@@ -88,7 +88,14 @@ pub struct Regions {
     latency: AtomicU64,
     stats: RegionStats,
     metrics: Metrics,
+    /// Window lengths found too short for the round trip measured (warned once each).
+    short: Mutex<std::collections::BTreeSet<Millis>>,
 }
+
+/// The round trips to the global store a global window should last at least: under that,
+/// a region's share runs out before the next arrives and part of the limit goes unused
+/// (measured on the model: docs/architecture.md, "One limit across regions").
+pub const SERVED_ROUND_TRIPS: Millis = 25;
 
 /// The allocator's series in `/metrics`.
 struct Metrics {
@@ -128,6 +135,7 @@ impl Regions {
             latency: AtomicU64::new(FIRST_ROUND_TRIP),
             stats: RegionStats::default(),
             metrics: Metrics::new(),
+            short: Mutex::new(Default::default()),
         })
     }
 
@@ -198,6 +206,7 @@ impl Regions {
     /// then, once the next window is within the horizon, asks ahead for it at this
     /// window's demand (its own pool has seen none yet).
     async fn allocate(&self, tag: Tag, base: u64, limit: Limit, arrived: u64, now: Millis) {
+        self.warn_if_short(&limit);
         let end = escrow::window_end(&limit, now);
         let demand = self.allocate_window(tag, base, &limit, (end, arrived, None), now).await;
         if let Some(demand) = demand.filter(|_| end - now <= self.horizon()) {
@@ -292,6 +301,29 @@ impl Regions {
             }
         }
         Ok(())
+    }
+
+    /// Warns once a window length is shorter than [`SERVED_ROUND_TRIPS`] round trips to
+    /// the global store as measured here (after a few calls: the first are connects).
+    fn warn_if_short(&self, limit: &Limit) {
+        let (window, round_trip) = (escrow::window_length(limit), self.latency.load(Relaxed));
+        if self.stats.global_calls.load(Relaxed) < 8 || window >= SERVED_ROUND_TRIPS * round_trip {
+            return;
+        }
+        if self.short.lock().expect("regions lock").insert(window) {
+            tracing::warn!(
+                window_ms = window,
+                round_trip_ms = round_trip,
+                "a global limit's window is shorter than {SERVED_ROUND_TRIPS} round trips to the global store as \
+                 measured here: a region's share runs out before the next arrives, and part of the limit goes \
+                 unused (docs/architecture.md, \"One limit across regions\"): lengthen the window"
+            );
+        }
+    }
+
+    /// The window lengths found too short for the round trip measured here.
+    pub fn short_windows(&self) -> Vec<Millis> {
+        self.short.lock().expect("regions lock").iter().copied().collect()
     }
 
     /// A global call, timed and counted: its latency keeps the horizon.

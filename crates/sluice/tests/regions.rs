@@ -22,11 +22,15 @@ const LIMIT: u64 = 200;
 const WINDOW_MS: u64 = 2_000;
 
 fn rules(limit: u64) -> Arc<sluice::rules::Rules> {
+    rules_of(limit, "2s")
+}
+
+fn rules_of(limit: u64, window: &str) -> Arc<sluice::rules::Rules> {
     // `failure: closed`: with its own store down, a region admits only what its
     // instances' grants hold (`open` would admit past the limit, marked degraded)
     let config = serde_json::json!({"domains": [{"domain": "api", "descriptors": [
         {"key": "tenant", "failure": "closed", "policies": [{"name": "tenant",
-            "fixed_window": {"limit": limit, "window": "2s", "global": true}}]},
+            "fixed_window": {"limit": limit, "window": window, "global": true}}]},
     ]}]});
     Arc::new(serde_json::from_value::<RulesConfig>(config).unwrap().compile().unwrap())
 }
@@ -235,4 +239,27 @@ async fn a_regional_and_the_global_primary_fail_over_under_load() {
     assert_never_over(&after, LIMIT);
     let used = whole(&after);
     assert!(used.iter().any(|(_, total)| total * 100 >= LIMIT * 90), "after both failovers: {:?}", after.windows);
+}
+
+/// A window shorter than 25 round trips to the global store as measured (1 s at 80 ms)
+/// is warned about, once; one of 8 s is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_too_short_for_the_round_trip_are_found() {
+    let (global, local) = (RedisServer::start(), RedisServer::start());
+    let link = Proxy::start(global.addr(), Duration::from_millis(40));
+    for (window, short) in [("1s", vec![1_000]), ("8s", vec![])] {
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let store = redis(&local.addr().to_string());
+        let regions = Regions::new(redis(&link.addr().to_string()), store.clone(), clock.clone());
+        regions.spawn();
+        let limiter = Limiter::new(rules_of(1_000, window), store, clock).with_regions(regions.clone());
+        let request = Request::new("api").descriptor([("tenant", "t1")]);
+        let started = std::time::Instant::now();
+        while regions.stats().global_calls.load(std::sync::atomic::Ordering::Relaxed) < 12 {
+            assert!(started.elapsed() < Duration::from_secs(20), "the allocator made no global calls");
+            limiter.check(&request).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(regions.short_windows(), short, "a window of {window} at an 80 ms round trip");
+    }
 }

@@ -312,6 +312,9 @@ pub fn regions(config: &crate::config::Config, rules: &Rules) -> Result<(), Chec
 /// Global limits whose windows are shorter than regional pools serve well: a window
 /// should last at least 25 cross-region round trips (2 s at 80 ms), or a region's share
 /// runs out before the next arrives (docs/architecture.md, "One limit across regions").
+/// At load the round trip is not known yet: 80 ms is assumed here, and each instance's
+/// allocator checks again against the round trip it measures
+/// (`sluice::regions::SERVED_ROUND_TRIPS`).
 pub fn short_global_windows(rules: &Rules) -> Vec<String> {
     rules
         .global_windows()
