@@ -153,6 +153,27 @@ async fn a_million_decisions_never_pass_the_limit() {
     }
 }
 
+/// A million decisions (or 90 s' worth, on a slow machine) over real Redis servers, the
+/// global one 80 ms away: never over in any window, and at least 90% used in every whole
+/// window asked for at least twice the limit. Demand moves every 3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_million_decisions_over_redis_never_pass_the_limit() {
+    const BIG: u64 = 100_000;
+    let global = RedisServer::start();
+    let regional: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let links: Vec<Proxy> = (0..3).map(|_| Proxy::start(global.addr(), Duration::from_millis(40))).collect();
+    let instances = regions(|r| redis(&regional[r].addr().to_string()), |r| redis(&links[r].addr().to_string()), BIG);
+    let moving = |r, t: u64| twice(r, ((t / 3_000) % 3) as usize, BIG);
+    let c = drive(&instances, (90_000, 1_000_000), moving).await;
+    assert_never_over(&c, BIG);
+    assert!(c.decisions >= 200_000, "only {} decisions in 90 s", c.decisions);
+    for (end, total) in whole(&c) {
+        if c.asked.get(&end).is_some_and(|a| *a >= 2 * BIG) {
+            assert!(total * 100 >= BIG * 90, "window ending at {end}: {total} of {BIG} used: {:?}", c.windows);
+        }
+    }
+}
+
 /// A Redis store at `addr`.
 fn redis(addr: &str) -> Arc<dyn Store> {
     let store = RedisStore::new(&format!("redis://{addr}"), &[], RedisOptions::default()).unwrap();
