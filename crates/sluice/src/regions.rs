@@ -75,6 +75,9 @@ struct Active {
 struct Holding {
     open: Vec<Open>,
     left_globally: Option<u64>,
+    /// The pool as the allocator last read it: what the region holds (`cap`) and what
+    /// its instances took (`used`), for the live page.
+    seen: (u64, u64),
 }
 
 /// A region's allocator on one instance.
@@ -231,6 +234,7 @@ impl Regions {
         let horizon = self.horizon();
         let call = |act| PoolCall { key, limit: *limit, end, arrived: 0, act, bucket: horizon };
         let (_, pool) = self.local.pool(tag, PoolCall { arrived, ..call(Act::Read) }, at).await.ok()?;
+        self.update(tag, base, end, |h| h.seen = (pool.cap, pool.used));
         let holding = self.holding(tag, base, end);
         let demand_per_s = demand.unwrap_or_else(|| pool.demand.per_s(horizon, at));
         let seen =
@@ -360,24 +364,15 @@ impl Regions {
         Ok((pool, self.holding(tag, escrow::base_key(op.key, &op.limit, end), end).open))
     }
 
-    /// The region as this instance sees it, for the live page: what the pools of up to
-    /// `most` clients active here hold and have spent in their windows now (read from the
-    /// region's store; pools it cannot read are left out), and this allocator's counts.
-    pub async fn view(&self, most: usize) -> RegionView {
+    /// The region as this instance sees it, for the live page: what the pools of the
+    /// clients active here hold and have spent in their windows now, as the allocator
+    /// last read them (every tick: no store call here), and this allocator's counts.
+    pub fn view(&self) -> RegionView {
         let now = self.clock.now();
-        let active: Vec<(Tag, u64, Limit)> = {
-            let active = self.active.lock().expect("regions lock");
-            active.iter().take(most).map(|(&(tag, base), a)| (tag, base, a.limit)).collect()
-        };
-        let mut view = RegionView { clients: active.len(), horizon_ms: self.horizon(), ..RegionView::default() };
-        for (tag, base, limit) in active {
-            let end = escrow::window_end(&limit, now);
-            let key = escrow::window_key(base, &limit, end - escrow::window_length(&limit));
-            let read = PoolCall { key, limit, end, arrived: 0, act: Act::Read, bucket: self.horizon() };
-            if let Ok((_, pool)) = self.local.pool(tag, read, now).await {
-                view.held += pool.cap;
-                view.spent += pool.used;
-            }
+        let mut view = RegionView { horizon_ms: self.horizon(), ..RegionView::default() };
+        for a in self.active.lock().expect("regions lock").values() {
+            let (held, spent) = a.windows.get(&escrow::window_end(&a.limit, now)).map_or((0, 0), |h| h.seen);
+            (view.clients, view.held, view.spent) = (view.clients + 1, view.held + held, view.spent + spent);
         }
         let s = &self.stats;
         (view.taken, view.given_back) = (s.taken.load(Relaxed), s.given_back.load(Relaxed));

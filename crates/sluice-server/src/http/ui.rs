@@ -35,16 +35,12 @@ pub async fn overview(State(state): State<Arc<AppState>>) -> Response {
     let Some(history) = &state.ui else {
         return super::error::error(axum::http::StatusCode::NOT_FOUND, "ui_off", "server.ui is off".into());
     };
-    let engine = state.engine.load();
-    // one limit across regions: the pools of at most 1,000 clients, read from the region's store
-    let region = match engine.limiter.regions() {
-        Some(regions) => Some(regions.view(1_000).await),
-        None => None,
-    };
     let samples = history.samples();
+    let engine = state.engine.load();
     let mut body = rates(&samples);
-    if let Some(region) = region {
-        body["region"] = json!(region);
+    // one limit across regions: the pools as this instance's allocator last read them
+    if let Some(regions) = engine.limiter.regions() {
+        body["region"] = json!(regions.view());
     }
     body["store"] = store(&samples, engine.limiter.store().kind());
     body["top_refused"] = top_refused(&engine.limiter);
