@@ -232,7 +232,7 @@ impl Regions {
         // a window asked for ahead of its start is asked for as at its start
         let at = now.max(end - escrow::window_length(limit));
         let horizon = self.horizon();
-        let call = |act| PoolCall { key, limit: *limit, end, arrived: 0, act, bucket: horizon };
+        let call = |act| self.pool_call(key, limit, end, act);
         let (_, pool) = self.local.pool(tag, PoolCall { arrived, ..call(Act::Read) }, at).await.ok()?;
         self.update(tag, base, end, |h| h.seen = (pool.cap, pool.used));
         let holding = self.holding(tag, base, end);
@@ -279,8 +279,7 @@ impl Regions {
         self.stats.taken.fetch_add(g.units, Relaxed);
         self.metrics.taken.increment(g.units);
         let act = if g.units > 0 { Act::Fill(g.units) } else { Act::Release };
-        let fill = PoolCall { key, limit: *limit, end, arrived: 0, act, bucket: self.horizon() };
-        self.local.pool(tag, fill, at).await.map(|_| ())
+        self.local.pool(tag, self.pool_call(key, limit, end, act), at).await.map(|_| ())
     }
 
     /// Drains unspent units from the pool, then gives them back to the global store.
@@ -293,9 +292,7 @@ impl Regions {
         parts: Vec<(u64, u64)>,
     ) -> Result<(), StoreError> {
         for (id, units) in parts {
-            let drain =
-                PoolCall { key, limit: *limit, end, arrived: 0, act: Act::Drain(units), bucket: self.horizon() };
-            let (n, _) = self.local.pool(tag, drain, at).await?;
+            let (n, _) = self.local.pool(tag, self.pool_call(key, limit, end, Act::Drain(units)), at).await?;
             self.update(tag, base, end, |h| h.open.retain(|o| o.id != id));
             if n > 0 {
                 let back = GiveBack { key, limit: *limit, id, unspent: n, window: end };
@@ -330,6 +327,12 @@ impl Regions {
         self.short.lock().expect("regions lock").iter().copied().collect()
     }
 
+    /// An act on the pool `key` of the window of `limit` ending at `end`, reporting no
+    /// demand, its demand counted in buckets of the horizon.
+    fn pool_call(&self, key: u64, limit: &Limit, end: Millis, act: Act) -> PoolCall {
+        PoolCall { key, limit: *limit, end, arrived: 0, act, bucket: self.horizon() }
+    }
+
     /// A global call, timed and counted: its latency keeps the horizon.
     async fn timed<T>(&self, call: impl std::future::Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
         let started = Instant::now();
@@ -359,8 +362,7 @@ impl Regions {
     /// the global store: for inspecting a client.
     pub(crate) async fn inspect(&self, tag: Tag, op: &Op, now: Millis) -> Result<(Pool, Vec<Open>), StoreError> {
         let end = escrow::window_end(&op.limit, now);
-        let read = PoolCall { key: op.key, limit: op.limit, end, arrived: 0, act: Act::Read, bucket: self.horizon() };
-        let (_, pool) = self.local.pool(tag, read, now).await?;
+        let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await?;
         Ok((pool, self.holding(tag, escrow::base_key(op.key, &op.limit, end), end).open))
     }
 
