@@ -261,7 +261,10 @@ impl Ledger {
         };
         h.lapse(now, out);
         if h.left() < op.cost {
-            if h.store_remaining + h.left() < op.cost && now.saturating_sub(h.asked_at) < grants.refresh {
+            // a global limit's pool may be filled at any time: the region's allocator
+            // says when the fleet has spent it (engine::spend), not what the pool held
+            let recent = now.saturating_sub(h.asked_at) < grants.refresh && !rule.global;
+            if h.store_remaining + h.left() < op.cost && recent {
                 return Take::Refused(h.decision(0, false, now));
             }
             return Take::Short(self.ask(op, op.cost, first));

@@ -27,6 +27,23 @@ pub const TICK: Millis = 100;
 /// The cross-region round trip assumed until a global call has been timed.
 const FIRST_ROUND_TRIP: Millis = 100;
 
+/// The least a decision waits for its region's pool to be filled ([`Regions::hurry`]).
+pub const WAIT_AT_LEAST: Millis = 100;
+
+/// What [`Regions::hurry`] found.
+#[derive(Debug)]
+pub(crate) enum Hurried {
+    /// The region's pool holds the decision's units now.
+    Filled,
+    /// The global store said it had none left in this window: the fleet spent the limit
+    /// (as far as this region can know: another region may give some back).
+    Spent,
+    /// The global store did not answer within the wait; it may have units.
+    Waiting,
+    /// The global store, or the region's, failed: the rule's `failure` decides.
+    Failed(StoreError),
+}
+
 /// What an instance's allocator counts (also in `/metrics`: `sluice_region_*`).
 #[derive(Debug, Default)]
 pub struct RegionStats {
@@ -39,6 +56,13 @@ pub struct RegionStats {
     pub global_errors: AtomicU64,
     /// The global calls' time, in microseconds, all together.
     pub global_micros: AtomicU64,
+    /// Decisions that found the region's pool short and asked the global store at once
+    /// ([`Regions::hurry`]); those then refused because the fleet had spent the limit,
+    /// and those refused because the global store's answer came too late while it may
+    /// still have had units (refusals under the limit: never expected).
+    pub hurried: AtomicU64,
+    pub refused_spent: AtomicU64,
+    pub refused_waiting: AtomicU64,
 }
 
 /// A region as one instance sees it ([`Regions::view`]).
@@ -58,6 +82,11 @@ pub struct RegionView {
     pub global_mean_ms: f64,
     /// How far ahead the region holds.
     pub horizon_ms: Millis,
+    /// Decisions that asked the global store at once, the refusals because the fleet
+    /// had spent the limit, and those while it may have had units (see [`RegionStats`]).
+    pub hurried: u64,
+    pub refused_spent: u64,
+    pub refused_waiting: u64,
 }
 
 /// One global limit's state of one client as this instance sees it.
@@ -75,6 +104,8 @@ struct Active {
 struct Holding {
     open: Vec<Open>,
     left_globally: Option<u64>,
+    /// When the global store last answered.
+    answered_at: Millis,
     /// The pool as the allocator last read it: what the region holds (`cap`) and what
     /// its instances took (`used`), for the live page.
     seen: (u64, u64),
@@ -244,7 +275,9 @@ impl Regions {
             return Some(demand_per_s);
         }
         let result = match m {
-            Move::Take { want, need } => self.take(tag, (base, key), limit, (end, at), (want, need), &pool).await,
+            Move::Take { want, need } => {
+                self.take(tag, (base, key), limit, (end, at), (want, need), &pool).await.map(|_| ())
+            }
             Move::GiveBack { parts } => self.give_back(tag, (base, key), limit, (end, at), parts).await,
             Move::Hold => Ok(()),
         };
@@ -263,7 +296,7 @@ impl Regions {
         (end, at): (Millis, Millis),
         (want, need): (u64, u64),
         pool: &Pool,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         let holding = self.holding(tag, base, end);
         let close = escrow::spent(&holding.open, pool.unspent());
         let id = self.ids.fetch_add(1, Relaxed);
@@ -275,11 +308,12 @@ impl Regions {
                 h.open.push(Open { id, units: g.units, expires: end });
             }
             h.left_globally = Some(g.decision.remaining);
+            h.answered_at = at;
         });
         self.stats.taken.fetch_add(g.units, Relaxed);
         self.metrics.taken.increment(g.units);
         let act = if g.units > 0 { Act::Fill(g.units) } else { Act::Release };
-        self.local.pool(tag, self.pool_call(key, limit, end, act), at).await.map(|_| ())
+        self.local.pool(tag, self.pool_call(key, limit, end, act), at).await.map(|_| g.units)
     }
 
     /// Drains unspent units from the pool, then gives them back to the global store.
@@ -302,6 +336,81 @@ impl Regions {
             }
         }
         Ok(())
+    }
+
+    /// How long a decision waits for [`Self::hurry`]: twice the round trip to the global
+    /// store as measured here, and at least 100 ms.
+    pub fn wait_bound(&self) -> Millis {
+        (2 * self.latency.load(Relaxed)).max(WAIT_AT_LEAST)
+    }
+
+    /// A decision found its region's pool short of `op`'s cost on a global window: the
+    /// allocator's move for that one client, now rather than at the next tick, while the
+    /// decision waits at most [`Self::wait_bound`] (the move goes on if it takes longer:
+    /// units granted are never left out of the pool). See [`Hurried`].
+    /// `planned`: when the decision was planned; `op`'s key names the window of that
+    /// time, and only that window's pool is filled (a grant on that key asked for in the
+    /// next window would be the next window's, counted apart from its own key's).
+    pub(crate) async fn hurry(self: &Arc<Self>, tag: Tag, op: &Op, planned: Millis) -> Hurried {
+        self.stats.hurried.fetch_add(1, Relaxed);
+        let me = self.clone();
+        let op = *op;
+        let end = escrow::window_end(&op.limit, planned);
+        let moved = tokio::spawn(async move { me.hurry_now(tag, &op, end).await });
+        let bound = std::time::Duration::from_millis(self.wait_bound());
+        let hurried = match tokio::time::timeout(bound, moved).await {
+            Ok(Ok(Ok(h))) => h,
+            Ok(Ok(Err(e))) => Hurried::Failed(e),
+            Ok(Err(_)) => Hurried::Failed(StoreError::unavailable("the call to the global store ended abruptly")),
+            Err(_) => Hurried::Waiting,
+        };
+        match hurried {
+            Hurried::Spent => self.stats.refused_spent.fetch_add(1, Relaxed),
+            Hurried::Waiting => self.stats.refused_waiting.fetch_add(1, Relaxed),
+            _ => 0,
+        };
+        hurried
+    }
+
+    async fn hurry_now(&self, tag: Tag, op: &Op, end: Millis) -> Result<Hurried, StoreError> {
+        let (limit, cost) = (op.limit, op.cost.max(1));
+        let base = escrow::base_key(op.key, &limit, end);
+        let call = |act| self.pool_call(op.key, &limit, end, act);
+        loop {
+            // every call as at a time of the window `end` closes (its last ms at the
+            // latest): never the next window's
+            let now = self.clock.now().min(end - 1);
+            if self.clock.now() >= end {
+                return Ok(Hurried::Waiting);
+            }
+            let (_, pool) = self.local.pool(tag, call(Act::Read), now).await?;
+            if pool.unspent() >= cost {
+                return Ok(Hurried::Filled);
+            }
+            let holding = self.holding(tag, base, end);
+            // the global store said lately it had nothing left: the fleet spent it
+            if holding.left_globally.is_some_and(|l| l < cost) && now < holding.answered_at + self.horizon() {
+                return Ok(Hurried::Spent);
+            }
+            let horizon = self.horizon();
+            if let (1, _) = self.local.pool(tag, call(Act::Claim { ttl: horizon }), now).await? {
+                let need = cost - pool.unspent();
+                // the region's demand for a horizon, this decision's at least, twice
+                let per_s = pool.demand.per_s(horizon, now).max(cost as f64 * 1_000.0 / horizon as f64);
+                let want = (2.0 * per_s * horizon as f64 / 1_000.0).ceil() as u64;
+                let taken = self.take(tag, (base, op.key), &limit, (end, now), (want.max(need), need), &pool).await;
+                match taken {
+                    Ok(0) => return Ok(Hurried::Spent),
+                    Ok(_) => return Ok(Hurried::Filled),
+                    Err(e) => {
+                        let _ = self.local.pool(tag, call(Act::Release), now).await;
+                        return Err(e);
+                    }
+                }
+            }
+            // another allocator of the region is moving this pool: read it again soon
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
     }
 
     /// Warns once a window length is shorter than [`SERVED_ROUND_TRIPS`] round trips to
@@ -334,8 +443,10 @@ impl Regions {
     }
 
     /// A global call, timed and counted: its latency keeps the horizon.
+    /// The horizon follows the engine's clock (a test's stepped clock keeps it fixed);
+    /// the metrics, the wall clock's finer time.
     async fn timed<T>(&self, call: impl std::future::Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
-        let started = Instant::now();
+        let (started, began) = (Instant::now(), self.clock.now());
         let result = call.await;
         let took = started.elapsed();
         self.stats.global_calls.fetch_add(1, Relaxed);
@@ -343,7 +454,7 @@ impl Regions {
         self.metrics.seconds.record(took.as_secs_f64());
         match &result {
             Ok(_) => {
-                let ms = took.as_millis() as u64;
+                let ms = self.clock.now().saturating_sub(began);
                 let old = self.latency.load(Relaxed);
                 self.latency.store((old * 7 + ms).div_ceil(8), Relaxed);
                 self.metrics.ok.increment(1);
@@ -380,6 +491,8 @@ impl Regions {
         (view.taken, view.given_back) = (s.taken.load(Relaxed), s.given_back.load(Relaxed));
         (view.global_calls, view.global_errors) = (s.global_calls.load(Relaxed), s.global_errors.load(Relaxed));
         view.global_mean_ms = s.global_micros.load(Relaxed) as f64 / 1_000.0 / view.global_calls.max(1) as f64;
+        (view.hurried, view.refused_spent) = (s.hurried.load(Relaxed), s.refused_spent.load(Relaxed));
+        view.refused_waiting = s.refused_waiting.load(Relaxed);
         view
     }
 

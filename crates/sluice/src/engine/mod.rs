@@ -13,6 +13,7 @@ use crate::grants::{Ledger, Leftovers, Take};
 use crate::near_cache::NearCache;
 use crate::overrides::{Override, OverrideError, Overrides};
 use crate::plan::{Group, Mode, Plan, plan, unevaluated};
+use crate::regions::Hurried;
 use crate::request::{Request, RequestError};
 use crate::rules::{Domain, GrantRule, Rules};
 use crate::store::{Commit, Refund, Store, StoreError};
@@ -749,7 +750,7 @@ impl Limiter {
         let mut out = Leftovers::default();
         for (i, op) in g.ops.iter().enumerate() {
             let Some(rule) = g.grants_of(i) else { continue };
-            let d = match self.spend(g.tag, op, rule, &mut out).await {
+            let d = match self.spend(g.tag, op, rule, (&mut out, now)).await {
                 Ok(d) => d,
                 Err(e) => {
                     self.settle_later(out, now);
@@ -792,16 +793,19 @@ impl Limiter {
 
     /// Spends `op`'s cost from the grants held, taking a grant from the store first when
     /// too few units are held; asks for the next grant in the background when due.
+    /// `planned`: when the request was planned (a global limit's op names that time's
+    /// window).
     async fn spend(
         &self,
         tag: Tag,
         op: &Op,
         rule: &Arc<GrantRule>,
-        out: &mut Leftovers,
+        (out, planned): (&mut Leftovers, Millis),
     ) -> Result<Decision, StoreError> {
         let (mut turn, mut granted, began) = (None, None, self.clock.now());
+        let mut hurried = false;
         if let Some(regions) = self.regions.as_ref().filter(|_| rule.global) {
-            regions.arrived(tag, op, began);
+            regions.arrived(tag, op, planned);
         }
         loop {
             // the time now, not when the request came in: a grant's units lapse, and
@@ -817,6 +821,23 @@ impl Limiter {
                 Take::Refused(d) => return Ok(d),
                 // one request at a time asks for a key; the others then find its units
                 Take::Short(_) if turn.is_none() => turn = Some(self.grants.turn(tag, op.key).await),
+                // a global limit's pool was short: the region's allocator asks the global
+                // store now, and this waits (bounded) for it
+                Take::Short(_) if granted.is_some() && !hurried && rule.global && self.regions.is_some() => {
+                    hurried = true;
+                    let regions = self.regions.as_ref().expect("checked");
+                    match regions.hurry(tag, op, planned).await {
+                        Hurried::Filled => granted = None,
+                        Hurried::Failed(e) => return Err(e),
+                        Hurried::Spent => return Ok(self.grants.refusal(tag, op, granted.as_ref().expect("set"), now)),
+                        // units are expected within a horizon, not at the window's end
+                        Hurried::Waiting => {
+                            let d = self.grants.refusal(tag, op, granted.as_ref().expect("set"), now);
+                            let wait = Some(regions.horizon().min(d.reset_at.saturating_sub(now)));
+                            return Ok(Decision { retry_after: wait, ..d });
+                        }
+                    }
+                }
                 Take::Short(_) if let Some(g) = &granted => return Ok(self.grants.refusal(tag, op, g, now)),
                 Take::Short(_) if self.grants.failed_since(tag, op.key, began) => {
                     let why = "the grant asked for while this decision waited failed; not asked again";
