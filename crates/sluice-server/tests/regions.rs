@@ -170,6 +170,47 @@ async fn three_regions_never_pass_one_limit() {
     live_page_shows_the_region(&regions[1][0].base).await;
 }
 
+/// Clients well under the limit, through the HTTP API in three regions with the
+/// near-cache as shipped, the global store 40 ms away each way: a client that sends
+/// every 300 ms through each region in turn, and brand-new clients (a tenant never seen,
+/// each request). Every request admitted, none says nothing is left, and the region's
+/// figures count the pools found short apart (none refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sparse_and_new_clients_are_admitted_at_the_front_door() {
+    let global = RedisServer::start();
+    let stores: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let links: Vec<Proxy> = (0..3).map(|_| Proxy::start(global.addr(), Duration::from_millis(40))).collect();
+    let names = ["eu", "us", "ap"];
+    let regions: Vec<Sluice> = (0..3)
+        .map(|r| {
+            let store = format!("store: {{kind: redis, url: \"{}\"}}\n", stores[r].url());
+            instance(names[r], &store, &links[r].addr().to_string(), true)
+        })
+        .collect();
+    let client = reqwest::Client::new();
+    // warm, as a deployment is: connections, and the global store's scripts loaded
+    for s in &regions {
+        hit(&client, &s.base, "api", &[("tenant", "warm")]).await;
+    }
+    let mut wrong = Vec::new();
+    for i in 0..30 {
+        let s = &regions[i % 3];
+        for tenant in ["steady".to_string(), format!("new-{i}")] {
+            let a = hit(&client, &s.base, "api", &[("tenant", tenant.as_str())]).await;
+            let remaining = common::header(&a, "x-ratelimit-remaining");
+            if a.status() != 200 || remaining == "0" {
+                wrong.push((i, tenant, a.status(), remaining, common::header(&a, "retry-after")));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let log = || regions.iter().map(|s| s.log()).collect::<Vec<_>>().join("\n");
+    assert!(wrong.is_empty(), "refused or said nothing left, under the limit: {wrong:?}\n{}", log());
+    let scrape = common::metrics(&client, &regions[0].base).await;
+    assert!(common::series(&scrape, "sluice_region_hurried_total") > 0.0, "{scrape}");
+    assert_eq!(common::series(&scrape, "sluice_region_refusals_total{why=\"waiting\"}"), 0.0, "{scrape}");
+}
+
 /// The live page's region card: its endpoint's figures, and the page showing them.
 async fn live_page_shows_the_region(base: &str) {
     let c = reqwest::Client::new();

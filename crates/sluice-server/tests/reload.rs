@@ -388,3 +388,46 @@ async fn an_unchanged_large_config_costs_no_cpu() {
         text.len() >> 20
     );
 }
+
+/// Turning a rule global by reload, with `region` and `global_store`, starts the region's
+/// allocator: the rule admits at once (it used to log "config reloaded" and refuse every
+/// request until a restart). A reload to a global store that does not answer is refused,
+/// and the allocator in force keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turning_a_rule_global_by_reload_starts_the_allocator() {
+    let (regional, global) = (sluice_testkit::RedisServer::start(), sluice_testkit::RedisServer::start());
+    let dir = TempDir::new("sluice-reload-global");
+    let file = dir.path().join("sluice.yaml");
+    let store = format!("store: {{kind: redis, url: \"{}\"}}\n", regional.url());
+    let plain = config(100).replace("domains:", &format!("{store}domains:"));
+    std::fs::write(&file, &plain).unwrap();
+    let (server, http, _) = common::spawn(&file, dir.path());
+    let log = || std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
+    let (base, client) = (format!("http://{http}"), reqwest::Client::new());
+    assert_eq!(common::hit(&client, &base, "d", &[("user", "before")]).await.status(), 200);
+    let global_at = |url: &str| {
+        plain
+            .replace("domains:", &format!("region: eu\nglobal_store: {{kind: redis, url: \"{url}\"}}\ndomains:"))
+            .replace("requests_per_unit: 100}", "requests_per_unit: 100, global: true}")
+    };
+    write_atomically(&file, &global_at(&global.url()));
+    let started = Instant::now();
+    while !log().contains("a new allocator") {
+        assert!(started.elapsed() < Duration::from_secs(5), "not reloaded:\n{}", log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for i in 0..20 {
+        let r = common::hit(&client, &base, "d", &[("user", &format!("global-{i}"))]).await;
+        assert_eq!(r.status(), 200, "a global rule turned on by reload refused a new client:\n{}", log());
+        assert!(num(&r, "x-ratelimit-remaining") > 0);
+    }
+    let scrape = common::metrics(&client, &base).await;
+    assert!(common::series(&scrape, "sluice_region_units_total{kind=\"taken\"}") > 0.0, "{scrape}");
+    // a global store that does not answer: refused, the one in force goes on
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    write_atomically(&file, &global_at(&format!("redis://{closed}")));
+    until_failed(&client, &base, 1, log).await;
+    let r = common::hit(&client, &base, "d", &[("user", "after")]).await;
+    assert_eq!(r.status(), 200, "{}", log());
+    drop(server);
+}

@@ -458,6 +458,11 @@ impl Ledger {
         rest
     }
 
+    /// The units held unspent for `key` of `tag`.
+    pub(crate) fn held(&self, tag: Tag, key: u64) -> u64 {
+        self.shard(tag).get(&(tag, key)).map_or(0, Held::left)
+    }
+
     /// Forgets the grants held for `keys` of `tag` (a reset deleted their state and its
     /// book at the store: there is nothing to give back, and they must not be spent).
     pub(crate) fn forget(&self, tag: Tag, keys: impl Iterator<Item = u64>) {

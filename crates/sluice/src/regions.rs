@@ -139,11 +139,16 @@ struct Metrics {
     errors: metrics::Counter,
     seconds: metrics::Histogram,
     horizon: metrics::Gauge,
+    hurried: metrics::Counter,
+    refused_spent: metrics::Counter,
+    refused_waiting: metrics::Counter,
 }
 
 impl Metrics {
     fn new() -> Self {
-        use crate::telemetry::names::{REGION_GLOBAL_CALLS, REGION_GLOBAL_SECONDS, REGION_HORIZON, REGION_UNITS};
+        use crate::telemetry::names::{
+            REGION_GLOBAL_CALLS, REGION_GLOBAL_SECONDS, REGION_HORIZON, REGION_HURRIED, REGION_REFUSALS, REGION_UNITS,
+        };
         Self {
             taken: metrics::counter!(REGION_UNITS, "kind" => "taken"),
             given_back: metrics::counter!(REGION_UNITS, "kind" => "given_back"),
@@ -151,6 +156,9 @@ impl Metrics {
             errors: metrics::counter!(REGION_GLOBAL_CALLS, "result" => "error"),
             seconds: metrics::histogram!(REGION_GLOBAL_SECONDS),
             horizon: metrics::gauge!(REGION_HORIZON),
+            hurried: metrics::counter!(REGION_HURRIED),
+            refused_spent: metrics::counter!(REGION_REFUSALS, "why" => "fleet_spent"),
+            refused_waiting: metrics::counter!(REGION_REFUSALS, "why" => "waiting"),
         }
     }
 }
@@ -171,6 +179,11 @@ impl Regions {
             metrics: Metrics::new(),
             short: Mutex::new(Default::default()),
         })
+    }
+
+    /// The global store.
+    pub fn global(&self) -> &Arc<dyn Store> {
+        &self.global
     }
 
     pub fn stats(&self) -> &RegionStats {
@@ -195,6 +208,9 @@ impl Regions {
         });
         a.arrived = a.arrived.saturating_add(op.cost.max(1));
         a.seen_at = now;
+        // a reload that changed the limit: the allocator asks under the new one from now
+        // (what the pool holds of this window was granted under the old)
+        a.limit = op.limit;
     }
 
     /// Runs [`Self::step`] every [`TICK`] while an engine holds this allocator (a reload
@@ -265,7 +281,11 @@ impl Regions {
         let horizon = self.horizon();
         let call = |act| self.pool_call(key, limit, end, act);
         let (_, pool) = self.local.pool(tag, PoolCall { arrived, ..call(Act::Read) }, at).await.ok()?;
-        self.update(tag, base, end, |h| h.seen = (pool.cap, pool.used));
+        self.update(tag, base, end, |h| {
+            h.seen = (pool.cap, pool.used);
+            // another instance of the region may have asked since this one did
+            h.left_globally = pool.left.or(h.left_globally);
+        });
         let holding = self.holding(tag, base, end);
         let demand_per_s = demand.unwrap_or_else(|| pool.demand.per_s(horizon, at));
         let seen =
@@ -313,7 +333,8 @@ impl Regions {
         self.stats.taken.fetch_add(g.units, Relaxed);
         self.metrics.taken.increment(g.units);
         let act = if g.units > 0 { Act::Fill(g.units) } else { Act::Release };
-        self.local.pool(tag, self.pool_call(key, limit, end, act), at).await.map(|_| g.units)
+        let call = PoolCall { left: Some(g.decision.remaining), ..self.pool_call(key, limit, end, act) };
+        self.local.pool(tag, call, at).await.map(|_| g.units)
     }
 
     /// Drains unspent units from the pool, then gives them back to the global store.
@@ -338,6 +359,28 @@ impl Regions {
         Ok(())
     }
 
+    /// What is left of the fleet's limit in the window of `op` (planned at `planned`) as
+    /// the region last knew it, besides the units this instance holds: what the global
+    /// store has not granted, and what the region's pool holds unspent (as the allocator
+    /// read it at its last tick, or now if it has not yet: a client new here). Less than
+    /// the truth by what the other regions hold unspent (about their demand for one
+    /// horizon), never more. `None` when the store cannot be read.
+    pub(crate) async fn fleet_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
+        let end = escrow::window_end(&op.limit, planned);
+        let base = escrow::base_key(op.key, &op.limit, end);
+        let h = self.holding(tag, base, end);
+        if let Some(left) = h.left_globally.filter(|_| h.seen != (0, 0)) {
+            return Some(left + h.seen.0.saturating_sub(h.seen.1));
+        }
+        let now = self.clock.now().min(end - 1);
+        let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await.ok()?;
+        self.update(tag, base, end, |h| {
+            h.seen = (pool.cap, pool.used);
+            h.left_globally = pool.left.or(h.left_globally);
+        });
+        Some(pool.left.unwrap_or(0) + pool.unspent())
+    }
+
     /// How long a decision waits for [`Self::hurry`]: twice the round trip to the global
     /// store as measured here, and at least 100 ms.
     pub fn wait_bound(&self) -> Millis {
@@ -353,6 +396,7 @@ impl Regions {
     /// next window would be the next window's, counted apart from its own key's).
     pub(crate) async fn hurry(self: &Arc<Self>, tag: Tag, op: &Op, planned: Millis) -> Hurried {
         self.stats.hurried.fetch_add(1, Relaxed);
+        self.metrics.hurried.increment(1);
         let me = self.clone();
         let op = *op;
         let end = escrow::window_end(&op.limit, planned);
@@ -365,10 +409,16 @@ impl Regions {
             Err(_) => Hurried::Waiting,
         };
         match hurried {
-            Hurried::Spent => self.stats.refused_spent.fetch_add(1, Relaxed),
-            Hurried::Waiting => self.stats.refused_waiting.fetch_add(1, Relaxed),
-            _ => 0,
-        };
+            Hurried::Spent => {
+                self.stats.refused_spent.fetch_add(1, Relaxed);
+                self.metrics.refused_spent.increment(1);
+            }
+            Hurried::Waiting => {
+                self.stats.refused_waiting.fetch_add(1, Relaxed);
+                self.metrics.refused_waiting.increment(1);
+            }
+            _ => {}
+        }
         hurried
     }
 
@@ -396,8 +446,11 @@ impl Regions {
             if let (1, _) = self.local.pool(tag, call(Act::Claim { ttl: horizon }), now).await? {
                 let need = cost - pool.unspent();
                 // the region's demand for a horizon, this decision's at least, twice
-                let per_s = pool.demand.per_s(horizon, now).max(cost as f64 * 1_000.0 / horizon as f64);
-                let want = (2.0 * per_s * horizon as f64 / 1_000.0).ceil() as u64;
+                // this decision's units, and the region's demand until the next tick
+                // (the allocator sizes the rest): a hot region that hurries does not
+                // take what the others will need
+                let per_s = pool.demand.per_s(horizon, now);
+                let want = need + (per_s * TICK as f64 / 1_000.0).ceil() as u64;
                 let taken = self.take(tag, (base, op.key), &limit, (end, now), (want.max(need), need), &pool).await;
                 match taken {
                     Ok(0) => return Ok(Hurried::Spent),
@@ -439,7 +492,7 @@ impl Regions {
     /// An act on the pool `key` of the window of `limit` ending at `end`, reporting no
     /// demand, its demand counted in buckets of the horizon.
     fn pool_call(&self, key: u64, limit: &Limit, end: Millis, act: Act) -> PoolCall {
-        PoolCall { key, limit: *limit, end, arrived: 0, act, bucket: self.horizon() }
+        PoolCall { key, limit: *limit, end, arrived: 0, act, bucket: self.horizon(), left: None }
     }
 
     /// A global call, timed and counted: its latency keeps the horizon.

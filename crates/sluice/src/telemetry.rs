@@ -60,6 +60,8 @@ pub mod names {
     pub const REGION_GLOBAL_CALLS: &str = "sluice_region_global_calls_total";
     pub const REGION_GLOBAL_SECONDS: &str = "sluice_region_global_call_seconds";
     pub const REGION_HORIZON: &str = "sluice_region_horizon_seconds";
+    pub const REGION_HURRIED: &str = "sluice_region_hurried_total";
+    pub const REGION_REFUSALS: &str = "sluice_region_refusals_total";
     pub const RESERVATIONS: &str = "sluice_reservations_total";
     pub const RESERVATION_UNITS: &str = "sluice_reservation_units_total";
     pub const RESERVATION_SETTLEMENTS: &str = "sluice_reservation_settlements_total";
@@ -147,6 +149,15 @@ fn describe_regions() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
     use names::*;
     describe_counter!(REGION_UNITS, "Units of global limits this instance took from the global store, and gave back.");
+    describe_counter!(
+        REGION_HURRIED,
+        "Decisions on global limits that found their region's pool short and asked the global store at once."
+    );
+    describe_counter!(
+        REGION_REFUSALS,
+        "Refusals on global limits after asking the global store: fleet_spent (the limit is spent), waiting (its \
+         answer came too late: refused under the limit)."
+    );
     describe_counter!(REGION_GLOBAL_CALLS, "Calls to the global store (ok, error): none is on a decision's path.");
     describe_histogram!(REGION_GLOBAL_SECONDS, metrics::Unit::Seconds, "Time of each call to the global store.");
     describe_gauge!(

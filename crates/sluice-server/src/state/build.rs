@@ -59,7 +59,7 @@ pub fn build(config: &Config, rules: Rules) -> Result<Built, BuildError> {
 /// ticks in the background, when there is a runtime to tick in). The global store's
 /// calls have a deadline of a second at least: no decision waits on them, and a cross-
 /// region round trip can take most of `limiter.deadline`.
-fn regions(
+pub fn regions(
     global: &StoreConfig,
     limiter: &LimiterConfig,
     local: Arc<dyn Store>,

@@ -45,6 +45,12 @@ pub fn base_key(window_key: u64, limit: &Limit, end: Millis) -> u64 {
     window_key ^ mix(end / window_length(limit) - 1)
 }
 
+/// The key of the window `at` is in, for the state whose window `from` was in is keyed
+/// `key` (the same key when both are in one window).
+pub fn rekey(key: u64, limit: &Limit, from: Millis, at: Millis) -> u64 {
+    window_key(base_key(key, limit, window_end(limit, from)), limit, at)
+}
+
 /// The length of a global limit's window (a fixed window's; 1 for any other limit).
 pub fn window_length(limit: &Limit) -> Millis {
     match *limit {
@@ -70,8 +76,10 @@ fn mix(n: u64) -> u64 {
 
 /// A region's pool of one global window: what it holds (`cap`), what its instances took
 /// (`used`), where the window ends; which allocator acts on it until when (`claim_until`:
-/// one at a time, so that a region's instances do not all ask at once); and the region's
-/// recent demand, as its instances report it.
+/// one at a time, so that a region's instances do not all ask at once); the region's
+/// recent demand, as its instances report it; and what the global store said was left
+/// of the window when the region last asked (`left`; `None`: not asked in this window),
+/// so that every instance of the region answers with the fleet's count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Pool {
     pub cap: u64,
@@ -79,6 +87,7 @@ pub struct Pool {
     pub resets_at: Millis,
     pub claim_until: Millis,
     pub demand: Demand,
+    pub left: Option<u64>,
 }
 
 /// Units asked for in a region (admitted or not) in two buckets of a set length: the one
@@ -142,11 +151,17 @@ pub enum Act {
 }
 
 /// One allocator call on the pool of the window ending at `end`: `arrived` units
-/// reported, then `act`. Returns the units the act moved (a claim: 1 if taken) and the
-/// pool after it.
-pub fn change(p: Pool, end: Millis, arrived: u64, act: Act, (bucket, now): (Millis, Millis)) -> (u64, Pool) {
+/// reported and what the global store said was `left` recorded (if it said), then `act`.
+/// Returns the units the act moved (a claim: 1 if taken) and the pool after it.
+pub fn change(
+    p: Pool,
+    end: Millis,
+    (arrived, left): (u64, Option<u64>),
+    act: Act,
+    (bucket, now): (Millis, Millis),
+) -> (u64, Pool) {
     let p = p.of_window(end);
-    let p = Pool { demand: p.demand.report(arrived, bucket, now), ..p };
+    let p = Pool { demand: p.demand.report(arrived, bucket, now), left: left.or(p.left), ..p };
     match act {
         Act::Read => (0, p),
         Act::Claim { ttl } if now >= p.claim_until => (1, Pool { claim_until: now + ttl, ..p }),
@@ -278,6 +293,7 @@ mod tests {
         assert_ne!(k1, k2);
         assert_eq!(window_key(7, &l, 59_999), k1);
         assert_eq!((base_key(k1, &l, 60_000), base_key(k2, &l, 120_000)), (7, 7));
+        assert_eq!((rekey(k1, &l, 1_000, 61_000), rekey(k1, &l, 1_000, 59_000)), (k2, k1), "a decision that waited");
     }
 
     #[test]
@@ -311,22 +327,22 @@ mod tests {
     #[test]
     fn one_allocator_at_a_time_and_the_region_s_demand_counted() {
         let at = |now| (100, now);
-        let (claimed, p) = change(Pool::default(), END, 30, Act::Claim { ttl: 500 }, at(1_000));
+        let (claimed, p) = change(Pool::default(), END, (30, None), Act::Claim { ttl: 500 }, at(1_000));
         assert_eq!((claimed, p.claim_until, p.demand.this), (1, 1_500, 30));
-        let (claimed, p) = change(p, END, 20, Act::Claim { ttl: 500 }, at(1_050));
+        let (claimed, p) = change(p, END, (20, None), Act::Claim { ttl: 500 }, at(1_050));
         assert_eq!((claimed, p.demand.this), (0, 50), "another instance: not while it is held");
-        let (filled, p) = change(p, END, 0, Act::Fill(40), at(1_120));
+        let (filled, p) = change(p, END, (0, None), Act::Fill(40), at(1_120));
         assert_eq!((filled, p.cap, p.claim_until), (40, 40, 0), "a fill ends the claim");
         assert_eq!(p.demand, Demand { at: 1_120, before: 50, this: 0 }, "a new bucket");
         assert_eq!(p.demand.per_s(100, 1_170), 50.0 * 1_000.0 / 150.0);
-        let (claimed, p) = change(p, END, 0, Act::Claim { ttl: 500 }, at(1_200));
-        let (_, p) = change(p, END, 0, Act::Release, at(1_210));
+        let (claimed, p) = change(p, END, (0, None), Act::Claim { ttl: 500 }, at(1_200));
+        let (_, p) = change(p, END, (0, None), Act::Release, at(1_210));
         assert_eq!((claimed, p.claim_until), (1, 0));
-        let (drained, p) = change(Pool { used: 35, ..p }, END, 0, Act::Drain(10), at(1_220));
+        let (drained, p) = change(Pool { used: 35, ..p }, END, (0, None), Act::Drain(10), at(1_220));
         assert_eq!((drained, p.cap), (5, 35), "only what is unspent");
-        let (_, p) = change(p, END, 0, Act::Read, at(2_000));
+        let (_, p) = change(p, END, (0, None), Act::Read, at(2_000));
         assert_eq!(p.demand, Demand { at: 2_000, before: 0, this: 0 }, "long quiet: no demand");
-        assert_eq!(change(p, END + 60_000, 0, Act::Read, at(2_000)).1.cap, 0, "the next window's is its own");
+        assert_eq!(change(p, END + 60_000, (0, None), Act::Read, at(2_000)).1.cap, 0, "the next window's is its own");
     }
 
     fn seen(demand_per_s: f64, unspent: u64, open: &[Open]) -> Seen<'_> {

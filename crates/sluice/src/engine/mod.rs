@@ -7,6 +7,7 @@
 //! given back, so a request is charged everywhere or nowhere. A group whose store call
 //! fails is decided by its policies' failure policy (invariant 7).
 
+use crate::algo::escrow;
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::config::Failure;
 use crate::grants::{Ledger, Leftovers, Take};
@@ -158,6 +159,12 @@ impl Limiter {
     /// keeps this region's pools filled (carried across reloads, as grants are).
     pub fn with_regions(mut self, regions: Arc<crate::regions::Regions>) -> Self {
         self.regions = Some(regions);
+        self
+    }
+
+    /// No longer shares limits across regions (a reload took `global_store` away).
+    pub fn without_regions(mut self) -> Self {
+        self.regions = None;
         self
     }
 
@@ -762,7 +769,10 @@ impl Limiter {
             if d.allowed && op.cost > 0 {
                 spent.push(i);
             }
-            decisions[i] = d;
+            decisions[i] = match self.regions.as_ref().filter(|_| rule.global && d.allowed) {
+                Some(regions) => self.fleet_answer(regions, g.tag, op, d, now).await,
+                None => d,
+            };
         }
         self.settle_later(out, now);
         let rest: Vec<usize> = (0..g.ops.len()).filter(|&i| g.grants_of(i).is_none()).collect();
@@ -794,16 +804,18 @@ impl Limiter {
     /// Spends `op`'s cost from the grants held, taking a grant from the store first when
     /// too few units are held; asks for the next grant in the background when due.
     /// `planned`: when the request was planned (a global limit's op names that time's
-    /// window).
+    /// window; if that window ends while the decision waits, it is decided in the next,
+    /// and its decision names that one).
     async fn spend(
         &self,
         tag: Tag,
         op: &Op,
         rule: &Arc<GrantRule>,
-        (out, planned): (&mut Leftovers, Millis),
+        (out, mut planned): (&mut Leftovers, Millis),
     ) -> Result<Decision, StoreError> {
         let (mut turn, mut granted, began) = (None, None, self.clock.now());
-        let mut hurried = false;
+        let (mut hurried, mut op) = (false, *op);
+        let op = &mut op;
         if let Some(regions) = self.regions.as_ref().filter(|_| rule.global) {
             regions.arrived(tag, op, planned);
         }
@@ -811,6 +823,10 @@ impl Limiter {
             // the time now, not when the request came in: a grant's units lapse, and
             // waiting for a turn or the store takes time
             let now = self.clock.now();
+            if rule.global && now >= escrow::window_end(&op.limit, planned) {
+                op.key = escrow::rekey(op.key, &op.limit, planned, now);
+                (planned, granted, hurried) = (now, None, false);
+            }
             match self.grants.take(tag, op, rule, now, out) {
                 Take::Spent(d, refresh) => {
                     if let Some(ask) = refresh {
@@ -864,6 +880,27 @@ impl Limiter {
                 }
             }
         }
+    }
+
+    /// An admitted decision of a global limit as the fleet's count says it: the units
+    /// this instance holds, what its region's pool holds unspent, and what the global
+    /// store has not granted (as the region last knew it), not what this instance
+    /// happens to hold alone (which says `remaining: 0` while the fleet has units).
+    async fn fleet_answer(
+        &self,
+        regions: &crate::regions::Regions,
+        tag: Tag,
+        op: &Op,
+        d: Decision,
+        planned: Millis,
+    ) -> Decision {
+        // the window the decision names (the next one, if the planned one ended)
+        let at = d.reset_at.saturating_sub(1);
+        let key = escrow::rekey(op.key, &op.limit, planned, at);
+        let op = Op { key, ..*op };
+        let Some(elsewhere) = regions.fleet_left(tag, &op, at).await else { return d };
+        let remaining = self.grants.held(tag, op.key).saturating_add(elsewhere).min(d.limit);
+        Decision { remaining, used: d.limit - remaining, ..d }
     }
 
     /// Asks for a grant in the background.

@@ -336,7 +336,7 @@ pub async fn pools_hold_what_the_region_holds(s: &dyn Store) {
     let l = Limit::FixedWindow { limit: 100, window: 10_000, aligned: true };
     let now = (t0() / 10_000) * 10_000 + 100;
     let end = now - 100 + 10_000;
-    let call = |act, arrived| PoolCall { key: 1, limit: l, end, arrived, act, bucket: 1_000 };
+    let call = |act, arrived| PoolCall { key: 1, limit: l, end, arrived, act, bucket: 1_000, left: None };
     let ask = |id, want| GrantAsk { key: 1, limit: l, need: 1, want, id, close: Vec::new(), pool: true };
     if !s.pools() {
         assert!(s.pool(t, call(Act::Read, 0), now).await.is_err(), "a store keeping no pools must refuse a call");
@@ -367,6 +367,17 @@ pub async fn pools_hold_what_the_region_holds(s: &dyn Store) {
     assert_eq!(s.pool(t, next, end).await.unwrap().1.cap, 9);
     let (_, p) = s.pool(t, call(Act::Read, 0), now + 12).await.unwrap();
     assert_eq!(p.cap, 24, "this window's is untouched");
+    // what the global store said was left is kept for the window, until it says again
+    assert_eq!(p.left, None, "not said yet");
+    let (_, p) = s.pool(t, PoolCall { left: Some(76), ..call(Act::Release, 0) }, now + 13).await.unwrap();
+    assert_eq!(p.left, Some(76));
+    assert_eq!(s.pool(t, call(Act::Read, 0), now + 14).await.unwrap().1.left, Some(76), "kept");
+    let (_, p) = s.pool(t, PoolCall { left: Some(0), ..call(Act::Fill(1), 0) }, now + 15).await.unwrap();
+    assert_eq!((p.left, p.cap), (Some(0), 25), "said again");
+    assert_eq!(
+        s.pool(t, PoolCall { key: 2, end: end + 10_000, ..call(Act::Read, 0) }, end).await.unwrap().1.left,
+        None
+    );
 }
 
 /// Reservations (`algo::reservation`): held units count against every limit of the

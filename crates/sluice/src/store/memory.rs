@@ -489,7 +489,8 @@ impl Store for MemoryStore {
         let window = Self::window(&shard, at);
         let used = if window.resets_at == call.end { window.used } else { 0 };
         let kept = shard.pools.get(&at).copied().unwrap_or_default();
-        let (moved, pool) = escrow::change(Pool { used, ..kept }, call.end, call.arrived, call.act, (call.bucket, now));
+        let (moved, pool) =
+            escrow::change(Pool { used, ..kept }, call.end, (call.arrived, call.left), call.act, (call.bucket, now));
         shard.pools.insert(at, pool);
         Ok((moved, pool))
     }

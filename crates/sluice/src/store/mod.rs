@@ -80,6 +80,8 @@ pub struct PoolCall {
     pub arrived: u64,
     pub act: Act,
     pub bucket: Millis,
+    /// What the global store said was left of the window, to record in the pool.
+    pub left: Option<u64>,
 }
 
 /// Unspent units of grant `id`, taken from state `key` (a fixed window: in the window

@@ -246,9 +246,23 @@ async fn reload(source: &Source, current: &Config, state: &AppState) -> Result<C
         }
         // the same store, retuned and under new rules: no reconnect, no state lost
         state.tuning.load().set(build::resilience(&config.limiter));
-        let current = state.engine.load();
-        let store = current.limiter.store().clone();
-        let next = build::engine(&config, rules, store, build::clock(&config.limiter), Some(&current.limiter));
+        let engine = state.engine.load();
+        let (store, clock) = (engine.limiter.store().clone(), build::clock(&config.limiter));
+        let mut next = build::engine(&config, rules, store.clone(), clock.clone(), Some(&engine.limiter));
+        if (&config.region, &config.global_store) != (&current.region, &current.global_store) {
+            // regions turned on, off or moved to another global store: a new allocator,
+            // its global store connected and checked as a new `store` is (the old one
+            // ends with the engine it served)
+            next.limiter = match &config.global_store {
+                Some(global) => {
+                    let regions = build::regions(global, &config.limiter, store, clock)?;
+                    answers(regions.global().as_ref()).await?;
+                    next.limiter.with_regions(regions)
+                }
+                None => next.limiter.without_regions(),
+            };
+            applied.push("region, global_store (a new allocator, its store connected)");
+        }
         state.engine.store(Arc::new(next));
     } else {
         let built = build::build(&config, rules)?;

@@ -995,6 +995,8 @@ impl Store for RedisStore {
         let fill = |cmd: &mut Cmd| {
             cmd.arg(now).arg(GRACE_MS).arg(policy(&call.limit, false)).arg(&at.field);
             cmd.arg(call.end).arg(call.arrived).arg(act).arg(units).arg(call.bucket);
+            // what the global store said was left, one more (0: nothing said)
+            cmd.arg(call.left.map_or(0, |l| l.saturating_add(1)));
         };
         // a drain is durable before its units are given back: a failover that lost it
         // would give the region back units another region may then spend
@@ -1003,11 +1005,11 @@ impl Store for RedisStore {
         let reply = self.granter.write_acked(script, &[&at.key], fill, acks, GRANT_ACK_WAIT).await?;
         let n: Vec<u64> =
             redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("pool reply: {e}")).because(e))?;
-        let [moved, cap, used, claim_until, at, before, this] = n[..] else {
+        let [moved, cap, used, claim_until, at, before, this, left] = n[..] else {
             return Err(StoreError::protocol(format!("pool answered {} numbers", n.len())));
         };
-        let demand = Demand { at, before, this };
-        Ok((moved, Pool { cap, used, resets_at: call.end, claim_until, demand }))
+        let (demand, left) = (Demand { at, before, this }, left.checked_sub(1));
+        Ok((moved, Pool { cap, used, resets_at: call.end, claim_until, demand, left }))
     }
 
     fn reservations(&self) -> bool {

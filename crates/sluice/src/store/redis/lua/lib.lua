@@ -573,18 +573,24 @@ end
 -- Its `used` is the window's own count.
 
 -- The pool of the window ending at `e` as stored (zeros if it is another window's):
--- cap, claim_until, demand_at, before, this.
+-- cap, claim_until, demand_at, before, this, left. Stored "end:cap:claim:at:before:this:left",
+-- left being what the global store said was left, one more (0: nothing said); a pool
+-- stored before left was kept has six numbers.
 local function pool_load(key, field, e)
   local v = redis.call('HGET', key, field .. '$')
   if v then
-    local pe, cap, claim, at, before, this = string.match(v, '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+)$')
-    if pe ~= nil and int(pe) == e then return int(cap), int(claim), int(at), int(before), int(this) end
+    local pe, cap, claim, at, before, this, left = string.match(v, '^(%d+):(%d+):(%d+):(%d+):(%d+):(%d+):?(%d*)$')
+    if pe ~= nil and int(pe) == e then
+      if left == '' then left = '0' end
+      return int(cap), int(claim), int(at), int(before), int(this), int(left)
+    end
   end
-  return 0, 0, 0, 0, 0
+  return 0, 0, 0, 0, 0, 0
 end
 
-local function pool_store(key, field, e, cap, claim, at, before, this, grace)
+local function pool_store(key, field, e, cap, claim, at, before, this, left, grace)
   local v = num(e) .. ':' .. num(cap) .. ':' .. num(claim) .. ':' .. num(at) .. ':' .. num(before) .. ':' .. num(this)
+    .. ':' .. num(left)
   redis.call('HSET', key, field .. '$', v)
   live_until(key, e + grace)
 end
