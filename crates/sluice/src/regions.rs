@@ -7,8 +7,11 @@
 //! pool holds the region's demand, all instances together), reads it, and plans. One
 //! allocator acts on a pool at a time (the pool's claim), so a region's instances do not
 //! all ask at once. A grant is asked for with this instance's id, so only this instance
-//! gives it back; the units themselves are the region's, in its pool. Decisions never
-//! wait on any of it: they spend grants taken from the pool, in the region's own store.
+//! gives it back; the units themselves are the region's, in its pool. Decisions spend
+//! grants taken from the pool, in the region's own store; one that finds the pool short
+//! of its cost has this allocator's move made for its client at once (`Regions::hurry`)
+//! and waits for it, at most max(2 x round trip, 100 ms), so that a global limit refuses
+//! only when the fleet has spent it, not when the region had not asked yet.
 
 use crate::algo::escrow::{self, Act, Move, Pool, Seen};
 use crate::algo::grant::Open;
@@ -27,10 +30,10 @@ pub const TICK: Millis = 100;
 /// The cross-region round trip assumed until a global call has been timed.
 const FIRST_ROUND_TRIP: Millis = 100;
 
-/// The least a decision waits for its region's pool to be filled ([`Regions::hurry`]).
+/// The least a decision waits for its region's pool to be filled (`Regions::hurry`).
 pub const WAIT_AT_LEAST: Millis = 100;
 
-/// What [`Regions::hurry`] found.
+/// What `Regions::hurry` found.
 #[derive(Debug)]
 pub(crate) enum Hurried {
     /// The region's pool holds the decision's units now.
@@ -57,7 +60,7 @@ pub struct RegionStats {
     /// The global calls' time, in microseconds, all together.
     pub global_micros: AtomicU64,
     /// Decisions that found the region's pool short and asked the global store at once
-    /// ([`Regions::hurry`]); those then refused because the fleet had spent the limit,
+    /// (`Regions::hurry`); those then refused because the fleet had spent the limit,
     /// and those refused because the global store's answer came too late while it may
     /// still have had units (refusals under the limit: never expected).
     pub hurried: AtomicU64,
@@ -381,7 +384,7 @@ impl Regions {
         Some(pool.left.unwrap_or(0) + pool.unspent())
     }
 
-    /// How long a decision waits for [`Self::hurry`]: twice the round trip to the global
+    /// How long a decision waits for `Self::hurry`: twice the round trip to the global
     /// store as measured here, and at least 100 ms.
     pub fn wait_bound(&self) -> Millis {
         (2 * self.latency.load(Relaxed)).max(WAIT_AT_LEAST)

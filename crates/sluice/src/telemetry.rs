@@ -158,7 +158,10 @@ fn describe_regions() {
         "Refusals on global limits after asking the global store: fleet_spent (the limit is spent), waiting (its \
          answer came too late: refused under the limit)."
     );
-    describe_counter!(REGION_GLOBAL_CALLS, "Calls to the global store (ok, error): none is on a decision's path.");
+    describe_counter!(
+        REGION_GLOBAL_CALLS,
+        "Calls to the global store (ok, error): the allocator's, and those of decisions that found their pool short."
+    );
     describe_histogram!(REGION_GLOBAL_SECONDS, metrics::Unit::Seconds, "Time of each call to the global store.");
     describe_gauge!(
         REGION_HORIZON,

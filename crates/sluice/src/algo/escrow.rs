@@ -6,8 +6,10 @@
 //! quota grants ([`super::grant`]), in the background, and give back what they will not
 //! use. A region keeps what it holds in its own store as a [`Pool`]: a window whose
 //! capacity is what the region holds rather than the limit. Its instances take their
-//! grants from the pool as they take them from any window, so a decision never calls the
-//! global store and never waits on it.
+//! grants from the pool as they take them from any window, so a decision on a client its
+//! region already serves never calls the global store. One that finds the pool short (a
+//! client new to the region) has the allocator's move made for it at once and waits for
+//! it, bounded (`crate::regions`): a limit refuses only what does not fit.
 //!
 //! Two invariants bound what the fleet admits in a window:
 //!

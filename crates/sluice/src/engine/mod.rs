@@ -839,19 +839,11 @@ impl Limiter {
                 Take::Short(_) if turn.is_none() => turn = Some(self.grants.turn(tag, op.key).await),
                 // a global limit's pool was short: the region's allocator asks the global
                 // store now, and this waits (bounded) for it
-                Take::Short(_) if granted.is_some() && !hurried && rule.global && self.regions.is_some() => {
+                Take::Short(_) if let Some(g) = granted.as_ref().filter(|_| !hurried && rule.global) => {
                     hurried = true;
-                    let regions = self.regions.as_ref().expect("checked");
-                    match regions.hurry(tag, op, planned).await {
-                        Hurried::Filled => granted = None,
-                        Hurried::Failed(e) => return Err(e),
-                        Hurried::Spent => return Ok(self.grants.refusal(tag, op, granted.as_ref().expect("set"), now)),
-                        // units are expected within a horizon, not at the window's end
-                        Hurried::Waiting => {
-                            let d = self.grants.refusal(tag, op, granted.as_ref().expect("set"), now);
-                            let wait = Some(regions.horizon().min(d.reset_at.saturating_sub(now)));
-                            return Ok(Decision { retry_after: wait, ..d });
-                        }
+                    match self.hurry(tag, op, g, (planned, now)).await {
+                        Some(answer) => return answer,
+                        None => granted = None,
                     }
                 }
                 Take::Short(_) if let Some(g) = &granted => return Ok(self.grants.refusal(tag, op, g, now)),
@@ -859,25 +851,60 @@ impl Limiter {
                     let why = "the grant asked for while this decision waited failed; not asked again";
                     return Err(StoreError::unavailable(why));
                 }
-                Take::Short(mut ask) => {
-                    // grants of a limit this one replaced go back first: the store counts
-                    // them until then
-                    if !out.give_back.is_empty() {
-                        let _ = self.grants.settle(&*self.store, std::mem::take(out), now).await;
-                    }
-                    // enough for the requests waiting behind this one too (a burst on a
-                    // key costs a grant call, not one a few requests), within `max`
+                Take::Short(ask) => {
                     let waiting = turn.as_ref().map_or(0, |(_, waiting)| *waiting);
-                    let burst = op.cost.saturating_mul(waiting + 1).min(rule.grants.max.unwrap_or(u64::MAX));
-                    ask.want = ask.want.max(burst);
-                    match self.grants.ask_store(&*self.store, tag, ask, rule, now, out).await {
-                        Ok(g) => granted = Some(g),
-                        Err(e) => {
-                            self.grants.ask_failed(tag, op.key, self.clock.now());
-                            return Err(e);
-                        }
-                    }
+                    granted = Some(self.ask_grant(tag, (op, rule), ask, (waiting, now), out).await?);
                 }
+            }
+        }
+    }
+
+    /// Asks the store for the grant `ask` of `op` under `rule`, for this request and the
+    /// `waiting` behind it.
+    async fn ask_grant(
+        &self,
+        tag: Tag,
+        (op, rule): (&Op, &Arc<GrantRule>),
+        mut ask: crate::store::GrantAsk,
+        (waiting, now): (u64, Millis),
+        out: &mut Leftovers,
+    ) -> Result<crate::algo::grant::Granted, StoreError> {
+        // grants of a limit this one replaced go back first: the store counts them until
+        // then
+        if !out.give_back.is_empty() {
+            let _ = self.grants.settle(&*self.store, std::mem::take(out), now).await;
+        }
+        // enough for the requests waiting behind this one too (a burst on a key costs a
+        // grant call, not one a few requests), within `max`
+        let burst = op.cost.saturating_mul(waiting + 1).min(rule.grants.max.unwrap_or(u64::MAX));
+        ask.want = ask.want.max(burst);
+        let asked = self.grants.ask_store(&*self.store, tag, ask, rule, now, out).await;
+        if asked.is_err() {
+            self.grants.ask_failed(tag, op.key, self.clock.now());
+        }
+        asked
+    }
+
+    /// A global limit's pool was short of `op`'s cost when the region's pool granted `g`:
+    /// the region's allocator asks the global store now, and this waits (bounded) for
+    /// it. `None` once the pool holds the units (take them); else the answer.
+    async fn hurry(
+        &self,
+        tag: Tag,
+        op: &Op,
+        g: &crate::algo::grant::Granted,
+        (planned, now): (Millis, Millis),
+    ) -> Option<Result<Decision, StoreError>> {
+        let Some(regions) = &self.regions else { return Some(Ok(self.grants.refusal(tag, op, g, now))) };
+        match regions.hurry(tag, op, planned).await {
+            Hurried::Filled => None,
+            Hurried::Failed(e) => Some(Err(e)),
+            Hurried::Spent => Some(Ok(self.grants.refusal(tag, op, g, now))),
+            // units are expected within a horizon, not at the window's end
+            Hurried::Waiting => {
+                let d = self.grants.refusal(tag, op, g, now);
+                let wait = Some(regions.horizon().min(d.reset_at.saturating_sub(now)));
+                Some(Ok(Decision { retry_after: wait, ..d }))
             }
         }
     }

@@ -248,22 +248,8 @@ async fn reload(source: &Source, current: &Config, state: &AppState) -> Result<C
         state.tuning.load().set(build::resilience(&config.limiter));
         let engine = state.engine.load();
         let (store, clock) = (engine.limiter.store().clone(), build::clock(&config.limiter));
-        let mut next = build::engine(&config, rules, store.clone(), clock.clone(), Some(&engine.limiter));
-        if (&config.region, &config.global_store) != (&current.region, &current.global_store) {
-            // regions turned on, off or moved to another global store: a new allocator,
-            // its global store connected and checked as a new `store` is (the old one
-            // ends with the engine it served)
-            next.limiter = match &config.global_store {
-                Some(global) => {
-                    let regions = build::regions(global, &config.limiter, store, clock)?;
-                    answers(regions.global().as_ref()).await?;
-                    next.limiter.with_regions(regions)
-                }
-                None => next.limiter.without_regions(),
-            };
-            applied.push("region, global_store (a new allocator, its store connected)");
-        }
-        state.engine.store(Arc::new(next));
+        let next = build::engine(&config, rules, store.clone(), clock.clone(), Some(&engine.limiter));
+        state.engine.store(Arc::new(regions_as(&config, current, next, (store, clock), &mut applied).await?));
     } else {
         let built = build::build(&config, rules)?;
         answers(built.engine.limiter.store().as_ref()).await?;
@@ -292,6 +278,32 @@ async fn reload(source: &Source, current: &Config, state: &AppState) -> Result<C
         **p = config.clone();
     }
     Ok(config)
+}
+
+/// `next` with regions as `config` has them. When a reload turned them on, off or moved
+/// them to another global store (`region` or `global_store` differ from `current`'s): a
+/// new allocator, its global store connected and checked as a new `store` is (the old
+/// allocator ends with the engine it served).
+async fn regions_as(
+    config: &Config,
+    current: &Config,
+    mut next: crate::state::Engine,
+    (store, clock): (Arc<dyn sluice::store::Store>, Arc<dyn sluice::time::Clock>),
+    applied: &mut Vec<&'static str>,
+) -> Result<crate::state::Engine, ReloadError> {
+    if (&config.region, &config.global_store) == (&current.region, &current.global_store) {
+        return Ok(next);
+    }
+    next.limiter = match &config.global_store {
+        Some(global) => {
+            let regions = build::regions(global, &config.limiter, store, clock)?;
+            answers(regions.global().as_ref()).await?;
+            next.limiter.with_regions(regions)
+        }
+        None => next.limiter.without_regions(),
+    };
+    applied.push("region, global_store (a new allocator, its store connected)");
+    Ok(next)
 }
 
 /// Warns of the domains `current` had that `config` has not.
