@@ -108,6 +108,7 @@ async fn drive(instances: &[Vec<Limiter>], (ms, most): (u64, u64), rate: impl Fn
     let (mut carry, mut turn, mut last) = ([0f64; 3], 0usize, started);
     let request = Request::new("api").descriptor([("tenant", "t1")]);
     let mut inflight = FuturesUnordered::new();
+    // asked by when each was sent, so a driver that falls behind asks less, not late
     let record = |c: &mut Checker, (r, asked_at, v): (usize, u64, sluice::Verdict)| {
         let end = v.descriptors[0].policies[0].decision.reset_at;
         *c.asked.entry((asked_at / WINDOW_MS + 1) * WINDOW_MS).or_default() += 1;
@@ -120,9 +121,17 @@ async fn drive(instances: &[Vec<Limiter>], (ms, most): (u64, u64), rate: impl Fn
         let now = SystemClock.now();
         let (elapsed, step) = (now - started, now - last);
         last = now;
-        for (r, region) in instances.iter().enumerate() {
-            carry[r] += rate(r, elapsed) as f64 * step as f64 / 1_000.0;
-            while carry[r] >= 1.0 {
+        // at most 20 ms of demand a step: what a slow machine cannot send is not sent,
+        // rather than sent in a burst from one region at a time
+        for (r, carry) in carry.iter_mut().enumerate() {
+            let per_s = rate(r, elapsed) as f64;
+            *carry = (*carry + per_s * step as f64 / 1_000.0).min(per_s / 50.0 + 1.0);
+        }
+        while carry.iter().any(|&c| c >= 1.0) {
+            for (r, region) in instances.iter().enumerate() {
+                if carry[r] < 1.0 {
+                    continue;
+                }
                 carry[r] -= 1.0;
                 turn += 1;
                 if inflight.len() >= 64
@@ -130,8 +139,8 @@ async fn drive(instances: &[Vec<Limiter>], (ms, most): (u64, u64), rate: impl Fn
                 {
                     record(&mut c, answer);
                 }
-                let (limiter, request) = (&region[turn % region.len()], &request);
-                inflight.push(async move { (r, now, limiter.check(request).await.unwrap()) });
+                let (limiter, request, sent) = (&region[turn % region.len()], &request, SystemClock.now());
+                inflight.push(async move { (r, sent, limiter.check(request).await.unwrap()) });
             }
         }
         let pause = tokio::time::sleep(Duration::from_millis(10));
