@@ -284,11 +284,7 @@ impl Regions {
         let horizon = self.horizon();
         let call = |act| self.pool_call(key, limit, end, act);
         let (_, pool) = self.local.pool(tag, PoolCall { arrived, ..call(Act::Read) }, at).await.ok()?;
-        self.update(tag, base, end, |h| {
-            h.seen = (pool.cap, pool.used);
-            // another instance of the region may have asked since this one did
-            h.left_globally = pool.left.or(h.left_globally);
-        });
+        self.saw(tag, base, end, &pool);
         let holding = self.holding(tag, base, end);
         let demand_per_s = demand.unwrap_or_else(|| pool.demand.per_s(horizon, at));
         let seen =
@@ -371,16 +367,16 @@ impl Regions {
     pub(crate) async fn fleet_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
         let end = escrow::window_end(&op.limit, planned);
         let base = escrow::base_key(op.key, &op.limit, end);
-        let h = self.holding(tag, base, end);
-        if let Some(left) = h.left_globally.filter(|_| h.seen != (0, 0)) {
-            return Some(left + h.seen.0.saturating_sub(h.seen.1));
+        let known = {
+            let active = self.active.lock().expect("regions lock");
+            active.get(&(tag, base)).and_then(|a| a.windows.get(&end)).map(|h| (h.left_globally, h.seen))
+        };
+        if let Some((Some(left), seen)) = known.filter(|(_, seen)| *seen != (0, 0)) {
+            return Some(left + seen.0.saturating_sub(seen.1));
         }
         let now = self.clock.now().min(end - 1);
         let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await.ok()?;
-        self.update(tag, base, end, |h| {
-            h.seen = (pool.cap, pool.used);
-            h.left_globally = pool.left.or(h.left_globally);
-        });
+        self.saw(tag, base, end, &pool);
         Some(pool.left.unwrap_or(0) + pool.unspent())
     }
 
@@ -454,7 +450,7 @@ impl Regions {
                 // take what the others will need
                 let per_s = pool.demand.per_s(horizon, now);
                 let want = need + (per_s * TICK as f64 / 1_000.0).ceil() as u64;
-                let taken = self.take(tag, (base, op.key), &limit, (end, now), (want.max(need), need), &pool).await;
+                let taken = self.take(tag, (base, op.key), &limit, (end, now), (want, need), &pool).await;
                 match taken {
                     Ok(0) => return Ok(Hurried::Spent),
                     Ok(_) => return Ok(Hurried::Filled),
@@ -550,6 +546,16 @@ impl Regions {
         (view.hurried, view.refused_spent) = (s.hurried.load(Relaxed), s.refused_spent.load(Relaxed));
         view.refused_waiting = s.refused_waiting.load(Relaxed);
         view
+    }
+
+    /// Keeps what a read of the pool showed: what it holds and what was taken, and what
+    /// the global store last said was left (another instance of the region may have
+    /// asked since this one did).
+    fn saw(&self, tag: Tag, base: u64, end: Millis, pool: &Pool) {
+        self.update(tag, base, end, |h| {
+            h.seen = (pool.cap, pool.used);
+            h.left_globally = pool.left.or(h.left_globally);
+        });
     }
 
     fn holding(&self, tag: Tag, base: u64, end: Millis) -> Holding {
