@@ -35,6 +35,14 @@ fn instance(name: &str, store: &str, global: &str, shared: bool) -> Sluice {
 
 const TOKEN: &str = "a-region-admin-token";
 
+/// One real-time test of this file at a time: each judges what real time shows (how long
+/// a region waits on the global store), and another's load on the two cores would be
+/// judged with it (a new client refused after a wait stretched by the other tests).
+async fn alone() -> tokio::sync::MutexGuard<'static, ()> {
+    static ONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    ONE.lock().await
+}
+
 /// Admissions by the window each answer names (its reset, in epoch seconds), by region.
 type Windows = BTreeMap<u64, [u64; 3]>;
 
@@ -114,6 +122,7 @@ fn whole(w: &Windows) -> Vec<(u64, u64)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_regions_never_pass_one_limit() {
+    let _alone = alone().await;
     let global = RedisServer::start();
     let (a, b, c) = (RedisServer::start(), RedisServer::start(), RedisCluster::start());
     let links: Vec<Proxy> = (0..3).map(|_| Proxy::start(global.addr(), Duration::from_millis(40))).collect();
@@ -146,9 +155,9 @@ async fn three_regions_never_pass_one_limit() {
     // what the allocators did, in /metrics: units taken and given back as demand moved
     let scrape = common::metrics(&reqwest::Client::new(), &regions[1][0].base).await;
     let value = |series: &str| common::series(&scrape, series);
-    assert!(value("sluice_region_units_total{kind=\"taken\"}") > 0.0, "{scrape}");
-    assert!(value("sluice_region_global_calls_total{result=\"ok\"}") > 0.0, "{scrape}");
-    let horizon = value("sluice_region_horizon_seconds");
+    assert!(value("sluice_region_units_total{region=\"us\",kind=\"taken\"}") > 0.0, "{scrape}");
+    assert!(value("sluice_region_global_calls_total{region=\"us\",result=\"ok\"}") > 0.0, "{scrape}");
+    let horizon = value("sluice_region_horizon_seconds{region=\"us\"}");
     assert!((0.2..2.0).contains(&horizon), "twice an 80 ms round trip and a tick: {horizon}");
     // and in `sluice admin inspect`: the region's pool of the window now
     let inspect = std::process::Command::new(common::bin())
@@ -177,6 +186,7 @@ async fn three_regions_never_pass_one_limit() {
 /// figures count the pools found short apart (none refused).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sparse_and_new_clients_are_admitted_at_the_front_door() {
+    let _alone = alone().await;
     let global = RedisServer::start();
     let stores: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
     let links: Vec<Proxy> = (0..3).map(|_| Proxy::start(global.addr(), Duration::from_millis(40))).collect();
@@ -205,10 +215,13 @@ async fn sparse_and_new_clients_are_admitted_at_the_front_door() {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     let log = || regions.iter().map(|s| s.log()).collect::<Vec<_>>().join("\n");
+    // the start names the region and its global store
+    let started = regions[0].log();
+    assert!(started.contains("global limits are shared") && started.contains("region=\"eu\""), "{started}");
     assert!(wrong.is_empty(), "refused or said nothing left, under the limit: {wrong:?}\n{}", log());
     let scrape = common::metrics(&client, &regions[0].base).await;
-    assert!(common::series(&scrape, "sluice_region_hurried_total") > 0.0, "{scrape}");
-    assert_eq!(common::series(&scrape, "sluice_region_refusals_total{why=\"waiting\"}"), 0.0, "{scrape}");
+    assert!(common::series(&scrape, "sluice_region_hurried_total{region=\"eu\"}") > 0.0, "{scrape}");
+    assert_eq!(common::series(&scrape, "sluice_region_refusals_total{region=\"eu\",why=\"waiting\"}"), 0.0, "{scrape}");
 }
 
 /// The live page's region card: its endpoint's figures, and the page showing them.
@@ -217,6 +230,7 @@ async fn live_page_shows_the_region(base: &str) {
     let o: serde_json::Value =
         c.get(format!("{base}/v1/admin/overview")).bearer_auth(TOKEN).send().await.unwrap().json().await.unwrap();
     let region = &o["region"];
+    assert_eq!((&region["region"], &region["global_store"]), (&serde_json::json!("us"), &serde_json::json!("redis")));
     let n = |k: &str| region[k].as_u64().unwrap_or_else(|| panic!("no {k} in {o}"));
     assert!(n("clients") >= 1 && n("spent") <= n("held") && n("held") <= LIMIT, "{o}");
     assert!(n("taken") > 0 && n("global_calls") > 0 && region["global_mean_ms"].as_f64() > Some(0.0), "{o}");
@@ -230,6 +244,7 @@ async fn live_page_shows_the_region(base: &str) {
         rest[..rest.find('<').unwrap()].to_string()
     };
     assert!(dom.contains("<div class=\"card\" id=\"region\">"), "the region card is hidden:\n{dom}");
+    assert_eq!(shown("region-name"), "us", "{dom}");
     assert!(shown("region-calls").parse::<u64>().is_ok_and(|calls| calls >= n("global_calls")), "{dom}");
     assert_eq!(shown("region-errors"), region["global_errors"].to_string(), "{dom}");
 }
@@ -238,6 +253,7 @@ async fn live_page_shows_the_region(base: &str) {
 /// times the limit in a window.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn regions_counting_alone_admit_up_to_three_times() {
+    let _alone = alone().await;
     let servers: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
     let mut regions: Vec<Vec<Sluice>> = servers
         .iter()
@@ -254,6 +270,7 @@ async fn regions_counting_alone_admit_up_to_three_times() {
 /// away each way. Exact, and each decision waits the round trip.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_far_store_for_every_decision_costs_the_round_trip() {
+    let _alone = alone().await;
     let global = RedisServer::start();
     let links: Vec<Proxy> = (0..3).map(|_| Proxy::start(global.addr(), Duration::from_millis(40))).collect();
     let mut regions: Vec<Vec<Sluice>> = links

@@ -422,7 +422,7 @@ async fn turning_a_rule_global_by_reload_starts_the_allocator() {
         assert!(num(&r, "x-ratelimit-remaining") > 0);
     }
     let scrape = common::metrics(&client, &base).await;
-    assert!(common::series(&scrape, "sluice_region_units_total{kind=\"taken\"}") > 0.0, "{scrape}");
+    assert!(common::series(&scrape, "sluice_region_units_total{region=\"eu\",kind=\"taken\"}") > 0.0, "{scrape}");
     // a global store that does not answer: refused, the one in force goes on
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     write_atomically(&file, &global_at(&format!("redis://{closed}")));

@@ -313,6 +313,11 @@ impl Ledger {
         (guard, waiting)
     }
 
+    /// The requests waiting for the turn of `key` of `tag` now.
+    pub(crate) fn queued(&self, tag: Tag, key: u64) -> u64 {
+        self.turn_of(tag, key).waiting.load(Relaxed)
+    }
+
     fn turn_of(&self, tag: Tag, key: u64) -> &Turn {
         let slot = (tag.0 as u64 ^ key).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56;
         &self.turns[slot as usize % TURNS]
@@ -425,6 +430,15 @@ impl Ledger {
 
     /// The refusal of `op` when the store granted too little: the window as this
     /// instance sees it.
+    /// A refusal of `op` in the window ending at `reset_at`, asked for nothing (the
+    /// fleet spent a global limit's window): as [`Self::refusal`], the whole limit used.
+    pub(crate) fn refusal_in(&self, tag: Tag, op: &Op, reset_at: Millis, now: Millis) -> Decision {
+        let limit = op.limit.capacity();
+        let d =
+            Decision { allowed: false, limit, used: limit, remaining: 0, reset_at, retry_after: None, holds: false };
+        self.refusal(tag, op, &Granted { units: 0, decision: d, holders: 0 }, now)
+    }
+
     pub(crate) fn refusal(&self, tag: Tag, op: &Op, g: &Granted, now: Millis) -> Decision {
         let mut shard = self.shard(tag);
         match shard.get_mut(&(tag, op.key)).filter(|h| h.bucket() || h.window == g.decision.reset_at) {

@@ -34,7 +34,7 @@ const FIRST_ROUND_TRIP: Millis = 100;
 pub const WAIT_AT_LEAST: Millis = 100;
 
 /// What `Regions::hurry` found.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) enum Hurried {
     /// The region's pool holds the decision's units now.
     Filled,
@@ -71,6 +71,9 @@ pub struct RegionStats {
 /// A region as one instance sees it ([`Regions::view`]).
 #[derive(Debug, Default, Clone, serde::Serialize)]
 pub struct RegionView {
+    /// The region, and the kind of its global store.
+    pub region: String,
+    pub global_store: &'static str,
     /// Clients of global limits active here, and what their pools hold and have spent
     /// in the windows now.
     pub clients: usize,
@@ -116,6 +119,8 @@ struct Holding {
 
 /// A region's allocator on one instance.
 pub struct Regions {
+    /// This instance's region (`region` in the config; the `region` label of its series).
+    name: String,
     global: Arc<dyn Store>,
     local: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
@@ -127,7 +132,13 @@ pub struct Regions {
     metrics: Metrics,
     /// Window lengths found too short for the round trip measured (warned once each).
     short: Mutex<std::collections::BTreeSet<Millis>>,
+    /// The moves `Self::hurry` has under way, by client and window end: a decision that
+    /// finds one waits for it rather than starting another.
+    hurrying: Mutex<HashMap<(Tag, u64, Millis), InFlight>>,
 }
+
+/// A move of `Regions::hurry` under way: what it found, once it has.
+type InFlight = tokio::sync::watch::Receiver<Option<Hurried>>;
 
 /// The round trips to the global store a global window should last at least: under that,
 /// a region's share runs out before the next arrives and part of the limit goes unused
@@ -148,30 +159,38 @@ struct Metrics {
 }
 
 impl Metrics {
-    fn new() -> Self {
+    fn new(region: &str) -> Self {
         use crate::telemetry::names::{
             REGION_GLOBAL_CALLS, REGION_GLOBAL_SECONDS, REGION_HORIZON, REGION_HURRIED, REGION_REFUSALS, REGION_UNITS,
         };
         Self {
-            taken: metrics::counter!(REGION_UNITS, "kind" => "taken"),
-            given_back: metrics::counter!(REGION_UNITS, "kind" => "given_back"),
-            ok: metrics::counter!(REGION_GLOBAL_CALLS, "result" => "ok"),
-            errors: metrics::counter!(REGION_GLOBAL_CALLS, "result" => "error"),
-            seconds: metrics::histogram!(REGION_GLOBAL_SECONDS),
-            horizon: metrics::gauge!(REGION_HORIZON),
-            hurried: metrics::counter!(REGION_HURRIED),
-            refused_spent: metrics::counter!(REGION_REFUSALS, "why" => "fleet_spent"),
-            refused_waiting: metrics::counter!(REGION_REFUSALS, "why" => "waiting"),
+            taken: metrics::counter!(REGION_UNITS, "region" => region.to_string(), "kind" => "taken"),
+            given_back: metrics::counter!(REGION_UNITS, "region" => region.to_string(), "kind" => "given_back"),
+            ok: metrics::counter!(REGION_GLOBAL_CALLS, "region" => region.to_string(), "result" => "ok"),
+            errors: metrics::counter!(REGION_GLOBAL_CALLS, "region" => region.to_string(), "result" => "error"),
+            seconds: metrics::histogram!(REGION_GLOBAL_SECONDS, "region" => region.to_string()),
+            horizon: metrics::gauge!(REGION_HORIZON, "region" => region.to_string()),
+            hurried: metrics::counter!(REGION_HURRIED, "region" => region.to_string()),
+            refused_spent: metrics::counter!(REGION_REFUSALS, "region" => region.to_string(), "why" => "fleet_spent"),
+            refused_waiting: metrics::counter!(REGION_REFUSALS, "region" => region.to_string(), "why" => "waiting"),
         }
     }
 }
 
 impl Regions {
-    /// An allocator between the region's store `local` and the `global` store.
+    /// An allocator between the region's store `local` and the `global` store, in a
+    /// region without a name (its series' `region` label is empty).
     pub fn new(global: Arc<dyn Store>, local: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Arc<Self> {
+        Self::named("", global, local, clock)
+    }
+
+    /// An allocator of the region `name` between the region's store `local` and the
+    /// `global` store.
+    pub fn named(name: &str, global: Arc<dyn Store>, local: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Arc<Self> {
         let mut seed = [0u8; 8];
         let _ = getrandom::fill(&mut seed);
         Arc::new(Self {
+            name: name.to_string(),
             global,
             local,
             clock,
@@ -179,9 +198,15 @@ impl Regions {
             ids: AtomicU64::new(u64::from_le_bytes(seed) >> 1),
             latency: AtomicU64::new(FIRST_ROUND_TRIP),
             stats: RegionStats::default(),
-            metrics: Metrics::new(),
+            metrics: Metrics::new(name),
             short: Mutex::new(Default::default()),
+            hurrying: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// This instance's region.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// The global store.
@@ -380,6 +405,30 @@ impl Regions {
         Some(pool.left.unwrap_or(0) + pool.unspent())
     }
 
+    /// Whether the fleet has spent the window `op` names at `planned`, as far as this
+    /// region knows: the global store said within a horizon that it had less than the
+    /// cost left, and the region's pool (read now) holds less than it. A decision so
+    /// refused needs neither its turn nor a move (counted as `fleet_spent`), so the
+    /// refusals of a spent window do not queue behind each other.
+    pub(crate) async fn fleet_spent(&self, tag: Tag, op: &Op, planned: Millis) -> bool {
+        let (end, cost) = (escrow::window_end(&op.limit, planned), op.cost.max(1));
+        let (base, now) = (escrow::base_key(op.key, &op.limit, end), self.clock.now());
+        let h = self.holding(tag, base, end);
+        if now >= end || h.left_globally.is_none_or(|l| l >= cost) || now >= h.answered_at + self.horizon() {
+            return false;
+        }
+        let Ok((_, pool)) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await else {
+            return false;
+        };
+        self.saw(tag, base, end, &pool);
+        let spent = pool.unspent() < cost;
+        if spent {
+            self.stats.refused_spent.fetch_add(1, Relaxed);
+            self.metrics.refused_spent.increment(1);
+        }
+        spent
+    }
+
     /// How long a decision waits for `Self::hurry`: twice the round trip to the global
     /// store as measured here, and at least 100 ms.
     pub fn wait_bound(&self) -> Millis {
@@ -393,20 +442,14 @@ impl Regions {
     /// `planned`: when the decision was planned; `op`'s key names the window of that
     /// time, and only that window's pool is filled (a grant on that key asked for in the
     /// next window would be the next window's, counted apart from its own key's).
-    pub(crate) async fn hurry(self: &Arc<Self>, tag: Tag, op: &Op, planned: Millis) -> Hurried {
+    /// `waiting`: the decisions of the client queued behind this one on this instance
+    /// (asked for too, not needed: the fleet may have units for this one alone).
+    pub(crate) async fn hurry(self: &Arc<Self>, tag: Tag, op: &Op, planned: Millis, waiting: u64) -> Hurried {
         self.stats.hurried.fetch_add(1, Relaxed);
         self.metrics.hurried.increment(1);
-        let me = self.clone();
-        let op = *op;
-        let end = escrow::window_end(&op.limit, planned);
-        let moved = tokio::spawn(async move { me.hurry_now(tag, &op, end).await });
         let bound = std::time::Duration::from_millis(self.wait_bound());
-        let hurried = match tokio::time::timeout(bound, moved).await {
-            Ok(Ok(Ok(h))) => h,
-            Ok(Ok(Err(e))) => Hurried::Failed(e),
-            Ok(Err(_)) => Hurried::Failed(StoreError::unavailable("the call to the global store ended abruptly")),
-            Err(_) => Hurried::Waiting,
-        };
+        let moved = self.move_for(tag, (op, waiting), planned, bound);
+        let hurried = tokio::time::timeout(bound, moved).await.unwrap_or(Hurried::Waiting);
         match hurried {
             Hurried::Spent => {
                 self.stats.refused_spent.fetch_add(1, Relaxed);
@@ -421,15 +464,63 @@ impl Regions {
         hurried
     }
 
-    async fn hurry_now(&self, tag: Tag, op: &Op, end: Millis) -> Result<Hurried, StoreError> {
+    /// The move for `op`'s client in the window of `planned`: the one under way, or a
+    /// new one, run in a task of its own (so that units granted reach the pool whoever
+    /// still waits) that gives up `bound` from now if it has not claimed the pool yet.
+    /// One move per client and window at a time: decisions that stopped waiting leave
+    /// no moves behind them, each reading the pool until the window ends.
+    fn move_for(
+        self: &Arc<Self>,
+        tag: Tag,
+        (op, waiting): (&Op, u64),
+        planned: Millis,
+        bound: std::time::Duration,
+    ) -> impl std::future::Future<Output = Hurried> + use<> {
+        let end = escrow::window_end(&op.limit, planned);
+        let at = (tag, escrow::base_key(op.key, &op.limit, end), end);
+        let mut found = {
+            let mut hurrying = self.hurrying.lock().expect("regions lock");
+            match hurrying.get(&at) {
+                Some(moving) => moving.clone(),
+                None => {
+                    let (tell, found) = tokio::sync::watch::channel(None);
+                    let (me, op, until) = (self.clone(), *op, Instant::now() + bound);
+                    tokio::spawn(async move {
+                        let hurried = me.hurry_now(tag, (&op, waiting), end, until).await;
+                        me.hurrying.lock().expect("regions lock").remove(&at);
+                        let _ = tell.send(Some(hurried.unwrap_or_else(Hurried::Failed)));
+                    });
+                    hurrying.insert(at, found.clone());
+                    found
+                }
+            }
+        };
+        async move {
+            match found.wait_for(Option::is_some).await {
+                Ok(h) => h.clone().expect("waited for"),
+                Err(_) => Hurried::Failed(StoreError::unavailable("the call to the global store ended abruptly")),
+            }
+        }
+    }
+
+    /// The move itself; before it claims the pool it gives up at `until` (nothing asked
+    /// yet: the next decision that finds the pool short starts another).
+    async fn hurry_now(
+        &self,
+        tag: Tag,
+        (op, waiting): (&Op, u64),
+        end: Millis,
+        until: Instant,
+    ) -> Result<Hurried, StoreError> {
         let (limit, cost) = (op.limit, op.cost.max(1));
         let base = escrow::base_key(op.key, &limit, end);
         let call = |act| self.pool_call(op.key, &limit, end, act);
+        let mut pause = std::time::Duration::from_millis(2);
         loop {
             // every call as at a time of the window `end` closes (its last ms at the
             // latest): never the next window's
             let now = self.clock.now().min(end - 1);
-            if self.clock.now() >= end {
+            if self.clock.now() >= end || Instant::now() >= until {
                 return Ok(Hurried::Waiting);
             }
             let (_, pool) = self.local.pool(tag, call(Act::Read), now).await?;
@@ -444,12 +535,13 @@ impl Regions {
             let horizon = self.horizon();
             if let (1, _) = self.local.pool(tag, call(Act::Claim { ttl: horizon }), now).await? {
                 let need = cost - pool.unspent();
-                // the region's demand for a horizon, this decision's at least, twice
-                // this decision's units, and the region's demand until the next tick
-                // (the allocator sizes the rest): a hot region that hurries does not
-                // take what the others will need
+                // this decision's units, those of the decisions queued behind it, and
+                // the region's demand until the next tick (the allocator sizes the
+                // rest): a hot region that hurries does not take what the others will
+                // need, and its queue is served by one move
                 let per_s = pool.demand.per_s(horizon, now);
-                let want = need + (per_s * TICK as f64 / 1_000.0).ceil() as u64;
+                let queued = cost.saturating_mul(waiting);
+                let want = need.saturating_add(queued) + (per_s * TICK as f64 / 1_000.0).ceil() as u64;
                 let taken = self.take(tag, (base, op.key), &limit, (end, now), (want, need), &pool).await;
                 match taken {
                     Ok(0) => return Ok(Hurried::Spent),
@@ -461,7 +553,8 @@ impl Regions {
                 }
             }
             // another allocator of the region is moving this pool: read it again soon
-            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(std::time::Duration::from_millis(20));
         }
     }
 
@@ -534,7 +627,12 @@ impl Regions {
     /// last read them (every tick: no store call here), and this allocator's counts.
     pub fn view(&self) -> RegionView {
         let now = self.clock.now();
-        let mut view = RegionView { horizon_ms: self.horizon(), ..RegionView::default() };
+        let mut view = RegionView {
+            region: self.name.clone(),
+            global_store: self.global.kind(),
+            horizon_ms: self.horizon(),
+            ..RegionView::default()
+        };
         for a in self.active.lock().expect("regions lock").values() {
             let (held, spent) = a.windows.get(&escrow::window_end(&a.limit, now)).map_or((0, 0), |h| h.seen);
             (view.clients, view.held, view.spent) = (view.clients + 1, view.held + held, view.spent + spent);

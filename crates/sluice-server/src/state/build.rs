@@ -44,7 +44,9 @@ pub fn build(config: &Config, rules: Rules) -> Result<Built, BuildError> {
         store = Arc::new(crate::otel::TracedStore(store));
     }
     let regions = match &config.global_store {
-        Some(global) => Some(regions(global, &config.limiter, store.clone(), clock.clone())?),
+        Some(global) => {
+            Some(regions((config.region.as_deref(), global), &config.limiter, store.clone(), clock.clone())?)
+        }
         None => None,
     };
     let mut engine = engine(config, rules, store, clock, None);
@@ -55,12 +57,12 @@ pub fn build(config: &Config, rules: Rules) -> Result<Built, BuildError> {
     Ok(Built { engine, migration, tuning })
 }
 
-/// The region's allocator between its store `local` and the `global_store`, started (it
+/// The allocator of `region` between its store `local` and the `global_store`, started (it
 /// ticks in the background, when there is a runtime to tick in). The global store's
 /// calls have a deadline of a second at least: no decision waits on them, and a cross-
 /// region round trip can take most of `limiter.deadline`.
 pub fn regions(
-    global: &StoreConfig,
+    (region, global): (Option<&str>, &StoreConfig),
     limiter: &LimiterConfig,
     local: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
@@ -68,7 +70,7 @@ pub fn regions(
     let mut resilience = resilience(limiter);
     resilience.deadline = resilience.deadline.max(Duration::from_secs(1));
     let global = store(global, &Arc::new(Tuning::new(resilience)), clock.clone(), &mut None)?;
-    let regions = sluice::regions::Regions::new(global, local, clock);
+    let regions = sluice::regions::Regions::named(region.unwrap_or_default(), global, local, clock);
     if tokio::runtime::Handle::try_current().is_ok() {
         regions.spawn();
     }

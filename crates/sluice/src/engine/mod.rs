@@ -836,7 +836,12 @@ impl Limiter {
                 }
                 Take::Refused(d) => return Ok(d),
                 // one request at a time asks for a key; the others then find its units
-                Take::Short(_) if turn.is_none() => turn = Some(self.grants.turn(tag, op.key).await),
+                Take::Short(_) if turn.is_none() => {
+                    if let Some(d) = self.spent_fleet(tag, (op, rule), planned, now).await {
+                        return Ok(d);
+                    }
+                    turn = Some(self.grants.turn(tag, op.key).await);
+                }
                 // a global limit's pool was short: the region's allocator asks the global
                 // store now, and this waits (bounded) for it
                 Take::Short(_) if let Some(g) = granted.as_ref().filter(|_| !hurried && rule.global) => {
@@ -885,6 +890,22 @@ impl Limiter {
         asked
     }
 
+    /// The refusal of a global limit's `op` whose window the fleet has spent, as its
+    /// region knows (`Regions::fleet_spent`); None for any other.
+    async fn spent_fleet(
+        &self,
+        tag: Tag,
+        (op, rule): (&Op, &GrantRule),
+        planned: Millis,
+        now: Millis,
+    ) -> Option<Decision> {
+        let regions = self.regions.as_ref().filter(|_| rule.global)?;
+        match regions.fleet_spent(tag, op, planned).await {
+            true => Some(self.grants.refusal_in(tag, op, escrow::window_end(&op.limit, planned), now)),
+            false => None,
+        }
+    }
+
     /// A global limit's pool was short of `op`'s cost when the region's pool granted `g`:
     /// the region's allocator asks the global store now, and this waits (bounded) for
     /// it. `None` once the pool holds the units (take them); else the answer.
@@ -896,7 +917,9 @@ impl Limiter {
         (planned, now): (Millis, Millis),
     ) -> Option<Result<Decision, StoreError>> {
         let Some(regions) = &self.regions else { return Some(Ok(self.grants.refusal(tag, op, g, now))) };
-        match regions.hurry(tag, op, planned).await {
+        // the decisions queued behind this one are asked for too
+        let waiting = self.grants.queued(tag, op.key);
+        match regions.hurry(tag, op, planned, waiting).await {
             Hurried::Filled => None,
             Hurried::Failed(e) => Some(Err(e)),
             Hurried::Spent => Some(Ok(self.grants.refusal(tag, op, g, now))),

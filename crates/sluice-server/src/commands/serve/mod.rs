@@ -107,7 +107,7 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     let side = [metrics_listener.as_ref().map(bound).transpose()?, debug_listener.as_ref().map(bound).transpose()?];
     let (stopping, stop) = tokio::sync::watch::channel(false);
     let grpc = crate::grpc::serve(grpc_listener, state.clone(), &config.server, stop).map_err(ServeError::Io)?;
-    announce(&args, (addr, grpc_addr), side, state.engine.load().limiter.store().kind())?;
+    announce(&args, (addr, grpc_addr), side, &state.engine.load().limiter)?;
     let server = config.server.clone();
     start_clients(&config, &state);
     reload::watch(source, config, loaded_bytes, state.clone());
@@ -313,19 +313,29 @@ fn install_metrics() -> Result<Metrics, ServeError> {
 }
 
 /// Says where the server listens, every address as bound (a port 0 is the system's
-/// choice): in the start's log line, and in `--ready-file` when asked.
+/// choice): in the start's log line, and in `--ready-file` when asked; and, with
+/// `region`, the region and its global store.
 fn announce(
     args: &Args,
     (http, grpc): (SocketAddr, String),
     [metrics, debug]: [Option<SocketAddr>; 2],
-    store: &str,
+    limiter: &sluice::Limiter,
 ) -> Result<(), ServeError> {
+    let store = limiter.store().kind();
     if let Some(file) = &args.ready_file {
         ready_file(file, http, &grpc, [metrics, debug])?;
     }
     let metrics = metrics.map_or_else(|| "the http port".to_string(), |m| format!("{m} and the http port"));
     let debug_port = debug.map_or_else(|| "none".to_string(), |d| d.to_string());
     tracing::info!(%http, %grpc, %metrics, debug = %debug_port, store, "sluice is serving");
+    if let Some(regions) = limiter.regions() {
+        let (region, global_store) = (regions.name(), regions.global().kind());
+        tracing::info!(
+            region,
+            global_store,
+            "global limits are shared with the other regions through the global store"
+        );
+    }
     Ok(())
 }
 

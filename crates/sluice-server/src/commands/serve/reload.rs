@@ -296,7 +296,7 @@ async fn regions_as(
     }
     next.limiter = match &config.global_store {
         Some(global) => {
-            let regions = build::regions(global, &config.limiter, store, clock)?;
+            let regions = build::regions((config.region.as_deref(), global), &config.limiter, store, clock)?;
             answers(regions.global().as_ref()).await?;
             next.limiter.with_regions(regions)
         }
