@@ -115,6 +115,8 @@ struct Holding {
     /// The pool as the allocator last read it: what the region holds (`cap`) and what
     /// its instances took (`used`), for the live page.
     seen: (u64, u64),
+    /// When the pool was last read.
+    seen_at: Millis,
 }
 
 /// A region's allocator on one instance.
@@ -407,7 +409,7 @@ impl Regions {
 
     /// Whether the fleet has spent the window `op` names at `planned`, as far as this
     /// region knows: the global store said within a horizon that it had less than the
-    /// cost left, and the region's pool (read now) holds less than it. A decision so
+    /// cost left, and the region's pool (read within a tick) holds less than it. A decision so
     /// refused needs neither its turn nor a move (counted as `fleet_spent`), so the
     /// refusals of a spent window do not queue behind each other.
     pub(crate) async fn fleet_spent(&self, tag: Tag, op: &Op, planned: Millis) -> bool {
@@ -417,16 +419,26 @@ impl Regions {
         if now >= end || h.left_globally.is_none_or(|l| l >= cost) || now >= h.answered_at + self.horizon() {
             return false;
         }
-        let Ok((_, pool)) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await else {
-            return false;
+        // the pool as read within a tick: a spent window's refusals cost no store call
+        let (cap, used) = h.seen;
+        let spent = if now < h.seen_at + TICK && cap.saturating_sub(used) < cost {
+            true
+        } else {
+            let call = self.pool_call(op.key, &op.limit, end, Act::Read);
+            let Ok((_, pool)) = self.local.pool(tag, call, now).await else { return false };
+            self.saw(tag, base, end, &pool);
+            pool.unspent() < cost
         };
-        self.saw(tag, base, end, &pool);
-        let spent = pool.unspent() < cost;
         if spent {
             self.stats.refused_spent.fetch_add(1, Relaxed);
             self.metrics.refused_spent.increment(1);
         }
         spent
+    }
+
+    /// The round trip to the global store as measured here (smoothed), in ms.
+    pub fn round_trip(&self) -> Millis {
+        self.latency.load(Relaxed)
     }
 
     /// How long a decision waits for `Self::hurry`: twice the round trip to the global
@@ -443,11 +455,18 @@ impl Regions {
     /// time, and only that window's pool is filled (a grant on that key asked for in the
     /// next window would be the next window's, counted apart from its own key's).
     /// `waiting`: the decisions of the client queued behind this one on this instance
-    /// (asked for too, not needed: the fleet may have units for this one alone).
-    pub(crate) async fn hurry(self: &Arc<Self>, tag: Tag, op: &Op, planned: Millis, waiting: u64) -> Hurried {
+    /// (asked for too, not needed: the fleet may have units for this one alone); `left`:
+    /// how long the decision waits, in ms (what is left of [`Self::wait_bound`]).
+    pub(crate) async fn hurry(
+        self: &Arc<Self>,
+        tag: Tag,
+        op: &Op,
+        planned: Millis,
+        (waiting, left): (u64, Millis),
+    ) -> Hurried {
         self.stats.hurried.fetch_add(1, Relaxed);
         self.metrics.hurried.increment(1);
-        let bound = std::time::Duration::from_millis(self.wait_bound());
+        let bound = std::time::Duration::from_millis(left);
         let moved = self.move_for(tag, (op, waiting), planned, bound);
         let hurried = tokio::time::timeout(bound, moved).await.unwrap_or(Hurried::Waiting);
         match hurried {
@@ -455,13 +474,17 @@ impl Regions {
                 self.stats.refused_spent.fetch_add(1, Relaxed);
                 self.metrics.refused_spent.increment(1);
             }
-            Hurried::Waiting => {
-                self.stats.refused_waiting.fetch_add(1, Relaxed);
-                self.metrics.refused_waiting.increment(1);
-            }
+            Hurried::Waiting => self.waited(),
             _ => {}
         }
         hurried
+    }
+
+    /// Counts a decision refused because the global store's answer had not come within
+    /// its wait (a refusal under the limit, as far as anyone knows).
+    pub(crate) fn waited(&self) {
+        self.stats.refused_waiting.fetch_add(1, Relaxed);
+        self.metrics.refused_waiting.increment(1);
     }
 
     /// The move for `op`'s client in the window of `planned`: the one under way, or a
@@ -650,8 +673,9 @@ impl Regions {
     /// the global store last said was left (another instance of the region may have
     /// asked since this one did).
     fn saw(&self, tag: Tag, base: u64, end: Millis, pool: &Pool) {
+        let now = self.clock.now();
         self.update(tag, base, end, |h| {
-            h.seen = (pool.cap, pool.used);
+            (h.seen, h.seen_at) = ((pool.cap, pool.used), now);
             h.left_globally = pool.left.or(h.left_globally);
         });
     }

@@ -840,13 +840,16 @@ impl Limiter {
                     if let Some(d) = self.spent_fleet(tag, (op, rule), planned, now).await {
                         return Ok(d);
                     }
-                    turn = Some(self.grants.turn(tag, op.key).await);
+                    match self.turn_within(tag, (op, rule), planned, began).await {
+                        Ok(t) => turn = Some(t),
+                        Err(refused) => return Ok(refused),
+                    }
                 }
                 // a global limit's pool was short: the region's allocator asks the global
                 // store now, and this waits (bounded) for it
                 Take::Short(_) if let Some(g) = granted.as_ref().filter(|_| !hurried && rule.global) => {
                     hurried = true;
-                    match self.hurry(tag, op, g, (planned, now)).await {
+                    match self.hurry(tag, op, g, (planned, now, began)).await {
                         Some(answer) => return answer,
                         None => granted = None,
                     }
@@ -906,20 +909,49 @@ impl Limiter {
         }
     }
 
+    /// The turn to ask for `op`'s key. A global limit's decision waits for it at most
+    /// what is left of its wait ([`crate::regions::Regions::wait_bound`] from `began`),
+    /// then is refused as waiting (`Retry-After`: the horizon): the turn's holder may be
+    /// waiting on the global store itself, and no decision waits longer than its bound.
+    async fn turn_within(
+        &self,
+        tag: Tag,
+        (op, rule): (&Op, &GrantRule),
+        planned: Millis,
+        began: Millis,
+    ) -> Result<(tokio::sync::MutexGuard<'_, ()>, u64), Decision> {
+        let Some(regions) = self.regions.as_ref().filter(|_| rule.global) else {
+            return Ok(self.grants.turn(tag, op.key).await);
+        };
+        let left = regions.wait_bound().saturating_sub(self.clock.now().saturating_sub(began));
+        match tokio::time::timeout(std::time::Duration::from_millis(left), self.grants.turn(tag, op.key)).await {
+            Ok(turn) => Ok(turn),
+            Err(_) => {
+                regions.waited();
+                let now = self.clock.now();
+                let d = self.grants.refusal_in(tag, op, escrow::window_end(&op.limit, planned), now);
+                Err(Decision { retry_after: Some(regions.horizon().min(d.reset_at.saturating_sub(now))), ..d })
+            }
+        }
+    }
+
     /// A global limit's pool was short of `op`'s cost when the region's pool granted `g`:
-    /// the region's allocator asks the global store now, and this waits (bounded) for
-    /// it. `None` once the pool holds the units (take them); else the answer.
+    /// the region's allocator asks the global store now, and this waits (bounded, from
+    /// `began`) for it. `None` once the pool holds the units (take them); else the answer.
     async fn hurry(
         &self,
         tag: Tag,
         op: &Op,
         g: &crate::algo::grant::Granted,
-        (planned, now): (Millis, Millis),
+        (planned, now, began): (Millis, Millis, Millis),
     ) -> Option<Result<Decision, StoreError>> {
         let Some(regions) = &self.regions else { return Some(Ok(self.grants.refusal(tag, op, g, now))) };
         // the decisions queued behind this one are asked for too
         let waiting = self.grants.queued(tag, op.key);
-        match regions.hurry(tag, op, planned, waiting).await {
+        // what is left of the decision's wait (the turn took some), and at least one and a
+        // half round trips: a move that cannot finish is not worth waiting for
+        let left = regions.wait_bound().saturating_sub(now.saturating_sub(began)).max(regions.round_trip() * 3 / 2);
+        match regions.hurry(tag, op, planned, (waiting, left)).await {
             Hurried::Filled => None,
             Hurried::Failed(e) => Some(Err(e)),
             Hurried::Spent => Some(Ok(self.grants.refusal(tag, op, g, now))),
