@@ -428,8 +428,6 @@ impl Ledger {
         }
     }
 
-    /// The refusal of `op` when the store granted too little: the window as this
-    /// instance sees it.
     /// A refusal of `op` in the window ending at `reset_at`, asked for nothing (the
     /// fleet spent a global limit's window): as [`Self::refusal`], the whole limit used.
     pub(crate) fn refusal_in(&self, tag: Tag, op: &Op, reset_at: Millis, now: Millis) -> Decision {
@@ -439,6 +437,8 @@ impl Ledger {
         self.refusal(tag, op, &Granted { units: 0, decision: d, holders: 0 }, now)
     }
 
+    /// The refusal of `op` when the store granted too little: the window as this
+    /// instance sees it.
     pub(crate) fn refusal(&self, tag: Tag, op: &Op, g: &Granted, now: Millis) -> Decision {
         let mut shard = self.shard(tag);
         match shard.get_mut(&(tag, op.key)).filter(|h| h.bucket() || h.window == g.decision.reset_at) {

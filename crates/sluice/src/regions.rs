@@ -119,6 +119,24 @@ struct Holding {
     seen_at: Millis,
 }
 
+/// What a [`Holding`] says of its window, without its grants (read on a decision's path:
+/// no list cloned).
+#[derive(Debug, Clone, Copy, Default)]
+struct Known {
+    left_globally: Option<u64>,
+    answered_at: Millis,
+    seen: (u64, u64),
+    seen_at: Millis,
+}
+
+impl Known {
+    /// Whether the global store said, within `horizon` of `now`, that it had less than
+    /// `cost` left: the fleet spent the window.
+    fn said_spent(&self, cost: u64, now: Millis, horizon: Millis) -> bool {
+        self.left_globally.is_some_and(|l| l < cost) && now < self.answered_at + horizon
+    }
+}
+
 /// A region's allocator on one instance.
 pub struct Regions {
     /// This instance's region (`region` in the config; the `region` label of its series).
@@ -394,12 +412,9 @@ impl Regions {
     pub(crate) async fn fleet_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
         let end = escrow::window_end(&op.limit, planned);
         let base = escrow::base_key(op.key, &op.limit, end);
-        let known = {
-            let active = self.active.lock().expect("regions lock");
-            active.get(&(tag, base)).and_then(|a| a.windows.get(&end)).map(|h| (h.left_globally, h.seen))
-        };
-        if let Some((Some(left), seen)) = known.filter(|(_, seen)| *seen != (0, 0)) {
-            return Some(left + seen.0.saturating_sub(seen.1));
+        let known = self.known(tag, base, end);
+        if let Some(left) = known.left_globally.filter(|_| known.seen != (0, 0)) {
+            return Some(left + known.seen.0.saturating_sub(known.seen.1));
         }
         let now = self.clock.now().min(end - 1);
         let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await.ok()?;
@@ -415,8 +430,8 @@ impl Regions {
     pub(crate) async fn fleet_spent(&self, tag: Tag, op: &Op, planned: Millis) -> bool {
         let (end, cost) = (escrow::window_end(&op.limit, planned), op.cost.max(1));
         let (base, now) = (escrow::base_key(op.key, &op.limit, end), self.clock.now());
-        let h = self.holding(tag, base, end);
-        if now >= end || h.left_globally.is_none_or(|l| l >= cost) || now >= h.answered_at + self.horizon() {
+        let h = self.known(tag, base, end);
+        if now >= end || !h.said_spent(cost, now, self.horizon()) {
             return false;
         }
         // the pool as read within a tick: a spent window's refusals cost no store call
@@ -430,8 +445,7 @@ impl Regions {
             pool.unspent() < cost
         };
         if spent {
-            self.stats.refused_spent.fetch_add(1, Relaxed);
-            self.metrics.refused_spent.increment(1);
+            self.refused_spent();
         }
         spent
     }
@@ -470,14 +484,17 @@ impl Regions {
         let moved = self.move_for(tag, (op, waiting), planned, bound);
         let hurried = tokio::time::timeout(bound, moved).await.unwrap_or(Hurried::Waiting);
         match hurried {
-            Hurried::Spent => {
-                self.stats.refused_spent.fetch_add(1, Relaxed);
-                self.metrics.refused_spent.increment(1);
-            }
+            Hurried::Spent => self.refused_spent(),
             Hurried::Waiting => self.waited(),
             _ => {}
         }
         hurried
+    }
+
+    /// Counts a decision refused because the fleet spent its window.
+    fn refused_spent(&self) {
+        self.stats.refused_spent.fetch_add(1, Relaxed);
+        self.metrics.refused_spent.increment(1);
     }
 
     /// Counts a decision refused because the global store's answer had not come within
@@ -550,9 +567,8 @@ impl Regions {
             if pool.unspent() >= cost {
                 return Ok(Hurried::Filled);
             }
-            let holding = self.holding(tag, base, end);
             // the global store said lately it had nothing left: the fleet spent it
-            if holding.left_globally.is_some_and(|l| l < cost) && now < holding.answered_at + self.horizon() {
+            if self.known(tag, base, end).said_spent(cost, now, self.horizon()) {
                 return Ok(Hurried::Spent);
             }
             let horizon = self.horizon();
@@ -683,6 +699,17 @@ impl Regions {
     fn holding(&self, tag: Tag, base: u64, end: Millis) -> Holding {
         let active = self.active.lock().expect("regions lock");
         active.get(&(tag, base)).and_then(|a| a.windows.get(&end)).cloned().unwrap_or_default()
+    }
+
+    fn known(&self, tag: Tag, base: u64, end: Millis) -> Known {
+        let active = self.active.lock().expect("regions lock");
+        let h = active.get(&(tag, base)).and_then(|a| a.windows.get(&end));
+        h.map_or_else(Known::default, |h| Known {
+            left_globally: h.left_globally,
+            answered_at: h.answered_at,
+            seen: h.seen,
+            seen_at: h.seen_at,
+        })
     }
 
     fn update(&self, tag: Tag, base: u64, end: Millis, f: impl FnOnce(&mut Holding)) {

@@ -354,7 +354,8 @@ fn reservations(rs: &[Reserved], v: &mut Vec<Violation>) {
 /// round trip to the global store, 100 ms at least.
 const GLOBAL_WAIT_MS: u64 = {
     let round_trip = 4 * crate::fleet::LINK_DELAY_MS;
-    if round_trip > 100 { round_trip } else { 100 }
+    let least = sluice::regions::WAIT_AT_LEAST;
+    if round_trip > least { round_trip } else { least }
 };
 
 /// Every answer within the deadline and 50 ms (a global limit's: and its documented wait);

@@ -929,8 +929,7 @@ impl Limiter {
             Err(_) => {
                 regions.waited();
                 let now = self.clock.now();
-                let d = self.grants.refusal_in(tag, op, escrow::window_end(&op.limit, planned), now);
-                Err(Decision { retry_after: Some(regions.horizon().min(d.reset_at.saturating_sub(now))), ..d })
+                Err(late(regions, self.grants.refusal_in(tag, op, escrow::window_end(&op.limit, planned), now), now))
             }
         }
     }
@@ -955,12 +954,7 @@ impl Limiter {
             Hurried::Filled => None,
             Hurried::Failed(e) => Some(Err(e)),
             Hurried::Spent => Some(Ok(self.grants.refusal(tag, op, g, now))),
-            // units are expected within a horizon, not at the window's end
-            Hurried::Waiting => {
-                let d = self.grants.refusal(tag, op, g, now);
-                let wait = Some(regions.horizon().min(d.reset_at.saturating_sub(now)));
-                Some(Ok(Decision { retry_after: wait, ..d }))
-            }
+            Hurried::Waiting => Some(Ok(late(regions, self.grants.refusal(tag, op, g, now), now))),
         }
     }
 
@@ -1193,4 +1187,10 @@ fn random_lease() -> Lease {
         *used += 16;
         u128::from_le_bytes(b)
     })
+}
+
+/// A global limit's refusal `d` because the global store's answer had not come within the
+/// decision's wait: units are expected within a horizon, not at the window's end.
+fn late(regions: &crate::regions::Regions, d: Decision, now: Millis) -> Decision {
+    Decision { retry_after: Some(regions.horizon().min(d.reset_at.saturating_sub(now))), ..d }
 }
