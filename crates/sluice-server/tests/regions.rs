@@ -206,19 +206,26 @@ async fn sparse_and_new_clients_are_admitted_at_the_front_door() {
     for i in 0..30 {
         let s = &regions[i % 3];
         for tenant in ["steady".to_string(), format!("new-{i}")] {
+            let asked = std::time::Instant::now();
             let a = hit(&client, &s.base, "api", &[("tenant", tenant.as_str())]).await;
             let remaining = common::header(&a, "x-ratelimit-remaining");
             if a.status() != 200 || remaining == "0" {
-                wrong.push((i, tenant, a.status(), remaining, common::header(&a, "retry-after")));
+                let took = asked.elapsed();
+                wrong.push((i, tenant, a.status(), remaining, common::header(&a, "retry-after"), took));
             }
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    let log = || regions.iter().map(|s| s.log()).collect::<Vec<_>>().join("\n");
+    let mut log = String::new();
+    for s in &regions {
+        let scrape = common::metrics(&client, &s.base).await;
+        log += &scrape.lines().filter(|l| l.starts_with("sluice_region_")).collect::<Vec<_>>().join("\n");
+        log += &format!("\n{}\n", s.log());
+    }
     // the start names the region and its global store
     let started = regions[0].log();
     assert!(started.contains("global limits are shared") && started.contains("region=\"eu\""), "{started}");
-    assert!(wrong.is_empty(), "refused or said nothing left, under the limit: {wrong:?}\n{}", log());
+    assert!(wrong.is_empty(), "refused or said nothing left, under the limit: {wrong:?}\n{log}");
     let scrape = common::metrics(&client, &regions[0].base).await;
     assert!(common::series(&scrape, "sluice_region_hurried_total{region=\"eu\"}") > 0.0, "{scrape}");
     assert_eq!(common::series(&scrape, "sluice_region_refusals_total{region=\"eu\",why=\"waiting\"}"), 0.0, "{scrape}");

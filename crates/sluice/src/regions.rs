@@ -4,7 +4,8 @@
 //!
 //! Every instance runs one. Each counts the units its decisions were asked for on each
 //! global window (admitted or not), and at every tick reports them into the pool (so the
-//! pool holds the region's demand, all instances together), reads it, and plans. One
+//! pool holds the region's demand, all instances together), reads it, and plans (for the
+//! clients with units asked for here since the last tick, or a grant of its own open). One
 //! allocator acts on a pool at a time (the pool's claim), so a region's instances do not
 //! all ask at once. A grant is asked for with this instance's id, so only this instance
 //! gives it back; the units themselves are the region's, in its pool. Decisions spend
@@ -43,6 +44,8 @@ pub(crate) enum Hurried {
     Spent,
     /// The global store did not answer within the wait; it may have units.
     Waiting,
+    /// The window ended while the decision waited: it is decided in the next.
+    Ended,
     /// The global store, or the region's, failed: the rule's `failure` decides.
     Failed(StoreError),
 }
@@ -117,6 +120,18 @@ struct Holding {
     seen: (u64, u64),
     /// When the pool was last read.
     seen_at: Millis,
+    /// When this instance last took units for the window: a tick gives none back within
+    /// a horizon of it (they were taken for demand seen then, and the decisions that
+    /// waited for them are taking them).
+    taken_at: Option<Millis>,
+}
+
+impl Active {
+    /// Whether this instance has a grant open in one of the client's windows (units it
+    /// may have to give back).
+    fn holds(&self) -> bool {
+        self.windows.values().any(|h| !h.open.is_empty())
+    }
 }
 
 /// What a [`Holding`] says of its window, without its grants (read on a decision's path:
@@ -276,7 +291,8 @@ impl Regions {
         })
     }
 
-    /// One tick: every client active on a global window reports and plans, all at once
+    /// One tick: every client of a global window with units asked for here since the last
+    /// tick, or a grant of this instance open, reports and plans, all at once
     /// (and for the next window too, once it is within the horizon).
     pub async fn step(self: &Arc<Self>) {
         let now = self.clock.now();
@@ -288,7 +304,10 @@ impl Regions {
                 a.windows.retain(|e, _| *e >= end);
                 a.seen_at + 2 * escrow::window_length(&a.limit) > now || !a.windows.is_empty()
             });
-            for (&(tag, base), a) in active.iter_mut() {
+            // a client with nothing new here and no grant of this instance open has
+            // nothing for this allocator to do: the instances that see its demand plan
+            // (an idle long tail costs no store call)
+            for (&(tag, base), a) in active.iter_mut().filter(|(_, a)| a.arrived > 0 || a.holds()) {
                 work.push((tag, base, a.limit, std::mem::take(&mut a.arrived)));
             }
         }
@@ -334,7 +353,10 @@ impl Regions {
         let demand_per_s = demand.unwrap_or_else(|| pool.demand.per_s(horizon, at));
         let seen =
             Seen { demand_per_s, unspent: pool.unspent(), open: &holding.open, left_globally: holding.left_globally };
-        let m = escrow::plan(seen, horizon, end - at);
+        let m = match escrow::plan(seen, horizon, end - at) {
+            Move::GiveBack { .. } if holding.taken_at.is_some_and(|t| at < t + horizon) => Move::Hold,
+            m => m,
+        };
         if m == Move::Hold || !matches!(self.local.pool(tag, call(Act::Claim { ttl: horizon }), at).await, Ok((1, _))) {
             return Some(demand_per_s);
         }
@@ -373,6 +395,9 @@ impl Regions {
             }
             h.left_globally = Some(g.decision.remaining);
             h.answered_at = at;
+            if g.units > 0 {
+                h.taken_at = Some(at);
+            }
         });
         self.stats.taken.fetch_add(g.units, Relaxed);
         self.metrics.taken.increment(g.units);
@@ -413,7 +438,10 @@ impl Regions {
         let end = escrow::window_end(&op.limit, planned);
         let base = escrow::base_key(op.key, &op.limit, end);
         let known = self.known(tag, base, end);
-        if let Some(left) = known.left_globally.filter(|_| known.seen != (0, 0)) {
+        // the pool as last read, while the allocator reads it each tick (a client idle
+        // here is not read at ticks: its pool is read now)
+        let fresh = self.clock.now() < known.seen_at + 2 * TICK && known.seen != (0, 0);
+        if let Some(left) = known.left_globally.filter(|_| fresh) {
             return Some(left + known.seen.0.saturating_sub(known.seen.1));
         }
         let now = self.clock.now().min(end - 1);
@@ -482,7 +510,10 @@ impl Regions {
         self.metrics.hurried.increment(1);
         let bound = std::time::Duration::from_millis(left);
         let moved = self.move_for(tag, (op, waiting), planned, bound);
-        let hurried = tokio::time::timeout(bound, moved).await.unwrap_or(Hurried::Waiting);
+        let hurried = match tokio::time::timeout(bound, moved).await.unwrap_or(Hurried::Waiting) {
+            Hurried::Waiting if self.clock.now() >= escrow::window_end(&op.limit, planned) => Hurried::Ended,
+            hurried => hurried,
+        };
         match hurried {
             Hurried::Spent => self.refused_spent(),
             Hurried::Waiting => self.waited(),
@@ -560,7 +591,10 @@ impl Regions {
             // every call as at a time of the window `end` closes (its last ms at the
             // latest): never the next window's
             let now = self.clock.now().min(end - 1);
-            if self.clock.now() >= end || Instant::now() >= until {
+            if self.clock.now() >= end {
+                return Ok(Hurried::Ended);
+            }
+            if Instant::now() >= until {
                 return Ok(Hurried::Waiting);
             }
             let (_, pool) = self.local.pool(tag, call(Act::Read), now).await?;

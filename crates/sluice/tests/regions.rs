@@ -12,10 +12,14 @@
 //! in real time over Redis judge what only real time shows (never over, whatever the
 //! link and the machine do), and how much is used only where demand held still.
 
+use sluice::algo::escrow::Pool;
+use sluice::algo::grant::Granted;
+use sluice::algo::{ConcurrencyState, Decision, Lease, Op};
 use sluice::config::RulesConfig;
 use sluice::regions::Regions;
 use sluice::store::redis::{RedisOptions, RedisStore};
-use sluice::store::{MemoryStore, Resilience, Resilient, Store};
+use sluice::store::{GiveBack, GrantAsk, MemoryStore, PoolCall, Refund, Resilience, Resilient, Store, StoreError};
+use sluice::tag::Tag;
 use sluice::time::{Clock, ManualClock, SystemClock};
 use sluice::{Limiter, Request};
 use sluice_testkit::{Proxy, RedisSentinels, RedisServer};
@@ -533,4 +537,90 @@ async fn clients_under_the_limit_are_never_refused() {
         assert!(a.wrongful.is_empty(), "client at {share}%: refused while the fleet had units: {a:?}");
         assert_eq!(a.said_none_left, 0, "client at {share}%: admitted, said nothing left: {a:?}");
     }
+}
+
+/// A store that counts its pool calls (the allocator's and the decisions' reads and moves
+/// of a region's pools), over another.
+struct Counted {
+    inner: Arc<dyn Store>,
+    pool_calls: std::sync::atomic::AtomicU64,
+}
+
+#[async_trait::async_trait]
+impl Store for Counted {
+    async fn apply(&self, tag: Tag, ops: &[Op], now: u64) -> Result<Vec<Decision>, StoreError> {
+        self.inner.apply(tag, ops, now).await
+    }
+    async fn peek(&self, tag: Tag, ops: &[Op], now: u64) -> Result<Vec<Decision>, StoreError> {
+        self.inner.peek(tag, ops, now).await
+    }
+    async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: u64) -> Result<bool, StoreError> {
+        self.inner.release(tag, keys, lease, now).await
+    }
+    async fn leases(&self, tag: Tag, key: u64, ttl: u64, now: u64) -> Result<ConcurrencyState, StoreError> {
+        self.inner.leases(tag, key, ttl, now).await
+    }
+    async fn refund(&self, tag: Tag, refunds: &[Refund], now: u64) -> Result<(), StoreError> {
+        self.inner.refund(tag, refunds, now).await
+    }
+    async fn reset(&self, tag: Tag, ops: &[Op], now: u64) -> Result<(), StoreError> {
+        self.inner.reset(tag, ops, now).await
+    }
+    fn grants(&self) -> bool {
+        self.inner.grants()
+    }
+    async fn grant(&self, tag: Tag, ask: GrantAsk, now: u64) -> Result<Granted, StoreError> {
+        self.inner.grant(tag, ask, now).await
+    }
+    async fn give_back(&self, tag: Tag, back: GiveBack, now: u64) -> Result<u64, StoreError> {
+        self.inner.give_back(tag, back, now).await
+    }
+    fn pools(&self) -> bool {
+        self.inner.pools()
+    }
+    async fn pool(&self, tag: Tag, call: PoolCall, now: u64) -> Result<(u64, Pool), StoreError> {
+        self.pool_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.pool(tag, call, now).await
+    }
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+}
+
+/// On a stepped clock, one region of one instance over memory stores, a client at 50 a
+/// second until a window's end, then idle. The units its region asked for ahead of the
+/// next window are not given back at that window's first tick, with none of its demand
+/// reported yet (they were asked for a horizon ago; given back, the decisions arriving
+/// then found the pool short and waited on the global store again), only once the client
+/// stays idle. And once nothing of the client's is held, its ticks cost the region's
+/// store no call (an idle long tail kept the debug soak's allocators reading thousands
+/// of pools a second).
+#[tokio::test]
+async fn units_asked_ahead_are_kept_and_an_idle_client_costs_nothing() {
+    let clock = ManualClock::new(1_000 * WINDOW_MS);
+    let start = clock.now();
+    let local = Arc::new(Counted { inner: memory(), pool_calls: Default::default() });
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let regions = Regions::new(memory(), local.clone(), shared.clone());
+    let limiter = Limiter::new(rules(LIMIT), local.clone(), shared).with_regions(regions.clone());
+    let instances = [vec![limiter]];
+    let busy = drive_stepped(&instances, &clock, WINDOW_MS, |_, _| 50);
+    assert!(busy.await.decisions >= 90, "the client sent its demand");
+    let given_back = || regions.stats().given_back.load(std::sync::atomic::Ordering::Relaxed);
+    let before = given_back();
+    // the next window's first tick: the units asked for ahead are held, none given back
+    clock.set(start + WINDOW_MS);
+    drive_stepped(&instances, &clock, 10, |_, _| 0).await;
+    let ahead = regions.view();
+    assert!(ahead.held > 0 && given_back() == before, "asked ahead, given back at once: {ahead:?}");
+    // idle a while: they go back
+    drive_stepped(&instances, &clock, WINDOW_MS / 2, |_, _| 0).await;
+    assert!(given_back() > before, "an idle client's units are given back: {:?}", regions.view());
+    // the windows it was active in are over: its ticks cost nothing
+    clock.set(start + 2 * WINDOW_MS);
+    drive_stepped(&instances, &clock, 10, |_, _| 0).await;
+    let calls = local.pool_calls.load(std::sync::atomic::Ordering::Relaxed);
+    drive_stepped(&instances, &clock, WINDOW_MS, |_, _| 0).await;
+    let idle = local.pool_calls.load(std::sync::atomic::Ordering::Relaxed) - calls;
+    assert_eq!(idle, 0, "pool calls for an idle client, in 10 ticks: {:?}", regions.view());
 }

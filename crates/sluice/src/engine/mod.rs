@@ -814,7 +814,7 @@ impl Limiter {
         (out, mut planned): (&mut Leftovers, Millis),
     ) -> Result<Decision, StoreError> {
         let (mut turn, mut granted, began) = (None, None, self.clock.now());
-        let (mut hurried, mut op) = (false, *op);
+        let (mut hurries, mut op) = (0u8, *op);
         let op = &mut op;
         if let Some(regions) = self.regions.as_ref().filter(|_| rule.global) {
             regions.arrived(tag, op, planned);
@@ -825,7 +825,7 @@ impl Limiter {
             let now = self.clock.now();
             if rule.global && now >= escrow::window_end(&op.limit, planned) {
                 op.key = escrow::rekey(op.key, &op.limit, planned, now);
-                (planned, granted, hurried) = (now, None, false);
+                (planned, granted, hurries) = (now, None, 0);
             }
             match self.grants.take(tag, op, rule, now, out) {
                 Take::Spent(d, refresh) => {
@@ -845,16 +845,13 @@ impl Limiter {
                         Err(refused) => return Ok(refused),
                     }
                 }
-                // a global limit's pool was short: the region's allocator asks the global
-                // store now, and this waits (bounded) for it
-                Take::Short(_) if let Some(g) = granted.as_ref().filter(|_| !hurried && rule.global) => {
-                    hurried = true;
-                    match self.hurry(tag, op, g, (planned, now, began)).await {
+                // the grant was short: refused, or (a global limit) hurried
+                Take::Short(_) if let Some(g) = &granted => {
+                    match self.hurry(tag, (op, rule), g, (planned, now, began), &mut hurries).await {
                         Some(answer) => return answer,
                         None => granted = None,
                     }
                 }
-                Take::Short(_) if let Some(g) = &granted => return Ok(self.grants.refusal(tag, op, g, now)),
                 Take::Short(_) if self.grants.failed_since(tag, op.key, began) => {
                     let why = "the grant asked for while this decision waited failed; not asked again";
                     return Err(StoreError::unavailable(why));
@@ -934,27 +931,37 @@ impl Limiter {
         }
     }
 
-    /// A global limit's pool was short of `op`'s cost when the region's pool granted `g`:
-    /// the region's allocator asks the global store now, and this waits (bounded, from
-    /// `began`) for it. `None` once the pool holds the units (take them); else the answer.
+    /// The grant `g` was short of `op`'s cost: the refusal, unless `rule` is a global
+    /// limit, whose region's allocator then asks the global store now while this waits
+    /// (bounded, from `began`) for it; `None` once the pool holds the units (take them).
+    /// At most twice (`hurries`): the units the first move found may be taken before this
+    /// decision's grant (by another instance of the region, or given back); a decision
+    /// short after two is refused as waiting, a refusal under the limit as far as anyone
+    /// knows.
     async fn hurry(
         &self,
         tag: Tag,
-        op: &Op,
+        (op, rule): (&Op, &GrantRule),
         g: &crate::algo::grant::Granted,
         (planned, now, began): (Millis, Millis, Millis),
+        hurries: &mut u8,
     ) -> Option<Result<Decision, StoreError>> {
-        let Some(regions) = &self.regions else { return Some(Ok(self.grants.refusal(tag, op, g, now))) };
+        let refused = self.grants.refusal(tag, op, g, now);
+        let Some(regions) = self.regions.as_ref().filter(|_| rule.global) else { return Some(Ok(refused)) };
+        if *hurries >= 2 {
+            regions.waited();
+            return Some(Ok(late(regions, refused, now)));
+        }
+        *hurries += 1;
         // the decisions queued behind this one are asked for too
         let waiting = self.grants.queued(tag, op.key);
-        // what is left of the decision's wait (the turn took some), and at least one and a
-        // half round trips: a move that cannot finish is not worth waiting for
-        let left = regions.wait_bound().saturating_sub(now.saturating_sub(began)).max(regions.round_trip() * 3 / 2);
+        // what is left of the decision's wait (its turn took some): no decision waits longer
+        let left = regions.wait_bound().saturating_sub(now.saturating_sub(began)).max(1);
         match regions.hurry(tag, op, planned, (waiting, left)).await {
-            Hurried::Filled => None,
+            Hurried::Filled | Hurried::Ended => None,
             Hurried::Failed(e) => Some(Err(e)),
-            Hurried::Spent => Some(Ok(self.grants.refusal(tag, op, g, now))),
-            Hurried::Waiting => Some(Ok(late(regions, self.grants.refusal(tag, op, g, now), now))),
+            Hurried::Spent => Some(Ok(refused)),
+            Hurried::Waiting => Some(Ok(late(regions, refused, now))),
         }
     }
 
