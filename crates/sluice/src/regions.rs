@@ -450,6 +450,15 @@ impl Regions {
         Some(pool.left.unwrap_or(0) + pool.unspent())
     }
 
+    /// What is left of the fleet's limit in the window of `op` (planned at `planned`) as
+    /// this instance last knew it, without a store call: what the global store had not
+    /// granted and what the region's pool held unspent; `None` if it never knew.
+    pub(crate) fn known_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
+        let end = escrow::window_end(&op.limit, planned);
+        let known = self.known(tag, escrow::base_key(op.key, &op.limit, end), end);
+        known.left_globally.map(|left| left + known.seen.0.saturating_sub(known.seen.1))
+    }
+
     /// Whether the fleet has spent the window `op` names at `planned`, as far as this
     /// region knows: the global store said within a horizon that it had less than the
     /// cost left, and the region's pool (read within a tick) holds less than it. A decision so

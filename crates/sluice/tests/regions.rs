@@ -539,11 +539,19 @@ async fn clients_under_the_limit_are_never_refused() {
     }
 }
 
-/// A store that counts its pool calls (the allocator's and the decisions' reads and moves
-/// of a region's pools), over another.
+/// A store over another that counts its pool calls (the allocator's and the decisions'
+/// reads and moves of a region's pools), and whose grants never answer once `stalled`
+/// (a global store that stopped answering).
 struct Counted {
     inner: Arc<dyn Store>,
     pool_calls: std::sync::atomic::AtomicU64,
+    stalled: std::sync::atomic::AtomicBool,
+}
+
+impl Counted {
+    fn over(inner: Arc<dyn Store>) -> Arc<Self> {
+        Arc::new(Self { inner, pool_calls: Default::default(), stalled: Default::default() })
+    }
 }
 
 #[async_trait::async_trait]
@@ -570,6 +578,9 @@ impl Store for Counted {
         self.inner.grants()
     }
     async fn grant(&self, tag: Tag, ask: GrantAsk, now: u64) -> Result<Granted, StoreError> {
+        if self.stalled.load(std::sync::atomic::Ordering::Relaxed) {
+            std::future::pending::<()>().await;
+        }
         self.inner.grant(tag, ask, now).await
     }
     async fn give_back(&self, tag: Tag, back: GiveBack, now: u64) -> Result<u64, StoreError> {
@@ -599,7 +610,7 @@ impl Store for Counted {
 async fn units_asked_ahead_are_kept_and_an_idle_client_costs_nothing() {
     let clock = ManualClock::new(1_000 * WINDOW_MS);
     let start = clock.now();
-    let local = Arc::new(Counted { inner: memory(), pool_calls: Default::default() });
+    let local = Counted::over(memory());
     let shared: Arc<dyn Clock> = Arc::new(clock.clone());
     let regions = Regions::new(memory(), local.clone(), shared.clone());
     let limiter = Limiter::new(rules(LIMIT), local.clone(), shared).with_regions(regions.clone());
@@ -623,4 +634,43 @@ async fn units_asked_ahead_are_kept_and_an_idle_client_costs_nothing() {
     drive_stepped(&instances, &clock, WINDOW_MS, |_, _| 0).await;
     let idle = local.pool_calls.load(std::sync::atomic::Ordering::Relaxed) - calls;
     assert_eq!(idle, 0, "pool calls for an idle client, in 10 ticks: {:?}", regions.view());
+}
+
+/// A global store that stops answering: a client new to the region is refused once its
+/// wait (100 ms at least) is over, as waiting: `Retry-After` the horizon, not the
+/// window's end, and `remaining` and `used` what the region knew of the fleet's count
+/// (nothing spent: all of the limit), never `used: limit, remaining: 0` (what a client
+/// read as a spent quota). A client the region knew is told what it knew.
+#[tokio::test]
+async fn a_refusal_while_waiting_says_when_and_what_is_known() {
+    let clock = ManualClock::new(1_000 * WINDOW_MS);
+    let global = Counted::over(memory());
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let local = memory();
+    let regions = Regions::new(global.clone(), local.clone(), shared.clone());
+    let limiter = Limiter::new(rules(LIMIT), local, shared).with_regions(regions.clone());
+    let ask = |tenant: &str| Request::new("api").descriptor([("tenant", tenant.to_string())]);
+    for _ in 0..5 {
+        let v = limiter.check(&ask("known")).await.unwrap();
+        assert!(v.allowed(), "{v:?}");
+    }
+    global.stalled.store(true, std::sync::atomic::Ordering::Relaxed);
+    let started = std::time::Instant::now();
+    let v = limiter.check(&ask("new")).await.unwrap();
+    let d = v.descriptors[0].policies[0].decision;
+    assert!(!v.allowed() && started.elapsed() >= Duration::from_millis(100), "{d:?} in {:?}", started.elapsed());
+    assert_eq!((d.remaining, d.used), (LIMIT, 0), "{d:?}");
+    assert_eq!(d.retry_after, Some(regions.horizon()), "{d:?}");
+    assert_eq!(regions.stats().refused_waiting.load(std::sync::atomic::Ordering::Relaxed), 1);
+    // the known client: its pool is spent down to nothing, then it waits too
+    let mut last = d;
+    for _ in 0..LIMIT {
+        let v = limiter.check(&ask("known")).await.unwrap();
+        last = v.descriptors[0].policies[0].decision;
+        if !v.allowed() {
+            break;
+        }
+    }
+    assert!(last.retry_after == Some(regions.horizon()) && last.remaining > 0, "{last:?}");
+    assert_eq!(last.used + last.remaining, LIMIT, "{last:?}");
 }

@@ -926,7 +926,8 @@ impl Limiter {
             Err(_) => {
                 regions.waited();
                 let now = self.clock.now();
-                Err(late(regions, self.grants.refusal_in(tag, op, escrow::window_end(&op.limit, planned), now), now))
+                let refused = self.grants.refusal_in(tag, op, escrow::window_end(&op.limit, planned), now);
+                Err(late(regions, regions.known_left(tag, op, planned), refused, now))
             }
         }
     }
@@ -950,7 +951,7 @@ impl Limiter {
         let Some(regions) = self.regions.as_ref().filter(|_| rule.global) else { return Some(Ok(refused)) };
         if *hurries >= 2 {
             regions.waited();
-            return Some(Ok(late(regions, refused, now)));
+            return Some(Ok(late(regions, regions.known_left(tag, op, planned), refused, now)));
         }
         *hurries += 1;
         // the decisions queued behind this one are asked for too
@@ -961,7 +962,7 @@ impl Limiter {
             Hurried::Filled | Hurried::Ended => None,
             Hurried::Failed(e) => Some(Err(e)),
             Hurried::Spent => Some(Ok(refused)),
-            Hurried::Waiting => Some(Ok(late(regions, refused, now))),
+            Hurried::Waiting => Some(Ok(late(regions, regions.known_left(tag, op, planned), refused, now))),
         }
     }
 
@@ -1197,7 +1198,13 @@ fn random_lease() -> Lease {
 }
 
 /// A global limit's refusal `d` because the global store's answer had not come within the
-/// decision's wait: units are expected within a horizon, not at the window's end.
-fn late(regions: &crate::regions::Regions, d: Decision, now: Millis) -> Decision {
-    Decision { retry_after: Some(regions.horizon().min(d.reset_at.saturating_sub(now))), ..d }
+/// decision's wait: units are expected within a horizon, not at the window's end, and
+/// `remaining` and `used` are the fleet's count as the region last knew it (`left`; all
+/// of the limit if it never knew: nothing was seen spent), not a spent window's. A
+/// client told `remaining: 37` with `Retry-After: 1` knows it may come back soon (as
+/// with a secondary limit), where `remaining: 0, used: 40` said it had used everything.
+fn late(regions: &crate::regions::Regions, left: Option<u64>, d: Decision, now: Millis) -> Decision {
+    let remaining = left.unwrap_or(d.limit).min(d.limit);
+    let retry_after = Some(regions.horizon().min(d.reset_at.saturating_sub(now)));
+    Decision { retry_after, remaining, used: d.limit - remaining, ..d }
 }
