@@ -145,6 +145,12 @@ struct Known {
 }
 
 impl Known {
+    /// What is left of the fleet's limit as known: what the global store had not granted
+    /// and what the region's pool held unspent; `None` if the global store never said.
+    fn left(&self) -> Option<u64> {
+        self.left_globally.map(|left| left + self.seen.0.saturating_sub(self.seen.1))
+    }
+
     /// Whether the global store said, within `horizon` of `now`, that it had less than
     /// `cost` left: the fleet spent the window.
     fn said_spent(&self, cost: u64, now: Millis, horizon: Millis) -> bool {
@@ -441,8 +447,8 @@ impl Regions {
         // the pool as last read, while the allocator reads it each tick (a client idle
         // here is not read at ticks: its pool is read now)
         let fresh = self.clock.now() < known.seen_at + 2 * TICK && known.seen != (0, 0);
-        if let Some(left) = known.left_globally.filter(|_| fresh) {
-            return Some(left + known.seen.0.saturating_sub(known.seen.1));
+        if let Some(left) = known.left().filter(|_| fresh) {
+            return Some(left);
         }
         let now = self.clock.now().min(end - 1);
         let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await.ok()?;
@@ -455,8 +461,7 @@ impl Regions {
     /// granted and what the region's pool held unspent; `None` if it never knew.
     pub(crate) fn known_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
         let end = escrow::window_end(&op.limit, planned);
-        let known = self.known(tag, escrow::base_key(op.key, &op.limit, end), end);
-        known.left_globally.map(|left| left + known.seen.0.saturating_sub(known.seen.1))
+        self.known(tag, escrow::base_key(op.key, &op.limit, end), end).left()
     }
 
     /// Whether the fleet has spent the window `op` names at `planned`, as far as this
