@@ -16,7 +16,7 @@
 
 use crate::algo::escrow::{self, Act, Move, Pool, Seen};
 use crate::algo::grant::Open;
-use crate::algo::{Limit, Op};
+use crate::algo::{Decision, Limit, Op};
 use crate::store::{GiveBack, GrantAsk, PoolCall, Store, StoreError};
 use crate::tag::Tag;
 use crate::time::{Clock, Millis};
@@ -459,7 +459,7 @@ impl Regions {
     /// What is left of the fleet's limit in the window of `op` (planned at `planned`) as
     /// this instance last knew it, without a store call: what the global store had not
     /// granted and what the region's pool held unspent; `None` if it never knew.
-    pub(crate) fn known_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
+    fn known_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
         let end = escrow::window_end(&op.limit, planned);
         self.known(tag, escrow::base_key(op.key, &op.limit, end), end).left()
     }
@@ -528,10 +528,8 @@ impl Regions {
             Hurried::Waiting if self.clock.now() >= escrow::window_end(&op.limit, planned) => Hurried::Ended,
             hurried => hurried,
         };
-        match hurried {
-            Hurried::Spent => self.refused_spent(),
-            Hurried::Waiting => self.waited(),
-            _ => {}
+        if let Hurried::Spent = hurried {
+            self.refused_spent();
         }
         hurried
     }
@@ -542,11 +540,19 @@ impl Regions {
         self.metrics.refused_spent.increment(1);
     }
 
-    /// Counts a decision refused because the global store's answer had not come within
-    /// its wait (a refusal under the limit, as far as anyone knows).
-    pub(crate) fn waited(&self) {
+    /// The refusal `d` of `op` (planned at `planned`) because the global store's answer
+    /// had not come within the decision's wait, counted (a refusal under the limit, as far
+    /// as anyone knows): units are expected within a horizon, not at the window's end, and
+    /// `remaining` and `used` are the fleet's count as the region last knew it (all of the
+    /// limit if it never knew: nothing was seen spent), not a spent window's. A client
+    /// told `remaining: 37` with `Retry-After: 1` knows it may come back soon (as with a
+    /// secondary limit), where `remaining: 0, used: 40` said it had used everything.
+    pub(crate) fn refuse_waiting(&self, tag: Tag, op: &Op, planned: Millis, d: Decision, now: Millis) -> Decision {
         self.stats.refused_waiting.fetch_add(1, Relaxed);
         self.metrics.refused_waiting.increment(1);
+        let remaining = self.known_left(tag, op, planned).unwrap_or(d.limit).min(d.limit);
+        let retry_after = Some(self.horizon().min(d.reset_at.saturating_sub(now)));
+        Decision { retry_after, remaining, used: d.limit - remaining, ..d }
     }
 
     /// The move for `op`'s client in the window of `planned`: the one under way, or a

@@ -924,10 +924,9 @@ impl Limiter {
         match tokio::time::timeout(std::time::Duration::from_millis(left), self.grants.turn(tag, op.key)).await {
             Ok(turn) => Ok(turn),
             Err(_) => {
-                regions.waited();
                 let now = self.clock.now();
                 let refused = self.grants.refusal_in(tag, op, escrow::window_end(&op.limit, planned), now);
-                Err(late(regions, regions.known_left(tag, op, planned), refused, now))
+                Err(regions.refuse_waiting(tag, op, planned, refused, now))
             }
         }
     }
@@ -947,11 +946,11 @@ impl Limiter {
         (planned, now, began): (Millis, Millis, Millis),
         hurries: &mut u8,
     ) -> Option<Result<Decision, StoreError>> {
-        let refused = self.grants.refusal(tag, op, g, now);
-        let Some(regions) = self.regions.as_ref().filter(|_| rule.global) else { return Some(Ok(refused)) };
+        // built only when refused: a hurry that fills the pool (the usual case) needs none
+        let refused = || self.grants.refusal(tag, op, g, now);
+        let Some(regions) = self.regions.as_ref().filter(|_| rule.global) else { return Some(Ok(refused())) };
         if *hurries >= 2 {
-            regions.waited();
-            return Some(Ok(late(regions, regions.known_left(tag, op, planned), refused, now)));
+            return Some(Ok(regions.refuse_waiting(tag, op, planned, refused(), now)));
         }
         *hurries += 1;
         // the decisions queued behind this one are asked for too
@@ -961,8 +960,8 @@ impl Limiter {
         match regions.hurry(tag, op, planned, (waiting, left)).await {
             Hurried::Filled | Hurried::Ended => None,
             Hurried::Failed(e) => Some(Err(e)),
-            Hurried::Spent => Some(Ok(refused)),
-            Hurried::Waiting => Some(Ok(late(regions, regions.known_left(tag, op, planned), refused, now))),
+            Hurried::Spent => Some(Ok(refused())),
+            Hurried::Waiting => Some(Ok(regions.refuse_waiting(tag, op, planned, refused(), now))),
         }
     }
 
@@ -1195,16 +1194,4 @@ fn random_lease() -> Lease {
         *used += 16;
         u128::from_le_bytes(b)
     })
-}
-
-/// A global limit's refusal `d` because the global store's answer had not come within the
-/// decision's wait: units are expected within a horizon, not at the window's end, and
-/// `remaining` and `used` are the fleet's count as the region last knew it (`left`; all
-/// of the limit if it never knew: nothing was seen spent), not a spent window's. A
-/// client told `remaining: 37` with `Retry-After: 1` knows it may come back soon (as
-/// with a secondary limit), where `remaining: 0, used: 40` said it had used everything.
-fn late(regions: &crate::regions::Regions, left: Option<u64>, d: Decision, now: Millis) -> Decision {
-    let remaining = left.unwrap_or(d.limit).min(d.limit);
-    let retry_after = Some(regions.horizon().min(d.reset_at.saturating_sub(now)));
-    Decision { retry_after, remaining, used: d.limit - remaining, ..d }
 }
