@@ -19,8 +19,13 @@ const LIMIT: u64 = 200;
 const WINDOW_S: u64 = 4;
 
 fn domains(global: bool) -> String {
+    domains_failing(global, "open")
+}
+
+/// The rule of [`domains`], with `failure` (its decision while a store fails).
+fn domains_failing(global: bool, failure: &str) -> String {
     format!(
-        "  - domain: api\n    descriptors:\n      - key: tenant\n        policies:\n          - name: tenant\n            fixed_window: {{limit: {LIMIT}, window: {WINDOW_S}s, global: {global}}}\n"
+        "  - domain: api\n    descriptors:\n      - key: tenant\n        failure: {failure}\n        policies:\n          - name: tenant\n            fixed_window: {{limit: {LIMIT}, window: {WINDOW_S}s, global: {global}}}\n"
     )
 }
 
@@ -298,6 +303,60 @@ async fn one_far_store_for_every_decision_costs_the_round_trip() {
     let p50 = far.quantile(0.5);
     eprintln!("far: {:?}, answers p50 {p50:?} p99 {:?}", far.windows, far.quantile(0.99));
     assert!(p50 >= Duration::from_millis(80), "each decision waits the round trip: p50 {p50:?}");
+}
+
+/// `failure: local` on a global limit with its stores really down (redis-servers
+/// killed), three regions of one instance, each asking for the limit every window (the
+/// fleet three times it), the global store reached directly. With eu's own store down,
+/// eu decides on the global store itself (one call a decision): it admits, and the fleet
+/// stays within the limit (counted in process at the limit, eu alone admitted a whole
+/// limit besides the others' part). With the global store down too, each region admits
+/// at most its share, the limit over the three regions it knows, and some: no region
+/// refuses every client, and the fleet stays within the limit (each region admitted a
+/// whole limit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_local_holds_a_global_limit_with_stores_down() {
+    let _alone = alone().await;
+    let mut global = RedisServer::start();
+    let mut locals: Vec<RedisServer> = (0..3).map(|_| RedisServer::start()).collect();
+    let names = ["eu", "us", "ap"];
+    let mut regions: Vec<Vec<Sluice>> = (0..3)
+        .map(|r| {
+            let store = format!("store: {{kind: redis, url: \"{}\"}}\n", locals[r].url());
+            let shared = format!("region: {}\nglobal_store: {{kind: redis, url: \"{}\"}}\n", names[r], global.url());
+            vec![start_with(&format!("  admin_token: {TOKEN}\n{store}{shared}"), &domains_failing(true, "local"))]
+        })
+        .collect();
+    let even = |_: usize, _: Duration| LIMIT / WINDOW_S;
+    let phase = Duration::from_secs(2 * WINDOW_S);
+    // two windows with every store up: each region beats twice, and knows the three
+    let mut all = drive(&mut regions, phase, even, None).await.windows;
+    locals[0].kill();
+    let cut = drive(&mut regions, phase, even, None).await.windows;
+    global.kill();
+    let alone = drive(&mut regions, phase, even, None).await.windows;
+    eprintln!("eu's store down: {cut:?}; the global store down too: {alone:?}");
+    let log = || regions.iter().flatten().map(|s| s.log()).collect::<Vec<_>>().join("\n");
+    for (end, by) in whole(&cut).iter().map(|(end, _)| (end, cut[end])) {
+        assert!(by[0] > 0, "window ending at {end}: eu admitted nothing on the global store: {cut:?}\n{}", log());
+    }
+    for (end, by) in whole(&alone).iter().map(|(end, _)| (end, alone[end])) {
+        assert!(
+            by.iter().all(|&n| n > 0 && n <= LIMIT / 3),
+            "window ending at {end}: {by:?}, each its share\n{}",
+            log()
+        );
+    }
+    for (end, by) in cut.iter().chain(&alone) {
+        let w = all.entry(*end).or_default();
+        (0..3).for_each(|r| w[r] += by[r]);
+    }
+    for (end, by) in &all {
+        let total: u64 = by.iter().sum();
+        assert!(total <= LIMIT, "window ending at {end}: {by:?}, {total} over {LIMIT}\n{}", log());
+    }
+    let scrape = common::metrics(&reqwest::Client::new(), &regions[0][0].base).await;
+    assert!(common::series(&scrape, "sluice_region_decided_globally_total{region=\"eu\"}") > 0.0, "{scrape}");
 }
 
 /// `global: true` without `region` and `global_store` is refused at the line that says

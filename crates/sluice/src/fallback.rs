@@ -50,12 +50,24 @@ impl Fallback {
     /// The decision of `op` by its fair part, counted here: the limit's capacity over
     /// the instances known, in windows of the limit's period aligned to the clock.
     pub(crate) fn decide(&self, tag: Tag, op: &Op, now: Millis) -> Decision {
-        let (period, capacity) = match op.limit {
-            Limit::FixedWindow { limit, window, .. } | Limit::SlidingWindow { limit, window } => (window, limit),
-            Limit::TokenBucket { rate, per, .. } => (per, rate),
-            Limit::Concurrency { limit, .. } => (1_000, limit),
+        let capacity = match op.limit {
+            Limit::FixedWindow { limit, .. } | Limit::SlidingWindow { limit, .. } => limit,
+            Limit::TokenBucket { rate, .. } => rate,
+            Limit::Concurrency { limit, .. } => limit,
         };
-        let (fair, end) = (capacity.div_ceil(self.instances()), (now / period.max(1) + 1) * period.max(1));
+        self.decide_within(tag, op, capacity.div_ceil(self.instances()), now)
+    }
+
+    /// The decision of `op`, admitting at most `fair` in each window of the limit's
+    /// period, counted here (a global limit's part of its region's share:
+    /// `crate::regions::Regions::share`).
+    pub(crate) fn decide_within(&self, tag: Tag, op: &Op, fair: u64, now: Millis) -> Decision {
+        let period = match op.limit {
+            Limit::FixedWindow { window, .. } | Limit::SlidingWindow { window, .. } => window,
+            Limit::TokenBucket { per, .. } => per,
+            Limit::Concurrency { .. } => 1_000,
+        };
+        let end = (now / period.max(1) + 1) * period.max(1);
         let mut counts = self.counts.lock().expect("fallback lock");
         if counts.len() >= MAX_COUNTED {
             counts.retain(|_, (e, _)| *e > now);

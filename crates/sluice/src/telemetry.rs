@@ -62,6 +62,8 @@ pub mod names {
     pub const REGION_HORIZON: &str = "sluice_region_horizon_seconds";
     pub const REGION_HURRIED: &str = "sluice_region_hurried_total";
     pub const REGION_REFUSALS: &str = "sluice_region_refusals_total";
+    pub const REGION_DECIDED_GLOBALLY: &str = "sluice_region_decided_globally_total";
+    pub const REGION_LOST_UNITS: &str = "sluice_region_lost_units_total";
     pub const RESERVATIONS: &str = "sluice_reservations_total";
     pub const RESERVATION_UNITS: &str = "sluice_reservation_units_total";
     pub const RESERVATION_SETTLEMENTS: &str = "sluice_reservation_settlements_total";
@@ -163,6 +165,15 @@ fn describe_regions() {
         "Calls to the global store (ok, error): the allocator's, and those of decisions that found their pool short."
     );
     describe_histogram!(REGION_GLOBAL_SECONDS, metrics::Unit::Seconds, "Time of each call to the global store.");
+    describe_counter!(
+        REGION_DECIDED_GLOBALLY,
+        "Decisions on global limits charged on the global store itself, while the region's own store failed \
+         (failure: local)."
+    );
+    describe_counter!(
+        REGION_LOST_UNITS,
+        "Units of global windows this instance held that the global store no longer counted: it lost its data."
+    );
     describe_gauge!(
         REGION_HORIZON,
         metrics::Unit::Seconds,

@@ -45,8 +45,12 @@ fn rules(limit: u64) -> Arc<sluice::rules::Rules> {
 fn rules_of(limit: u64, window: &str) -> Arc<sluice::rules::Rules> {
     // `failure: closed`: with its own store down, a region admits only what its
     // instances' grants hold (`open` would admit past the limit, marked degraded)
+    rules_failing(limit, window, "closed")
+}
+
+fn rules_failing(limit: u64, window: &str, failure: &str) -> Arc<sluice::rules::Rules> {
     let config = serde_json::json!({"domains": [{"domain": "api", "descriptors": [
-        {"key": "tenant", "failure": "closed", "policies": [{"name": "tenant",
+        {"key": "tenant", "failure": failure, "policies": [{"name": "tenant",
             "fixed_window": {"limit": limit, "window": window, "global": true}}]},
     ]}]});
     Arc::new(serde_json::from_value::<RulesConfig>(config).unwrap().compile().unwrap())
@@ -543,58 +547,78 @@ async fn clients_under_the_limit_are_never_refused() {
 /// reads and moves of a region's pools), and whose grants never answer once `stalled`
 /// (a global store that stopped answering).
 struct Counted {
-    inner: Arc<dyn Store>,
+    inner: std::sync::Mutex<Arc<dyn Store>>,
     pool_calls: std::sync::atomic::AtomicU64,
     stalled: std::sync::atomic::AtomicBool,
+    /// Every call fails, as a store that is down.
+    down: std::sync::atomic::AtomicBool,
 }
 
 impl Counted {
     fn over(inner: Arc<dyn Store>) -> Arc<Self> {
-        Arc::new(Self { inner, pool_calls: Default::default(), stalled: Default::default() })
+        Arc::new(Self {
+            inner: std::sync::Mutex::new(inner),
+            pool_calls: Default::default(),
+            stalled: Default::default(),
+            down: Default::default(),
+        })
+    }
+
+    /// The store it calls, unless it is down.
+    fn store(&self) -> Result<Arc<dyn Store>, StoreError> {
+        match self.down.load(std::sync::atomic::Ordering::Relaxed) {
+            true => Err(StoreError::unavailable("down (the test took it down)")),
+            false => Ok(self.inner.lock().unwrap().clone()),
+        }
+    }
+
+    /// Loses everything it held, as a Redis after `FLUSHALL`.
+    fn flush(&self) {
+        *self.inner.lock().unwrap() = memory();
     }
 }
 
 #[async_trait::async_trait]
 impl Store for Counted {
     async fn apply(&self, tag: Tag, ops: &[Op], now: u64) -> Result<Vec<Decision>, StoreError> {
-        self.inner.apply(tag, ops, now).await
+        self.store()?.apply(tag, ops, now).await
     }
     async fn peek(&self, tag: Tag, ops: &[Op], now: u64) -> Result<Vec<Decision>, StoreError> {
-        self.inner.peek(tag, ops, now).await
+        self.store()?.peek(tag, ops, now).await
     }
     async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: u64) -> Result<bool, StoreError> {
-        self.inner.release(tag, keys, lease, now).await
+        self.store()?.release(tag, keys, lease, now).await
     }
     async fn leases(&self, tag: Tag, key: u64, ttl: u64, now: u64) -> Result<ConcurrencyState, StoreError> {
-        self.inner.leases(tag, key, ttl, now).await
+        self.store()?.leases(tag, key, ttl, now).await
     }
     async fn refund(&self, tag: Tag, refunds: &[Refund], now: u64) -> Result<(), StoreError> {
-        self.inner.refund(tag, refunds, now).await
+        self.store()?.refund(tag, refunds, now).await
     }
     async fn reset(&self, tag: Tag, ops: &[Op], now: u64) -> Result<(), StoreError> {
-        self.inner.reset(tag, ops, now).await
+        self.store()?.reset(tag, ops, now).await
     }
     fn grants(&self) -> bool {
-        self.inner.grants()
+        true
     }
     async fn grant(&self, tag: Tag, ask: GrantAsk, now: u64) -> Result<Granted, StoreError> {
         if self.stalled.load(std::sync::atomic::Ordering::Relaxed) {
             std::future::pending::<()>().await;
         }
-        self.inner.grant(tag, ask, now).await
+        self.store()?.grant(tag, ask, now).await
     }
     async fn give_back(&self, tag: Tag, back: GiveBack, now: u64) -> Result<u64, StoreError> {
-        self.inner.give_back(tag, back, now).await
+        self.store()?.give_back(tag, back, now).await
     }
     fn pools(&self) -> bool {
-        self.inner.pools()
+        true
     }
     async fn pool(&self, tag: Tag, call: PoolCall, now: u64) -> Result<(u64, Pool), StoreError> {
         self.pool_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.inner.pool(tag, call, now).await
+        self.store()?.pool(tag, call, now).await
     }
     fn kind(&self) -> &'static str {
-        self.inner.kind()
+        "memory"
     }
 }
 
@@ -673,4 +697,75 @@ async fn a_refusal_while_waiting_says_when_and_what_is_known() {
     }
     assert!(last.retry_after == Some(regions.horizon()) && last.remaining > 0, "{last:?}");
     assert_eq!(last.used + last.remaining, LIMIT, "{last:?}");
+}
+
+/// `failure: local` on a global limit, on a stepped clock: three regions of one instance
+/// over memory stores, each asking for the limit every window (the fleet three times it).
+/// - Region 0's own store down for three windows: it decides on the global store's window
+///   itself, admitting (not refusing every client), and the fleet never passes the limit
+///   (counted in process at the limit, region 0 alone admitted the limit beside the
+///   others' share).
+/// - The global store down for three windows: each region admits at most its share (the
+///   limit over the three regions it knows) once its pool is spent, and something, and
+///   the fleet never passes the limit (each region admitted the whole limit).
+/// - The global store losing its data mid-window: each region finds it at its next take
+///   and declares again what it holds; that window passes the limit by no more than the
+///   regions held, and the next ones not at all.
+#[tokio::test]
+async fn failure_local_holds_a_global_limit_to_the_fleet_s_when_a_store_is_down() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let clock = ManualClock::new(1_000 * WINDOW_MS);
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let global = Counted::over(memory());
+    let locals: Vec<Arc<Counted>> = (0..3).map(|_| Counted::over(memory())).collect();
+    let instances: Vec<Vec<Limiter>> = (locals.iter().enumerate())
+        .map(|(r, local)| {
+            let regions = Regions::named(&format!("r{r}"), global.clone(), local.clone(), shared.clone());
+            let rules = rules_failing(LIMIT, "2s", "local");
+            vec![Limiter::new(rules, local.clone(), shared.clone()).with_regions(regions)]
+        })
+        .collect();
+    let regions = |r: usize| instances[r][0].regions().unwrap().clone();
+    // each phase from a window's start (a phase ends one step short of its last ms)
+    let phase = |windows: u64| {
+        clock.set(clock.now().next_multiple_of(WINDOW_MS));
+        drive_stepped(&instances, &clock, windows * WINDOW_MS, |_, _| LIMIT * 1_000 / WINDOW_MS)
+    };
+    // past the second beat: the first region to beat knew only itself at its first
+    assert_never_over(&phase(3).await, LIMIT);
+    assert_eq!(regions(0).regions_known(), 3, "each region beat in the global store");
+
+    locals[0].down.store(true, Relaxed);
+    let cut = phase(3).await;
+    locals[0].down.store(false, Relaxed);
+    assert_never_over(&cut, LIMIT);
+    assert!(cut.windows.values().all(|by| by[0] > 0), "region 0 admits on the global store: {:?}", cut.windows);
+    assert!(regions(0).stats().decided_globally.load(Relaxed) > 0);
+
+    assert_never_over(&phase(1).await, LIMIT);
+    global.down.store(true, Relaxed);
+    let alone = phase(3).await;
+    global.down.store(false, Relaxed);
+    assert_never_over(&alone, LIMIT);
+    // after the first window of the outage (its pools held units taken before it)
+    for (end, by) in alone.windows.iter().skip(1) {
+        assert!(by.iter().all(|&n| n > 0 && n <= LIMIT / 3), "window ending at {end}: {by:?}, each its share");
+    }
+
+    assert_never_over(&phase(1).await, LIMIT);
+    let rate = |_, _| LIMIT * 1_000 / WINDOW_MS;
+    let before = phase(1).await; // a window whole, then half of the next
+    let before_half = drive_stepped(&instances, &clock, WINDOW_MS / 2, rate).await;
+    // mid-window: the global store loses everything; the regions held what their pools do
+    let held: u64 = (0..3).map(|r| regions(r).view().held).sum();
+    global.flush();
+    clock.set(clock.now() + 10);
+    let after = drive_stepped(&instances, &clock, WINDOW_MS / 2 - 10, rate).await;
+    assert_never_over(&before, LIMIT);
+    let lost: u64 = (0..3).map(|r| regions(r).stats().lost.load(Relaxed)).sum();
+    let window: u64 = before_half.windows.values().chain(after.windows.values()).flatten().sum();
+    eprintln!("the window of the loss: {window} admitted, {held} held at the loss, {lost} found lost");
+    assert!(lost > 0, "the loss was found");
+    assert!(window <= LIMIT + held, "{window} admitted in the window of the loss, {held} held");
+    assert_never_over(&phase(2).await, LIMIT);
 }

@@ -561,7 +561,8 @@ impl Limiter {
         let results = futures_util::future::join_all(groups.iter().map(|g| self.evaluate(g, mode, now))).await;
         let mut tally = Tally::default();
         for (g, result) in groups.iter().zip(results) {
-            self.record(g, result, mode, now, &mut descriptors, &mut tally)?;
+            let result = self.or_failed(g, result, now).await;
+            self.record(g, result, mode, &mut descriptors, &mut tally)?;
         }
         let allowed = tally.refused_groups == 0 && !quota_spent(&descriptors);
         let lease = lease.and_then(|l| lease_id(&groups, l));
@@ -635,17 +636,17 @@ impl Limiter {
 
     /// Writes one group's decisions into the verdict's slots, and tallies what it means
     /// for the request.
+    /// `result`: the group's decisions, or those its failure policies made (and the
+    /// strictest policy met) when the store failed.
     fn record(
         &self,
         g: &Group,
-        result: Result<(Vec<Decision>, Source), StoreError>,
+        result: Result<(Vec<Decision>, Source), (Vec<Decision>, Failure)>,
         mode: Mode,
-        now: Millis,
         descriptors: &mut [DescriptorVerdict],
         tally: &mut Tally,
     ) -> Result<(), StoreError> {
-        let (decisions, source) = result.unwrap_or_else(|e| {
-            let (decisions, failure) = self.fail(g, &e, now);
+        let (decisions, source) = result.unwrap_or_else(|(decisions, failure)| {
             tally.degraded = tally.degraded.max(Some(failure));
             (decisions, Source::Degraded)
         });
@@ -1036,16 +1037,33 @@ impl Limiter {
         Ok(())
     }
 
+    /// A group's decisions, or when its store call failed those of its failure policies
+    /// ([`Self::fail`]).
+    async fn or_failed(
+        &self,
+        g: &Group,
+        result: Result<(Vec<Decision>, Source), StoreError>,
+        now: Millis,
+    ) -> Result<(Vec<Decision>, Source), (Vec<Decision>, Failure)> {
+        match result {
+            Ok(decided) => Ok(decided),
+            Err(e) => Err(self.fail(g, &e, now).await),
+        }
+    }
+
     /// Decisions for a group whose store call failed, by each policy's failure policy:
-    /// fail-open allows, fail-closed refuses. Returns them and the stricter policy met.
-    fn fail(&self, g: &Group, e: &StoreError, now: Millis) -> (Vec<Decision>, Failure) {
+    /// fail-open allows, fail-closed refuses, `local` counts here. A global limit's
+    /// `local` is decided on the global store while it answers (the region's own store
+    /// failed), else within the region's share (`crate::regions` `outage`). Returns them
+    /// and the stricter policy met.
+    async fn fail(&self, g: &Group, e: &StoreError, now: Millis) -> (Vec<Decision>, Failure) {
         self.failures.failed(e, now);
         let mut worst = Failure::Open;
-        let decisions = g
-            .ops
-            .iter()
-            .zip(&g.failures)
-            .map(|(op, &f)| {
+        let regions = self.regions.as_ref();
+        let global = |i: usize| regions.filter(|_| g.grants_of(i).is_some_and(|r| r.global));
+        let mut globally = Vec::new();
+        let mut decisions: Vec<Decision> = (g.ops.iter().zip(&g.failures).enumerate())
+            .map(|(i, (op, &f))| {
                 worst = worst.max(f);
                 let mut d = unevaluated(&op.limit);
                 if f == Failure::Closed && !op.shadow {
@@ -1054,12 +1072,35 @@ impl Limiter {
                     d.retry_after = Some(FAIL_CLOSED_RETRY);
                 }
                 if f == Failure::Local {
-                    d = self.fallback.decide(g.tag, op, now);
+                    d = match global(i) {
+                        Some(r) if r.global_answers() => {
+                            globally.push(i);
+                            d
+                        }
+                        Some(r) => self.within_share(r, g.tag, op, now),
+                        None => self.fallback.decide(g.tag, op, now),
+                    };
                 }
                 d
             })
             .collect();
+        if let (Some(r), false) = (regions, globally.is_empty()) {
+            // all or nothing: a request another limit refused is not charged there
+            let refused = g.ops.iter().zip(&decisions).any(|(o, d)| !o.shadow && !d.allowed);
+            let ops: Vec<Op> = globally.iter().map(|&i| g.ops[i]).collect();
+            match r.decide_globally(g.tag, &ops, !refused, now).await {
+                Ok(decided) => globally.iter().zip(decided).for_each(|(&i, d)| decisions[i] = d),
+                Err(_) => globally.iter().for_each(|&i| decisions[i] = self.within_share(r, g.tag, &g.ops[i], now)),
+            }
+        }
         (decisions, worst)
+    }
+
+    /// A global limit's `failure: local` decision while the global store cannot be asked:
+    /// within this instance's part of its region's share.
+    fn within_share(&self, regions: &crate::regions::Regions, tag: Tag, op: &Op, now: Millis) -> Decision {
+        let fair = regions.share(tag, op, self.fallback.instances(), now);
+        self.fallback.decide_within(tag, op, fair, now)
     }
 
     /// Drops this instance's near-cache entries for states whose quota came back (a

@@ -14,6 +14,10 @@
 //! and waits for it, at most max(2 x round trip, 100 ms), so that a global limit refuses
 //! only when the fleet has spent it, not when the region had not asked yet.
 
+mod outage;
+
+pub use outage::BEAT;
+
 use crate::algo::escrow::{self, Act, Move, Pool, Seen};
 use crate::algo::grant::Open;
 use crate::algo::{Decision, Limit, Op};
@@ -21,7 +25,7 @@ use crate::store::{GiveBack, GrantAsk, PoolCall, Store, StoreError};
 use crate::tag::Tag;
 use crate::time::{Clock, Millis};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -69,6 +73,10 @@ pub struct RegionStats {
     pub hurried: AtomicU64,
     pub refused_spent: AtomicU64,
     pub refused_waiting: AtomicU64,
+    /// Decisions charged on the global store itself while the region's store failed, and
+    /// units the global store's count was found to have lost (the `outage` module).
+    pub decided_globally: AtomicU64,
+    pub lost: AtomicU64,
 }
 
 /// A region as one instance sees it ([`Regions::view`]).
@@ -124,6 +132,9 @@ struct Holding {
     /// a horizon of it (they were taken for demand seen then, and the decisions that
     /// waited for them are taking them).
     taken_at: Option<Millis>,
+    /// Units this instance charged on the global store's window itself, its region's
+    /// store down (part of the region's share, should the global store fail too).
+    decided: u64,
 }
 
 impl Active {
@@ -142,6 +153,7 @@ struct Known {
     answered_at: Millis,
     seen: (u64, u64),
     seen_at: Millis,
+    decided: u64,
 }
 
 impl Known {
@@ -176,6 +188,12 @@ pub struct Regions {
     /// The moves `Self::hurry` has under way, by client and window end: a decision that
     /// finds one waits for it rather than starting another.
     hurrying: Mutex<HashMap<(Tag, u64, Millis), InFlight>>,
+    /// The regions known to share the global store ([`outage`]), and whether its last
+    /// call failed.
+    regions: AtomicU64,
+    global_down: AtomicBool,
+    /// When the next beat is due, and the lease of the last ([`outage`]).
+    beat: Mutex<(Millis, Option<crate::algo::Lease>)>,
 }
 
 /// A move of `Regions::hurry` under way: what it found, once it has.
@@ -197,12 +215,15 @@ struct Metrics {
     hurried: metrics::Counter,
     refused_spent: metrics::Counter,
     refused_waiting: metrics::Counter,
+    decided_globally: metrics::Counter,
+    lost: metrics::Counter,
 }
 
 impl Metrics {
     fn new(region: &str) -> Self {
         use crate::telemetry::names::{
-            REGION_GLOBAL_CALLS, REGION_GLOBAL_SECONDS, REGION_HORIZON, REGION_HURRIED, REGION_REFUSALS, REGION_UNITS,
+            REGION_DECIDED_GLOBALLY, REGION_GLOBAL_CALLS, REGION_GLOBAL_SECONDS, REGION_HORIZON, REGION_HURRIED,
+            REGION_LOST_UNITS, REGION_REFUSALS, REGION_UNITS,
         };
         Self {
             taken: metrics::counter!(REGION_UNITS, "region" => region.to_string(), "kind" => "taken"),
@@ -214,6 +235,8 @@ impl Metrics {
             hurried: metrics::counter!(REGION_HURRIED, "region" => region.to_string()),
             refused_spent: metrics::counter!(REGION_REFUSALS, "region" => region.to_string(), "why" => "fleet_spent"),
             refused_waiting: metrics::counter!(REGION_REFUSALS, "region" => region.to_string(), "why" => "waiting"),
+            decided_globally: metrics::counter!(REGION_DECIDED_GLOBALLY, "region" => region.to_string()),
+            lost: metrics::counter!(REGION_LOST_UNITS, "region" => region.to_string()),
         }
     }
 }
@@ -242,6 +265,9 @@ impl Regions {
             metrics: Metrics::new(name),
             short: Mutex::new(Default::default()),
             hurrying: Mutex::new(HashMap::new()),
+            regions: AtomicU64::new(1),
+            global_down: AtomicBool::new(false),
+            beat: Mutex::new((0, None)),
         })
     }
 
@@ -299,7 +325,8 @@ impl Regions {
 
     /// One tick: every client of a global window with units asked for here since the last
     /// tick, or a grant of this instance open, reports and plans, all at once
-    /// (and for the next window too, once it is within the horizon).
+    /// (and for the next window too, once it is within the horizon); and every
+    /// [`BEAT`], the region says in the global store that it is there.
     pub async fn step(self: &Arc<Self>) {
         let now = self.clock.now();
         let mut work = Vec::new();
@@ -318,6 +345,10 @@ impl Regions {
             }
         }
         let mut set = tokio::task::JoinSet::new();
+        if self.beat_due(now) {
+            let me = self.clone();
+            set.spawn(async move { me.beat(now).await });
+        }
         for (tag, base, limit, arrived) in work {
             let me = self.clone();
             set.spawn(async move { me.allocate(tag, base, limit, arrived, now).await });
@@ -394,11 +425,17 @@ impl Regions {
         let id = self.ids.fetch_add(1, Relaxed);
         let ask = GrantAsk { key, limit: *limit, need, want, id, close: close.clone(), pool: false };
         let g = self.timed(self.global.grant(tag, ask, at)).await?;
+        let mut open: Vec<Open> = holding.open.iter().filter(|o| !close.contains(&o.id)).copied().collect();
+        if g.units > 0 {
+            open.push(Open { id, units: g.units, expires: end });
+        }
+        if let Some(again) = self.recount(tag, (key, limit), (end, at), pool.cap, &g).await {
+            // the grants before are unknown to the global store now: this one stands for them
+            open.retain(|o| o.id == id);
+            open.push(again);
+        }
         self.update(tag, base, end, |h| {
-            h.open.retain(|o| !close.contains(&o.id));
-            if g.units > 0 {
-                h.open.push(Open { id, units: g.units, expires: end });
-            }
+            h.open = open;
             h.left_globally = Some(g.decision.remaining);
             h.answered_at = at;
             if g.units > 0 {
@@ -524,7 +561,13 @@ impl Regions {
         self.metrics.hurried.increment(1);
         let bound = std::time::Duration::from_millis(left);
         let moved = self.move_for(tag, (op, waiting), planned, bound);
-        let hurried = match tokio::time::timeout(bound, moved).await.unwrap_or(Hurried::Waiting) {
+        // no answer within the wait: waiting, or failed if the global store's last call did
+        // (a link that drops every packet answers nothing until the call's deadline)
+        let late = || match self.global_answers() {
+            true => Hurried::Waiting,
+            false => Hurried::Failed(StoreError::unavailable("the global store did not answer its last call")),
+        };
+        let hurried = match tokio::time::timeout(bound, moved).await.unwrap_or_else(|_| late()) {
             Hurried::Waiting if self.clock.now() >= escrow::window_end(&op.limit, planned) => Hurried::Ended,
             hurried => hurried,
         };
@@ -692,6 +735,7 @@ impl Regions {
         self.metrics.seconds.record(took.as_secs_f64());
         match &result {
             Ok(_) => {
+                self.global_down.store(false, Relaxed);
                 let ms = self.clock.now().saturating_sub(began);
                 let old = self.latency.load(Relaxed);
                 self.latency.store((old * 7 + ms).div_ceil(8), Relaxed);
@@ -699,6 +743,7 @@ impl Regions {
                 self.metrics.horizon.set(self.horizon() as f64 / 1_000.0);
             }
             Err(_) => {
+                self.global_down.store(true, Relaxed);
                 self.stats.global_errors.fetch_add(1, Relaxed);
                 self.metrics.errors.increment(1);
             }
@@ -763,6 +808,7 @@ impl Regions {
             answered_at: h.answered_at,
             seen: h.seen,
             seen_at: h.seen_at,
+            decided: h.decided,
         })
     }
 

@@ -1,0 +1,178 @@
+//! One limit across regions when a store fails or forgets.
+//!
+//! - **The region's own store down, the global store answering.** A global limit whose
+//!   rule says `failure: local` is decided on the global store's window itself: each
+//!   decision is charged there (one cross-region round trip a decision, for the length of
+//!   the outage). Exact: the global store's count is the fleet's, and what the region
+//!   held before the outage stays granted there, so the regions together never pass the
+//!   limit. (Counting in process instead, at the limit over the region's instances, would
+//!   let the region admit a whole limit beside what the other regions take.)
+//! - **The global store down.** A client with units in its region's pool spends them; one
+//!   with none has the rule's `failure` decide, and `local` admits at most the region's
+//!   share: the limit over the regions that said lately, in the global store, that they
+//!   are there ([`BEAT`]), less what the region's pool held of the window when last
+//!   read, split between the region's instances. In a window that starts during the
+//!   outage no pool holds anything, and the regions' shares sum to the limit.
+//! - **The global store losing its count** (`FLUSHALL`, a restart without persistence, a
+//!   failover to an empty replica). Each grant names its window's count as the global
+//!   store keeps it after the grant; a region whose pool holds more of that window than
+//!   the count says (all it was granted there, spent or not) knows the count was lost:
+//!   it logs it, counts it (`sluice_region_lost_units_total`), and asks the global store
+//!   for what it holds again (declares it again), so that the global store grants no one
+//!   those units a second time. The other regions declare theirs at their next take in
+//!   that window; until then what they hold is not counted there: the window of the loss
+//!   can pass the limit by what the other regions held in it (spent or not), never by
+//!   more, and the windows after it start afresh.
+
+use super::Regions;
+use crate::algo::escrow;
+use crate::algo::grant::{Granted, Open};
+use crate::algo::{Decision, Lease, Limit, Op};
+use crate::store::{GrantAsk, StoreError};
+use crate::tag::Tag;
+use crate::time::Millis;
+use std::hash::Hasher;
+use std::sync::atomic::Ordering::Relaxed;
+
+/// How often a region says, in the global store, that it is there (as `failure: local`'s
+/// heartbeat in a region's own store).
+pub const BEAT: Millis = crate::fallback::HEARTBEAT;
+
+/// How long a region's beat counts: three missed, and the region is no longer counted.
+const BEAT_TTL: Millis = 3 * BEAT;
+
+/// Where the regions' beats live in the global store: one state for the fleet, apart
+/// from every client's (a client's tag is a keyed hash; this is a constant).
+const REGIONS: Tag = Tag(u128::from_be_bytes(*b"sluice:regions\0\0"));
+
+/// The lease of `region` in beat `n`: every instance of the region takes the same one,
+/// so the leases held count regions, not instances.
+fn beat_lease(region: &str, n: u64) -> Lease {
+    use siphasher::sip128::Hasher128;
+    let mut h = siphasher::sip128::SipHasher13::new_with_keys(0x7265_6769_6f6e_7321, n);
+    h.write(region.as_bytes());
+    let k = h.finish128();
+    ((u128::from(k.h1) << 64) | u128::from(k.h2)).max(1)
+}
+
+impl Regions {
+    /// The regions this instance last knew to share its global store (its own included;
+    /// 1 until the global store first answered a beat).
+    pub fn regions_known(&self) -> u64 {
+        self.regions.load(Relaxed).max(1)
+    }
+
+    /// Whether the last call to the global store answered.
+    pub(crate) fn global_answers(&self) -> bool {
+        !self.global_down.load(Relaxed)
+    }
+
+    /// What one of `instances` instances of this region may admit of global `op` (its
+    /// key names the window of `now`) while the global store cannot be asked, besides
+    /// what the region's pool holds: the region's share of the limit (the limit over the
+    /// regions known) less what the pool held of the window when last read and what this
+    /// instance charged on the global store in it, and no more than its part of what the
+    /// global store said it had left (the other regions may hold the rest), split between
+    /// the instances (rounded down: the shares never sum past the limit).
+    pub(crate) fn share(&self, tag: Tag, op: &Op, instances: u64, now: Millis) -> u64 {
+        let Limit::FixedWindow { limit, .. } = op.limit else { return 0 };
+        let end = escrow::window_end(&op.limit, now);
+        let known = self.known(tag, escrow::base_key(op.key, &op.limit, end), end);
+        let regions = self.regions_known();
+        let share = (limit / regions).saturating_sub(known.seen.0 + known.decided);
+        share.min(known.left_globally.map_or(u64::MAX, |left| left / regions)) / instances.max(1)
+    }
+
+    /// Decides global `ops` (their keys name the windows of `now`) on the global store's
+    /// windows themselves, while the region's own store fails: charged there, or only
+    /// read (`charge` false: another limit of the request refused it).
+    pub(crate) async fn decide_globally(
+        &self,
+        tag: Tag,
+        ops: &[Op],
+        charge: bool,
+        now: Millis,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let decided = match charge {
+            true => self.timed(self.global.apply(tag, ops, now)).await,
+            false => self.timed(self.global.peek(tag, ops, now)).await,
+        };
+        let Ok(decisions) = decided else { return decided };
+        self.stats.decided_globally.fetch_add(ops.len() as u64, Relaxed);
+        self.metrics.decided_globally.increment(ops.len() as u64);
+        for (op, d) in ops.iter().zip(&decisions).filter(|_| charge) {
+            let end = escrow::window_end(&op.limit, now);
+            self.update(tag, escrow::base_key(op.key, &op.limit, end), end, |h| {
+                h.decided += if d.allowed && !op.shadow { op.cost } else { 0 };
+                (h.left_globally, h.answered_at) = (Some(d.remaining), now);
+            });
+        }
+        Ok(decisions)
+    }
+
+    /// Whether a beat is due at `now` (then the next is [`BEAT`] later).
+    pub(super) fn beat_due(&self, now: Millis) -> bool {
+        let mut beat = self.beat.lock().expect("regions lock");
+        let due = now >= beat.0;
+        if due {
+            beat.0 = now + BEAT;
+        }
+        due
+    }
+
+    /// Says this region is there, in the global store: takes this beat's lease of the
+    /// region, then gives back the one before (the region's other instances may have
+    /// already). The leases held then, less the one before if it was still held, are the
+    /// regions (another region's lease before may be counted for a moment: a count too
+    /// high gives a share too small, never too large). Keeps [`Self::regions_known`].
+    pub(super) async fn beat(&self, now: Millis) {
+        let lease = beat_lease(&self.name, now / BEAT);
+        let limit = Limit::Concurrency { limit: 1 << 20, lease_ttl: BEAT_TTL };
+        let op = Op { key: 1, limit, cost: 1, lease: Some(lease), shadow: false };
+        let Ok(held) = self.timed(self.global.apply(REGIONS, &[op], now)).await else { return };
+        let mut regions = held.first().map_or(1, |d| d.used);
+        let before = self.beat.lock().expect("regions lock").1.replace(lease);
+        if let Some(old) = before.filter(|&old| old != lease) {
+            if let Ok(true) = self.global.release(REGIONS, &[op.key], old, now).await {
+                regions = regions.saturating_sub(1);
+            }
+        }
+        self.regions.store(regions.max(1), Relaxed);
+    }
+
+    /// After grant `g` on the window `key` ending at `end`, taken while the region's pool
+    /// held `held` (all the global store granted the region there, spent or not):
+    /// whether the global store's count of the window is below `held` and the grant,
+    /// which only a loss of its data explains. If so, logs it, counts it and declares the
+    /// difference again (a grant not put into the pool: the pool has those units);
+    /// returns that grant, to keep open. One allocator of the region acts on its pool at
+    /// a time, so the region declares it once.
+    pub(super) async fn recount(
+        &self,
+        tag: Tag,
+        (key, limit): (u64, &Limit),
+        (end, at): (Millis, Millis),
+        held: u64,
+        g: &Granted,
+    ) -> Option<Open> {
+        let lost = (held + g.units).saturating_sub(g.decision.used);
+        if lost == 0 {
+            return None;
+        }
+        self.stats.lost.fetch_add(lost, Relaxed);
+        self.metrics.lost.increment(lost);
+        let id = self.ids.fetch_add(1, Relaxed);
+        let ask = GrantAsk { key, limit: *limit, need: lost, want: lost, id, close: Vec::new(), pool: false };
+        let again = self.timed(self.global.grant(tag, ask, at)).await.map_or(0, |g| g.units);
+        tracing::warn!(
+            region = %self.name,
+            held,
+            counted = g.decision.used,
+            declared_again = again,
+            "the global store counts less of a global window than this region holds in it: it lost its data \
+             (FLUSHALL, a restart without persistence, a failover to an empty replica?); the region declares what \
+             it holds again, and until the other regions do, that window may pass its limit by what they hold"
+        );
+        (again > 0).then_some(Open { id, units: again, expires: end })
+    }
+}
