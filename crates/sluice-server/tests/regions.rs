@@ -174,6 +174,9 @@ async fn three_regions_never_pass_one_limit() {
     let region = &seen["policies"][0]["region"];
     let (held, taken) = (region["held"].as_u64().unwrap(), region["taken_by_instances"].as_u64().unwrap());
     assert!(taken <= held && held <= LIMIT && region["demand_per_s"].is_number(), "{seen}");
+    // and the fleet's window in the global store: every region's holdings, and what is left
+    let (granted, left) = (region["global_granted"].as_u64().unwrap(), region["global_left"].as_u64().unwrap());
+    assert!(held <= granted && granted + left == LIMIT, "{seen}");
     let text = std::process::Command::new(common::bin())
         .args(["admin", "--server", &regions[1][0].base, "inspect", "--domain", "api", "tenant=t1"])
         .env("SLUICE_ADMIN_TOKEN", TOKEN)
@@ -181,6 +184,7 @@ async fn three_regions_never_pass_one_limit() {
         .unwrap();
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("region holds") && text.contains("this instance's grants in the global store"), "{text}");
+    assert!(text.contains("the global store:") && text.contains("granted to the regions"), "{text}");
     live_page_shows_the_region(&regions[1][0].base).await;
 }
 

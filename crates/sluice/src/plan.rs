@@ -50,6 +50,13 @@ impl Mode {
         matches!(self, Mode::Charge | Mode::Admit)
     }
 
+    /// Whether a policy's quota grants `g` go with its op: in the charging modes, which
+    /// spend them, and in a status read for a global limit, only to say it is global (its
+    /// answer is the fleet's count).
+    fn carries(self, g: &GrantRule) -> bool {
+        self.charges() || (self == Mode::Peek && g.global)
+    }
+
     /// Whether limits in quota mode decide in it: in decisions and status reads (leases
     /// and refunds have nothing to fall back on).
     fn quota(self) -> bool {
@@ -66,8 +73,9 @@ pub(crate) struct Group {
     pub failures: Vec<Failure>,
     /// Each op's `(descriptor, policy)` slot in the verdict.
     pub slots: Vec<(usize, usize)>,
-    /// Each op's quota grants, when it is decided from grants (a charging mode); empty
-    /// (no allocation) while no op of the group is (see [`Group::grants_of`]).
+    /// Each op's quota grants, when it is decided from grants (a charging mode; a status
+    /// read's global limits too, to answer with the fleet's count); empty (no allocation)
+    /// while no op of the group is (see [`Group::grants_of`]).
     grants: Vec<Option<Arc<GrantRule>>>,
 }
 
@@ -179,7 +187,7 @@ pub(crate) fn plan<'r>(
             let o = candidates.find(&p.name, now);
             let mut op = windowed(p, op_for(rules, p, o.map(|o| &**o), &entries, cost, lease, di, req.lenient)?, now);
             op.shadow |= p.quota && mode.quota(); // vetoes nothing in the store: see quota_spent
-            let grants = p.grants.clone().filter(|_| mode.charges());
+            let grants = p.grants.clone().filter(|g| mode.carries(g));
             plan.add(tag, op, p, o.cloned(), di, grants);
         }
     }

@@ -769,3 +769,38 @@ async fn failure_local_holds_a_global_limit_to_the_fleet_s_when_a_store_is_down(
     assert!(window <= LIMIT + held, "{window} admitted in the window of the loss, {held} held");
     assert_never_over(&phase(2).await, LIMIT);
 }
+
+/// A status read of a global limit (`Limiter::status`, `GET /v1/ratelimit`) answers with
+/// the fleet's count: a region that never served the client says what the other region
+/// spent, less at most what that region holds unspent; it charges nothing. Before, it
+/// read its own region's pool (nothing used: all of the limit left).
+#[tokio::test]
+async fn a_status_read_of_a_global_limit_tells_the_fleet_s_count() {
+    let clock = ManualClock::new(1_000 * WINDOW_MS);
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let global = memory();
+    let limiters: Vec<Limiter> = (0..2)
+        .map(|_| {
+            let local = memory();
+            let regions = Regions::new(global.clone(), local.clone(), shared.clone());
+            Limiter::new(rules(LIMIT), local, shared.clone()).with_regions(regions)
+        })
+        .collect();
+    let request = Request::new("api").descriptor([("tenant", "t1")]);
+    for _ in 0..50 {
+        assert!(limiters[0].check(&request).await.unwrap().allowed());
+    }
+    let pool = limiters[0].pools(&request).await.unwrap()[0].pool;
+    let unspent = pool.cap - pool.used;
+    for _ in 0..2 {
+        let d = limiters[1].status(&request).await.unwrap().descriptors[0].policies[0].decision;
+        assert!(
+            d.remaining <= LIMIT - 50 && d.remaining + unspent >= LIMIT - 50,
+            "{d:?}, {unspent} unspent in region 0"
+        );
+        assert_eq!(d.used + d.remaining, LIMIT, "{d:?}");
+    }
+    // region 0 reads its own spending the same way
+    let d = limiters[0].status(&request).await.unwrap().descriptors[0].policies[0].decision;
+    assert!(d.remaining <= LIMIT - 50, "{d:?}");
+}

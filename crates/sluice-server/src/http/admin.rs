@@ -256,6 +256,8 @@ fn region_json(r: &sluice::RegionalPool, now: u64) -> Value {
         "demand_per_s": (p.demand.per_s(1_000, now) * 10.0).round() / 10.0,
         "window_end_ms": p.resets_at,
         "grants_from_this_instance": grants,
+        "global_granted": r.global.map(|(granted, _)| granted),
+        "global_left": r.global.map(|(_, left)| left),
     })
 }
 

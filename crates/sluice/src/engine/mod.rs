@@ -106,6 +106,9 @@ pub struct RegionalPool {
     pub pool: crate::algo::escrow::Pool,
     /// This instance's grants open in the global store for that window.
     pub grants_here: Vec<crate::algo::grant::Open>,
+    /// The fleet's window in the global store: units granted to the regions (spent or
+    /// not) and left to grant; `None` when it could not be read.
+    pub global: Option<(u64, u64)>,
 }
 
 /// How often the grants held are swept (for resets, overrides and idle keys): what
@@ -527,8 +530,8 @@ impl Limiter {
         let (now, mut out) = (self.clock.now(), Vec::new());
         for (tag, op, policy, descriptor) in self.peek_ops(req, now)? {
             if self.rules.is_global(&req.domain, &policy) {
-                let (pool, grants_here) = regions.inspect(tag, &op, now).await?;
-                out.push(RegionalPool { descriptor, policy, pool, grants_here });
+                let (pool, grants_here, global) = regions.inspect(tag, &op, now).await?;
+                out.push(RegionalPool { descriptor, policy, pool, grants_here, global });
             }
         }
         Ok(out)
@@ -561,7 +564,7 @@ impl Limiter {
         let results = futures_util::future::join_all(groups.iter().map(|g| self.evaluate(g, mode, now))).await;
         let mut tally = Tally::default();
         for (g, result) in groups.iter().zip(results) {
-            let result = self.or_failed(g, result, now).await;
+            let result = self.or_failed(g, result, mode, now).await;
             self.record(g, result, mode, &mut descriptors, &mut tally)?;
         }
         let allowed = tally.refused_groups == 0 && !quota_spent(&descriptors);
@@ -733,13 +736,23 @@ impl Limiter {
                 }
             }
         }
-        if g.granted() {
+        if g.granted() && mode.charges() {
             return Ok((self.evaluate_granted(g, now).await?, Source::Store));
         }
-        let decisions = match mode {
+        let mut decisions = match mode {
             Mode::Peek => self.store.peek(g.tag, &g.ops, now).await?,
             _ => self.store.apply(g.tag, &g.ops, now).await?,
         };
+        // a status read of a global limit: the fleet's count, not the region's pool's
+        if let Some(regions) = self.regions.as_ref().filter(|_| mode == Mode::Peek) {
+            for (i, op) in g.ops.iter().enumerate().filter(|(i, _)| g.grants_of(*i).is_some_and(|r| r.global)) {
+                if let Some(left) = regions.fleet_status(g.tag, op, now).await {
+                    let d = &mut decisions[i];
+                    d.remaining = self.grants.held(g.tag, op.key).saturating_add(left).min(d.limit);
+                    d.used = d.limit - d.remaining;
+                }
+            }
+        }
         if let Some(cache) = cache {
             for (op, d) in g.ops.iter().zip(&decisions) {
                 cache.put(g.tag, op, d, now);
@@ -1043,20 +1056,21 @@ impl Limiter {
         &self,
         g: &Group,
         result: Result<(Vec<Decision>, Source), StoreError>,
+        mode: Mode,
         now: Millis,
     ) -> Result<(Vec<Decision>, Source), (Vec<Decision>, Failure)> {
         match result {
             Ok(decided) => Ok(decided),
-            Err(e) => Err(self.fail(g, &e, now).await),
+            Err(e) => Err(self.fail(g, &e, mode.charges(), now).await),
         }
     }
 
     /// Decisions for a group whose store call failed, by each policy's failure policy:
     /// fail-open allows, fail-closed refuses, `local` counts here. A global limit's
     /// `local` is decided on the global store while it answers (the region's own store
-    /// failed), else within the region's share (`crate::regions` `outage`). Returns them
-    /// and the stricter policy met.
-    async fn fail(&self, g: &Group, e: &StoreError, now: Millis) -> (Vec<Decision>, Failure) {
+    /// failed), else within the region's share (`crate::regions` `outage`); charged there
+    /// only if `charge` (not a status read). Returns them and the stricter policy met.
+    async fn fail(&self, g: &Group, e: &StoreError, charge: bool, now: Millis) -> (Vec<Decision>, Failure) {
         self.failures.failed(e, now);
         let mut worst = Failure::Open;
         let regions = self.regions.as_ref();
@@ -1088,7 +1102,7 @@ impl Limiter {
             // all or nothing: a request another limit refused is not charged there
             let refused = g.ops.iter().zip(&decisions).any(|(o, d)| !o.shadow && !d.allowed);
             let ops: Vec<Op> = globally.iter().map(|&i| g.ops[i]).collect();
-            match r.decide_globally(g.tag, &ops, !refused, now).await {
+            match r.decide_globally(g.tag, &ops, charge && !refused, now).await {
                 Ok(decided) => globally.iter().zip(decided).for_each(|(&i, d)| decisions[i] = d),
                 Err(_) => globally.iter().for_each(|&i| decisions[i] = self.within_share(r, g.tag, &g.ops[i], now)),
             }

@@ -388,7 +388,7 @@ impl Limiter {
                 .map(|&(p, i)| results[p].as_ref().map(|d| d[i]).map_err(Clone::clone))
                 .collect::<Result<Vec<_>, _>>()
                 .map(|d| (d, Source::Store));
-            let result = self.or_failed(g, result, now).await;
+            let result = self.or_failed(g, result, Mode::Charge, now).await;
             self.record(g, result, Mode::Charge, &mut descriptors, &mut tally)?;
         }
         let allowed = tally.refused_groups == 0 && !quota_spent(&descriptors);

@@ -493,6 +493,21 @@ impl Regions {
         Some(pool.left.unwrap_or(0) + pool.unspent())
     }
 
+    /// What is left of the fleet's limit in the window of `op` (its key names the window
+    /// of `now`) for a status read, besides the units this instance holds: what the
+    /// global store has not granted (asked now: a region that never served the client
+    /// in this window knows nothing of it) and what the region's pool holds unspent. Less
+    /// than the truth by what the other regions hold unspent. `None` when a store cannot
+    /// be read.
+    pub(crate) async fn fleet_status(&self, tag: Tag, op: &Op, now: Millis) -> Option<u64> {
+        let end = escrow::window_end(&op.limit, now);
+        let pool = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now);
+        let global = self.timed(self.global.peek(tag, std::slice::from_ref(op), now));
+        let ((_, pool), global) = futures_util::future::try_join(pool, global).await.ok()?;
+        self.saw(tag, escrow::base_key(op.key, &op.limit, end), end, &pool);
+        Some(global.first()?.remaining + pool.unspent())
+    }
+
     /// What is left of the fleet's limit in the window of `op` (planned at `planned`) as
     /// this instance last knew it, without a store call: what the global store had not
     /// granted and what the region's pool held unspent; `None` if it never knew.
@@ -752,12 +767,20 @@ impl Regions {
     }
 
     /// The pool of the global window `op` (a decision's op: its key names the window)
-    /// is in at `now`, read from the region's store, and this instance's grants for it in
-    /// the global store: for inspecting a client.
-    pub(crate) async fn inspect(&self, tag: Tag, op: &Op, now: Millis) -> Result<(Pool, Vec<Open>), StoreError> {
+    /// is in at `now`, read from the region's store; this instance's grants for it in
+    /// the global store; and the window there (units granted to the regions, and left;
+    /// `None` if it could not be read): for inspecting a client.
+    pub(crate) async fn inspect(
+        &self,
+        tag: Tag,
+        op: &Op,
+        now: Millis,
+    ) -> Result<(Pool, Vec<Open>, Option<(u64, u64)>), StoreError> {
         let end = escrow::window_end(&op.limit, now);
         let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await?;
-        Ok((pool, self.holding(tag, escrow::base_key(op.key, &op.limit, end), end).open))
+        let global = self.timed(self.global.peek(tag, std::slice::from_ref(op), now)).await;
+        let global = global.ok().and_then(|d| d.first().map(|d| (d.used, d.remaining)));
+        Ok((pool, self.holding(tag, escrow::base_key(op.key, &op.limit, end), end).open, global))
     }
 
     /// The region as this instance sees it, for the live page: what the pools of the

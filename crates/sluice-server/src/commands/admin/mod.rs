@@ -346,8 +346,14 @@ fn inspected(v: &Value) -> String {
             let here = r["grants_from_this_instance"].as_array().map_or(0, Vec::len);
             out.push_str(&format!(
                 "    region holds {} of this window ({} taken by its instances, {} unspent), asked {}/s; \
-                 this instance's grants in the global store: {here}\n",
-                r["held"], r["taken_by_instances"], r["unspent"], r["demand_per_s"]
+                 this instance's grants in the global store: {here}\n    the global store: {} granted to the \
+                 regions, {} left\n",
+                r["held"],
+                r["taken_by_instances"],
+                r["unspent"],
+                r["demand_per_s"],
+                r["global_granted"],
+                r["global_left"]
             ));
         }
         for r in p["reservations"].as_array().into_iter().flatten() {
