@@ -361,6 +361,16 @@ async fn failure_local_holds_a_global_limit_with_stores_down() {
     }
     let scrape = common::metrics(&reqwest::Client::new(), &regions[0][0].base).await;
     assert!(common::series(&scrape, "sluice_region_decided_globally_total{region=\"eu\"}") > 0.0, "{scrape}");
+    // the global store's failures under its own label, apart from eu's own redis
+    let failed = |store: &str| {
+        ["unavailable", "timeout", "circuit_open"]
+            .iter()
+            .map(|kind| {
+                common::series(&scrape, &format!("sluice_store_errors_total{{store=\"{store}\",kind=\"{kind}\"}}"))
+            })
+            .sum::<f64>()
+    };
+    assert!(failed("global") > 0.0 && failed("redis") > 0.0, "{scrape}");
 }
 
 /// `global: true` without `region` and `global_store` is refused at the line that says

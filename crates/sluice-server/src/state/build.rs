@@ -69,7 +69,8 @@ pub fn regions(
 ) -> Result<Arc<sluice::regions::Regions>, BuildError> {
     let mut resilience = resilience(limiter);
     resilience.deadline = resilience.deadline.max(Duration::from_secs(1));
-    let global = store(global, &Arc::new(Tuning::new(resilience)), clock.clone(), &mut None)?;
+    // its calls' series are labelled store="global", apart from the region's own store's
+    let global = store(global, &Arc::new(Tuning::new(resilience).labelled("global")), clock.clone(), &mut None)?;
     let regions = sluice::regions::Regions::named(region.unwrap_or_default(), global, local, clock);
     if tokio::runtime::Handle::try_current().is_ok() {
         regions.spawn();

@@ -51,14 +51,28 @@ pub struct Tuning {
     deadline_ms: AtomicU64,
     failures: AtomicU32,
     cooldown_ms: AtomicU64,
+    /// The `store` label of the store's series, when not its kind ([`Tuning::labelled`]).
+    label: Option<&'static str>,
 }
 
 impl Tuning {
     /// Settings starting as `r`.
     pub fn new(r: Resilience) -> Self {
-        let t = Self { deadline_ms: AtomicU64::new(0), failures: AtomicU32::new(0), cooldown_ms: AtomicU64::new(0) };
+        let t = Self {
+            deadline_ms: AtomicU64::new(0),
+            failures: AtomicU32::new(0),
+            cooldown_ms: AtomicU64::new(0),
+            label: None,
+        };
         t.set(r);
         t
+    }
+
+    /// Labels the store's series `store="<label>"` rather than by its kind: the global
+    /// store of regions (`global`), apart from the region's own store of the same kind.
+    pub fn labelled(mut self, label: &'static str) -> Self {
+        self.label = Some(label);
+        self
     }
 
     /// Changes the settings; calls already running keep the deadline they started with.
@@ -124,7 +138,7 @@ impl<S: Store> Resilient<S> {
 
     /// Wraps `inner` with settings that can change while it runs.
     pub fn tuned(inner: S, settings: Arc<Tuning>) -> Self {
-        let metrics = StoreMetrics::new(inner.kind());
+        let metrics = StoreMetrics::new(settings.label.unwrap_or(inner.kind()));
         metrics.breaker(0);
         Self {
             inner,
