@@ -373,6 +373,44 @@ async fn failure_local_holds_a_global_limit_with_stores_down() {
     assert!(failed("global") > 0.0 && failed("redis") > 0.0, "{scrape}");
 }
 
+/// Overrides across regions: with a `global_store` they live there, one set for every
+/// region. An override set through eu's admin API is in force in us within about a
+/// second (its answers name the new limit, its admin API lists it), and the fleet, asked
+/// four times the overridden limit from both regions, admits at most it in every window.
+/// Before, it lived in eu's own store: us kept the configured limit, and the fleet
+/// admitted up to the larger of the two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_override_set_in_one_region_holds_in_every_region() {
+    let _alone = alone().await;
+    let global = RedisServer::start();
+    let locals: Vec<RedisServer> = (0..2).map(|_| RedisServer::start()).collect();
+    let names = ["eu", "us"];
+    let mut regions: Vec<Vec<Sluice>> = (0..2)
+        .map(|r| {
+            let store = format!("store: {{kind: redis, url: \"{}\"}}\n", locals[r].url());
+            vec![instance(names[r], &store, &global.addr().to_string(), true)]
+        })
+        .collect();
+    let c = reqwest::Client::new();
+    let body = serde_json::json!({"domain": "api", "entries": [{"key": "tenant", "value": "t1"}],
+        "limit": LIMIT / 4, "reason": "ticket 4711"});
+    let put = c.put(format!("{}/v1/overrides/t1", regions[0][0].base)).bearer_auth(TOKEN).json(&body);
+    let r = put.send().await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let listed = c.get(format!("{}/v1/overrides/t1", regions[1][0].base)).bearer_auth(TOKEN).send().await.unwrap();
+    assert_eq!(listed.status(), 200, "us lists the override set in eu");
+    let r = hit(&c, &regions[1][0].base, "api", &[("tenant", "t1")]).await;
+    assert_eq!(common::header(&r, "x-ratelimit-limit"), (LIMIT / 4).to_string(), "us applies eu's override");
+    let run = drive(&mut regions, Duration::from_secs(3 * WINDOW_S), |_, _| LIMIT / 2 / WINDOW_S, None).await;
+    for (end, by) in &run.windows {
+        let total: u64 = by.iter().sum();
+        assert!(total <= LIMIT / 4, "window ending at {end}: {by:?}, over the overridden {}", LIMIT / 4);
+    }
+    let whole = whole(&run.windows);
+    assert!(whole.iter().all(|(_, n)| *n * 100 >= LIMIT / 4 * 90), "the overridden limit is used: {:?}", run.windows);
+}
+
 /// `global: true` without `region` and `global_store` is refused at the line that says
 /// it, by `config check` and `serve` alike; each of the two without the other, a token
 /// bucket made global and a memcached store are refused too; a global window of 1 s is

@@ -49,8 +49,9 @@ pub fn build(config: &Config, rules: Rules) -> Result<Built, BuildError> {
         }
         None => None,
     };
-    let mut engine = engine(config, rules, store, clock, None);
+    let mut engine = engine(config, rules, store, clock.clone(), None);
     if let Some(regions) = regions {
+        engine.limiter = engine.limiter.with_overrides(fleet_overrides(&regions, clock));
         engine.limiter = engine.limiter.with_regions(regions);
     }
 
@@ -76,6 +77,15 @@ pub fn regions(
         regions.spawn();
     }
     Ok(regions)
+}
+
+/// The overrides of a fleet across regions: in the global store's registry, one set for
+/// every region (an override set in one is in force in all within
+/// [`sluice::overrides::PROPAGATION`] and the round trip), kept current.
+pub fn fleet_overrides(regions: &sluice::regions::Regions, clock: Arc<dyn Clock>) -> Arc<sluice::overrides::Overrides> {
+    let overrides = sluice::overrides::Overrides::new(regions.global().clone(), clock);
+    overrides.watch(sluice::overrides::REFRESH);
+    overrides
 }
 
 /// An engine over an existing store, with the clock, near-cache and headers `config`

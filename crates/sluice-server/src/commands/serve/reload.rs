@@ -294,15 +294,20 @@ async fn regions_as(
     if (&config.region, &config.global_store) == (&current.region, &current.global_store) {
         return Ok(next);
     }
+    // the overrides move with them: in the global store with regions, else in the store
     next.limiter = match &config.global_store {
         Some(global) => {
-            let regions = build::regions((config.region.as_deref(), global), &config.limiter, store, clock)?;
+            let regions = build::regions((config.region.as_deref(), global), &config.limiter, store, clock.clone())?;
             answers(regions.global().as_ref()).await?;
-            next.limiter.with_regions(regions)
+            next.limiter.with_overrides(build::fleet_overrides(&regions, clock)).with_regions(regions)
         }
-        None => next.limiter.without_regions(),
+        None => {
+            let overrides = sluice::overrides::Overrides::new(store, clock);
+            overrides.watch(sluice::overrides::REFRESH);
+            next.limiter.with_overrides(overrides).without_regions()
+        }
     };
-    applied.push("region, global_store (a new allocator, its store connected)");
+    applied.push("region, global_store (a new allocator, its store connected; the overrides read from there)");
     Ok(next)
 }
 
