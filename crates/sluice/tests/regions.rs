@@ -516,6 +516,22 @@ async fn ordinary_load(
     answers
 }
 
+/// `n` brand-new clients, one request each, 50 ms apart, through every instance in turn:
+/// each must be admitted (nothing of them was spent anywhere); returns each one's time.
+async fn new_clients(instances: &[Vec<Limiter>], n: usize) -> Vec<Duration> {
+    let all: Vec<&Limiter> = instances.iter().flatten().collect();
+    let mut took = Vec::with_capacity(n);
+    for i in 0..n {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let request = Request::new("api").descriptor([("tenant", format!("new-{i}"))]);
+        let started = std::time::Instant::now();
+        let v = all[i % all.len()].check(&request).await.unwrap();
+        took.push(started.elapsed());
+        assert!(v.allowed(), "a new client's first request refused: {:?}", v.descriptors[0].policies[0].decision);
+    }
+    took
+}
+
 /// Three regions of two instances, each region on its own redis-server, the global store
 /// behind a link of 40 ms each way, as shipped (near-cache off in the library). Clients at
 /// 1%, 10%, 30% and 80% of the limit, and one that sends once a window, spread over every
@@ -535,7 +551,12 @@ async fn clients_under_the_limit_are_never_refused() {
         limiter.check(&warm).await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let answers = ordinary_load(&instances, (LIMIT, WINDOW_MS), &[1, 10, 30, 80, 0], 4 * WINDOW_MS).await;
+    let load = ordinary_load(&instances, (LIMIT, WINDOW_MS), &[1, 10, 30, 80, 0], 4 * WINDOW_MS);
+    let (answers, mut firsts) = futures_util::future::join(load, new_clients(&instances, 40)).await;
+    // a brand-new client's first request: admitted, after a round trip to the global store
+    firsts.sort();
+    let at = |q: f64| firsts[((firsts.len() - 1) as f64 * q) as usize];
+    eprintln!("a new client's first decision: p50 {:?}, p99 {:?} ({} clients)", at(0.5), at(0.99), firsts.len());
     for (share, a) in [1, 10, 30, 80, 0].iter().zip(&answers) {
         assert!(a.asked > 0 && a.admitted > 0, "client at {share}%: {a:?}");
         assert!(a.wrongful.is_empty(), "client at {share}%: refused while the fleet had units: {a:?}");
