@@ -53,6 +53,15 @@ pub(crate) struct GrantRule {
     pub global: bool,
 }
 
+/// A limit shared across regions as this instance configures it: its name (domain and
+/// policy), limit and window (what the regions compare: `crate::regions`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GlobalRule {
+    pub name: String,
+    pub limit: u64,
+    pub window: Millis,
+}
+
 /// How the `descriptor` label of `sluice_decisions_detailed_total` is written for a
 /// rule's decisions: one part per entry of the descriptor, joined by `.`.
 #[derive(Debug, Clone)]
@@ -391,6 +400,22 @@ impl Rules {
                 found.push((p.name.to_string(), window));
             }
         });
+        found
+    }
+
+    /// The limits shared across regions (`global: true`) as the regions compare them:
+    /// each named by its domain and policy, with its limit and window.
+    pub fn global_limits(&self) -> Vec<GlobalRule> {
+        let mut found = Vec::new();
+        for (domain, d) in &self.domains {
+            for p in d.policies().iter().filter(|p| p.grants.as_ref().is_some_and(|g| g.global)) {
+                if let Limit::FixedWindow { limit, window, .. } = p.limit {
+                    found.push(GlobalRule { name: format!("{domain}/{}", p.name), limit, window });
+                }
+            }
+        }
+        found.sort_by(|a, b| a.name.cmp(&b.name));
+        found.dedup();
         found
     }
 

@@ -64,6 +64,7 @@ pub mod names {
     pub const REGION_REFUSALS: &str = "sluice_region_refusals_total";
     pub const REGION_DECIDED_GLOBALLY: &str = "sluice_region_decided_globally_total";
     pub const REGION_LOST_UNITS: &str = "sluice_region_lost_units_total";
+    pub const REGION_DISAGREEMENTS: &str = "sluice_region_disagreements";
     pub const RESERVATIONS: &str = "sluice_reservations_total";
     pub const RESERVATION_UNITS: &str = "sluice_reservation_units_total";
     pub const RESERVATION_SETTLEMENTS: &str = "sluice_reservation_settlements_total";
@@ -173,6 +174,11 @@ fn describe_regions() {
     describe_counter!(
         REGION_LOST_UNITS,
         "Units of global windows this instance held that the global store no longer counted: it lost its data."
+    );
+    describe_gauge!(
+        REGION_DISAGREEMENTS,
+        "Global rules whose limit or window the regions configure differently (units are asked for under the \
+         smallest limit)."
     );
     describe_gauge!(
         REGION_HORIZON,

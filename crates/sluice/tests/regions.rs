@@ -825,3 +825,38 @@ async fn a_status_read_of_a_global_limit_tells_the_fleet_s_count() {
     let d = limiters[0].status(&request).await.unwrap().descriptors[0].policies[0].decision;
     assert!(d.remaining <= LIMIT - 50, "{d:?}");
 }
+
+/// Two regions that configure one global rule differently (200 and 400 a window), on a
+/// stepped clock over memory stores, each asking for 400 a window: once each has beaten
+/// twice (its variant said, the other's read), both ask the global store under the
+/// smallest limit, and the fleet admits at most 200 in every window; each counts the
+/// disagreement. Before, the fleet admitted up to 400.
+#[tokio::test]
+async fn regions_that_disagree_on_a_limit_hold_the_smallest() {
+    let clock = ManualClock::new(1_000 * WINDOW_MS);
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let global = memory();
+    let instances: Vec<Vec<Limiter>> = [LIMIT, 2 * LIMIT]
+        .iter()
+        .enumerate()
+        .map(|(r, &limit)| {
+            let local = memory();
+            let regions = Regions::named(&format!("r{r}"), global.clone(), local.clone(), shared.clone());
+            vec![Limiter::new(rules(limit), local, shared.clone()).with_regions(regions)]
+        })
+        .collect();
+    let rate = |_, _| 2 * LIMIT * 1_000 / WINDOW_MS;
+    // past the second beat
+    drive_stepped(&instances, &clock, 3 * WINDOW_MS, rate).await;
+    for region in &instances {
+        assert_eq!(region[0].regions().unwrap().disagreements(), 1, "the disagreement is seen");
+    }
+    clock.set(clock.now().next_multiple_of(WINDOW_MS));
+    let agreed = drive_stepped(&instances, &clock, 3 * WINDOW_MS, rate).await;
+    assert_never_over(&agreed, LIMIT);
+    assert!(
+        whole(&agreed).iter().all(|(_, n)| *n * 100 >= LIMIT * 90),
+        "the smallest limit is used: {:?}",
+        agreed.windows
+    );
+}

@@ -161,6 +161,7 @@ impl Limiter {
     /// Counts the decisions of `global: true` limits for `regions`, the allocator that
     /// keeps this region's pools filled (carried across reloads, as grants are).
     pub fn with_regions(mut self, regions: Arc<crate::regions::Regions>) -> Self {
+        regions.set_rules(self.rules.global_limits());
         self.regions = Some(regions);
         self
     }

@@ -14,8 +14,10 @@
 //! and waits for it, at most max(2 x round trip, 100 ms), so that a global limit refuses
 //! only when the fleet has spent it, not when the region had not asked yet.
 
+mod agree;
 mod outage;
 
+pub use crate::rules::GlobalRule;
 pub use outage::BEAT;
 
 use crate::algo::escrow::{self, Act, Move, Pool, Seen};
@@ -77,6 +79,9 @@ pub struct RegionStats {
     /// units the global store's count was found to have lost (the `outage` module).
     pub decided_globally: AtomicU64,
     pub lost: AtomicU64,
+    /// Global rules whose limit or window the regions were found to differ on, at the
+    /// last beat (the `agree` module).
+    pub disagreements: AtomicU64,
 }
 
 /// A region as one instance sees it ([`Regions::view`]).
@@ -194,6 +199,13 @@ pub struct Regions {
     global_down: AtomicBool,
     /// When the next beat is due, and the lease of the last ([`outage`]).
     beat: Mutex<(Millis, Option<crate::algo::Lease>)>,
+    /// The global rules configured here; the smallest limit the regions configure for
+    /// each (limit, window) here they differ on; the disagreements already logged; and
+    /// whether a regional store shared with another region was ([`agree`]).
+    rules: Mutex<Vec<GlobalRule>>,
+    agreed: Mutex<HashMap<(u64, Millis), u64>>,
+    told: Mutex<std::collections::HashSet<(String, agree::Variants)>>,
+    shared_told: AtomicBool,
 }
 
 /// A move of `Regions::hurry` under way: what it found, once it has.
@@ -217,13 +229,14 @@ struct Metrics {
     refused_waiting: metrics::Counter,
     decided_globally: metrics::Counter,
     lost: metrics::Counter,
+    disagreements: metrics::Gauge,
 }
 
 impl Metrics {
     fn new(region: &str) -> Self {
         use crate::telemetry::names::{
-            REGION_DECIDED_GLOBALLY, REGION_GLOBAL_CALLS, REGION_GLOBAL_SECONDS, REGION_HORIZON, REGION_HURRIED,
-            REGION_LOST_UNITS, REGION_REFUSALS, REGION_UNITS,
+            REGION_DECIDED_GLOBALLY, REGION_DISAGREEMENTS, REGION_GLOBAL_CALLS, REGION_GLOBAL_SECONDS, REGION_HORIZON,
+            REGION_HURRIED, REGION_LOST_UNITS, REGION_REFUSALS, REGION_UNITS,
         };
         Self {
             taken: metrics::counter!(REGION_UNITS, "region" => region.to_string(), "kind" => "taken"),
@@ -237,6 +250,7 @@ impl Metrics {
             refused_waiting: metrics::counter!(REGION_REFUSALS, "region" => region.to_string(), "why" => "waiting"),
             decided_globally: metrics::counter!(REGION_DECIDED_GLOBALLY, "region" => region.to_string()),
             lost: metrics::counter!(REGION_LOST_UNITS, "region" => region.to_string()),
+            disagreements: metrics::gauge!(REGION_DISAGREEMENTS, "region" => region.to_string()),
         }
     }
 }
@@ -268,6 +282,10 @@ impl Regions {
             regions: AtomicU64::new(1),
             global_down: AtomicBool::new(false),
             beat: Mutex::new((0, None)),
+            rules: Mutex::new(Vec::new()),
+            agreed: Mutex::new(HashMap::new()),
+            told: Mutex::new(Default::default()),
+            shared_told: AtomicBool::new(false),
         })
     }
 
@@ -423,7 +441,8 @@ impl Regions {
         let holding = self.holding(tag, base, end);
         let close = escrow::spent(&holding.open, pool.unspent());
         let id = self.ids.fetch_add(1, Relaxed);
-        let ask = GrantAsk { key, limit: *limit, need, want, id, close: close.clone(), pool: false };
+        // under the limit the regions agree on (the smallest, if they differ)
+        let ask = GrantAsk { key, limit: self.agreed(limit), need, want, id, close: close.clone(), pool: false };
         let g = self.timed(self.global.grant(tag, ask, at)).await?;
         let mut open: Vec<Open> = holding.open.iter().filter(|o| !close.contains(&o.id)).copied().collect();
         if g.units > 0 {

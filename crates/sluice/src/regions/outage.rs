@@ -47,7 +47,7 @@ const REGIONS: Tag = Tag(u128::from_be_bytes(*b"sluice:regions\0\0"));
 
 /// The lease of `region` in beat `n`: every instance of the region takes the same one,
 /// so the leases held count regions, not instances.
-fn beat_lease(region: &str, n: u64) -> Lease {
+pub(super) fn beat_lease(region: &str, n: u64) -> Lease {
     use siphasher::sip128::Hasher128;
     let mut h = siphasher::sip128::SipHasher13::new_with_keys(0x7265_6769_6f6e_7321, n);
     h.write(region.as_bytes());
@@ -93,9 +93,11 @@ impl Regions {
         charge: bool,
         now: Millis,
     ) -> Result<Vec<Decision>, StoreError> {
+        // under the limit the regions agree on (the smallest, if they differ)
+        let agreed: Vec<Op> = ops.iter().map(|o| Op { limit: self.agreed(&o.limit), ..*o }).collect();
         let decided = match charge {
-            true => self.timed(self.global.apply(tag, ops, now)).await,
-            false => self.timed(self.global.peek(tag, ops, now)).await,
+            true => self.timed(self.global.apply(tag, &agreed, now)).await,
+            false => self.timed(self.global.peek(tag, &agreed, now)).await,
         };
         let Ok(decisions) = decided else { return decided };
         self.stats.decided_globally.fetch_add(ops.len() as u64, Relaxed);
@@ -138,6 +140,7 @@ impl Regions {
             }
         }
         self.regions.store(regions.max(1), Relaxed);
+        self.agree(now / BEAT, now).await;
     }
 
     /// After grant `g` on the window `key` ending at `end`, taken while the region's pool

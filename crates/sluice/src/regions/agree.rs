@@ -1,0 +1,155 @@
+//! Regions that must agree: on each global rule's limit and window, and on not sharing
+//! one regional store.
+//!
+//! A global rule is one limit only if every region configures it alike: a region asking
+//! the global store for units under 400 while another asks under 200 lets the fleet
+//! admit up to 400. At every beat ([`super::BEAT`]) each region says, in the global
+//! store, which limit and window it has for each of its global rules (a lease whose id
+//! carries them, in a state of the rule's own); the leases held are every region's
+//! variant. When they differ the instance logs it (naming the rule and every variant),
+//! counts the rules in `sluice_region_disagreements`, and asks for units under the
+//! smallest limit of those with its window: the fleet never passes the smallest limit
+//! any region configured. (A window that differs cannot be mended so: each window length
+//! is a state of its own; it is logged.)
+//!
+//! Two regions on one regional store would merge their pools silently: each region also
+//! beats in its own store, and more than one region there is logged.
+
+use super::Regions;
+use crate::rules::GlobalRule;
+use crate::algo::{Lease, Limit, Op};
+use crate::tag::Tag;
+use crate::time::Millis;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
+
+/// Where the rules' variants and a regional store's regions live: apart from every
+/// client's state (a client's tag is a keyed hash; this is a constant).
+const RULES: Tag = Tag(u128::from_be_bytes(*b"sluice:rules\0\0\0\0"));
+
+/// The key, in a regional store's [`super::outage`] state, of the regions beating there.
+const REGIONS_HERE: u64 = 2;
+
+/// The limit and window pairs the regions configure for one global rule, sorted.
+pub(super) type Variants = Vec<(u64, Millis)>;
+
+/// A rule's state key in the global store: its name's hash.
+fn rule_key(name: &str) -> u64 {
+    use std::hash::Hasher;
+    let mut h = siphasher::sip::SipHasher13::new_with_keys(0x7275_6c65_7321, 0);
+    h.write(name.as_bytes());
+    h.finish().max(3)
+}
+
+/// A variant's lease in beat `n`: the limit in the high 64 bits, the window in the next
+/// 40, the beat's low 24 bits last (so every beat's lease is new, as a region's is).
+fn variant_lease(limit: u64, window: Millis, n: u64) -> Lease {
+    ((limit as u128) << 64 | ((window as u128) & 0xff_ffff_ffff) << 24 | (n as u128 & 0xff_ffff)).max(1)
+}
+
+/// The limit and window a variant's lease carries.
+fn variant_of(lease: Lease) -> (u64, Millis) {
+    ((lease >> 64) as u64, ((lease >> 24) & 0xff_ffff_ffff) as Millis)
+}
+
+impl Regions {
+    /// The global rules this instance configures (its engine's, at each build or reload).
+    pub fn set_rules(&self, rules: Vec<GlobalRule>) {
+        *self.rules.lock().expect("regions lock") = rules;
+    }
+
+    /// The limit to ask the global store for units under, for a client of `limit`: the
+    /// smallest any region configures for a rule this instance has at `limit` (same
+    /// window), once the beats have said the regions differ; `limit` otherwise.
+    pub(super) fn agreed(&self, limit: &Limit) -> Limit {
+        let Limit::FixedWindow { limit: l, window, aligned } = *limit else { return *limit };
+        let agreed = self.agreed.lock().expect("regions lock");
+        match agreed.get(&(l, window)) {
+            Some(&smallest) => Limit::FixedWindow { limit: smallest.min(l), window, aligned },
+            None => *limit,
+        }
+    }
+
+    /// Rules whose regions were found to disagree at the last beat.
+    pub fn disagreements(&self) -> u64 {
+        self.stats.disagreements.load(Relaxed)
+    }
+
+    /// Says, in the global store, each global rule's limit and window here, and reads
+    /// every region's (see the module's comment); then, in the region's own store, that
+    /// this region is there. Part of a beat (`n`: the beat's number).
+    pub(super) async fn agree(&self, n: u64, now: Millis) {
+        let rules = self.rules.lock().expect("regions lock").clone();
+        let (mut agreed, mut disagreeing) = (HashMap::new(), 0);
+        for rule in &rules {
+            let Some(variants) = self.variants(rule, n, now).await else { continue };
+            if variants.len() < 2 {
+                continue;
+            }
+            disagreeing += 1;
+            let same_window = variants.iter().filter(|(_, w)| *w == rule.window);
+            let smallest = same_window.map(|(l, _)| *l).min().unwrap_or(rule.limit);
+            agreed.insert((rule.limit, rule.window), smallest);
+            if self.told.lock().expect("regions lock").insert((rule.name.clone(), variants.clone())) {
+                tracing::warn!(
+                    rule = %rule.name,
+                    here = %format!("{} per {} ms", rule.limit, rule.window),
+                    variants = %variants.iter().map(|(l, w)| format!("{l} per {w} ms")).collect::<Vec<_>>().join(", "),
+                    asked_under = smallest,
+                    "regions disagree on a global rule's limit or window: units are asked for under the smallest \
+                     limit of this window, so the fleet never passes it; a window that differs is a limit of its own \
+                     (give every region the same rules)"
+                );
+            }
+        }
+        *self.agreed.lock().expect("regions lock") = agreed;
+        self.stats.disagreements.store(disagreeing, Relaxed);
+        self.metrics.disagreements.set(disagreeing as f64);
+        self.beat_here(n, now).await;
+    }
+
+    /// Takes this beat's lease of `rule`'s variant here, gives back the one before, and
+    /// reads every variant held: distinct (limit, window) pairs, sorted; `None` if the
+    /// global store failed.
+    async fn variants(&self, rule: &GlobalRule, n: u64, now: Millis) -> Option<Variants> {
+        let key = rule_key(&rule.name);
+        let ttl = 3 * super::BEAT;
+        let (lease, before) =
+            (variant_lease(rule.limit, rule.window, n), variant_lease(rule.limit, rule.window, n.saturating_sub(1)));
+        let op = Op {
+            key,
+            limit: Limit::Concurrency { limit: 1 << 20, lease_ttl: ttl },
+            cost: 1,
+            lease: Some(lease),
+            shadow: false,
+        };
+        self.global.apply(RULES, &[op], now).await.ok()?;
+        let _ = self.global.release(RULES, &[key], before, now).await;
+        let held = self.global.leases(RULES, key, ttl, now).await.ok()?;
+        let mut variants: Variants = held.leases.iter().map(|&(l, _)| variant_of(l)).collect();
+        variants.sort_unstable();
+        variants.dedup();
+        Some(variants)
+    }
+
+    /// Says in the region's own store that this region is there, and warns (once) when
+    /// another region beats there too: their pools would merge.
+    async fn beat_here(&self, n: u64, now: Millis) {
+        let ttl = 3 * super::BEAT;
+        let (lease, before) =
+            (super::outage::beat_lease(&self.name, n), super::outage::beat_lease(&self.name, n.saturating_sub(1)));
+        let limit = Limit::Concurrency { limit: 1 << 20, lease_ttl: ttl };
+        let op = Op { key: REGIONS_HERE, limit, cost: 1, lease: Some(lease), shadow: false };
+        let Ok(held) = self.local.apply(RULES, &[op], now).await else { return };
+        let released = matches!(self.local.release(RULES, &[REGIONS_HERE], before, now).await, Ok(true));
+        let regions = held.first().map_or(1, |d| d.used).saturating_sub(u64::from(released));
+        if regions > 1 && !self.shared_told.swap(true, Relaxed) {
+            tracing::warn!(
+                region = %self.name,
+                regions,
+                "another region uses this region's own store: their pools of global limits merge (each region needs \
+                 a store of its own)"
+            );
+        }
+    }
+}
