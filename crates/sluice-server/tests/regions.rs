@@ -250,6 +250,9 @@ async fn live_page_shows_the_region(base: &str) {
     let n = |k: &str| region[k].as_u64().unwrap_or_else(|| panic!("no {k} in {o}"));
     assert!(n("clients") >= 1 && n("spent") <= n("held") && n("held") <= LIMIT, "{o}");
     assert!(n("taken") > 0 && n("global_calls") > 0 && region["global_mean_ms"].as_f64() > Some(0.0), "{o}");
+    // what is true now, beside the counts since the start: the global store answers, 80 ms away
+    assert!(n("round_trip_ms") >= 40 && region["failing"] == false, "{o}");
+    assert!(region["instance"].as_str().is_some_and(|i| i.contains("(pid ")), "{o}");
     let dom = common::chromium(
         &["--dump-dom"],
         &format!("{}/ui", base.replace("http://", &format!("http://admin:{TOKEN}@"))),
@@ -263,6 +266,9 @@ async fn live_page_shows_the_region(base: &str) {
     assert_eq!(shown("region-name"), "us", "{dom}");
     assert!(shown("region-calls").parse::<u64>().is_ok_and(|calls| calls >= n("global_calls")), "{dom}");
     assert_eq!(shown("region-errors"), region["global_errors"].to_string(), "{dom}");
+    assert_eq!(shown("region-state"), "answering", "{dom}");
+    assert!(shown("region-instance").contains("(pid "), "{dom}");
+    assert!(shown("region-rtt").parse::<u64>().is_ok_and(|ms| ms >= 40), "{dom}");
 }
 
 /// The baseline: the same regions, each counting alone (no `global`), admit up to three

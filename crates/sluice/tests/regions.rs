@@ -860,3 +860,47 @@ async fn regions_that_disagree_on_a_limit_hold_the_smallest() {
         agreed.windows
     );
 }
+
+/// A reservation on a global limit is refused, naming the policy and why (it would count
+/// in the region's store alone, past the fleet's limit), and holds nothing.
+#[tokio::test]
+async fn a_reservation_on_a_global_limit_is_refused_saying_why() {
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(1_000 * WINDOW_MS));
+    let local = memory();
+    let regions = Regions::new(memory(), local.clone(), clock.clone());
+    let limiter = Limiter::new(rules(LIMIT), local, clock).with_regions(regions);
+    let request = Request::new("api").descriptor([("tenant", "t1")]);
+    let e = limiter.reserve(&request, 7, 60_000).await.unwrap_err().to_string();
+    assert!(e.contains("policy 'tenant'") && e.contains("global: true") && e.contains("not served"), "{e}");
+    let d = limiter.status(&request).await.unwrap().descriptors[0].policies[0].decision;
+    assert_eq!(d.remaining, LIMIT, "nothing held: {d:?}");
+}
+
+/// A refund on a global limit (`Limiter::refund`: a `304 Not Modified`) gives the unit
+/// back to the region's pool, which holds it of the fleet's window: once the window is
+/// spent, a refund lets exactly one more request in, in the same window.
+#[tokio::test]
+async fn a_refund_on_a_global_limit_gives_the_unit_back_to_the_fleet() {
+    let clock = ManualClock::new(1_000 * WINDOW_MS);
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let local = memory();
+    let regions = Regions::new(memory(), local.clone(), shared.clone());
+    let limiter = Limiter::new(rules(10), local, shared).with_regions(regions);
+    let request = Request::new("api").descriptor([("tenant", "t1")]);
+    let mut admitted = Vec::new();
+    for _ in 0..12 {
+        let v = limiter.check(&request).await.unwrap();
+        if v.allowed() {
+            admitted.push(v);
+        }
+    }
+    assert_eq!(admitted.len(), 10, "the limit, then refusals");
+    limiter.refund(&admitted[0]).await.unwrap();
+    clock.set(clock.now() + 2 * sluice::regions::TICK);
+    let after: Vec<bool> = futures_util::future::join_all((0..3).map(|_| limiter.check(&request)))
+        .await
+        .into_iter()
+        .map(|v| v.unwrap().allowed())
+        .collect();
+    assert_eq!(after.iter().filter(|a| **a).count(), 1, "one more after one refund: {after:?}");
+}

@@ -27,6 +27,16 @@ pub async fn page() -> Response {
     ([(header::CONTENT_TYPE, "text/html; charset=utf-8"), (header::CACHE_CONTROL, "no-store")], PAGE).into_response()
 }
 
+/// This instance, as the region card names it: its host (a pod's name) and process.
+fn instance() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty());
+    format!("{} (pid {})", host.as_deref().unwrap_or("?"), std::process::id())
+}
+
 /// Overrides the overview lists at most (by id); `overrides_held` counts them all.
 const OVERRIDES_SHOWN: usize = 100;
 
@@ -41,6 +51,7 @@ pub async fn overview(State(state): State<Arc<AppState>>) -> Response {
     // one limit across regions: the pools as this instance's allocator last read them
     if let Some(regions) = engine.limiter.regions() {
         body["region"] = json!(regions.view());
+        body["region"]["instance"] = json!(instance());
     }
     body["store"] = store(&samples, engine.limiter.store().kind());
     body["top_refused"] = top_refused(&engine.limiter);

@@ -549,10 +549,17 @@ impl Limiter {
 /// first that does not, named.
 fn reservable(groups: &[Group], descriptors: &[DescriptorVerdict]) -> Result<(), RequestError> {
     for g in groups {
-        for (op, &(di, pi)) in g.ops.iter().zip(&g.slots) {
+        for (i, (op, &(di, pi))) in g.ops.iter().zip(&g.slots).enumerate() {
+            let policy = || descriptors[di].policies[pi].name.to_string();
             if !matches!(op.limit, Limit::FixedWindow { .. }) {
-                let policy = descriptors[di].policies[pi].name.to_string();
-                return Err(RequestError::NotReservable { descriptor: di, policy, algorithm: op.limit.algorithm() });
+                return Err(RequestError::NotReservable {
+                    descriptor: di,
+                    policy: policy(),
+                    algorithm: op.limit.algorithm(),
+                });
+            }
+            if g.grants_of(i).is_some_and(|r| r.global) {
+                return Err(RequestError::GlobalNotReservable { descriptor: di, policy: policy() });
             }
         }
     }

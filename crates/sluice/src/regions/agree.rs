@@ -16,8 +16,8 @@
 //! beats in its own store, and more than one region there is logged.
 
 use super::Regions;
-use crate::rules::GlobalRule;
 use crate::algo::{Lease, Limit, Op};
+use crate::rules::GlobalRule;
 use crate::tag::Tag;
 use crate::time::Millis;
 use std::collections::HashMap;

@@ -102,8 +102,11 @@ pub struct RegionView {
     pub global_calls: u64,
     pub global_errors: u64,
     pub global_mean_ms: f64,
-    /// How far ahead the region holds.
+    /// How far ahead the region holds; the round trip to the global store now (smoothed
+    /// over the last calls), and whether its last call failed.
     pub horizon_ms: Millis,
+    pub round_trip_ms: Millis,
+    pub failing: bool,
     /// Decisions that asked the global store at once, the refusals because the fleet
     /// had spent the limit, and those while it may have had units (see [`RegionStats`]).
     pub hurried: u64,
@@ -811,6 +814,8 @@ impl Regions {
             region: self.name.clone(),
             global_store: self.global.kind(),
             horizon_ms: self.horizon(),
+            round_trip_ms: self.round_trip(),
+            failing: !self.global_answers(),
             ..RegionView::default()
         };
         for a in self.active.lock().expect("regions lock").values() {
