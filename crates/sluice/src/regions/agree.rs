@@ -81,8 +81,10 @@ impl Regions {
     pub(super) async fn agree(&self, n: u64, now: Millis) {
         let rules = self.rules.lock().expect("regions lock").clone();
         let (mut agreed, mut disagreeing) = (HashMap::new(), 0);
-        for rule in &rules {
-            let Some(variants) = self.variants(rule, n, now).await else { continue };
+        // every rule at once: a beat costs a few round trips, however many rules
+        let found = futures_util::future::join_all(rules.iter().map(|rule| self.variants(rule, n, now))).await;
+        for (rule, variants) in rules.iter().zip(found) {
+            let Some(variants) = variants else { continue };
             if variants.len() < 2 {
                 continue;
             }

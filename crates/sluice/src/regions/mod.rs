@@ -365,11 +365,12 @@ impl Regions {
                 work.push((tag, base, a.limit, std::mem::take(&mut a.arrived)));
             }
         }
-        let mut set = tokio::task::JoinSet::new();
         if self.beat_due(now) {
+            // apart from the tick: a beat's calls (a few a global rule) never hold it up
             let me = self.clone();
-            set.spawn(async move { me.beat(now).await });
+            tokio::spawn(async move { me.beat(now).await });
         }
+        let mut set = tokio::task::JoinSet::new();
         for (tag, base, limit, arrived) in work {
             let me = self.clone();
             set.spawn(async move { me.allocate(tag, base, limit, arrived, now).await });
