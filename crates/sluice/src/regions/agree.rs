@@ -16,18 +16,14 @@
 //! beats in its own store, and more than one region there is logged.
 
 use super::Regions;
-use crate::algo::{Lease, Limit, Op};
+use crate::algo::{Lease, Limit};
 use crate::rules::GlobalRule;
-use crate::tag::Tag;
 use crate::time::Millis;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 
-/// Where the rules' variants and a regional store's regions live: apart from every
-/// client's state (a client's tag is a keyed hash; this is a constant).
-const RULES: Tag = Tag(u128::from_be_bytes(*b"sluice:rules\0\0\0\0"));
-
-/// The key, in a regional store's [`super::outage`] state, of the regions beating there.
+/// The key, in a regional store's beats (`outage::beat_in`), of the regions beating there
+/// (a global rule's variants are keyed by its name's hash, 3 and up).
 const REGIONS_HERE: u64 = 2;
 
 /// The limit and window pairs the regions configure for one global rule, sorted.
@@ -115,19 +111,10 @@ impl Regions {
     /// global store failed.
     async fn variants(&self, rule: &GlobalRule, n: u64, now: Millis) -> Option<Variants> {
         let key = rule_key(&rule.name);
-        let ttl = 3 * super::BEAT;
         let (lease, before) =
             (variant_lease(rule.limit, rule.window, n), variant_lease(rule.limit, rule.window, n.saturating_sub(1)));
-        let op = Op {
-            key,
-            limit: Limit::Concurrency { limit: 1 << 20, lease_ttl: ttl },
-            cost: 1,
-            lease: Some(lease),
-            shadow: false,
-        };
-        self.global.apply(RULES, &[op], now).await.ok()?;
-        let _ = self.global.release(RULES, &[key], before, now).await;
-        let held = self.global.leases(RULES, key, ttl, now).await.ok()?;
+        super::outage::beat_in(&*self.global, (key, lease, before), now).await.ok()?;
+        let held = self.global.leases(super::outage::REGIONS, key, 3 * super::BEAT, now).await.ok()?;
         let mut variants: Variants = held.leases.iter().map(|&(l, _)| variant_of(l)).collect();
         variants.sort_unstable();
         variants.dedup();
@@ -137,14 +124,11 @@ impl Regions {
     /// Says in the region's own store that this region is there, and warns (once) when
     /// another region beats there too: their pools would merge.
     async fn beat_here(&self, n: u64, now: Millis) {
-        let ttl = 3 * super::BEAT;
         let (lease, before) =
             (super::outage::beat_lease(&self.name, n), super::outage::beat_lease(&self.name, n.saturating_sub(1)));
-        let limit = Limit::Concurrency { limit: 1 << 20, lease_ttl: ttl };
-        let op = Op { key: REGIONS_HERE, limit, cost: 1, lease: Some(lease), shadow: false };
-        let Ok(held) = self.local.apply(RULES, &[op], now).await else { return };
-        let released = matches!(self.local.release(RULES, &[REGIONS_HERE], before, now).await, Ok(true));
-        let regions = held.first().map_or(1, |d| d.used).saturating_sub(u64::from(released));
+        let Ok(regions) = super::outage::beat_in(&*self.local, (REGIONS_HERE, lease, before), now).await else {
+            return;
+        };
         if regions > 1 && !self.shared_told.swap(true, Relaxed) {
             tracing::warn!(
                 region = %self.name,

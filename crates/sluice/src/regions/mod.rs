@@ -200,8 +200,8 @@ pub struct Regions {
     /// call failed.
     regions: AtomicU64,
     global_down: AtomicBool,
-    /// When the next beat is due, and the lease of the last ([`outage`]).
-    beat: Mutex<(Millis, Option<crate::algo::Lease>)>,
+    /// When the next beat is due ([`outage`]).
+    beat: Mutex<Millis>,
     /// The global rules configured here; the smallest limit the regions configure for
     /// each (limit, window) here they differ on; the disagreements already logged; and
     /// whether a regional store shared with another region was ([`agree`]).
@@ -284,7 +284,7 @@ impl Regions {
             hurrying: Mutex::new(HashMap::new()),
             regions: AtomicU64::new(1),
             global_down: AtomicBool::new(false),
-            beat: Mutex::new((0, None)),
+            beat: Mutex::new(0),
             rules: Mutex::new(Vec::new()),
             agreed: Mutex::new(HashMap::new()),
             told: Mutex::new(Default::default()),

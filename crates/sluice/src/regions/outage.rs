@@ -43,7 +43,7 @@ const BEAT_TTL: Millis = 3 * BEAT;
 
 /// Where the regions' beats live in the global store: one state for the fleet, apart
 /// from every client's (a client's tag is a keyed hash; this is a constant).
-const REGIONS: Tag = Tag(u128::from_be_bytes(*b"sluice:regions\0\0"));
+pub(super) const REGIONS: Tag = Tag(u128::from_be_bytes(*b"sluice:regions\0\0"));
 
 /// The lease of `region` in beat `n`: every instance of the region takes the same one,
 /// so the leases held count regions, not instances.
@@ -53,6 +53,22 @@ pub(super) fn beat_lease(region: &str, n: u64) -> Lease {
     h.write(region.as_bytes());
     let k = h.finish128();
     ((u128::from(k.h1) << 64) | u128::from(k.h2)).max(1)
+}
+
+/// One beat in a set of leases: takes `lease` on the state `key` of [`REGIONS`] in
+/// `store`, then gives back `before` (the one of the beat before). Returns the leases
+/// held, less `before` if it was still held (every holder of one name moves to the next
+/// together, so the count is of names, not holders).
+pub(super) async fn beat_in(
+    store: &dyn crate::store::Store,
+    (key, lease, before): (u64, Lease, Lease),
+    now: Millis,
+) -> Result<u64, crate::store::StoreError> {
+    let limit = Limit::Concurrency { limit: 1 << 20, lease_ttl: BEAT_TTL };
+    let op = Op { key, limit, cost: 1, lease: Some(lease), shadow: false };
+    let held = store.apply(REGIONS, &[op], now).await?.first().map_or(1, |d| d.used);
+    let released = before != lease && matches!(store.release(REGIONS, &[key], before, now).await, Ok(true));
+    Ok(held.saturating_sub(u64::from(released)))
 }
 
 impl Regions {
@@ -114,10 +130,10 @@ impl Regions {
 
     /// Whether a beat is due at `now` (then the next is [`BEAT`] later).
     pub(super) fn beat_due(&self, now: Millis) -> bool {
-        let mut beat = self.beat.lock().expect("regions lock");
-        let due = now >= beat.0;
+        let mut next = self.beat.lock().expect("regions lock");
+        let due = now >= *next;
         if due {
-            beat.0 = now + BEAT;
+            *next = now + BEAT;
         }
         due
     }
@@ -128,17 +144,9 @@ impl Regions {
     /// regions (another region's lease before may be counted for a moment: a count too
     /// high gives a share too small, never too large). Keeps [`Self::regions_known`].
     pub(super) async fn beat(&self, now: Millis) {
-        let lease = beat_lease(&self.name, now / BEAT);
-        let limit = Limit::Concurrency { limit: 1 << 20, lease_ttl: BEAT_TTL };
-        let op = Op { key: 1, limit, cost: 1, lease: Some(lease), shadow: false };
-        let Ok(held) = self.timed(self.global.apply(REGIONS, &[op], now)).await else { return };
-        let mut regions = held.first().map_or(1, |d| d.used);
-        let before = self.beat.lock().expect("regions lock").1.replace(lease);
-        if let Some(old) = before.filter(|&old| old != lease) {
-            if let Ok(true) = self.global.release(REGIONS, &[op.key], old, now).await {
-                regions = regions.saturating_sub(1);
-            }
-        }
+        let n = now / BEAT;
+        let (lease, before) = (beat_lease(&self.name, n), beat_lease(&self.name, n.saturating_sub(1)));
+        let Ok(regions) = self.timed(beat_in(&*self.global, (1, lease, before), now)).await else { return };
         self.regions.store(regions.max(1), Relaxed);
         self.agree(now / BEAT, now).await;
     }
