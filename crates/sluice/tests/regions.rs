@@ -527,7 +527,8 @@ async fn new_clients(instances: &[Vec<Limiter>], n: usize) -> Vec<Duration> {
         let started = std::time::Instant::now();
         let v = all[i % all.len()].check(&request).await.unwrap();
         took.push(started.elapsed());
-        assert!(v.allowed(), "a new client's first request refused: {:?}", v.descriptors[0].policies[0].decision);
+        let d = v.descriptors[0].policies[0].decision;
+        assert!(v.allowed(), "a new client's first request refused after {:?}: {d:?}", started.elapsed());
     }
     took
 }
@@ -653,6 +654,7 @@ impl Store for Counted {
 /// of pools a second).
 #[tokio::test]
 async fn units_asked_ahead_are_kept_and_an_idle_client_costs_nothing() {
+    let _alone = alone().await;
     let clock = ManualClock::new(1_000 * WINDOW_MS);
     let start = clock.now();
     let local = Counted::over(memory());
@@ -688,6 +690,7 @@ async fn units_asked_ahead_are_kept_and_an_idle_client_costs_nothing() {
 /// read as a spent quota). A client the region knew is told what it knew.
 #[tokio::test]
 async fn a_refusal_while_waiting_says_when_and_what_is_known() {
+    let _alone = alone().await;
     let clock = ManualClock::new(1_000 * WINDOW_MS);
     let global = Counted::over(memory());
     let shared: Arc<dyn Clock> = Arc::new(clock.clone());
@@ -734,6 +737,7 @@ async fn a_refusal_while_waiting_says_when_and_what_is_known() {
 ///   regions held, and the next ones not at all.
 #[tokio::test]
 async fn failure_local_holds_a_global_limit_to_the_fleet_s_when_a_store_is_down() {
+    let _alone = alone().await;
     use std::sync::atomic::Ordering::Relaxed;
     let clock = ManualClock::new(1_000 * WINDOW_MS);
     let shared: Arc<dyn Clock> = Arc::new(clock.clone());
@@ -797,6 +801,7 @@ async fn failure_local_holds_a_global_limit_to_the_fleet_s_when_a_store_is_down(
 /// read its own region's pool (nothing used: all of the limit left).
 #[tokio::test]
 async fn a_status_read_of_a_global_limit_tells_the_fleet_s_count() {
+    let _alone = alone().await;
     let clock = ManualClock::new(1_000 * WINDOW_MS);
     let shared: Arc<dyn Clock> = Arc::new(clock.clone());
     let global = memory();
@@ -833,6 +838,7 @@ async fn a_status_read_of_a_global_limit_tells_the_fleet_s_count() {
 /// disagreement. Before, the fleet admitted up to 400.
 #[tokio::test]
 async fn regions_that_disagree_on_a_limit_hold_the_smallest() {
+    let _alone = alone().await;
     let clock = ManualClock::new(1_000 * WINDOW_MS);
     let shared: Arc<dyn Clock> = Arc::new(clock.clone());
     let global = memory();
@@ -865,6 +871,7 @@ async fn regions_that_disagree_on_a_limit_hold_the_smallest() {
 /// in the region's store alone, past the fleet's limit), and holds nothing.
 #[tokio::test]
 async fn a_reservation_on_a_global_limit_is_refused_saying_why() {
+    let _alone = alone().await;
     let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(1_000 * WINDOW_MS));
     let local = memory();
     let regions = Regions::new(memory(), local.clone(), clock.clone());
@@ -881,6 +888,7 @@ async fn a_reservation_on_a_global_limit_is_refused_saying_why() {
 /// spent, a refund lets exactly one more request in, in the same window.
 #[tokio::test]
 async fn a_refund_on_a_global_limit_gives_the_unit_back_to_the_fleet() {
+    let _alone = alone().await;
     let clock = ManualClock::new(1_000 * WINDOW_MS);
     let shared: Arc<dyn Clock> = Arc::new(clock.clone());
     let local = memory();

@@ -405,12 +405,8 @@ fn reservations(rs: &[Reserved], v: &mut Vec<Violation>) {
 
 /// What a decision on a limit the regions share may wait besides its store calls, when
 /// its region's pool is short (docs/configuration.md, "Admit what fits"): twice the
-/// round trip to the global store, 100 ms at least.
-const GLOBAL_WAIT_MS: u64 = {
-    let round_trip = 4 * crate::fleet::LINK_DELAY_MS;
-    let least = sluice::regions::WAIT_AT_LEAST;
-    if round_trip > least { round_trip } else { least }
-};
+/// round trip to the global store and 100 ms.
+const GLOBAL_WAIT_MS: u64 = 4 * crate::fleet::LINK_DELAY_MS + sluice::regions::WAIT_MARGIN;
 
 /// Every answer within the deadline and 50 ms (a global limit's: and its documented wait);
 /// degraded answers only during a fault and the documented time after it. Returns the

@@ -11,7 +11,7 @@
 //! gives it back; the units themselves are the region's, in its pool. Decisions spend
 //! grants taken from the pool, in the region's own store; one that finds the pool short
 //! of its cost has this allocator's move made for its client at once (`Regions::hurry`)
-//! and waits for it, at most max(2 x round trip, 100 ms), so that a global limit refuses
+//! and waits for it, at most twice the round trip and 100 ms, so that a global limit refuses
 //! only when the fleet has spent it, not when the region had not asked yet.
 
 mod agree;
@@ -37,8 +37,10 @@ pub const TICK: Millis = 100;
 /// The cross-region round trip assumed until a global call has been timed.
 const FIRST_ROUND_TRIP: Millis = 100;
 
-/// The least a decision waits for its region's pool to be filled (`Regions::hurry`).
-pub const WAIT_AT_LEAST: Millis = 100;
+/// What a decision waits for its region's pool to be filled (`Regions::hurry`) beyond
+/// twice the round trip to the global store: the region's own calls around the global
+/// one (a read, a claim, the fill, the grant), on a busy machine.
+pub const WAIT_MARGIN: Millis = 100;
 
 /// What `Regions::hurry` found.
 #[derive(Debug, Clone)]
@@ -573,9 +575,10 @@ impl Regions {
     }
 
     /// How long a decision waits for `Self::hurry`: twice the round trip to the global
-    /// store as measured here, and at least 100 ms.
+    /// store as measured here (room for a second move, should the first one's units be
+    /// taken), and [`WAIT_MARGIN`] for the region's own calls.
     pub fn wait_bound(&self) -> Millis {
-        (2 * self.latency.load(Relaxed)).max(WAIT_AT_LEAST)
+        2 * self.latency.load(Relaxed) + WAIT_MARGIN
     }
 
     /// A decision found its region's pool short of `op`'s cost on a global window: the
