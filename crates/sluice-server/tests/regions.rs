@@ -468,3 +468,49 @@ fn a_global_limit_needs_its_regions_and_says_so() {
     assert!(check.status.success(), "{err}");
     assert!(err.contains("warning: global limit 'tenant' has a window of 1000 ms") && err.contains("25"), "{err}");
 }
+
+/// `config check --online` contacts the stores a file names and compares its global rules
+/// with what the regions running now configure (their beats in the global store): a
+/// file that agrees passes and says so, one whose limit differs fails naming the rule and
+/// both limits, and a global store that does not answer fails naming it.
+#[test]
+fn config_check_online_compares_a_file_with_the_running_regions() {
+    let (global, local) = (RedisServer::start(), RedisServer::start());
+    let store = format!("store: {{kind: redis, url: \"{}\"}}\n", local.url());
+    let _eu = instance("eu", &store, &global.addr().to_string(), true);
+    let dir = sluice_testkit::TempDir::new("sluice-online");
+    let check = |limit: u64, global: &str| {
+        let rule = domains(true).replace(&format!("limit: {LIMIT},"), &format!("limit: {limit},"));
+        let file = dir.path().join(format!("us-{limit}.yaml"));
+        let regions = format!("region: us\nglobal_store: {{kind: redis, url: \"{global}\"}}\n");
+        std::fs::write(&file, format!("{store}{regions}domains:\n{rule}")).unwrap();
+        let mut command = std::process::Command::new(common::bin());
+        let out = command.args(["config", "check", "--online"]).arg(&file).output().unwrap();
+        let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        (out.status.success(), said)
+    };
+    // the region's first beat comes within a tick or two of its start
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let agrees = loop {
+        let (ok, said) = check(LIMIT, &global.url());
+        if ok && said.contains("as every region running now") || Instant::now() > deadline {
+            break (ok, said);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(agrees.0 && agrees.1.contains(&format!("global_store: {} answers", global.url())), "{}", agrees.1);
+    assert!(
+        agrees.1.contains("global rule 'api/tenant': 200 per 4000 ms, as every region running now"),
+        "{}",
+        agrees.1
+    );
+    let (ok, said) = check(2 * LIMIT, &global.url());
+    assert!(!ok, "a limit the running regions do not have passed: {said}");
+    assert!(
+        said.contains("global rule 'api/tenant': 400 per 4000 ms here, the regions running now: 200 per 4000 ms"),
+        "{said}"
+    );
+    assert!(said.contains("us-400.yaml: the regions disagree"), "{said}");
+    let (ok, said) = check(LIMIT, "redis://127.0.0.1:1");
+    assert!(!ok && said.contains("`global_store` at redis://127.0.0.1:1 does not answer"), "{said}");
+}

@@ -50,6 +50,10 @@ pub enum ConfigCommand {
     Check {
         /// The config file.
         file: PathBuf,
+        /// Also contact the stores it names: each must answer (and a Redis be new
+        /// enough), and the regions running now must configure its global rules alike.
+        #[arg(long)]
+        online: bool,
     },
     /// Print the built-in config.
     Default,

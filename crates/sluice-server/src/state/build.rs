@@ -79,6 +79,25 @@ pub fn regions(
     Ok(regions)
 }
 
+/// A config's `store` and its `global_store`, if any.
+pub type Stores = (Arc<dyn Store>, Option<Arc<dyn Store>>);
+
+/// The stores `config` names, its `store` and its `global_store`, for `config check
+/// --online` to contact: behind the deadline (a second at least), no allocator started
+/// (a check is no region).
+pub fn stores(config: &Config) -> Result<Stores, BuildError> {
+    let mut resilience = resilience(&config.limiter);
+    resilience.deadline = resilience.deadline.max(Duration::from_secs(1));
+    let tuning = Arc::new(Tuning::new(resilience));
+    let clock = clock(&config.limiter);
+    let local = store(&config.store, &tuning, clock.clone(), &mut None)?;
+    let global = match &config.global_store {
+        Some(global) => Some(store(global, &tuning, clock, &mut None)?),
+        None => None,
+    };
+    Ok((local, global))
+}
+
 /// The overrides of a fleet across regions: in the global store's registry, one set for
 /// every region (an override set in one is in force in all within
 /// [`sluice::overrides::PROPAGATION`] and the round trip), kept current.

@@ -18,6 +18,7 @@
 use super::Regions;
 use crate::algo::{Lease, Limit};
 use crate::rules::GlobalRule;
+use crate::store::{Store, StoreError};
 use crate::time::Millis;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
@@ -27,7 +28,7 @@ use std::sync::atomic::Ordering::Relaxed;
 const REGIONS_HERE: u64 = 2;
 
 /// The limit and window pairs the regions configure for one global rule, sorted.
-pub(super) type Variants = Vec<(u64, Millis)>;
+pub type Variants = Vec<(u64, Millis)>;
 
 /// A rule's state key in the global store: its name's hash.
 fn rule_key(name: &str) -> u64 {
@@ -114,11 +115,7 @@ impl Regions {
         let (lease, before) =
             (variant_lease(rule.limit, rule.window, n), variant_lease(rule.limit, rule.window, n.saturating_sub(1)));
         super::outage::beat_in(&*self.global, (key, lease, before), now).await.ok()?;
-        let held = self.global.leases(super::outage::REGIONS, key, 3 * super::BEAT, now).await.ok()?;
-        let mut variants: Variants = held.leases.iter().map(|&(l, _)| variant_of(l)).collect();
-        variants.sort_unstable();
-        variants.dedup();
-        Some(variants)
+        fleet_variants(&*self.global, &rule.name, now).await.ok()
     }
 
     /// Says in the region's own store that this region is there, and warns (once) when
@@ -138,4 +135,15 @@ impl Regions {
             );
         }
     }
+}
+
+/// What the regions running now configure for the global rule `name`, as their last
+/// beats said in `global`: every distinct limit and window pair, sorted (none when no
+/// region beats). Reads only: `sluice config check --online` compares a file with it.
+pub async fn fleet_variants(global: &dyn Store, name: &str, now: Millis) -> Result<Variants, StoreError> {
+    let held = global.leases(super::outage::REGIONS, rule_key(name), 3 * super::BEAT, now).await?;
+    let mut variants: Variants = held.leases.iter().map(|&(l, _)| variant_of(l)).collect();
+    variants.sort_unstable();
+    variants.dedup();
+    Ok(variants)
 }

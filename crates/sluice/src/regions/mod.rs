@@ -18,6 +18,7 @@ mod agree;
 mod outage;
 
 pub use crate::rules::GlobalRule;
+pub use agree::{Variants, fleet_variants};
 pub use outage::BEAT;
 
 use crate::algo::escrow::{self, Act, Move, Pool, Seen};
