@@ -912,3 +912,59 @@ async fn a_refund_on_a_global_limit_gives_the_unit_back_to_the_fleet() {
         .collect();
     assert_eq!(after.iter().filter(|a| **a).count(), 1, "one more after one refund: {after:?}");
 }
+
+/// A reset (`Limiter::reset`, `sluice admin reset`) of a client on a global limit acts on
+/// the fleet's window: the global store forgets its count and the resetting region its
+/// pool, so the client, having spent the limit in two regions, gets the whole limit again
+/// through the region that reset it (before, only what that region's pool had held); and
+/// a region that held units of the window before the reset declares them again when it
+/// next asks, taking the reset's mark for what it is, not for a loss of the global
+/// store's data: the client then gets the limit less what that region held.
+#[tokio::test]
+async fn a_reset_of_a_global_limit_acts_on_the_fleet_s_window() {
+    let _alone = alone().await;
+    use std::sync::atomic::Ordering::Relaxed;
+    const LIMIT: u64 = 20;
+    let clock = ManualClock::new(1_000 * WINDOW_MS + 10);
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let global = memory();
+    let instances: Vec<Limiter> = (0..2)
+        .map(|r| {
+            let (local, name) = (memory(), format!("r{r}"));
+            let regions = Regions::named(&name, global.clone(), local.clone(), shared.clone());
+            Limiter::new(rules(LIMIT), local, shared.clone()).with_regions(regions)
+        })
+        .collect();
+    let request = Request::new("api").descriptor([("tenant", "t1")]);
+    let send = |r: usize, n: u64| {
+        let (limiter, request) = (&instances[r], &request);
+        async move {
+            let mut admitted = 0;
+            for _ in 0..n {
+                admitted += u64::from(limiter.check(request).await.unwrap().allowed());
+            }
+            admitted
+        }
+    };
+    let lost = |r: usize| instances[r].regions().unwrap().stats().lost.load(Relaxed);
+    for start in [1_000 * WINDOW_MS, 1_001 * WINDOW_MS] {
+        clock.set(start + 10);
+        // half in each region, then nothing more anywhere
+        assert_eq!((send(0, LIMIT / 2).await, send(1, LIMIT).await), (LIMIT / 2, LIMIT / 2));
+        assert_eq!(send(0, 1).await, 0, "the fleet spent the window");
+        assert_eq!(instances[0].reset(&request, None).await.unwrap().len(), 1, "one policy reset");
+        clock.set(start + 20);
+        if start == 1_000 * WINDOW_MS {
+            assert_eq!(send(0, 2 * LIMIT).await, LIMIT, "the whole limit again, through the region that reset");
+            assert_eq!(send(1, LIMIT).await, 0, "the other region held nothing unspent");
+        } else {
+            // the other region asks first (past a horizon: it no longer takes the spent
+            // window it was told of for the truth), and finds the count below what it holds
+            clock.set(start + WINDOW_MS / 2);
+            let first = send(1, 1).await;
+            let after = first + send(0, 2 * LIMIT).await + send(1, LIMIT).await;
+            assert_eq!(after, LIMIT - LIMIT / 2, "the limit less what the other region held of the window");
+        }
+        assert_eq!((lost(0), lost(1)), (0, 0), "a reset is not a loss of the global store's data");
+    }
+}

@@ -464,7 +464,8 @@ impl Limiter {
     }
 
     /// Forgets a client's state for every policy its descriptors match (or only the one
-    /// named `policy`), leases included: its next request sees the full limit. Drops the
+    /// named `policy`), leases included: its next request sees the full limit (a global
+    /// limit's: less what the other regions hold of the window, `Regions::reset`). Drops the
     /// client from this instance's near-cache, and moves the registry's version so every
     /// watching instance drops its near-cache within [`crate::overrides::PROPAGATION`].
     /// Returns the names of the policies reset.
@@ -485,6 +486,14 @@ impl Limiter {
                 continue;
             }
             let ops: Vec<Op> = chosen.iter().map(|(op, _)| *op).collect();
+            // a global limit's on the fleet's window too (`Regions::reset`)
+            if let Some(regions) = &self.regions {
+                let global = g.ops.iter().enumerate().filter(|(i, _)| g.grants_of(*i).is_some_and(|r| r.global));
+                let global: Vec<Op> = global.map(|(_, op)| *op).filter(|op| ops.contains(op)).collect();
+                if !global.is_empty() {
+                    regions.reset(g.tag, &global, now).await?;
+                }
+            }
             self.store.reset(g.tag, &ops, now).await?;
             self.grants.forget(g.tag, ops.iter().map(|o| o.key));
             self.forget(g.tag, ops.iter().map(|o| o.key));

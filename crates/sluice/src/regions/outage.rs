@@ -23,6 +23,16 @@
 //!   that window; until then what they hold is not counted there: the window of the loss
 //!   can pass the limit by what the other regions held in it (spent or not), never by
 //!   more, and the windows after it start afresh.
+//! - **A reset** (`sluice admin reset`) of a client on a global limit is a loss on
+//!   purpose: the global store forgets its count of the window, and the resetting
+//!   region its pool. It leaves a mark of the reset in the global store, so the other
+//!   regions, finding the count below what they hold, declare it again without taking
+//!   it for lost data: the client starts afresh with the limit less what the other
+//!   regions hold of the window (spent or not), once they have declared it. Before they
+//!   ask again (a region told lately that the window was spent does not ask for a
+//!   horizon), the resetting region may take the whole limit: the reset window's
+//!   admissions after the reset pass the limit by at most what the other regions held
+//!   unspent then, as for a loss.
 
 use super::Regions;
 use crate::algo::escrow;
@@ -170,11 +180,17 @@ impl Regions {
         if lost == 0 {
             return None;
         }
-        self.stats.lost.fetch_add(lost, Relaxed);
-        self.metrics.lost.increment(lost);
         let id = self.ids.fetch_add(1, Relaxed);
         let ask = GrantAsk { key, limit: *limit, need: lost, want: lost, id, close: Vec::new(), pool: false };
         let again = self.timed(self.global.grant(tag, ask, at)).await.map_or(0, |g| g.units);
+        let reset = self.global.peek(tag, &[reset_mark(key, limit)], at).await;
+        if reset.is_ok_and(|d| d.first().is_some_and(|d| d.used > 0)) {
+            tracing::info!(region = %self.name, held, declared_again = again, "a client of a global limit was reset \
+                through another region: this region declares what it holds of the window again");
+            return (again > 0).then_some(Open { id, units: again, expires: end });
+        }
+        self.stats.lost.fetch_add(lost, Relaxed);
+        self.metrics.lost.increment(lost);
         tracing::warn!(
             region = %self.name,
             held,
@@ -186,4 +202,28 @@ impl Regions {
         );
         (again > 0).then_some(Open { id, units: again, expires: end })
     }
+
+    /// Resets `ops` (windows of global limits, this region's pools of them already
+    /// forgotten) on the fleet's window: the global store forgets its count of each and
+    /// keeps a mark of the reset for the window, and this instance forgets what it knew
+    /// of them. The other regions declare what they hold again (see the module's comment).
+    pub(crate) async fn reset(&self, tag: Tag, ops: &[Op], now: Millis) -> Result<(), StoreError> {
+        let marks: Vec<Op> = ops.iter().map(|op| reset_mark(op.key, &op.limit)).collect();
+        self.timed(self.global.apply(tag, &marks, now)).await?;
+        self.timed(self.global.reset(tag, ops, now)).await?;
+        for op in ops {
+            let end = escrow::window_end(&op.limit, now);
+            self.update(tag, escrow::base_key(op.key, &op.limit, end), end, |h| *h = Default::default());
+        }
+        Ok(())
+    }
+}
+
+/// The mark a reset leaves in the global store for the window `key` of a client's limit:
+/// a count of its own in that window (a state key apart from the client's, of the same
+/// tag), that only resets move.
+fn reset_mark(key: u64, limit: &Limit) -> Op {
+    let window = escrow::window_length(limit);
+    let limit = Limit::FixedWindow { limit: 1 << 40, window, aligned: true };
+    Op { key: key ^ 0x7265_7365_7421_0000, limit, cost: 1, shadow: false, lease: None }
 }

@@ -330,7 +330,8 @@ pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
 /// Regional pools of global windows (`algo::escrow`): an instance's grant from a pool is
 /// bounded by what was filled, not by the limit; a drain takes only what is unspent; one
 /// allocator holds the claim at a time, and a fill or a drain ends it; the region's demand
-/// is counted; each window's pool is its own. A store that keeps none says so.
+/// is counted; each window's pool is its own; a reset forgets it. A store that keeps none
+/// says so.
 pub async fn pools_hold_what_the_region_holds(s: &dyn Store) {
     let t = fresh_tag();
     let l = Limit::FixedWindow { limit: 100, window: 10_000, aligned: true };
@@ -378,6 +379,11 @@ pub async fn pools_hold_what_the_region_holds(s: &dyn Store) {
         s.pool(t, PoolCall { key: 2, end: end + 10_000, ..call(Act::Read, 0) }, end).await.unwrap().1.left,
         None
     );
+    // a reset forgets the window's pool with its count: the client starts afresh
+    s.reset(t, &[op(1, l, 1)], now + 16).await.unwrap();
+    let (_, p) = s.pool(t, call(Act::Read, 0), now + 17).await.unwrap();
+    assert_eq!((p.cap, p.used, p.left), (0, 0, None), "a reset pool is empty");
+    assert_eq!(s.grant(t, ask(6, 50), now + 18).await.unwrap().units, 0, "nothing filled since the reset");
 }
 
 /// Reservations (`algo::reservation`): held units count against every limit of the

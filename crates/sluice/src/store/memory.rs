@@ -416,6 +416,7 @@ impl Store for MemoryStore {
             shard.map.remove(&slot(tag, op.key));
             shard.books.remove(&slot(tag, op.key));
             shard.ledgers.remove(&slot(tag, op.key));
+            shard.pools.remove(&slot(tag, op.key));
         }
         Ok(())
     }
