@@ -191,8 +191,9 @@ async fn three_regions_never_pass_one_limit() {
 /// Clients well under the limit, through the HTTP API in three regions with the
 /// near-cache as shipped, the global store 40 ms away each way: a client that sends
 /// every 300 ms through each region in turn, and brand-new clients (a tenant never seen,
-/// each request). Every request admitted, none says nothing is left, and the region's
-/// figures count the pools found short apart (none refused).
+/// each request, through HTTP and through Envoy's gRPC). Every request admitted, none says
+/// nothing is left, and the region's figures count the pools found short apart (none
+/// refused); a new client's first decision's time is printed for each door.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sparse_and_new_clients_are_admitted_at_the_front_door() {
     let _alone = alone().await;
@@ -211,19 +212,52 @@ async fn sparse_and_new_clients_are_admitted_at_the_front_door() {
     for s in &regions {
         hit(&client, &s.base, "api", &[("tenant", "warm")]).await;
     }
-    let mut wrong = Vec::new();
+    let mut rls = Vec::new();
+    for s in &regions {
+        rls.push(common::rls(&s.grpc).await);
+    }
+    let (mut wrong, mut firsts) = (Vec::new(), [Vec::new(), Vec::new()]);
     for i in 0..30 {
         let s = &regions[i % 3];
         for tenant in ["steady".to_string(), format!("new-{i}")] {
             let asked = std::time::Instant::now();
             let a = hit(&client, &s.base, "api", &[("tenant", tenant.as_str())]).await;
             let remaining = common::header(&a, "x-ratelimit-remaining");
+            let took = asked.elapsed();
             if a.status() != 200 || remaining == "0" {
-                let took = asked.elapsed();
-                wrong.push((i, tenant, a.status(), remaining, common::header(&a, "retry-after"), took));
+                wrong.push((i, tenant.clone(), a.status(), remaining, common::header(&a, "retry-after"), took));
+            }
+            if tenant.starts_with("new") {
+                firsts[0].push(took);
             }
         }
+        // and a brand-new client through Envoy's door (gRPC)
+        let (tenant, asked) = (format!("grpc-new-{i}"), std::time::Instant::now());
+        let a = rls[i % 3].should_rate_limit(common::rls_request("api", &[("tenant", &tenant)])).await.unwrap();
+        firsts[1].push(asked.elapsed());
+        let a = a.into_inner();
+        let remaining = a.statuses[0].limit_remaining;
+        if a.overall_code != 1 || remaining == 0 {
+            wrong.push((
+                i,
+                tenant,
+                reqwest::StatusCode::OK,
+                remaining.to_string(),
+                a.overall_code.to_string(),
+                firsts[1][i],
+            ));
+        }
         tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    for (door, took) in ["HTTP", "gRPC"].iter().zip(&mut firsts) {
+        took.sort();
+        let at = |q: f64| took[((took.len() - 1) as f64 * q) as usize];
+        eprintln!(
+            "a new client's first decision through {door}: p50 {:?}, p99 {:?} ({})",
+            at(0.5),
+            at(0.99),
+            took.len()
+        );
     }
     let mut log = String::new();
     for s in &regions {
