@@ -210,3 +210,66 @@ fn from_env_prints_the_config_and_what_each_variable_became() {
     let check = std::process::Command::new(bin()).args(["config", "check"]).arg(&file).output().unwrap();
     assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
 }
+
+/// Values theirs refuses to start on are refused here too, naming the variable (before,
+/// `SHADOW_MODE=on` enforced, `REDIS_TLS=yes` connected in plaintext, a ratio that was no
+/// number was ignored): by `config from-env` and by `serve --ratelimit-env`, which exits
+/// at once. What Go's `ParseBool` and logrus take is honoured, in their spellings.
+#[test]
+fn values_theirs_refuses_stop_the_start_naming_the_variable() {
+    let base = [("REDIS_SOCKET_TYPE", "tcp"), ("REDIS_URL", "127.0.0.1:1"), ("USE_STATSD", "false")];
+    let from_env = |var: (&str, &str)| {
+        let mut command = std::process::Command::new(bin());
+        let out = command.args(["config", "from-env"]).env_clear().envs(base).envs([var]).output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for (var, value) in [
+        ("SHADOW_MODE", "on"),
+        ("REDIS_TLS", "yes"),
+        ("QUOTA_MODE", "yes"),
+        ("USE_PROMETHEUS", "enabled"),
+        ("SHADOW_MODE", "tRuE"),
+        ("NEAR_LIMIT_RATIO", "abc"),
+        ("NEAR_LIMIT_RATIO", "5"),
+        ("EXTRA_TAGS", "garbage"),
+        ("LOG_LEVEL", "loud"),
+        ("STATS_FLUSH_INTERVAL", "0s"),
+    ] {
+        let (ok, _, err) = from_env((var, value));
+        assert!(
+            !ok && (err.contains(&format!("{var}={value} is not")) || err.contains(&format!("{var}={value}:"))),
+            "{var}={value}: {err}"
+        );
+    }
+    for (var, value, says) in [
+        ("SHADOW_MODE", "True", "shadow_mode: true"),
+        ("SHADOW_MODE", "F", "shadow_mode: false"),
+        ("LOG_LEVEL", "WARNING", "level: warn"),
+        ("NEAR_LIMIT_RATIO", "0.9", "near_limit_ratio: 0.9"),
+    ] {
+        let (ok, text, err) = from_env((var, value));
+        assert!(ok && text.contains(says), "{var}={value}: {says} not in\n{text}{err}");
+    }
+    // the server itself refuses to start, naming the variable
+    let mut serve = std::process::Command::new(bin());
+    let serve = serve.args(["serve", "--ratelimit-env"]).env_clear().envs(base).env("SHADOW_MODE", "on");
+    let mut child = serve.stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("serve --ratelimit-env started with SHADOW_MODE=on");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success() && err.contains("SHADOW_MODE=on is not a boolean"), "{err}");
+}

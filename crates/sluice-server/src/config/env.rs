@@ -53,7 +53,8 @@ const WITHOUT_EFFECT: &[&str] = &[
 /// Reads the variables (through `env`) into a config, or says every one it refuses.
 pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String> {
     let get = |name: &str| env(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
-    let on = |name: &str| get(name).is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "t"));
+    // a value that is no boolean is refused by `checked` (`values`), naming its variable
+    let on = |name: &str| get(name).and_then(|v| go_bool(&v)).unwrap_or(false);
     let (store, refused) = checked(&get, &on);
     if !refused.is_empty() {
         return Err(format!(
@@ -84,7 +85,7 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
             "limit": get("LIMIT_LIMIT_HEADER"), "remaining": get("LIMIT_REMAINING_HEADER"),
             "reset": get("LIMIT_RESET_HEADER")}},
         "envoy": {"merge_domains": on("MERGE_DOMAIN_CONFIG"), "response_dynamic_metadata": on("RESPONSE_DYNAMIC_METADATA")},
-        "log": {"level": get("LOG_LEVEL").unwrap_or_else(|| "warn".into()).to_ascii_lowercase(),
+        "log": {"level": log_level(&get("LOG_LEVEL").unwrap_or_else(|| "warn".into())).unwrap_or("warn"),
             "format": get("LOG_FORMAT").unwrap_or_else(|| "text".into()).to_ascii_lowercase()},
     });
     let mut notes = Vec::new();
@@ -116,6 +117,7 @@ fn checked(get: &dyn Fn(&str) -> Option<String>, on: &dyn Fn(&str) -> bool) -> (
         Value::Null
     });
     refused.extend(ports(get, on));
+    refused.extend(values(get));
     refused.extend(mogrifier_refusals(get));
     let durations = [
         ("REDIS_TIMEOUT", ""),
@@ -347,8 +349,19 @@ fn mogrifier_refusals(get: &dyn Fn(&str) -> Option<String>) -> Vec<String> {
         if let Some(Err(e)) = get(&var("PATTERN")).map(|p| regex_lite::Regex::new(&p)) {
             refused.push(format!("{}: not a regular expression ({e})", var("PATTERN")));
         }
+        refused.extend(not_tags(get, &var("TAGS")));
     }
     refused
+}
+
+/// Why `var`, if set, is not a list of tags as theirs reads one (`k:v,k2:v2`: every item
+/// one key and one value).
+fn not_tags(get: &dyn Fn(&str) -> Option<String>, var: &str) -> Option<String> {
+    let v = get(var)?;
+    let pair = |item: &str| matches!(item.split_once(':'), Some((k, v)) if !k.trim().is_empty() && !v.contains(':'));
+    (!v.split(',').all(pair)).then(|| {
+        format!("{var}={v} is not a list of tags: write key:value pairs, comma separated, e.g. env:prod,team:edge")
+    })
 }
 
 /// `telemetry`, from `TRACING_*` and `OTEL_EXPORTER_OTLP_ENDPOINT`: their default
@@ -407,6 +420,87 @@ pub fn note(notes: &[String]) {
     for note in notes {
         tracing::info!("--ratelimit-env: {note}");
     }
+}
+
+/// Their boolean variables: theirs refuses to start on any of them set to what Go's
+/// `strconv.ParseBool` does not take ([`go_bool`]); so does this.
+const BOOLEANS: [&str; 28] = [
+    "GRPC_SERVER_USE_TLS",
+    "FORCE_START_WITHOUT_INITIAL_CONFIG",
+    "CONFIG_GRPC_XDS_SERVER_USE_TLS",
+    "XDS_CLIENT_BACKOFF_JITTER",
+    "USE_DOG_STATSD",
+    "USE_STATSD",
+    "DISABLE_STATS",
+    "USE_PROMETHEUS",
+    "PROMETHEUS_RESPONSE_TIME_AS_MILLISECONDS",
+    "RUNTIME_IGNOREDOTFILES",
+    "RUNTIME_WATCH_ROOT",
+    "STOP_CACHE_KEY_INCREMENT_WHEN_OVERLIMIT",
+    "LIMIT_RESPONSE_HEADERS_ENABLED",
+    "HEALTHY_WITH_AT_LEAST_ONE_CONFIG_LOADED",
+    "REDIS_TLS",
+    "REDIS_TLS_SKIP_HOSTNAME_VERIFICATION",
+    "REDIS_USE_EXPLICIT_PIPELINE",
+    "REDIS_PERSECOND",
+    "REDIS_PERSECOND_TLS",
+    "REDIS_PERSECOND_USE_EXPLICIT_PIPELINE",
+    "REDIS_HEALTH_CHECK_ACTIVE_CONNECTION",
+    "MEMCACHE_TLS",
+    "MEMCACHE_TLS_SKIP_HOSTNAME_VERIFICATION",
+    "SHADOW_MODE",
+    "QUOTA_MODE",
+    "RESPONSE_DYNAMIC_METADATA",
+    "MERGE_DOMAIN_CONFIG",
+    "TRACING_ENABLED",
+];
+
+/// A boolean as Go's `strconv.ParseBool` reads it (their variables are read so): `1`,
+/// `t`, `T`, `TRUE`, `true`, `True` and their false twins; anything else is none.
+fn go_bool(value: &str) -> Option<bool> {
+    match value {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Some(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Some(false),
+        _ => None,
+    }
+}
+
+/// `LOG_LEVEL` as theirs (logrus) takes it, in any case, as a level here: `panic` and
+/// `fatal` log errors, `warning` is `warn`; none for a level theirs refuses.
+fn log_level(value: &str) -> Option<&'static str> {
+    Some(match value.to_ascii_lowercase().as_str() {
+        "panic" | "fatal" | "error" => "error",
+        "warn" | "warning" => "warn",
+        "info" => "info",
+        "debug" => "debug",
+        "trace" => "trace",
+        _ => return None,
+    })
+}
+
+/// The variables whose values theirs refuses (and these, beyond theirs, for a value that
+/// would mean nothing: a ratio past 1, a flush every 0 s), each naming its variable.
+fn values(get: &dyn Fn(&str) -> Option<String>) -> Vec<String> {
+    let mut refused: Vec<String> = (BOOLEANS.iter().filter_map(|&var| Some((var, get(var)?))))
+        .filter(|(_, v)| go_bool(v).is_none())
+        .map(|(var, v)| {
+            format!("{var}={v} is not a boolean: write true or false (theirs takes 1, t, T, TRUE, true, True and 0, f, F, FALSE, false, False, and refuses to start on anything else)")
+        })
+        .collect();
+    for var in ["NEAR_LIMIT_RATIO", "TRACING_SAMPLING_RATE"] {
+        let Some(v) = get(var) else { continue };
+        if !v.parse::<f64>().is_ok_and(|r| (0.0..=1.0).contains(&r)) {
+            refused.push(format!("{var}={v} is not a ratio: write a number from 0 to 1, e.g. 0.8"));
+        }
+    }
+    if let Some(v) = get("LOG_LEVEL").filter(|v| log_level(v).is_none()) {
+        refused.push(format!("LOG_LEVEL={v} is not a level: write one of trace, debug, info, warn, error"));
+    }
+    refused.extend(not_tags(get, "EXTRA_TAGS"));
+    if get("STATS_FLUSH_INTERVAL").and_then(|v| sluice::config::Duration::parse(&v).ok()).is_some_and(|d| d.0 == 0) {
+        refused.push("STATS_FLUSH_INTERVAL=0s: write how often to send, e.g. 10s".into());
+    }
+    refused
 }
 
 /// The variables set to ask for what Sluice does not do, each with why.
