@@ -170,12 +170,14 @@ async fn files_added_and_removed_are_loaded_and_unloaded() {
     assert_eq!(status("added").await, 429);
 }
 
-/// `sluice config from-env` prints the config their environment makes, a file
-/// `config check` loads as it is (with their domain files where it says), and below it,
-/// as comments, each variable it read with its value (a credential's hidden) and each
-/// variable without effect here with why.
+/// `sluice config from-env` prints the config their environment makes, and below it, as
+/// comments, each variable it read with its value (a credential's hidden) and each
+/// variable without effect here with why. No credential is printed: the Redis password
+/// and the key secret are placeholders that `config check` refuses, naming each, and the
+/// file loads once they are filled in (before, both were printed as they were).
 #[test]
 fn from_env_prints_the_config_and_what_each_variable_became() {
+    const SECRET: &str = "a-key-secret-of-this-deployment";
     let dir = sluice_testkit::TempDir::new("sluice-from-env");
     let files = dir.path().join("runtime/ratelimit/config");
     std::fs::create_dir_all(&files).unwrap();
@@ -194,6 +196,7 @@ fn from_env_prints_the_config_and_what_each_variable_became() {
         ("REDIS_POOL_SIZE", "10"),
         ("LIMIT_RESET_HEADER", "X-Reset-In"),
         ("USE_STATSD", "false"),
+        ("SLUICE_KEY_SECRET", SECRET),
     ];
     let out = std::process::Command::new(bin()).args(["config", "from-env"]).env_clear().envs(vars).output().unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
@@ -202,13 +205,24 @@ fn from_env_prints_the_config_and_what_each_variable_became() {
     for line in ["#   LIMIT_RESET_HEADER=X-Reset-In", "#   REDIS_URL=127.0.0.1:6379", "#   REDIS_AUTH=(set)"] {
         assert!(text.contains(line), "{line} not in:\n{text}");
     }
-    assert!(!text.lines().any(|l| l.starts_with('#') && l.contains("hunter2")), "a credential in a comment:\n{text}");
+    // no credential anywhere (a printed config becomes a ConfigMap): the Redis password
+    // and the key secret are placeholders, which `config check` refuses, naming each
+    assert!(!text.contains("hunter2") && !text.contains(SECRET), "a credential printed:\n{text}");
+    assert!(text.contains("redis://:CHANGE-ME@127.0.0.1:6379") && text.contains("key_secret: CHANGE-ME"), "{text}");
     let without = text.lines().find(|l| l.starts_with("# these have no effect here")).unwrap_or_default();
     assert!(without.contains("REDIS_POOL_SIZE"), "{text}");
-    let file = dir.path().join("from-env.yaml");
-    std::fs::write(&file, &text).unwrap();
-    let check = std::process::Command::new(bin()).args(["config", "check"]).arg(&file).output().unwrap();
-    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+    let check = |text: &str| {
+        let file = dir.path().join("from-env.yaml");
+        std::fs::write(&file, text).unwrap();
+        let check = std::process::Command::new(bin()).args(["config", "check"]).arg(&file).output().unwrap();
+        (check.status.success(), String::from_utf8_lossy(&check.stderr).into_owned())
+    };
+    let (ok, err) = check(&text);
+    assert!(!ok && err.contains("store.url holds the placeholder password"), "{err}");
+    let (ok, err) = check(&text.replace(":CHANGE-ME@", ":hunter2-secret@"));
+    assert!(!ok && err.contains("limiter.key_secret is still the placeholder"), "{err}");
+    let (ok, err) = check(&text.replace(":CHANGE-ME@", ":hunter2-secret@").replace("CHANGE-ME-the-key-secret", SECRET));
+    assert!(ok, "{err}");
 }
 
 /// Values theirs refuses to start on are refused here too, naming the variable (before,

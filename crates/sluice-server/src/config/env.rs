@@ -11,6 +11,7 @@
 //! for what Sluice does not do (a StatsD sink, per-second limits on a second Redis):
 //! those refuse the start, each with the reason, never silently ignored.
 
+use crate::config::secrets::PLACEHOLDER;
 use serde_json::{Value, json};
 use sluice::store::percent_encode;
 
@@ -49,6 +50,40 @@ const WITHOUT_EFFECT: &[&str] = &[
     "XDS_CLIENT_BACKOFF_RANDOM_FACTOR",
     "XDS_CLIENT_BACKOFF_JITTER",
 ];
+
+/// Writes every credential of a config made from the environment as the placeholder
+/// (which `config check` refuses), for printing: the key secret, the stores' passwords
+/// and the passwords in their URLs. A printed config is meant to become a file, and a
+/// config file a ConfigMap anyone who reads the namespace may read.
+fn without_credentials(config: &mut Value) {
+    match config {
+        Value::Object(map) => {
+            for (key, value) in map.iter_mut() {
+                match (key.as_str(), value) {
+                    ("key_secret", v) => *v = json!(format!("{PLACEHOLDER}-the-key-secret")),
+                    ("password" | "sentinel_password", v @ Value::String(_)) => *v = json!(PLACEHOLDER),
+                    (_, v) => without_credentials(v),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(without_credentials),
+        Value::String(text) => {
+            if let Some((scheme, rest)) = text.split_once("://")
+                && let Some((user_info, address)) = rest.rsplit_once('@')
+                && let Some((user, _)) = user_info.split_once(':')
+            {
+                *text = format!("{scheme}://{user}:{PLACEHOLDER}@{address}");
+            }
+            // a Unix socket's (`redis+unix:///path?pass=...`)
+            if text.contains("://")
+                && let Some((path, _)) = text.split_once("?pass=")
+            {
+                *text = format!("{path}?pass={PLACEHOLDER}");
+            }
+        }
+        _ => {}
+    }
+}
 
 /// Reads the variables (through `env`) into a config, or says every one it refuses.
 pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String> {
@@ -390,9 +425,15 @@ pub fn print() -> Result<(), String> {
         }
         value
     };
-    let from = from_env(&get)?;
+    let mut from = from_env(&get)?;
+    without_credentials(&mut from.config);
     print!("{}", serde_norway::to_string(&from.config).map_err(|e| e.to_string())?);
     // what was read, as comments: the output stays a config file
+    println!(
+        "# credentials are written {PLACEHOLDER}, which `config check` and `serve` refuse: keep each in a Secret \
+         (limiter.key_secret_file for SLUICE_KEY_SECRET's value followed by CACHE_KEY_PREFIX's; docs/operations.md, \
+         \"Secrets\")"
+    );
     println!("# made of these variables of envoyproxy/ratelimit's (credentials not shown):");
     for (name, value) in read.borrow().iter() {
         let secret = ["AUTH", "PASSWORD", "SECRET", "TOKEN", "KEY"].iter().any(|w| name.contains(w));

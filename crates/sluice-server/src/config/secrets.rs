@@ -8,8 +8,8 @@
 //! comes from: a deployment copied as written must not run with a credential everyone
 //! can read in this repository.
 
-use crate::config::Config;
 use crate::config::checks::{CheckError, token_ok};
+use crate::config::{Config, StoreConfig};
 use std::path::Path;
 
 /// How every placeholder the examples ship begins: a secret that begins so was never set.
@@ -56,6 +56,19 @@ pub fn read(config: &mut Config) -> Result<(), CheckError> {
 
 /// Refuses a secret that is still one of the examples' placeholders.
 fn placeholders(config: &Config) -> Result<(), CheckError> {
+    let mut passwords = Vec::new();
+    store_passwords(&config.store, "store", &mut passwords);
+    if let Some(global) = &config.global_store {
+        store_passwords(global, "global_store", &mut passwords);
+    }
+    if let Some((at, _)) = passwords.iter().find(|(_, p)| is_placeholder(p)) {
+        let path: Vec<&str> = at.split('.').collect();
+        let message = format!(
+            "{at} holds the placeholder password {PLACEHOLDER}... (as `sluice config from-env` prints a credential): \
+             write the store's password there, or run `sluice serve --ratelimit-env` to read it from REDIS_AUTH"
+        );
+        return Err(CheckError::at(&path, message));
+    }
     let (server, limiter) = (&config.server, &config.limiter);
     let secrets = server
         .admin_token
@@ -74,6 +87,45 @@ fn placeholders(config: &Config) -> Result<(), CheckError> {
         }
     }
     Ok(())
+}
+
+/// The passwords the store config `store` (at the key `at`) holds, in its URLs' user info
+/// or its own keys, each with the key that holds it.
+fn store_passwords<'a>(store: &'a StoreConfig, at: &str, out: &mut Vec<(String, &'a str)>) {
+    let mut urls = |key: &str, urls: &mut dyn Iterator<Item = &'a String>| {
+        out.extend(urls.filter_map(|u| url_password(u)).map(|p| (format!("{at}.{key}"), p)));
+    };
+    match store {
+        StoreConfig::Redis { url, replicas, .. } => urls("url", &mut std::iter::once(url).chain(replicas)),
+        StoreConfig::RedisCluster { nodes, .. } => urls("nodes", &mut nodes.iter()),
+        StoreConfig::RedisSharded { shards, .. } => {
+            urls("shards", &mut shards.iter().flat_map(|s| std::iter::once(&s.primary).chain(&s.replicas)))
+        }
+        StoreConfig::RedisSentinel(c) => {
+            let keys = [("password", &c.password), ("sentinel_password", &c.sentinel_password)];
+            out.extend(keys.into_iter().filter_map(|(key, p)| Some((format!("{at}.{key}"), p.as_deref()?))));
+        }
+        StoreConfig::PerSecond { main, per_second } => {
+            store_passwords(main, &format!("{at}.main"), out);
+            store_passwords(per_second, &format!("{at}.per_second"), out);
+        }
+        StoreConfig::Migrating { from, to, .. } => {
+            store_passwords(from, &format!("{at}.from"), out);
+            store_passwords(to, &format!("{at}.to"), out);
+        }
+        StoreConfig::Memory { .. } | StoreConfig::Memcached { .. } => {}
+    }
+}
+
+/// The password in a URL's user info (`redis://user:password@host`) or its query (a Unix
+/// socket's `redis+unix:///path?pass=...`), if any.
+fn url_password(url: &str) -> Option<&str> {
+    let (_, rest) = url.split_once("://")?;
+    if let Some((_, password)) = rest.split_once("?pass=") {
+        return Some(password);
+    }
+    let (user_info, _) = rest.rsplit_once('@')?;
+    user_info.split_once(':').map(|(_, password)| password)
 }
 
 /// Whether `secret` is a placeholder (`CHANGE-ME...`, in any case).
