@@ -179,7 +179,8 @@ async fn envoys_trace_continues_through_sluice() {
 
 /// `sluice serve --ratelimit-env`, started with envoyproxy/ratelimit's environment
 /// variables and nothing else (a Redis on a unix socket, their runtime directory layout,
-/// their response headers), answers a real Envoy.
+/// their response headers and none of theirs does not send: no `Retry-After`), answers a
+/// real Envoy.
 #[tokio::test]
 async fn their_environment_alone_answers_a_real_envoy() {
     let dir = TempDir::new("sluice-env");
@@ -208,17 +209,18 @@ async fn their_environment_alone_answers_a_real_envoy() {
     for _ in 0..3 {
         let r = client.get(format!("http://127.0.0.1:{listen}/x")).header("x-user", "dana").send().await.unwrap();
         let header = |name: &str| r.headers().get(name).map(|v| v.to_str().unwrap().to_string());
-        let named = ["x-quota", "x-quota-left", "x-quota-reset", "ratelimit-limit"].map(header);
+        let named = ["x-quota", "x-quota-left", "x-quota-reset", "ratelimit-limit", "retry-after"].map(header);
         answers.push((r.status().as_u16(), named));
     }
     // a store that did not answer would have failed open: the 429 is Redis's count
-    let (status, [limit, left, reset, default]) = &answers[2];
+    let (status, [limit, left, reset, default, retry_after]) = &answers[2];
     assert_eq!(*status, 429, "{answers:?}\n{}", log());
     assert_eq!(limit.as_deref(), Some("2"), "the name LIMIT_LIMIT_HEADER gave: {answers:?}");
     assert_eq!(left.as_deref(), Some("0"), "the name LIMIT_REMAINING_HEADER gave");
     let reset: u64 = reset.as_deref().expect("the name LIMIT_RESET_HEADER gave").parse().unwrap();
     assert!((1..=60).contains(&reset), "seconds to the minute's end: {reset}");
     assert_eq!(*default, None, "their default name is not sent as well");
+    assert_eq!(*retry_after, None, "theirs sends no Retry-After, and Envoy would forward it");
     assert!(log().contains("store=\"redis\""), "{}", log());
     assert!(log().contains("REDIS_POOL_SIZE"), "named as without effect:\n{}", log());
 }

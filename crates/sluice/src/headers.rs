@@ -23,11 +23,20 @@ pub struct HeadersConfig {
     /// The names of those three (their `LIMIT_LIMIT_HEADER`, `LIMIT_REMAINING_HEADER`,
     /// `LIMIT_RESET_HEADER`).
     pub envoy_ratelimit_names: EnvoyHeaderNames,
+    /// `Retry-After` on a refusal (RFC 9110: when to come back). envoyproxy/ratelimit
+    /// sends none, so `--ratelimit-env` turns it off.
+    pub retry_after: bool,
 }
 
 impl Default for HeadersConfig {
     fn default() -> Self {
-        Self { github: true, ietf: true, envoy_ratelimit: false, envoy_ratelimit_names: EnvoyHeaderNames::default() }
+        Self {
+            github: true,
+            ietf: true,
+            envoy_ratelimit: false,
+            envoy_ratelimit_names: EnvoyHeaderNames::default(),
+            retry_after: true,
+        }
     }
 }
 
@@ -101,7 +110,7 @@ pub fn render(v: &Verdict, cfg: &HeadersConfig) -> Vec<(&'static str, String)> {
         // decided by the failure policy, not by the store: say so, and invent no numbers
         // (`local` has its own count's, below)
         out.push(("x-sluice-degraded", f.header_value().to_string()));
-        if v.outcome == Outcome::Unavailable {
+        if v.outcome == Outcome::Unavailable && cfg.retry_after {
             out.push(("retry-after", "1".to_string()));
         }
     }
@@ -133,7 +142,7 @@ pub fn render(v: &Verdict, cfg: &HeadersConfig) -> Vec<(&'static str, String)> {
         out.push((names.remaining, d.remaining.to_string()));
         out.push((names.reset, (d.reset_at.saturating_sub(v.now) / 1000).to_string()));
     }
-    if let Some(wait) = d.retry_after.filter(|_| v.outcome == Outcome::OverLimit) {
+    if let Some(wait) = d.retry_after.filter(|_| v.outcome == Outcome::OverLimit && cfg.retry_after) {
         out.push(("retry-after", ceil_secs(wait).to_string()));
     }
     out

@@ -116,7 +116,7 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
             "key_secret": secret,
             "count_refused_hits": true,
             "near_limit_ratio": get("NEAR_LIMIT_RATIO").and_then(|r| r.parse::<f64>().ok()).unwrap_or(0.8)},
-        "headers": {"github": false, "ietf": false, "envoy_ratelimit": headers, "envoy_ratelimit_names": {
+        "headers": {"github": false, "ietf": false, "retry_after": false, "envoy_ratelimit": headers, "envoy_ratelimit_names": {
             "limit": get("LIMIT_LIMIT_HEADER"), "remaining": get("LIMIT_REMAINING_HEADER"),
             "reset": get("LIMIT_RESET_HEADER")}},
         "envoy": {"merge_domains": on("MERGE_DOMAIN_CONFIG"), "response_dynamic_metadata": on("RESPONSE_DYNAMIC_METADATA")},
