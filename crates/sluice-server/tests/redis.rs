@@ -456,3 +456,56 @@ async fn a_local_failure_policy_counts_alone_while_the_store_is_down() {
     let scrape = common::metrics(&client, &s.base).await;
     assert!(scrape.contains("sluice_degraded_total{domain=\"d\",failure=\"local\"} 5"), "{scrape}");
 }
+
+/// The readiness probe as deploy/kubernetes ships it (its path, period and failure
+/// threshold, Kubernetes' default timeout of 1 s), against a store that does not answer,
+/// killed and then frozen by SIGSTOP: an instance whose rules say `failure: local` stays
+/// ready throughout and keeps deciding within its bound (out of the Service, Envoy's own
+/// `failure_mode_deny` would decide, and a fail-open Envoy admits without bound); one
+/// with `failure: open` alone leaves it within the threshold.
+#[tokio::test]
+async fn the_shipped_readiness_probe_keeps_failure_local_in_the_service() {
+    let deployment =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/kubernetes/deployment.yaml"));
+    let deployment: serde_json::Value = serde_norway::from_str(&deployment.unwrap()).unwrap();
+    let probe = &deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"];
+    let (path, period) = (probe["httpGet"]["path"].as_str().unwrap(), probe["periodSeconds"].as_u64().unwrap());
+    let threshold = probe["failureThreshold"].as_u64().unwrap();
+    let timeout = Duration::from_secs(probe["timeoutSeconds"].as_u64().unwrap_or(1));
+    let client = reqwest::Client::builder().timeout(timeout).build().unwrap();
+    let probe = |base: String| {
+        let client = client.clone();
+        async move { client.get(format!("{base}{path}")).send().await.map(|r| r.status().as_u16()).unwrap_or(0) }
+    };
+    for failure in ["local", "open"] {
+        let mut redis = RedisServer::start();
+        let rules = format!(
+            "  - domain: d\n    descriptors:\n      - key: user\n        failure: {failure}\n        rate_limit: {{unit: hour, requests_per_unit: 3}}\n"
+        );
+        let s = start_with(&redis_store(&redis, &[]), &rules);
+        assert_eq!(probe(s.base.clone()).await, 200);
+        for fault in ["-STOP", "kill"] {
+            match fault {
+                "kill" => {
+                    redis.signal("-CONT");
+                    redis.kill();
+                }
+                signal => redis.signal(signal),
+            }
+            // the probes of one threshold and one more, a period apart
+            let mut seen = Vec::new();
+            for _ in 0..=threshold {
+                seen.push(probe(s.base.clone()).await);
+                tokio::time::sleep(Duration::from_secs(period)).await;
+            }
+            let decided = hit(&client, &s.base, "d", &[("user", fault)]).await;
+            match failure {
+                "local" => {
+                    assert!(seen.iter().all(|&status| status == 200), "{fault}: {seen:?}\n{}", s.log());
+                    assert_eq!(header(&decided, "x-sluice-degraded"), "local", "still deciding within its bound");
+                }
+                _ => assert!(seen[threshold as usize - 1..].iter().all(|&status| status == 503), "{fault}: {seen:?}"),
+            }
+        }
+    }
+}

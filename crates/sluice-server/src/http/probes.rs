@@ -41,13 +41,25 @@ pub(crate) async fn metrics(State(state): Shared) -> Response {
 
 /// `GET /readyz`: 200 when the store takes calls and the stored overrides have been
 /// read (until then this instance would decide without them), and with `xds`, once the
-/// first rules were pushed (unless `xds.start_without_config`).
+/// first rules were pushed (unless `xds.start_without_config`). A store that does not
+/// answer leaves the instance ready when a rule's `failure` is `local`: such an instance
+/// still decides those rules within their bound, which only instances that get requests
+/// can do (out of the Service, Envoy would decide by its own `failure_mode_deny`, and a
+/// fail-open Envoy admits without bound). With `open` and `closed` alone it is not ready:
+/// instances that still reach the store answer in its place.
 pub(crate) async fn ready(State(state): Shared) -> Response {
     let limiter = &state.engine.load_full().limiter;
     if let Some(why) = state.xds.as_ref().and_then(|x| x.unready()) {
         (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response()
     } else if !limiter.store().ready().await {
-        (StatusCode::SERVICE_UNAVAILABLE, "store not ready\n").into_response()
+        match limiter.rules().use_local_failure() {
+            true => (
+                StatusCode::OK,
+                "ready: the store does not answer; rules with failure: local decide within their bound here\n",
+            )
+                .into_response(),
+            false => (StatusCode::SERVICE_UNAVAILABLE, "store not ready\n").into_response(),
+        }
     } else if !limiter.overrides().loaded() {
         (StatusCode::SERVICE_UNAVAILABLE, "stored overrides not loaded yet\n").into_response()
     } else {
