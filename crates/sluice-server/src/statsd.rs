@@ -104,7 +104,9 @@ impl Sender {
 impl Sender {
     /// One stat's line in the config's format: `value` of `kind` (`c` a counter's delta,
     /// `ms` a timer's sample). DogStatsD's: the name mogrified, its tags after the config's.
+    /// The name is [`sanitized`] first: parts of it are descriptor values clients send.
     fn line(&self, name: &str, value: &str, kind: &str) -> String {
+        let name = &sanitized(name);
         let config = &self.config;
         match config.format {
             Format::Lyft => {
@@ -124,6 +126,18 @@ impl Sender {
 }
 
 /// The mogrifiers with their patterns compiled (each checked at load: `checks::telemetry`).
+/// `name` with what StatsD and DogStatsD read as syntax replaced by `_`: `:` (the value
+/// follows), `|` (the type, the sample rate, the tags), `@` (a sample rate), `#` (tags),
+/// whitespace and control characters (a line ends). A `detailed_metric` rule's names
+/// hold descriptor values as clients send them: `a:999|c` must not add a counter.
+fn sanitized(name: &str) -> std::borrow::Cow<'_, str> {
+    let syntax = |c: char| matches!(c, ':' | '|' | '@' | '#') || c.is_whitespace() || c.is_control();
+    match name.contains(syntax) {
+        true => name.replace(syntax, "_").into(),
+        false => name.into(),
+    }
+}
+
 fn compiled(mogrifiers: &[Mogrifier]) -> Vec<(regex_lite::Regex, Mogrifier)> {
     mogrifiers.iter().filter_map(|m| Some((regex_lite::Regex::new(&m.pattern).ok()?, m.clone()))).collect()
 }

@@ -229,6 +229,18 @@ impl Daemon {
         panic!("the StatsD daemon never listened");
     }
 
+    /// Waits (10 s at most) until it has counted `n` of `name`, then for two of its
+    /// flushes more (what else was sent with it is counted too).
+    fn wait_for(&self, name: &str, n: u64) {
+        let started = Instant::now();
+        while self.counted(name) < n {
+            let out = std::fs::read_to_string(&self.out).unwrap_or_default();
+            assert!(started.elapsed() < Duration::from_secs(10), "the daemon never counted {n} of {name}:\n{out}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        std::thread::sleep(Duration::from_millis(700));
+    }
+
     /// The sum of what its flushes counted for `name` (in their `counters:` blocks).
     fn counted(&self, name: &str) -> u64 {
         let text = std::fs::read_to_string(&self.out).unwrap_or_default();
@@ -257,13 +269,42 @@ async fn the_reference_daemon_counts_what_is_sent() {
     let rule = "domain: d\ndescriptors:\n  - key: user\n    rate_limit: {unit: hour, requests_per_unit: 2}\n";
     let _sluice = their_calls(rule, &redis.addr().to_string(), daemon.port, &[], 3).await;
     let stat = |s: &str| format!("ratelimit.service.rate_limit.d.user.{s}");
-    let started = Instant::now();
-    while daemon.counted(&stat("total_hits")) < 3 {
-        let out = std::fs::read_to_string(&daemon.out).unwrap_or_default();
-        assert!(started.elapsed() < Duration::from_secs(10), "the daemon never counted 3 hits:\n{out}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    std::thread::sleep(Duration::from_millis(700));
+    daemon.wait_for(&stat("total_hits"), 3);
     let counted = [stat("total_hits"), stat("within_limit"), stat("over_limit")].map(|s| daemon.counted(&s));
     assert_eq!(counted, [3, 2, 1], "{}", std::fs::read_to_string(&daemon.out).unwrap_or_default());
+}
+
+/// Descriptor values a client controls go into the names of `detailed_metric` rules: what
+/// StatsD and DogStatsD read as syntax (`:|@#`, whitespace, control characters) is
+/// replaced, so a hostile value adds no counter, no tag and no bad line at Etsy's daemon
+/// (before, `a:999|c` sent `...path_a:999|c.total_hits:1|c`).
+#[tokio::test]
+async fn client_values_cannot_shape_the_stat_names() {
+    let daemon = Daemon::start();
+    let redis = sluice_testkit::RedisServer::start();
+    let rule = "domain: d\ndescriptors:\n  - key: path\n    detailed_metric: true\n    rate_limit: {unit: hour, requests_per_unit: 9}\n";
+    let dir = sluice_testkit::TempDir::new("sluice-statsd");
+    let port = daemon.port.to_string();
+    let vars = [
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", &redis.addr().to_string()),
+        ("USE_STATSD", "true"),
+        ("STATSD_HOST", "127.0.0.1"),
+        ("STATSD_PORT", port.as_str()),
+        ("STATS_FLUSH_INTERVAL", "200ms"),
+    ];
+    let (_sluice, grpc) = common::their_way(&dir, rule, &vars);
+    let mut rls = common::rls(&grpc).await;
+    for value in ["a:999|c", "b|#tag:x", "c d\nevil:1|c", "e@0.5"] {
+        rls.should_rate_limit(common::rls_request("d", &[("path", value)])).await.unwrap();
+    }
+    let stat = |v: &str| format!("ratelimit.service.rate_limit.d.path_{v}.total_hits");
+    daemon.wait_for(&stat("e_0.5"), 1);
+    let out = std::fs::read_to_string(&daemon.out).unwrap_or_default();
+    let counted = ["a_999_c", "b__tag_x", "c_d_evil_1_c"].map(|v| daemon.counted(&stat(v)));
+    assert_eq!(counted, [1, 1, 1], "{out}");
+    assert_eq!(daemon.counted("statsd.bad_lines_seen"), 0, "{out}");
+    for name in ["999", "evil", "c.total_hits", "tag"] {
+        assert!(!out.contains(&format!("'{name}'")), "a counter {name} made by a client:\n{out}");
+    }
 }
