@@ -179,6 +179,13 @@ async fn reset_on_two_instances_with_warm_near_caches() {
     }
     let r = admin(&c, reqwest::Method::DELETE, &a.base, "/v1/admin/clients?domain=d&team=red&policy=nope").await;
     assert_eq!(r.status(), 404);
+    // an operator is told the configured domains (the data plane tells no caller)
+    for method in [reqwest::Method::GET, reqwest::Method::DELETE] {
+        let r = admin(&c, method, &a.base, "/v1/admin/clients?domain=nope&team=red").await;
+        assert_eq!(r.status(), 400);
+        let text = r.text().await.unwrap();
+        assert!(text.contains("unknown domain 'nope'; configured domains: d"), "{text}");
+    }
     assert_eq!(audits(&a, "client_reset") + audits(&b, "client_reset"), 2);
     for s in [&a, &b] {
         let m = metrics(&c, &s.base).await;

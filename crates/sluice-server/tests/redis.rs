@@ -150,6 +150,9 @@ async fn a_dead_redis_fails_open_fast_and_recovers() {
         value("sluice_store_errors_total{store=\"redis\",kind=\"circuit_open\"}") > 0.0,
         "the breaker never opened"
     );
+    // and its gauge says so (open, or half-open while a probe is out)
+    let state = value("sluice_circuit_breaker_state{store=\"redis\"}");
+    assert!(state == 1.0 || state == 2.0, "the breaker's gauge: {state}\n{metrics}\n{}", s.log());
     redis.restart();
     let back = Instant::now();
     loop {

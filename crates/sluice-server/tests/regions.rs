@@ -272,6 +272,8 @@ async fn sparse_and_new_clients_are_admitted_at_the_front_door() {
     let scrape = common::metrics(&client, &regions[0].base).await;
     assert!(common::series(&scrape, "sluice_region_hurried_total{region=\"eu\"}") > 0.0, "{scrape}");
     assert_eq!(common::series(&scrape, "sluice_region_refusals_total{region=\"eu\",why=\"waiting\"}"), 0.0, "{scrape}");
+    // the round trips are a histogram, as the dashboard's histogram_quantile reads them
+    assert!(scrape.contains("sluice_region_global_call_seconds_bucket{region=\"eu\",le=\"0.1\"}"), "{scrape}");
 }
 
 /// The live page's region card: its endpoint's figures, and the page showing them.

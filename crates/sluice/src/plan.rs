@@ -144,10 +144,9 @@ pub(crate) fn plan<'r>(
     if let Some(why) = &rules.pending {
         return Err(RequestError::NoRules(why.to_string()));
     }
-    let domain = rules.domain(&req.domain).ok_or_else(|| RequestError::UnknownDomain {
-        domain: req.domain.chars().take(200).collect(),
-        known: rules.domain_names().join(", "),
-    })?;
+    let domain = rules
+        .domain(&req.domain)
+        .ok_or_else(|| RequestError::UnknownDomain { domain: req.domain.chars().take(200).collect() })?;
     validate(req, &rules.request_bounds)?;
     let nodes: Vec<Option<&Node>> = req
         .descriptors

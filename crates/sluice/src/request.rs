@@ -83,8 +83,10 @@ impl Request {
 /// A request the engine refuses to evaluate. Each says what is wrong and what to send.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RequestError {
-    #[error("unknown domain '{domain}'; configured domains: {known}")]
-    UnknownDomain { domain: String, known: String },
+    /// (The configured domains are not named to the data plane's callers: the admin
+    /// API's answers and `config check` name them.)
+    #[error("unknown domain '{domain}': no rules are configured for it")]
+    UnknownDomain { domain: String },
     #[error("`descriptors` is empty; send at least one descriptor with at least one entry")]
     NoDescriptors,
     #[error("descriptors[{0}] has no entries; each descriptor needs at least one {{key, value}}")]

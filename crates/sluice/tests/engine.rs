@@ -239,7 +239,10 @@ async fn client_key_chooses_the_tag_and_errors_are_clear() {
     let r = req("d", &[&[("path", "/a"), ("user", "x")]]);
     assert!(l.check(&r).await.unwrap().allowed());
     let err = l.check(&req("nope", &[&[("a", "b")]])).await.unwrap_err().to_string();
-    assert!(err.contains("unknown domain 'nope'") && err.contains("configured domains: d"), "{err}");
+    assert!(
+        err.contains("unknown domain 'nope'") && !err.contains("configured domains"),
+        "no list for any caller: {err}"
+    );
     let mut costly = r.clone();
     costly.hits_addend = Some(3);
     let e = l.check(&costly).await.unwrap_err();

@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde_json::{Value, json};
 use sluice::time::ceil_secs;
-use sluice::{Override, PolicyDecision};
+use sluice::{CheckError, Override, PolicyDecision, RequestError};
 use std::sync::Arc;
 
 type Shared = State<Arc<AppState>>;
@@ -197,15 +197,15 @@ async fn inspect(State(state): Shared, query: Result<Query<Vec<(String, String)>
     let limiter = &state.engine.load().limiter;
     let held = match limiter.leases(&req).await {
         Ok(h) => h,
-        Err(e) => return check_error(e),
+        Err(e) => return admin_error(e, limiter),
     };
     let reserved = match limiter.holds(&req).await {
         Ok(h) => h,
-        Err(e) => return check_error(e),
+        Err(e) => return admin_error(e, limiter),
     };
     let pools = match limiter.pools(&req).await {
         Ok(p) => p,
-        Err(e) => return check_error(e),
+        Err(e) => return admin_error(e, limiter),
     };
     match limiter.status(&req).await {
         Ok(v) => {
@@ -240,7 +240,7 @@ async fn inspect(State(state): Shared, query: Result<Query<Vec<(String, String)>
             axum::Json(json!({"domain": req.domain, "entries": entries, "matched": matched, "policies": policies}))
                 .into_response()
         }
-        Err(e) => check_error(e),
+        Err(e) => admin_error(e, limiter),
     }
 }
 
@@ -309,7 +309,8 @@ async fn reset(State(state): Shared, query: Result<Query<Vec<(String, String)>>,
         Ok(q) => q,
         Err(resp) => return *resp,
     };
-    match state.engine.load().limiter.reset(&req, policy.as_deref()).await {
+    let limiter = &state.engine.load().limiter;
+    match limiter.reset(&req, policy.as_deref()).await {
         Ok(names) if names.is_empty() => {
             let message = match &policy {
                 Some(p) => format!("policy '{p}' does not apply to this client"),
@@ -326,7 +327,7 @@ async fn reset(State(state): Shared, query: Result<Query<Vec<(String, String)>>,
             tokio::time::sleep(sluice::overrides::PROPAGATION).await;
             axum::Json(json!({"domain": req.domain, "reset": names})).into_response()
         }
-        Err(e) => check_error(e),
+        Err(e) => admin_error(e, limiter),
     }
 }
 
@@ -376,5 +377,18 @@ async fn set_migration(State(state): Shared, body: Body) -> Response {
             axum::Json(json!({"percent": percent, "previous": previous})).into_response()
         }
         None => error(StatusCode::CONFLICT, "not_migrating", "store.kind is not migrating".into()),
+    }
+}
+
+/// An error of the admin API, as the data plane's, but an unknown domain's names the
+/// configured ones: an operator's question, which the data plane answers to no caller.
+fn admin_error(e: CheckError, limiter: &sluice::Limiter) -> Response {
+    match e {
+        CheckError::Request(RequestError::UnknownDomain { domain }) => {
+            let known = limiter.rules().domain_names().join(", ");
+            let message = format!("unknown domain '{domain}'; configured domains: {known}");
+            error(StatusCode::BAD_REQUEST, "unknown_domain", message)
+        }
+        e => check_error(e),
     }
 }

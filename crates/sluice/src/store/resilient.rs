@@ -202,11 +202,17 @@ impl<S: Store> Resilient<S> {
         match (&*b, &next, outage) {
             (Breaker::Closed { failures: 0 }, _, Some(e)) => {
                 let address = self.inner.address();
+                // the global store of regions is not what `/readyz` asks (http/probes.rs)
+                let readyz = match self.settings.label {
+                    Some("global") => "/readyz is not affected by the global store",
+                    _ => "/readyz answers 503, unless a rule's failure is local",
+                };
                 tracing::warn!(
                     store,
                     %address,
                     error = %e,
-                    "store failing; the failure policy decides until it answers again (and /readyz answers 503)"
+                    readyz,
+                    "store failing; the failure policy decides until it answers again"
                 );
             }
             (Breaker::Closed { .. }, Breaker::Open { .. }, _) => {
