@@ -103,6 +103,12 @@ impl Regions {
     pub(crate) fn share(&self, tag: Tag, op: &Op, instances: u64, now: Millis) -> u64 {
         let Limit::FixedWindow { limit, .. } = op.limit else { return 0 };
         let end = escrow::window_end(&op.limit, now);
+        // a decision that outlived its window (it waited on the global store past the
+        // window's end) gets nothing of it: what the region knew of that window may be
+        // gone already, and a share of a window it cannot see could pass the limit
+        if self.clock.now() >= end {
+            return 0;
+        }
         let known = self.known(tag, escrow::base_key(op.key, &op.limit, end), end);
         let regions = self.regions_known();
         let share = (limit / regions).saturating_sub(known.seen.0 + known.decided);

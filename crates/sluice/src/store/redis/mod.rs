@@ -535,8 +535,14 @@ fn manager(url: &str, options: &RedisOptions, retries: usize) -> Result<Connecti
     ConnectionManager::new_lazy_with_config(client(url, options)?, config).map_err(store_error)
 }
 
-/// A URL with its password replaced by `***`, for errors and logs.
+/// A URL with its password replaced by `***`, for errors and logs: in its user info, or
+/// in a Unix socket URL's query (`redis+unix:///path?pass=...`, as `--ratelimit-env`
+/// writes `REDIS_AUTH` for a socket).
 pub(crate) fn redacted(url: &str) -> String {
+    if let Some(at) = url.find("pass=").filter(|&i| url[..i].ends_with(['?', '&'])) {
+        let end = url[at..].find('&').map_or(url.len(), |e| at + e);
+        return format!("{}pass=***{}", &url[..at], &url[end..]);
+    }
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => match url[s + 3..at].find(':') {
             Some(c) => format!("{}:***{}", &url[..s + 3 + c], &url[at..]),
@@ -1178,6 +1184,8 @@ mod tests {
         assert_eq!(redacted("redis://user:secret@host:6379/0"), "redis://user:***@host:6379/0");
         assert_eq!(redacted("redis://:secret@host/"), "redis://:***@host/");
         assert_eq!(redacted("redis://host:6379/"), "redis://host:6379/");
+        assert_eq!(redacted("redis+unix:///run/redis.sock?pass=secret"), "redis+unix:///run/redis.sock?pass=***");
+        assert_eq!(redacted("redis+unix:///s?db=1&pass=secret&x=1"), "redis+unix:///s?db=1&pass=***&x=1");
     }
 
     #[test]
