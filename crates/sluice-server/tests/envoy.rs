@@ -221,6 +221,8 @@ async fn their_environment_alone_answers_a_real_envoy() {
     assert!((1..=60).contains(&reset), "seconds to the minute's end: {reset}");
     assert_eq!(*default, None, "their default name is not sent as well");
     assert_eq!(*retry_after, None, "theirs sends no Retry-After, and Envoy would forward it");
+    // the warnings name what their environment can set, or say it cannot
+    assert!(log().contains("SLUICE_KEY_SECRET is not set"), "{}", log());
     assert!(log().contains("store=\"redis\""), "{}", log());
     assert!(log().contains("REDIS_POOL_SIZE"), "named as without effect:\n{}", log());
 }

@@ -93,7 +93,7 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     warnings.iter().for_each(|w| tracing::warn!("config: {w}"));
     // the bytes that gave this config, for the reload watcher (read before the TLS files)
     let loaded_bytes = source.as_ref().and_then(|s| reload::watched(s, &config).ok()).unwrap_or_default();
-    warn_if_default_secret(&config);
+    warn_if_default_secret(&config, args.ratelimit_env);
     let tls = config.server.tls.as_ref().map(crate::tls::Tls::load).transpose()?.map(Arc::new);
     let state = Arc::new(state_of(&config, rules, metrics, tls.clone()).await?);
     crate::state::history::start_sampling(&state);
@@ -103,7 +103,7 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     let [metrics_listener, debug_listener] = side_listeners(&config.server)?;
     // the addresses bound (a port 0 in the config is the system's choice)
     let (addr, grpc_addr) = (bound(&listener)?, grpc_listener.at().map_err(ServeError::Io)?);
-    warn_if_open(&config, addr, grpc_listener.local());
+    warn_if_open(&config, addr, grpc_listener.local(), args.ratelimit_env);
     let side = [metrics_listener.as_ref().map(bound).transpose()?, debug_listener.as_ref().map(bound).transpose()?];
     let (stopping, stop) = tokio::sync::watch::channel(false);
     let grpc = crate::grpc::serve(grpc_listener, state.clone(), &config.server, stop).map_err(ServeError::Io)?;
@@ -149,12 +149,22 @@ fn start_clients(config: &Config, state: &Arc<AppState>) {
     }
 }
 
-/// Warns when a listener is reachable beyond this host and nothing guards the data plane.
-fn warn_if_open(config: &Config, http: SocketAddr, grpc_local: bool) {
-    if !(http.ip().is_loopback() && grpc_local) && config.server.api_tokens.is_empty() {
-        tracing::warn!(
+/// Warns when a listener is reachable beyond this host and nothing guards the data plane;
+/// under `--ratelimit-env` (`env`), saying what their environment cannot set and what
+/// to do instead.
+fn warn_if_open(config: &Config, http: SocketAddr, grpc_local: bool, env: bool) {
+    if (http.ip().is_loopback() && grpc_local) || !config.server.api_tokens.is_empty() {
+        return;
+    }
+    match env {
+        true => tracing::warn!(
+            "a listener is not on loopback, and envoyproxy/ratelimit's environment has no variable for \
+             server.api_tokens: anyone who reaches it can spend or refund any client's quota, as with theirs; let \
+             only Envoy reach it (a NetworkPolicy), or run from a config file with server.api_tokens"
+        ),
+        false => tracing::warn!(
             "a listener is not on loopback and server.api_tokens is empty: anyone who reaches it can spend or refund any client's quota"
-        );
+        ),
     }
 }
 
@@ -346,9 +356,18 @@ fn announce(
     Ok(())
 }
 
-/// A shared store with the default key secret: clients could predict their tags.
-fn warn_if_default_secret(config: &Config) {
-    if config.limiter.key_secret == DEFAULT_KEY_SECRET && !matches!(config.store, StoreConfig::Memory { .. }) {
+/// A shared store with the default key secret: clients could predict their tags. Under
+/// `--ratelimit-env` (`env`), the variable that sets it is named (their `CACHE_KEY_PREFIX`
+/// is appended to the secret, so the default is known by the variable being unset).
+fn warn_if_default_secret(config: &Config, env: bool) {
+    if matches!(config.store, StoreConfig::Memory { .. }) {
+        return;
+    }
+    if env && std::env::var_os("SLUICE_KEY_SECRET").is_none_or(|v| v.is_empty()) {
+        tracing::warn!(
+            "SLUICE_KEY_SECRET is not set: clients' tags are keyed by the built-in secret, so clients can predict them; set it from a Secret"
+        );
+    } else if !env && config.limiter.key_secret == DEFAULT_KEY_SECRET {
         tracing::warn!("limiter.key_secret is the default: set your own so clients cannot predict their tags");
     }
 }
