@@ -129,7 +129,7 @@ async fn their_environment_sends_over_tcp_and_as_dogstatsd() {
         ];
         // SHADOW_MODE: the second call, over the limit, is allowed (global_shadow_mode);
         // each run its own clients on the one Redis
-        let secret = format!("statsd-{dog}");
+        let secret = format!("statsd-{dog}-a-secret-of-its-own");
         let own = [
             ("EXTRA_TAGS", "az:one"),
             ("USE_DOG_STATSD", dog),

@@ -186,7 +186,7 @@ impl Fleet {
     fn write_config(&self, i: usize, dir: &Path, fw_limit: u64) {
         // the planted bug: instances that do not share a key secret count apart
         let secret = match self.plant.as_deref() {
-            Some("split-secrets") => format!("soak-secret-{i}"),
+            Some("split-secrets") => format!("soak-secret-of-instance-{i}"),
             _ => "soak-secret-shared".to_string(),
         };
         let text = format!(

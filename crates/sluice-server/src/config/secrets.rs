@@ -51,7 +51,31 @@ pub fn read(config: &mut Config) -> Result<(), CheckError> {
         }
         limiter.key_secret = single(path, "limiter.key_secret_file")?;
     }
-    placeholders(config)
+    // a placeholder says more than its length does
+    placeholders(config)?;
+    strong_key_secret(config)
+}
+
+/// Refuses a key secret that cannot keep clients from predicting their tags: blank, or
+/// shorter than a token (`checks::token_ok`: 16 bytes). The built-in default is let
+/// through (warned of at start, and fine for the in-memory store).
+fn strong_key_secret(config: &Config) -> Result<(), CheckError> {
+    let (secret, from) = (&config.limiter.key_secret, &config.limiter.key_secret_file);
+    if secret == sluice::config::DEFAULT_KEY_SECRET {
+        return Ok(());
+    }
+    let why = match secret.trim().len() {
+        0 => "is empty or only white space".to_string(),
+        n if n < crate::config::checks::MIN_TOKEN_BYTES => {
+            format!("is {n} bytes, too short to keep tags unpredictable")
+        }
+        _ => return Ok(()),
+    };
+    let fix = "use at least 16 random bytes, e.g. the output of `openssl rand -hex 16`";
+    Err(match from {
+        Some(path) => at_file("limiter", "key_secret_file", path, format!("holds a key secret that {why}; {fix}")),
+        None => CheckError::at(&["limiter", "key_secret"], format!("limiter.key_secret {why}; {fix}")),
+    })
 }
 
 /// Refuses a secret that is still one of the examples' placeholders.
@@ -231,5 +255,23 @@ mod tests {
             assert!(e.starts_with(key) && e.contains("placeholder") && e.contains("openssl rand"), "{yaml}: {e}");
         }
         read(&mut config("limiter: {key_secret: changed-and-mine}")).unwrap();
+    }
+
+    /// A key secret that cannot keep tags unpredictable is refused, naming its place: an
+    /// empty, blank or short one in the config, or in the file that holds it.
+    #[test]
+    fn a_weak_key_secret_is_refused() {
+        let dir = sluice_testkit::TempDir::new("sluice-weak-secret");
+        let file = dir.path().join("key_secret");
+        std::fs::write(&file, "x\n").unwrap();
+        for (yaml, says) in [
+            ("limiter: {key_secret: \"\"}".to_string(), "limiter.key_secret is empty"),
+            ("limiter: {key_secret: \"   \"}".to_string(), "limiter.key_secret is empty"),
+            ("limiter: {key_secret: x}".to_string(), "limiter.key_secret is 1 bytes"),
+            (format!("limiter: {{key_secret_file: {}}}", file.display()), "key_secret_file: the file"),
+        ] {
+            let e = read(&mut config(&yaml)).unwrap_err().message;
+            assert!(e.contains(says) && e.contains("openssl rand"), "{yaml}: {e}");
+        }
     }
 }
