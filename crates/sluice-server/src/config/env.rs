@@ -67,19 +67,8 @@ fn without_credentials(config: &mut Value) {
             }
         }
         Value::Array(items) => items.iter_mut().for_each(without_credentials),
-        Value::String(text) => {
-            if let Some((scheme, rest)) = text.split_once("://")
-                && let Some((user_info, address)) = rest.rsplit_once('@')
-                && let Some((user, _)) = user_info.split_once(':')
-            {
-                *text = format!("{scheme}://{user}:{PLACEHOLDER}@{address}");
-            }
-            // a Unix socket's (`redis+unix:///path?pass=...`)
-            if text.contains("://")
-                && let Some((path, _)) = text.split_once("?pass=")
-            {
-                *text = format!("{path}?pass={PLACEHOLDER}");
-            }
+        Value::String(text) if text.contains("://") => {
+            *text = sluice::store::redis::with_password(text, PLACEHOLDER);
         }
         _ => {}
     }

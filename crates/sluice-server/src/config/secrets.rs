@@ -141,15 +141,9 @@ fn store_passwords<'a>(store: &'a StoreConfig, at: &str, out: &mut Vec<(String, 
     }
 }
 
-/// The password in a URL's user info (`redis://user:password@host`) or its query (a Unix
-/// socket's `redis+unix:///path?pass=...`), if any.
+/// The password in a store URL, if any ([`sluice::store::redis::password_span`]).
 fn url_password(url: &str) -> Option<&str> {
-    let (_, rest) = url.split_once("://")?;
-    if let Some((_, password)) = rest.split_once("?pass=") {
-        return Some(password);
-    }
-    let (user_info, _) = rest.rsplit_once('@')?;
-    user_info.split_once(':').map(|(_, password)| password)
+    sluice::store::redis::password_span(url).map(|span| &url[span])
 }
 
 /// Whether `secret` is a placeholder (`CHANGE-ME...`, in any case).

@@ -535,21 +535,32 @@ fn manager(url: &str, options: &RedisOptions, retries: usize) -> Result<Connecti
     ConnectionManager::new_lazy_with_config(client(url, options)?, config).map_err(store_error)
 }
 
-/// A URL with its password replaced by `***`, for errors and logs: in its user info, or
-/// in a Unix socket URL's query (`redis+unix:///path?pass=...`, as `--ratelimit-env`
-/// writes `REDIS_AUTH` for a socket).
-pub(crate) fn redacted(url: &str) -> String {
+/// Where a Redis URL's password lies, as a byte range: in its user info
+/// (`redis://user:PASSWORD@host`), or in a Unix socket URL's query
+/// (`redis+unix:///path?pass=PASSWORD`, as `--ratelimit-env` writes `REDIS_AUTH` for a
+/// socket); none without one.
+pub fn password_span(url: &str) -> Option<std::ops::Range<usize>> {
     if let Some(at) = url.find("pass=").filter(|&i| url[..i].ends_with(['?', '&'])) {
-        let end = url[at..].find('&').map_or(url.len(), |e| at + e);
-        return format!("{}pass=***{}", &url[..at], &url[end..]);
+        let start = at + "pass=".len();
+        return Some(start..url[start..].find('&').map_or(url.len(), |e| start + e));
     }
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => match url[s + 3..at].find(':') {
-            Some(c) => format!("{}:***{}", &url[..s + 3 + c], &url[at..]),
-            None => url.to_string(),
-        },
-        _ => url.to_string(),
+    let scheme = url.find("://")? + 3;
+    let at = url.rfind('@').filter(|&at| at > scheme)?;
+    let colon = url[scheme..at].find(':')? + scheme;
+    Some(colon + 1..at)
+}
+
+/// `url` with its password, if it has one ([`password_span`]), written `with`.
+pub fn with_password(url: &str, with: &str) -> String {
+    match password_span(url) {
+        Some(span) => format!("{}{with}{}", &url[..span.start], &url[span.end..]),
+        None => url.to_string(),
     }
+}
+
+/// A URL with its password replaced by `***`, for errors and logs.
+pub(crate) fn redacted(url: &str) -> String {
+    with_password(url, "***")
 }
 
 /// A replica for reads, with its health as the last check saw it.
