@@ -59,3 +59,65 @@ sluice::conformance_suite!(redis_per_second, async {
     };
     (sluice::store::PerSecondStore::new(store(&main), store(&second)), (main, second))
 });
+
+/// While every Sentinel holds the primary down, no call goes to its address: the store
+/// says so at once, rather than connect to whatever answers there next (a primary
+/// started again empty, before the Sentinels demote it, would take writes the fleet then
+/// loses). Once a Sentinel holds it up again (here: started again, with nothing to
+/// promote in its place), the store follows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_primary_the_sentinels_hold_down_gets_no_calls() {
+    use sluice::algo::{Limit, Op};
+    use sluice::store::Store;
+    use std::time::{Duration, Instant};
+    // no replica: the Sentinels cannot promote one, and hold the primary down until it is back
+    let mut set = sluice_testkit::RedisSentinels::start(0, 3, 1_000);
+    let sentinel = sluice::store::redis::SentinelOptions {
+        sentinels: set.addrs(),
+        master_name: sluice_testkit::RedisSentinels::MASTER.into(),
+        ..Default::default()
+    };
+    let store = RedisStore::sentinel(&sentinel, options()).unwrap();
+    let op = Op {
+        key: 1,
+        limit: Limit::FixedWindow { limit: 10, window: 60_000, aligned: false },
+        cost: 1,
+        lease: None,
+        shadow: false,
+    };
+    let (t, t0) = (sluice::store::conformance::fresh_tag(), sluice::store::conformance::t0());
+    assert!(store.apply(t, &[op], t0).await.unwrap()[0].allowed);
+
+    set.primary.kill();
+    let down = |flags: &str| flags.contains("s_down");
+    let flags = |s: &sluice_testkit::SentinelServer| {
+        let reply = s.cli(&["SENTINEL", "MASTER", sluice_testkit::RedisSentinels::MASTER]);
+        reply.lines().skip_while(|l| *l != "flags").nth(1).unwrap_or_default().to_string()
+    };
+    let killed = Instant::now();
+    while !set.sentinels.iter().all(|s| down(&flags(s))) {
+        assert!(killed.elapsed() < Duration::from_secs(20), "the Sentinels never held the primary down");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // a call that still had the old address fails there and drops it; the next asks
+    let mut said = Vec::new();
+    for _ in 0..3 {
+        let e = store.apply(t, &[op], t0).await.unwrap_err().to_string();
+        if e.contains("the Sentinels hold it down") {
+            break;
+        }
+        said.push(e);
+    }
+    assert!(said.len() < 3, "calls still went to the primary's address: {said:?}");
+
+    set.primary.restart();
+    let restarted = Instant::now();
+    loop {
+        if let Ok(d) = store.apply(t, &[op], t0).await {
+            assert!(d[0].allowed, "{d:?}");
+            break;
+        }
+        assert!(restarted.elapsed() < Duration::from_secs(20), "the store never followed the primary back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -8,8 +8,12 @@
 //! the old one fail and are decided by the failure policy. So after Sentinel promotes a
 //! replica, decisions are exact again within one look (250 ms) plus a connection.
 //!
-//! Sentinels are asked in turn, starting with the last that answered; one that is down
-//! costs one connection timeout, and only while the link is looking.
+//! For the primary, every Sentinel is asked at once and the newest configuration that
+//! holds its primary up is followed: a Sentinel still naming a primary that was failed
+//! over (down, or started again empty) is outvoted by one that saw the promotion, and
+//! while every Sentinel that answers holds the primary down no call goes to it. For a
+//! replica, Sentinels are asked in turn, starting with the last that answered; one that
+//! is down costs one connection timeout, and only while the link is looking.
 
 use super::{RedisOptions, manager};
 use crate::store::{StoreError, percent_encode};
@@ -74,47 +78,63 @@ impl Discovery {
         Ok(Self { sentinels, name: o.master_name.clone(), first: AtomicUsize::new(0), timeout: options.timeout })
     }
 
-    /// Asks each Sentinel in turn until one answers `cmd` with something `read` accepts.
-    async fn ask<T>(&self, cmd: &redis::Cmd, read: impl Fn(Value) -> Option<T>) -> Result<T, RedisError> {
+    /// Asks each Sentinel in turn until one answers `cmd` with something `read` accepts
+    /// (an answer it refuses says why, and the next Sentinel is asked).
+    async fn ask<T>(&self, cmd: &redis::Cmd, read: impl Fn(Value) -> Result<T, String>) -> Result<T, NoAnswer> {
         let n = self.sentinels.len();
         let first = self.first.load(Ordering::Relaxed);
-        let mut last = String::from("no Sentinel answered");
+        let mut no = NoAnswer { refused: false, last: String::from("no Sentinel answered") };
         for i in (0..n).map(|i| (first + i) % n) {
             let (addr, conn) = &self.sentinels[i];
             let reply = tokio::time::timeout(self.timeout, cmd.query_async::<Value>(&mut conn.clone())).await;
             match reply {
                 Ok(Ok(v)) => match read(v) {
-                    Some(found) => {
+                    Ok(found) => {
                         self.first.store(i, Ordering::Relaxed);
                         return Ok(found);
                     }
-                    None => last = format!("Sentinel {addr} does not know '{}'", self.name),
+                    Err(why) => no = NoAnswer { refused: true, last: format!("Sentinel {addr} {why}") },
                 },
-                Ok(Err(e)) => last = format!("Sentinel {addr}: {e}"),
-                Err(_) => last = format!("Sentinel {addr} did not answer within {:?}", self.timeout),
+                Ok(Err(e)) => no.last = format!("Sentinel {addr}: {e}"),
+                Err(_) => no.last = format!("Sentinel {addr} did not answer within {:?}", self.timeout),
             }
         }
-        Err(RedisError::from((ErrorKind::Io, "no Sentinel told where the server is", last)))
+        Err(no)
     }
 
-    /// The primary's `host:port`, as the Sentinels see it now.
-    async fn primary(&self) -> Result<String, RedisError> {
+    /// The primary's `host:port`, as the Sentinels see it now. All are asked at once;
+    /// of those that hold the primary they name up, the one with the newest
+    /// configuration (`config-epoch`) is followed. A Sentinel that has not heard of a
+    /// promotion yet still names the old primary: first down, then, once it is started
+    /// again (empty, a primary until the Sentinels demote it), up. A connection to it
+    /// would take writes the fleet then loses, grants among them.
+    async fn primary(&self) -> Result<String, NoAnswer> {
         let mut cmd = redis::cmd("SENTINEL");
-        cmd.arg("GET-MASTER-ADDR-BY-NAME").arg(&self.name);
-        self.ask(&cmd, |v| {
-            let (host, port): (String, u16) = redis::from_redis_value(v).ok()?;
-            Some(format!("{host}:{port}"))
-        })
-        .await
+        cmd.arg("MASTER").arg(&self.name);
+        let cmd = &cmd;
+        let asks = self.sentinels.iter().map(|(addr, conn)| async move {
+            (addr, tokio::time::timeout(self.timeout, cmd.query_async::<Value>(&mut conn.clone())).await)
+        });
+        let answers = futures_util::future::join_all(asks).await.into_iter().map(|(addr, reply)| match reply {
+            Ok(Ok(v)) => named_primary(v, &self.name)
+                .map_err(|why| NoAnswer { refused: true, last: format!("Sentinel {addr} {why}") }),
+            Ok(Err(e)) => Err(NoAnswer { refused: false, last: format!("Sentinel {addr}: {e}") }),
+            Err(_) => Err(NoAnswer {
+                refused: false,
+                last: format!("Sentinel {addr} did not answer within {:?}", self.timeout),
+            }),
+        });
+        newest(answers)
     }
 
     /// The replicas the Sentinels hold healthy (not down, linked to the primary), as
     /// `host:port`, sorted.
-    async fn replicas(&self) -> Result<Vec<String>, RedisError> {
+    async fn replicas(&self) -> Result<Vec<String>, NoAnswer> {
         let mut cmd = redis::cmd("SENTINEL");
         cmd.arg("REPLICAS").arg(&self.name);
         self.ask(&cmd, |v| {
-            let all: Vec<std::collections::HashMap<String, String>> = redis::from_redis_value(v).ok()?;
+            let all: Vec<std::collections::HashMap<String, String>> =
+                redis::from_redis_value(v).map_err(|_| format!("does not know '{}'", self.name))?;
             let mut healthy: Vec<String> = all
                 .iter()
                 .filter(|r| {
@@ -125,9 +145,53 @@ impl Discovery {
                 .filter_map(|r| Some(format!("{}:{}", r.get("ip")?, r.get("port")?)))
                 .collect();
             healthy.sort();
-            Some(healthy)
+            Ok(healthy)
         })
         .await
+    }
+}
+
+/// The configuration epoch and `host:port` of the primary a `SENTINEL MASTER` reply
+/// names; refused, saying why, when the Sentinel holds it down (`s_down`, `o_down`).
+fn named_primary(reply: Value, name: &str) -> Result<(u64, String), String> {
+    let unknown = || format!("does not know '{name}'");
+    let m: std::collections::HashMap<String, String> = redis::from_redis_value(reply).map_err(|_| unknown())?;
+    let (Some(ip), Some(port)) = (m.get("ip"), m.get("port")) else { return Err(unknown()) };
+    let flags = m.get("flags").map_or("", String::as_str);
+    if flags.split(',').any(|f| f == "s_down" || f == "o_down") {
+        return Err(format!("holds the primary {ip}:{port} down ({flags})"));
+    }
+    let epoch = m.get("config-epoch").and_then(|e| e.parse().ok()).unwrap_or(0);
+    Ok((epoch, format!("{ip}:{port}")))
+}
+
+/// The primary named with the newest configuration epoch; else why none was: a refusal
+/// (the primary held down) over silence.
+fn newest(answers: impl Iterator<Item = Result<(u64, String), NoAnswer>>) -> Result<String, NoAnswer> {
+    let mut no = NoAnswer { refused: false, last: String::from("no Sentinel answered") };
+    let mut newest: Option<(u64, String)> = None;
+    for answer in answers {
+        match answer {
+            Ok((epoch, primary)) if newest.as_ref().is_none_or(|(e, _)| epoch > *e) => newest = Some((epoch, primary)),
+            Ok(_) => {}
+            Err(e) if e.refused || !no.refused => no = e,
+            Err(_) => {}
+        }
+    }
+    newest.map(|(_, primary)| primary).ok_or(no)
+}
+
+/// Why no Sentinel named a server: `refused` when one answered and what it said was
+/// refused (the primary held down), not only silence.
+#[derive(Debug)]
+struct NoAnswer {
+    refused: bool,
+    last: String,
+}
+
+impl From<NoAnswer> for RedisError {
+    fn from(no: NoAnswer) -> Self {
+        RedisError::from((ErrorKind::Io, "no Sentinel named a server to use", no.last))
     }
 }
 
@@ -176,7 +240,8 @@ impl SentinelLink {
         }
         self.look().await?;
         let current = self.current.lock().unwrap_or_else(|p| p.into_inner());
-        current.as_ref().map(|(_, c)| c.clone()).ok_or_else(|| RedisError::from((ErrorKind::Io, "no server yet")))
+        let none = || RedisError::from((ErrorKind::Io, "no server: the Sentinels hold it down, or name none"));
+        current.as_ref().map(|(_, c)| c.clone()).ok_or_else(none)
     }
 
     /// Notes how a call ended: an error a failover causes drops the connection, so no
@@ -204,20 +269,27 @@ impl SentinelLink {
         self.current.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(a, _)| a.clone())
     }
 
-    /// Asks the Sentinels and, when they name another server, connects to it.
+    /// Asks the Sentinels and, when they name another server, connects to it. When every
+    /// Sentinel that answered holds the primary down, the connection is dropped: no call
+    /// goes to that address until they name a primary again. When none answered, the
+    /// server in use is kept.
     async fn look(&self) -> Result<(), RedisError> {
         let _one = self.looking.lock().await;
         let now = self.address();
-        let next = match self.role {
-            Role::Primary => Some(self.discovery.primary().await?),
-            Role::Replica => {
-                let replicas = self.discovery.replicas().await?;
+        let found = match self.role {
+            Role::Primary => self.discovery.primary().await,
+            Role::Replica => self.discovery.replicas().await.map(|replicas| {
                 // keep the replica in use while it stays healthy: its connection is warm
                 match now.as_ref().filter(|a| replicas.contains(a)) {
-                    Some(keep) => Some(keep.clone()),
-                    None => replicas.into_iter().next(),
+                    Some(keep) => keep.clone(),
+                    None => replicas.into_iter().next().unwrap_or_default(),
                 }
-            }
+            }),
+        };
+        let next = match found {
+            Ok(addr) => Some(addr).filter(|a| !a.is_empty()),
+            Err(no) if no.refused => None,
+            Err(no) => return Err(no.into()),
         };
         if next == now {
             return Ok(());
@@ -294,6 +366,36 @@ fn url(host: &str, port: u16, auth: &Auth, tls: bool) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_primary_a_sentinel_names() {
+        let reply = |flags: &str, epoch: &str| {
+            let fields =
+                [("name", "m"), ("ip", "10.0.0.1"), ("port", "6380"), ("flags", flags), ("config-epoch", epoch)];
+            Value::Array(
+                fields.iter().flat_map(|(k, v)| [k, v]).map(|x| Value::BulkString(x.as_bytes().to_vec())).collect(),
+            )
+        };
+        assert_eq!(named_primary(reply("master", "3"), "m"), Ok((3, "10.0.0.1:6380".to_string())));
+        let down = named_primary(reply("master,s_down,o_down", "3"), "m").unwrap_err();
+        assert_eq!(down, "holds the primary 10.0.0.1:6380 down (master,s_down,o_down)");
+        assert!(named_primary(reply("s_down,master", "1"), "m").is_err());
+        assert_eq!(named_primary(reply("master,disconnected", "x"), "m"), Ok((0, "10.0.0.1:6380".to_string())));
+        assert_eq!(named_primary(Value::Nil, "m"), Err("does not know 'm'".to_string()));
+    }
+
+    #[test]
+    fn the_newest_configuration_is_followed() {
+        let up = |epoch, addr: &str| Ok((epoch, addr.to_string()));
+        let no = |refused, last: &str| Err(NoAnswer { refused, last: last.to_string() });
+        // a Sentinel that missed the promotion names the old primary (back up, empty)
+        assert_eq!(newest([up(1, "old:1"), up(2, "new:2"), no(false, "silent")].into_iter()).unwrap(), "new:2");
+        assert_eq!(newest([no(true, "holds old down"), up(2, "new:2")].into_iter()).unwrap(), "new:2");
+        let held =
+            newest([no(false, "silent"), no(true, "holds old down"), no(false, "late")].into_iter()).unwrap_err();
+        assert!(held.refused && held.last == "holds old down", "{held:?}");
+        assert!(!newest([no(false, "silent")].into_iter()).unwrap_err().refused);
+    }
 
     #[test]
     fn addresses_and_credentials() {
