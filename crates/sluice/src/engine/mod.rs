@@ -10,6 +10,7 @@
 use crate::algo::escrow;
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::config::Failure;
+use crate::fallback::Count;
 use crate::grants::{Ledger, Leftovers, Take};
 use crate::near_cache::NearCache;
 use crate::overrides::{Override, OverrideError, Overrides};
@@ -571,10 +572,20 @@ impl Limiter {
                 self.settle_later(out, now);
             }
         }
-        let results = futures_util::future::join_all(groups.iter().map(|g| self.evaluate(g, mode, now))).await;
+        let results = futures_util::future::join_all(groups.iter().map(|g| async move {
+            // a client decided here while the store failed, in the window running now,
+            // is not sent to the store
+            match self.finishing_locally(g, now) {
+                true => None,
+                false => Some(self.evaluate(g, mode, now).await),
+            }
+        }));
         let mut tally = Tally::default();
-        for (g, result) in groups.iter().zip(results) {
-            let result = self.or_failed(g, result, mode, now).await;
+        for (g, result) in groups.iter().zip(results.await) {
+            let result = match result {
+                Some(result) => self.or_failed(g, result, mode, now).await,
+                None => Err(self.decide_locally(g, mode.charges(), now)),
+            };
             self.record(g, result, mode, &mut descriptors, &mut tally)?;
         }
         let allowed = tally.refused_groups == 0 && !quota_spent(&descriptors);
@@ -1070,8 +1081,43 @@ impl Limiter {
         now: Millis,
     ) -> Result<(Vec<Decision>, Source), (Vec<Decision>, Failure)> {
         match result {
-            Ok(decided) => Ok(decided),
+            Ok(decided) => {
+                self.fallback.store_answered(now);
+                self.settle_owed(now);
+                Ok(decided)
+            }
             Err(e) => Err(self.fail(g, &e, mode.charges(), now).await),
+        }
+    }
+
+    /// Whether `g` is decided here, though the store may answer: each of its ops is
+    /// `failure: local` on this instance's own store (not a global limit), and this
+    /// instance decided the client here in the window running now (`crate::fallback`).
+    fn finishing_locally(&self, g: &Group, now: Millis) -> bool {
+        g.ops.iter().any(|op| self.fallback.deciding(g.tag, op.key, now))
+            && g.failures.iter().all(|f| *f == Failure::Local)
+            && (0..g.ops.len()).all(|i| !g.grants_of(i).is_some_and(|r| r.global))
+    }
+
+    /// A group's decisions by this instance's fair parts, counted here; charged (here,
+    /// and to the store once it answers) only if `charge` (not a status read). Tries to
+    /// charge the store with what is owed: these clients' requests do not reach it, and
+    /// it may answer again.
+    fn decide_locally(&self, g: &Group, charge: bool, now: Millis) -> (Vec<Decision>, Failure) {
+        let count = if charge { Count::Owed } else { Count::Not };
+        let decided = g.ops.iter().map(|op| self.fallback.decide(g.tag, op, count, now)).collect();
+        self.settle_owed(now);
+        (decided, Failure::Local)
+    }
+
+    /// What was admitted here while the store did not answer is charged to it, in the
+    /// background, if any is owed (`crate::fallback::Fallback::settle_due`).
+    fn settle_owed(&self, now: Millis) {
+        if self.fallback.settle_due(now) {
+            let (fallback, store) = (self.fallback.clone(), self.store.clone());
+            tokio::spawn(async move {
+                fallback.settle(&*store, now).await;
+            });
         }
     }
 
@@ -1082,6 +1128,7 @@ impl Limiter {
     /// only if `charge` (not a status read). Returns them and the stricter policy met.
     async fn fail(&self, g: &Group, e: &StoreError, charge: bool, now: Millis) -> (Vec<Decision>, Failure) {
         self.failures.failed(e, now);
+        self.fallback.store_failed();
         let mut worst = Failure::Open;
         let regions = self.regions.as_ref();
         let global = |i: usize| regions.filter(|_| g.grants_of(i).is_some_and(|r| r.global));
@@ -1101,8 +1148,8 @@ impl Limiter {
                             globally.push(i);
                             d
                         }
-                        Some(r) => self.within_share(r, g.tag, op, now),
-                        None => self.fallback.decide(g.tag, op, now),
+                        Some(r) => self.within_share(r, g.tag, op, charge, now),
+                        None => self.fallback.decide(g.tag, op, if charge { Count::Owed } else { Count::Not }, now),
                     };
                 }
                 d
@@ -1114,7 +1161,9 @@ impl Limiter {
             let ops: Vec<Op> = globally.iter().map(|&i| g.ops[i]).collect();
             match r.decide_globally(g.tag, &ops, charge && !refused, now).await {
                 Ok(decided) => globally.iter().zip(decided).for_each(|(&i, d)| decisions[i] = d),
-                Err(_) => globally.iter().for_each(|&i| decisions[i] = self.within_share(r, g.tag, &g.ops[i], now)),
+                Err(_) => {
+                    globally.iter().for_each(|&i| decisions[i] = self.within_share(r, g.tag, &g.ops[i], charge, now))
+                }
             }
         }
         (decisions, worst)
@@ -1122,9 +1171,17 @@ impl Limiter {
 
     /// A global limit's `failure: local` decision while the global store cannot be asked:
     /// within this instance's part of its region's share.
-    fn within_share(&self, regions: &crate::regions::Regions, tag: Tag, op: &Op, now: Millis) -> Decision {
+    /// Counted here only if `charge` (not a status read).
+    fn within_share(
+        &self,
+        regions: &crate::regions::Regions,
+        tag: Tag,
+        op: &Op,
+        charge: bool,
+        now: Millis,
+    ) -> Decision {
         let fair = regions.share(tag, op, self.fallback.instances(), now);
-        self.fallback.decide_within(tag, op, fair, now)
+        self.fallback.decide_within(tag, op, fair, if charge { Count::Here } else { Count::Not }, now)
     }
 
     /// Drops this instance's near-cache entries for states whose quota came back (a
