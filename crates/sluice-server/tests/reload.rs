@@ -358,6 +358,54 @@ async fn a_config_file_that_cannot_be_read_is_logged_and_counted() {
     until_limit(&client, &base, 9).await;
 }
 
+/// A rewritten key secret file is noticed, and kept out of force until a restart: a new
+/// secret re-keys every client, so a client that spent its limit would get it again. The
+/// rest of a later reload is applied, and says so again.
+#[tokio::test]
+async fn a_rotated_key_secret_waits_for_a_restart() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = TempDir::new("sluice-reload-key-secret");
+    let (file, secret) = (dir.path().join("sluice.yaml"), dir.path().join("key_secret"));
+    std::fs::write(&secret, "the-first-key-secret-of-ours\n").unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let with_secret = |limit| {
+        config(limit).replace("domains:", &format!("limiter:\n  key_secret_file: {}\ndomains:", secret.display()))
+    };
+    std::fs::write(&file, with_secret(5)).unwrap();
+    let (_server, http, _) = common::spawn(&file, dir.path());
+    let log = || std::fs::read_to_string(dir.path().join("sluice.log")).unwrap_or_default();
+    let base = format!("http://{http}");
+    let client = reqwest::Client::new();
+    let codes = || async {
+        let mut codes = Vec::new();
+        for _ in 0..6 {
+            codes.push(common::hit(&client, &base, "d", &[("user", "spent")]).await.status().as_u16());
+        }
+        codes
+    };
+    assert_eq!(codes().await, [200, 200, 200, 200, 200, 429]);
+    let said = || log().matches("limiter.key_secret changed").count();
+
+    let tmp = secret.with_extension("tmp");
+    std::fs::write(&tmp, "a-second-key-secret-of-ours\n").unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::rename(&tmp, &secret).unwrap();
+    let rotated = Instant::now();
+    while said() == 0 {
+        assert!(rotated.elapsed() < Duration::from_secs(5), "the rewritten secret went unnoticed:\n{}", log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(codes().await, [429; 6], "the client was re-keyed:\n{}", log());
+
+    // an unrelated edit is applied; the secret stays the running one, said again
+    write_atomically(&file, &with_secret(6));
+    until_limit(&client, &base, 6).await;
+    assert_eq!(said(), 2, "{}", log());
+    let codes = codes().await;
+    assert_eq!(codes, [200, 429, 429, 429, 429, 429], "5 of 6 spent, the raised limit's one more:\n{}", log());
+    assert!(!log().contains("the-first-key-secret") && !log().contains("a-second-key-secret"), "{}", log());
+}
+
 /// The watcher looks at the files' metadata, not their bytes: a large config that does
 /// not change costs next to no CPU. (Each poll read and parsed the whole file before:
 /// at 1.1 MB, 13% of a core on a release build.)

@@ -11,8 +11,10 @@
 //! (a commit frees units at any moment, on any instance: [`Decision::holds`]), and a
 //! refund, commit or report through this process drops the entry. A refund through
 //! another process is not seen here: that client may wait until the cached time, never
-//! longer than the store said. Bounded: when full, expired
-//! entries are dropped, and if none had expired nothing new is cached.
+//! longer than the store said. Bounded: when a shard is full, its expired
+//! entries are dropped (a scan of the shard, at most once a second: during the floods the
+//! cache is for, each new refusal would scan it), and while it stays full nothing new is
+//! cached there.
 
 use crate::algo::{Decision, Limit, Op};
 use crate::tag::Tag;
@@ -29,10 +31,15 @@ struct Entry {
 
 const SHARDS: usize = 16;
 
+/// How often a full shard drops its expired entries.
+const SWEEP_EVERY: Millis = 1_000;
+
 /// A bounded cache of refusals.
 pub struct NearCache {
     shards: Vec<Mutex<HashMap<(u128, u64), Entry>>>,
     per_shard: usize,
+    /// When each shard, full, may next be swept.
+    sweeps: Vec<crate::time::Throttle>,
     hits: AtomicU64,
     /// The generation of the overrides the entries were cached under (see [`NearCache::sync`]).
     generation: AtomicU64,
@@ -46,6 +53,7 @@ impl NearCache {
         Self {
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
             per_shard: capacity.div_ceil(SHARDS).max(1),
+            sweeps: (0..SHARDS).map(|_| Default::default()).collect(),
             hits: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             routing: AtomicU64::new(0),
@@ -58,7 +66,11 @@ impl NearCache {
     }
 
     fn shard(&self, tag: Tag) -> std::sync::MutexGuard<'_, HashMap<(u128, u64), Entry>> {
-        self.shards[(tag.0 >> 64) as usize % SHARDS].lock().unwrap_or_else(|p| p.into_inner())
+        self.shards[Self::shard_of(tag)].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn shard_of(tag: Tag) -> usize {
+        (tag.0 >> 64) as usize % SHARDS
     }
 
     fn cacheable(op: &Op) -> bool {
@@ -86,7 +98,9 @@ impl NearCache {
         };
         let mut shard = self.shard(tag);
         if shard.len() >= self.per_shard && !shard.contains_key(&(tag.0, op.key)) {
-            shard.retain(|_, e| e.until > now);
+            if self.sweeps[Self::shard_of(tag)].due(now, SWEEP_EVERY) {
+                shard.retain(|_, e| e.until > now);
+            }
             if shard.len() >= self.per_shard {
                 return;
             }
@@ -172,5 +186,14 @@ mod tests {
         }
         let held: usize = c.shards.iter().map(|s| s.lock().unwrap().len()).sum();
         assert!(held <= 16, "{held}");
+        // expired, they make room, once a second: not on every refusal of a flood (the
+        // tags below all fall in shard 0, whose first sweep was at 0)
+        let (fresh, next) = (Tag(2000 << 64), Tag(2016 << 64));
+        c.put(fresh, &op, &denied(500), 1_100);
+        assert!(c.get(fresh, &op, 1_100).is_some(), "the expired entries were swept");
+        c.put(next, &op, &denied(500), 1_700);
+        assert!(c.get(next, &op, 1_700).is_none(), "not swept again within the second");
+        c.put(next, &op, &denied(500), 2_200);
+        assert!(c.get(next, &op, 2_200).is_some(), "swept a second later");
     }
 }

@@ -60,6 +60,12 @@ sluice::conformance_suite!(redis_per_second, async {
     (sluice::store::PerSecondStore::new(store(&main), store(&second)), (main, second))
 });
 
+/// A charge of one on a client's window of 10 a minute.
+fn ten_a_minute() -> sluice::algo::Op {
+    let limit = sluice::algo::Limit::FixedWindow { limit: 10, window: 60_000, aligned: false };
+    sluice::algo::Op { key: 1, limit, cost: 1, lease: None, shadow: false }
+}
+
 /// While every Sentinel holds the primary down, no call goes to its address: the store
 /// says so at once, rather than connect to whatever answers there next (a primary
 /// started again empty, before the Sentinels demote it, would take writes the fleet then
@@ -67,7 +73,6 @@ sluice::conformance_suite!(redis_per_second, async {
 /// promote in its place), the store follows it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_the_sentinels_hold_down_gets_no_calls() {
-    use sluice::algo::{Limit, Op};
     use sluice::store::Store;
     use std::time::{Duration, Instant};
     // no replica: the Sentinels cannot promote one, and hold the primary down until it is back
@@ -78,13 +83,7 @@ async fn a_primary_the_sentinels_hold_down_gets_no_calls() {
         ..Default::default()
     };
     let store = RedisStore::sentinel(&sentinel, options()).unwrap();
-    let op = Op {
-        key: 1,
-        limit: Limit::FixedWindow { limit: 10, window: 60_000, aligned: false },
-        cost: 1,
-        lease: None,
-        shadow: false,
-    };
+    let op = ten_a_minute();
     let (t, t0) = (sluice::store::conformance::fresh_tag(), sluice::store::conformance::t0());
     assert!(store.apply(t, &[op], t0).await.unwrap()[0].allowed);
 
@@ -120,4 +119,49 @@ async fn a_primary_the_sentinels_hold_down_gets_no_calls() {
         assert!(restarted.elapsed() < Duration::from_secs(20), "the store never followed the primary back");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// While a node stalls (SIGSTOP), the calls queued for it are bounded: past 20,000
+/// waiting, a call fails at once saying why (the failure policy then decides it), where
+/// the queue grew with the arrival rate before. Once the node answers, those queued are
+/// answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_node_queues_a_bounded_number_of_calls() {
+    use sluice::store::Store;
+    use std::time::{Duration, Instant};
+    let redis = RedisServer::start();
+    let opts = RedisOptions { timeout: Duration::from_secs(5), ..options() };
+    let store = std::sync::Arc::new(RedisStore::new(&redis.url(), &[], opts).unwrap());
+    let op = ten_a_minute();
+    let t0 = sluice::store::conformance::t0();
+    assert!(store.apply(sluice::store::conformance::fresh_tag(), &[op], t0).await.unwrap()[0].allowed);
+    redis.signal("-STOP");
+    const CALLS: usize = 25_000;
+    let calls: Vec<_> = (0..CALLS)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let answer = store.apply(sluice::store::conformance::fresh_tag(), &[op], t0).await;
+                (started.elapsed(), answer.err().map(|e| e.to_string()))
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    redis.signal("-CONT");
+    let (mut full, mut answered, mut other) = (0, 0, Vec::new());
+    for call in calls {
+        match call.await.unwrap() {
+            (took, Some(e)) if e.contains("calls already wait for this redis node") => {
+                assert!(took < Duration::from_millis(1_000), "refused only after {took:?}");
+                full += 1;
+            }
+            (_, None) => answered += 1,
+            (_, Some(e)) => other.push(e),
+        }
+    }
+    // 20,000 wait in the queue, and at most two batches of 128 were on the wire
+    assert!(other.is_empty(), "{:?}", &other[..other.len().min(3)]);
+    assert!((CALLS - 20_000 - 256..=CALLS - 20_000).contains(&full), "{full} refused at once, {answered} answered");
+    assert_eq!(full + answered, CALLS);
 }

@@ -279,6 +279,7 @@ fn compile(mut config: Config, text: &str, file: &str) -> Result<Loaded, ConfigE
     if config.xds.is_some() {
         // rules in envoyproxy/ratelimit's form, from its control planes: counted as it does
         config.limiter.count_refused_hits.get_or_insert(true);
+        config.limiter.aligned_windows.get_or_insert(true);
     }
     if config.xds.is_some() && (!config.domains.is_empty() || config.domains_from.is_some()) {
         let message = "`xds` and `domains`/`domains_from` are both set: with `xds` the rules are the management \
@@ -292,7 +293,7 @@ fn compile(mut config: Config, text: &str, file: &str) -> Result<Loaded, ConfigE
         };
         return Err(ConfigError { file: file.to_string(), at: None, message: message.into() });
     }
-    crate::config::secrets::read(&mut config).map_err(|e| ConfigError {
+    let exposed = crate::config::secrets::read(&mut config).map_err(|e| ConfigError {
         file: file.to_string(),
         at: locate(text, &e.anchors),
         message: e.message,
@@ -313,7 +314,8 @@ fn compile(mut config: Config, text: &str, file: &str) -> Result<Loaded, ConfigE
         .and_then(|()| crate::config::checks::reservations(&config.limiter, &config.store))
         .and_then(|()| crate::config::checks::regions(&config, &rules));
     checked.map_err(|e| ConfigError { file: file.to_string(), at: locate(text, &e.anchors), message: e.message })?;
-    let warnings = crate::config::checks::short_global_windows(&rules);
+    let mut warnings = exposed;
+    warnings.extend(crate::config::checks::short_global_windows(&rules));
     Ok(Loaded { config, rules, warnings })
 }
 

@@ -20,16 +20,20 @@ pub const PLACEHOLDER: &str = "CHANGE-ME";
 const MAX_FILE_BYTES: u64 = 64 * 1024;
 
 /// Reads the secrets `config` names by file into their keys (`admin_token`, `api_tokens`,
-/// `key_secret`), and refuses any secret that is still a placeholder.
-pub fn read(config: &mut Config) -> Result<(), CheckError> {
+/// `key_secret`), and refuses any secret that is still a placeholder. Returns a warning
+/// for each secret file other users can read or write.
+pub fn read(config: &mut Config) -> Result<Vec<String>, CheckError> {
+    let mut warnings = Vec::new();
     let server = &mut config.server;
     if let Some(path) = &server.admin_token_file {
         if server.admin_token.is_some() {
             return Err(both("server", "admin_token"));
         }
         let token = single(path, "server.admin_token_file")?;
+        not_placeholder(&token, "server", "admin_token_file", path)?;
         token_ok(&token).map_err(|why| at_file("server", "admin_token_file", path, why))?;
         server.admin_token = Some(token);
+        warnings.extend(exposed(path, "server.admin_token_file"));
     }
     if let Some(path) = &server.api_tokens_file {
         let text = file(path, "server", "api_tokens_file")?;
@@ -39,10 +43,12 @@ pub fn read(config: &mut Config) -> Result<(), CheckError> {
             return Err(at_file("server", "api_tokens_file", path, why));
         }
         for (line, token) in tokens {
+            not_placeholder(token, "server", "api_tokens_file", path)?;
             token_ok(token)
                 .map_err(|why| at_file("server", "api_tokens_file", path, format!("line {line}: the token {why}")))?;
             server.api_tokens.push(token.to_string());
         }
+        warnings.extend(exposed(path, "server.api_tokens_file"));
     }
     let limiter = &mut config.limiter;
     if let Some(path) = &limiter.key_secret_file {
@@ -50,10 +56,45 @@ pub fn read(config: &mut Config) -> Result<(), CheckError> {
             return Err(both("limiter", "key_secret"));
         }
         limiter.key_secret = single(path, "limiter.key_secret_file")?;
+        not_placeholder(&limiter.key_secret, "limiter", "key_secret_file", path)?;
+        warnings.extend(exposed(path, "limiter.key_secret_file"));
     }
     // a placeholder says more than its length does
     placeholders(config)?;
-    strong_key_secret(config)
+    strong_key_secret(config)?;
+    Ok(warnings)
+}
+
+/// Refuses a secret read from the file `path` (named by `section.key`) that is still a
+/// placeholder, pointing at the key that names the file.
+fn not_placeholder(secret: &str, section: &str, key: &str, path: &Path) -> Result<(), CheckError> {
+    if !is_placeholder(secret) {
+        return Ok(());
+    }
+    let why = format!(
+        "holds the placeholder {PLACEHOLDER}...: the examples' secrets are public; write your own there \
+         (`openssl rand -hex 16`)"
+    );
+    Err(at_file(section, key, path, why))
+}
+
+/// A warning when the secret file at `path` (named by `key`) can be read by every user
+/// of the host, or written by others than its owner, as ssh refuses such a private key.
+/// Warned of, not refused: a group that may read it (a Kubernetes Secret's
+/// `defaultMode: 0440` with `fsGroup`) is how a pod is meant to read it.
+fn exposed(path: &Path, key: &str) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
+    let who = match mode {
+        m if m & 0o004 != 0 => "readable by every user of the host",
+        m if m & 0o022 != 0 => "writable by users other than its owner",
+        _ => return None,
+    };
+    Some(format!(
+        "{key}: the file {} is {who} (mode {mode:04o}): `chmod 600` it (a Kubernetes Secret: `defaultMode: 0440`, \
+         as deploy/kubernetes sets)",
+        path.display()
+    ))
 }
 
 /// Refuses a key secret that cannot keep clients from predicting their tags: blank, or
@@ -243,12 +284,45 @@ mod tests {
             ("server: {api_tokens: [CHANGE-ME-to-openssl-rand-hex-16]}".to_string(), "server.api_tokens"),
             ("server: {admin_token: CHANGE-ME-to-openssl-rand-hex-16}".to_string(), "server.admin_token"),
             ("limiter: {key_secret: CHANGE-ME-too}".to_string(), "limiter.key_secret"),
-            (format!("limiter: {{key_secret_file: {}}}", file.display()), "limiter.key_secret"),
+            (format!("limiter: {{key_secret_file: {}}}", file.display()), "limiter.key_secret_file: the file"),
+            (format!("server: {{api_tokens_file: {}}}", file.display()), "server.api_tokens_file: the file"),
+            (format!("server: {{admin_token_file: {}}}", file.display()), "server.admin_token_file: the file"),
         ] {
-            let e = read(&mut config(&yaml)).unwrap_err().message;
-            assert!(e.starts_with(key) && e.contains("placeholder") && e.contains("openssl rand"), "{yaml}: {e}");
+            let e = read(&mut config(&yaml)).unwrap_err();
+            let m = &e.message;
+            assert!(m.starts_with(key) && m.contains("placeholder") && m.contains("openssl rand"), "{yaml}: {m}");
+            // a secret read from a file is placed at the key that names the file
+            let named = key.split(':').next().unwrap().split('.').collect::<Vec<_>>();
+            assert_eq!(e.anchors, named, "{yaml}: {m}");
         }
         read(&mut config("limiter: {key_secret: changed-and-mine}")).unwrap();
+    }
+
+    /// A secret file every user may read, or others than its owner may write, is warned
+    /// of, naming it and its mode; one only its owner (and group) may read is not.
+    #[test]
+    fn exposed_secret_files_are_warned_of() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = sluice_testkit::TempDir::new("sluice-exposed");
+        let file = dir.path().join("key_secret");
+        std::fs::write(&file, "a-key-secret-of-our-own\n").unwrap();
+        let yaml = format!("limiter: {{key_secret_file: {}}}", file.display());
+        for (mode, warned) in [
+            (0o644, Some("readable by every user of the host (mode 0644)")),
+            (0o620, Some("writable by users other than its owner (mode 0620)")),
+            (0o600, None),
+            (0o440, None),
+        ] {
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+            let warnings = read(&mut config(&yaml)).unwrap();
+            match warned {
+                Some(says) => {
+                    let [w] = &warnings[..] else { panic!("{mode:o}: {warnings:?}") };
+                    assert!(w.starts_with("limiter.key_secret_file: the file") && w.contains(says), "{w}");
+                }
+                None => assert!(warnings.is_empty(), "{mode:o}: {warnings:?}"),
+            }
+        }
     }
 
     /// A key secret that cannot keep tags unpredictable is refused, naming its place: an

@@ -2,12 +2,13 @@
 //! effect for the next request, or the whole file is refused.
 //!
 //! Every 500 ms the watcher looks at the metadata of each file the config is made of
-//! (the file, the domain files of its `domains_from` directory, its `server.tls` files;
-//! following symlinks): device, inode, size, modification and change times, a `stat`
-//! each whatever their size. Only when those moved, and stayed so for a moment (a file
-//! being written is read once it is whole), are the files read, and only when their
-//! bytes differ from what is in force is the config parsed and reloaded; SIGHUP reloads
-//! at once. (It read and parsed the whole file every poll before: 13% of a core idle at
+//! (the file, the domain files of its `domains_from` directory, its `server.tls` files
+//! and secret files; following symlinks): device, inode, size, modification and change
+//! times, a `stat` each whatever their size, on a blocking thread (a hung file system
+//! holds that thread, not a runtime worker). Only when those moved, and stayed so for a
+//! moment (a file being written is read once it is whole), are the files read, and only
+//! when their bytes differ from what is in force is the config parsed and reloaded;
+//! SIGHUP reloads at once. (It read and parsed the whole file every poll before: 13% of a core idle at
 //! 1.1 MB, all of it at 11 MB.) Looking at metadata sees the three ways configs change
 //! alike: an edit in place, a new file renamed over the old one, and a symlink swapped
 //! to another target (how Kubernetes updates a mounted ConfigMap), where file-event
@@ -20,11 +21,13 @@
 //! What a reload does with each section:
 //! - `domains`, `domains_from`, `headers`: new rules, in force for the next request;
 //! - `limiter`: the deadline and breaker are retuned on the running store; the clock, the
-//!   near-cache and the rule settings (`key_secret`, `failure`, `shadow_mode`,
-//!   `near_limit_ratio`) come with the new engine;
+//!   near-cache and the rule settings (`failure`, `shadow_mode`, `near_limit_ratio`)
+//!   come with the new engine;
 //! - `store`: a changed store is built and connected (requests in flight finish on the
 //!   engine they started with); a changed migration percentage alone moves clients live;
-//! - `server`: listeners and tokens need a restart; a reload that changes them says so.
+//! - `server`: listeners and tokens need a restart; a reload that changes them says so;
+//! - `limiter.key_secret` (or its file, watched too): kept until a restart, said at each
+//!   reload (a new secret re-keys every client: all start afresh).
 //!
 //! A file that does not validate, or whose rules the store cannot run, is refused whole:
 //! the last good config stays, and the error is logged (with file:line:col) and counted.
@@ -91,14 +94,15 @@ pub fn watch(source: Option<Source>, mut config: Config, mut bytes: Vec<u8>, sta
                 }
                 continue;
             };
-            let now = Stamp::of(source, &config);
+            let files = Files::of(source, &config);
+            let now = files.look().await;
             if hangup {
                 tracing::info!(file = %source.name(), "SIGHUP: reloading the config");
-            } else if now == seen || !settled(|| Stamp::of(source, &config), &now).await {
+            } else if now == seen || !settled(&files, &now).await {
                 continue;
             }
             seen = now;
-            match watched(source, &config) {
+            match files.read(source).await {
                 Ok(now) if now == bytes && !hangup => continue,
                 Ok(now) => bytes = now,
                 Err(e) => {
@@ -125,9 +129,58 @@ pub fn watch(source: Option<Source>, mut config: Config, mut bytes: Vec<u8>, sta
 }
 
 /// Whether the files still look like `seen` after [`SETTLE`].
-async fn settled(look: impl Fn() -> Stamp, seen: &Stamp) -> bool {
+async fn settled(files: &Files, seen: &Stamp) -> bool {
     tokio::time::sleep(SETTLE).await;
-    look() == *seen
+    files.look().await == *seen
+}
+
+/// The files a config is made of, by path: the config file, its `domains_from`
+/// directory (listed at each look), its `server.tls` and secret files. Looking at them
+/// and reading them happen on a blocking thread: a file system that hangs (a stale
+/// network mount) holds up that thread, not a runtime worker deciding requests.
+#[derive(Clone, Default)]
+struct Files {
+    config: Option<PathBuf>,
+    dir: Option<PathBuf>,
+    other: Vec<PathBuf>,
+}
+
+impl Files {
+    fn of(source: &Source, config: &Config) -> Self {
+        let other = tls_files(config).chain(secret_files(config)).cloned().collect();
+        Self { config: source.path().map(Path::to_path_buf), dir: domains_dir(source, config), other }
+    }
+
+    /// Their stamp now.
+    async fn look(&self) -> Stamp {
+        let files = self.clone();
+        tokio::task::spawn_blocking(move || Stamp::of(&files)).await.unwrap_or_default()
+    }
+
+    /// Their bytes now ([`watched`]).
+    async fn read(&self, source: &Source) -> Result<Vec<u8>, String> {
+        let (files, source) = (self.clone(), source.clone());
+        let read = tokio::task::spawn_blocking(move || files.bytes(&source)).await;
+        read.unwrap_or_else(|e| Err(format!("the files could not be read: {e}")))
+    }
+
+    /// The config's bytes, the names and bytes of its domain files, then the bytes of the
+    /// other files (those that can be read: a reload says why one cannot).
+    fn bytes(&self, source: &Source) -> Result<Vec<u8>, String> {
+        let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: cannot read it: {e}", p.display()));
+        let mut bytes = match source {
+            Source::File(path) => read(path)?,
+            Source::Text { text, .. } => text.clone().into_bytes(),
+        };
+        if let Some(dir) = &self.dir {
+            for f in domain_files(dir).map_err(|e| e.to_string())?.0 {
+                bytes.extend(f.display().to_string().bytes());
+                bytes.extend(read(&f)?);
+            }
+        }
+        bytes.extend(self.other.iter().filter_map(|f| std::fs::read(f).ok()).flatten());
+        Ok(bytes)
+    }
 }
 
 /// What the watcher looks at every poll: for each file the config is made of, its
@@ -136,7 +189,7 @@ async fn settled(look: impl Fn() -> Stamp, seen: &Stamp) -> bool {
 struct Stamp(Vec<(PathBuf, Result<[i64; 7], std::io::ErrorKind>)>);
 
 impl Stamp {
-    fn of(source: &Source, config: &Config) -> Self {
+    fn of(files: &Files) -> Self {
         use std::os::unix::fs::MetadataExt;
         let look = |p: PathBuf| {
             let m = std::fs::metadata(&p)
@@ -154,14 +207,14 @@ impl Stamp {
                 .map_err(|e| e.kind());
             (p, m)
         };
-        let mut files: Vec<_> = source.path().map(|p| look(p.to_path_buf())).into_iter().collect();
-        if let Some(dir) = domains_dir(source, config) {
+        let mut stamp: Vec<_> = files.config.iter().map(|p| look(p.clone())).collect();
+        if let Some(dir) = &files.dir {
             // the directory's own times move when a file is added, removed or renamed
-            files.push(look(dir.clone()));
-            files.extend(domain_files(&dir).into_iter().flat_map(|(files, _)| files).map(look));
+            stamp.push(look(dir.clone()));
+            stamp.extend(domain_files(dir).into_iter().flat_map(|(files, _)| files).map(look));
         }
-        files.extend(tls_files(config).map(|f| look(f.clone())));
-        Self(files)
+        stamp.extend(files.other.iter().cloned().map(look));
+        Self(stamp)
     }
 }
 
@@ -177,25 +230,20 @@ fn tls_files(config: &Config) -> impl Iterator<Item = &PathBuf> {
     files.into_iter().flatten().flatten()
 }
 
+/// The files `config` reads its secrets from: a rotated one is noticed (and a reload
+/// says what it takes to put it in force).
+fn secret_files(config: &Config) -> impl Iterator<Item = &PathBuf> {
+    let (server, limiter) = (&config.server, &config.limiter);
+    [&server.admin_token_file, &server.api_tokens_file, &limiter.key_secret_file].into_iter().flatten()
+}
+
 /// What the watcher compares once the files moved: the config's bytes, the names and
 /// bytes of the domain files of `config`'s `domains_from`, then the bytes of its
-/// `server.tls` files (those that can be read: a reload says why one cannot), so that a
-/// certificate rotated on disk counts as a change. An error names the config file or
-/// domain file that cannot be read, and why.
+/// `server.tls` files and its secret files (those that can be read: a reload says why
+/// one cannot), so that a certificate or secret rotated on disk counts as a change. An
+/// error names the config file or domain file that cannot be read, and why.
 pub fn watched(source: &Source, config: &Config) -> Result<Vec<u8>, String> {
-    let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: cannot read it: {e}", p.display()));
-    let mut bytes = match source {
-        Source::File(path) => read(path)?,
-        Source::Text { text, .. } => text.clone().into_bytes(),
-    };
-    if let Some(dir) = domains_dir(source, config) {
-        for f in domain_files(&dir).map_err(|e| e.to_string())?.0 {
-            bytes.extend(f.display().to_string().bytes());
-            bytes.extend(read(&f)?);
-        }
-    }
-    bytes.extend(tls_files(config).filter_map(|f| std::fs::read(f).ok()).flatten());
-    Ok(bytes)
+    Files::of(source, config).bytes(source)
 }
 
 /// SIGHUPs, as a channel. Registering the handler also stops SIGHUP from killing the
@@ -222,8 +270,7 @@ fn hangups() -> tokio::sync::mpsc::Receiver<()> {
 /// Loads `source` and puts every section in force, or none. Returns the config now in
 /// force. With `xds`, the rules stay the ones pushed (see `state/xds.rs`).
 async fn reload(source: &Source, current: &Config, state: &AppState) -> Result<Config, ReloadError> {
-    let Loaded { mut config, mut rules, warnings } = load(source)?;
-    warnings.iter().for_each(|w| tracing::warn!("config reload: {w}"));
+    let (mut config, mut rules) = loaded(source, current)?;
     let mut pushed = if let Some(xds) = &state.xds { Some(xds.turn.lock().await) } else { None };
     // the pushed rules, once there are some (before, the pending ones load made)
     if let (Some(p), true) = (&pushed, state.xds.as_ref().is_some_and(|x| x.loaded())) {
@@ -309,6 +356,39 @@ async fn regions_as(
     };
     applied.push("region, global_store (a new allocator, its store connected; the overrides read from there)");
     Ok(next)
+}
+
+/// `source` loaded (its warnings logged) under the key secret in force
+/// ([`keep_key_secret`]).
+fn loaded(source: &Source, current: &Config) -> Result<(Config, sluice::rules::Rules), ReloadError> {
+    let Loaded { mut config, mut rules, warnings } = load(source)?;
+    warnings.iter().for_each(|w| tracing::warn!("config reload: {w}"));
+    if keep_key_secret(&mut config, current) {
+        // the rules' tags come from the secret: made again under the one kept
+        rules = config.rules().map_err(|e| ConfigError { file: source.name(), at: None, message: e.to_string() })?;
+        if let Some(xds) = &config.xds {
+            rules = rules.pending(xds.waiting());
+        }
+    }
+    Ok((config, rules))
+}
+
+/// Keeps the key secret in force when `config` brings another, and says so: a new
+/// secret gives every client a new tag, and so new windows started afresh (a client that
+/// spent its limit gets it again), which only a restart should do. Said at every reload
+/// until then (the file still holds the new one). Whether it kept it.
+fn keep_key_secret(config: &mut Config, current: &Config) -> bool {
+    if config.limiter.key_secret == current.limiter.key_secret {
+        return false;
+    }
+    let from = config.limiter.key_secret_file.as_ref().map_or("limiter.key_secret".into(), |f| f.display().to_string());
+    tracing::warn!(
+        from = %from,
+        "config reload: limiter.key_secret changed; kept the running one until a restart (a new secret re-keys every \
+         client: each starts its windows afresh); the rest of the reload is applied"
+    );
+    config.limiter.key_secret.clone_from(&current.limiter.key_secret);
+    true
 }
 
 /// Warns of the domains `current` had that `config` has not.

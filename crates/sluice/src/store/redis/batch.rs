@@ -12,7 +12,13 @@
 //! the wire. A batch runs its calls one after another, each all or nothing, exactly as
 //! separate script calls in that order would (a property test holds it to that); one
 //! call failing answers that call only. A call whose caller gave up (its deadline
-//! passed) before the batch left is not sent.
+//! passed) before the batch left is not sent, and a batch waiting on the wire is dropped
+//! once all its callers gave up: had it run when the node came back, it would charge
+//! decisions the failure policy had already made without it. A queue holds at most [`MAX_QUEUED`]
+//! calls: while Redis stalls, the batches on the wire wait and the queue would grow with
+//! the arrival rate, each call kept until its batch leaves though its caller gave up; a
+//! call past the bound fails at once (the failure policy decides it, and the breaker
+//! counts it).
 //!
 //! A queue per runtime: calls made on another thread's single-threaded runtime (the
 //! gRPC threads, `serve.rs`) are queued and sent from that thread, by a task of its
@@ -28,7 +34,7 @@ use crate::algo::Decision;
 use crate::store::StoreError;
 use std::cell::RefCell;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 
@@ -38,8 +44,39 @@ const IN_FLIGHT: usize = 2;
 /// Calls per batch at most (a bound on one script's run: a few hundred microseconds).
 const MAX_CALLS: usize = 128;
 
+/// Calls queued at most per node and runtime: at the limiter's deadline (100 ms by
+/// default), more than a node answers in that time even at its best (docs/benchmarks.md).
+const MAX_QUEUED: usize = 20_000;
+
 type Answer = Result<Vec<Decision>, StoreError>;
-type Queue = mpsc::UnboundedSender<Pending>;
+
+/// A queue's sending side, and how many calls wait in it.
+#[derive(Clone)]
+struct Queue {
+    calls: mpsc::UnboundedSender<Pending>,
+    queued: Arc<AtomicUsize>,
+}
+
+impl Queue {
+    /// A queue, and the task that drains it until `alive` changes.
+    fn start(writer: Arc<Writer>, alive: watch::Receiver<()>) -> Self {
+        let (calls, receiver) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(drain(writer, (receiver, queued.clone()), alive));
+        Self { calls, queued }
+    }
+
+    /// Queues `pending`, unless [`MAX_QUEUED`] calls wait already.
+    fn send(&self, pending: Pending) -> Result<(), StoreError> {
+        if self.queued.fetch_add(1, Ordering::Relaxed) >= MAX_QUEUED {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+            return Err(StoreError::unavailable(format!(
+                "{MAX_QUEUED} calls already wait for this redis node (it is not answering as fast as they come)"
+            )));
+        }
+        self.calls.send(pending).map_err(|_| StoreError::unavailable("the redis store is shutting down"))
+    }
+}
 
 struct Pending {
     call: Call,
@@ -70,9 +107,8 @@ impl Batcher {
     /// Starts the node's task; None outside a Tokio runtime (calls then go one by one).
     pub fn start(writer: Arc<Writer>) -> Option<Self> {
         Handle::try_current().ok()?;
-        let (queue, calls) = mpsc::unbounded_channel();
         let alive = watch::Sender::new(());
-        tokio::spawn(drain(writer.clone(), calls, alive.subscribe()));
+        let queue = Queue::start(writer.clone(), alive.subscribe());
         Some(Self {
             queue,
             writer,
@@ -87,11 +123,10 @@ impl Batcher {
         let stopped = || StoreError::unavailable("the redis store is shutting down");
         let (done, answer) = oneshot::channel();
         let pending = Pending { call, done };
-        let sent = match self.local() {
+        match self.local() {
             true => QUEUES.with(|q| self.local_queue(&mut q.borrow_mut()).send(pending)),
             false => self.queue.send(pending),
-        };
-        sent.map_err(|_| stopped())?;
+        }?;
         answer.await.map_err(|_| stopped())?
     }
 
@@ -108,17 +143,19 @@ impl Batcher {
         if let Some(i) = queues.iter().position(|(id, _)| *id == self.id) {
             return &queues[i].1;
         }
-        queues.retain(|(_, q)| !q.is_closed());
-        let (queue, calls) = mpsc::unbounded_channel();
-        tokio::spawn(drain(self.writer.clone(), calls, self.alive.subscribe()));
-        queues.push((self.id, queue));
+        queues.retain(|(_, q)| !q.calls.is_closed());
+        queues.push((self.id, Queue::start(self.writer.clone(), self.alive.subscribe())));
         &queues[queues.len() - 1].1
     }
 }
 
 /// Sends what is queued, at most [`IN_FLIGHT`] batches at a time, until the store is
 /// dropped (`alive` then changes).
-async fn drain(writer: Arc<Writer>, mut calls: mpsc::UnboundedReceiver<Pending>, mut alive: watch::Receiver<()>) {
+async fn drain(
+    writer: Arc<Writer>,
+    (mut calls, queued): (mpsc::UnboundedReceiver<Pending>, Arc<AtomicUsize>),
+    mut alive: watch::Receiver<()>,
+) {
     let wire = Arc::new(Semaphore::new(IN_FLIGHT));
     loop {
         let first = tokio::select! {
@@ -134,14 +171,28 @@ async fn drain(writer: Arc<Writer>, mut calls: mpsc::UnboundedReceiver<Pending>,
                 Err(_) => break,
             }
         }
+        queued.fetch_sub(batch.len(), Ordering::Relaxed);
         batch.retain(|p| !p.done.is_closed());
         let writer = writer.clone();
         tokio::spawn(async move {
-            let refs: Vec<&Call> = batch.iter().map(|p| &p.call).collect();
-            let answers = writer.apply(&refs).await;
+            let (calls, mut done): (Vec<Call>, Vec<oneshot::Sender<Answer>>) =
+                batch.into_iter().map(|p| (p.call, p.done)).unzip();
+            let refs: Vec<&Call> = calls.iter().collect();
+            let answers = {
+                let gone = futures_util::future::join_all(done.iter_mut().map(|d| d.closed()));
+                tokio::select! {
+                    answers = writer.apply(&refs) => Some(answers),
+                    _ = gone => None,
+                }
+            };
             drop(permit);
-            for (p, answer) in batch.into_iter().zip(answers) {
-                let _ = p.done.send(answer);
+            // every caller gave up (the store stalled past their deadline, and the
+            // failure policy decided them): the batch is dropped unsent, where it would
+            // have run once the node answered (waiting for a connection, say), charging
+            // decisions already made without it
+            let Some(answers) = answers else { return };
+            for (done, answer) in done.into_iter().zip(answers) {
+                let _ = done.send(answer);
             }
         });
     }

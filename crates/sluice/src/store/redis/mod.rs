@@ -253,21 +253,28 @@ fn decisions(v: Value, n: usize) -> Result<Vec<Decision>, StoreError> {
     if ints.len() != n * 6 {
         return Err(StoreError::protocol(format!("script answered {} numbers for {n} ops", ints.len())));
     }
-    Ok(ints.chunks_exact(6).map(decision).collect())
+    ints.chunks_exact(6).map(decision).collect()
 }
 
 /// One decision of a script's reply: its 6 integers (see `lua/apply.lua`; the first
-/// holds flags: 1 allowed, 2 reservations open on the window).
-fn decision(d: &[i64]) -> Decision {
-    Decision {
+/// holds flags: 1 allowed, 2 reservations open on the window; the last is -1 for no
+/// wait). A negative count or time is refused, not read as a huge one.
+fn decision(d: &[i64]) -> Result<Decision, StoreError> {
+    let n = |i: usize| natural(d[i], "a decision");
+    Ok(Decision {
         allowed: d[0] & 1 == 1,
         holds: d[0] & 2 == 2,
-        limit: d[1] as u64,
-        used: d[2] as u64,
-        remaining: d[3] as u64,
-        reset_at: d[4] as u64,
-        retry_after: (d[5] >= 0).then_some(d[5] as u64),
-    }
+        limit: n(1)?,
+        used: n(2)?,
+        remaining: n(3)?,
+        reset_at: n(4)?,
+        retry_after: (d[5] != -1).then(|| n(5)).transpose()?,
+    })
+}
+
+/// A count or time a script answered: never negative.
+fn natural(n: i64, what: &str) -> Result<u64, StoreError> {
+    u64::try_from(n).map_err(|_| StoreError::protocol(format!("{what} held the negative number {n}")))
 }
 
 /// One client's apply call: its ops, where their states live, and `now`.
@@ -994,7 +1001,8 @@ impl Store for RedisStore {
         if d.len() != 6 {
             return Err(StoreError::protocol(format!("grant answered {} numbers", ints.len())));
         }
-        Ok(Granted { units: units as u64, decision: decision(d), holders: holders as u64 })
+        let (units, holders) = (natural(units, "a grant")?, natural(holders, "a grant")?);
+        Ok(Granted { units, decision: decision(d)?, holders })
     }
 
     async fn give_back(&self, tag: Tag, back: GiveBack, now: Millis) -> Result<u64, StoreError> {
@@ -1180,6 +1188,20 @@ mod tests {
             (Value::SimpleString("b".into()), Value::BulkString(b"redis_version:5.0.7".to_vec())),
         ]);
         assert!(texts(cluster).iter().find_map(|t| too_old(t)).is_some(), "one old node is enough");
+    }
+
+    /// A reply's counts and times are never negative: one that is (a script or server
+    /// gone wrong) is a protocol error, not a count near 2^64.
+    #[test]
+    fn a_negative_count_is_a_protocol_error() {
+        let reply = |d: [i64; 6]| Value::Array(d.map(Value::Int).to_vec());
+        let ok = decisions(reply([1, 10, 3, 7, 5_000, -1]), 1).unwrap();
+        assert_eq!((ok[0].allowed, ok[0].used, ok[0].remaining, ok[0].retry_after), (true, 3, 7, None));
+        assert_eq!(decisions(reply([0, 10, 10, 0, 5_000, 40]), 1).unwrap()[0].retry_after, Some(40));
+        for bad in [[1, 10, -3, 7, 5_000, -1], [0, 10, 10, -1, 5_000, 40], [0, 10, 10, 0, 5_000, -2]] {
+            let e = decisions(reply(bad), 1).unwrap_err().to_string();
+            assert!(e.contains("a decision held the negative number"), "{bad:?}: {e}");
+        }
     }
 
     #[test]
