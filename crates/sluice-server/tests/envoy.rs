@@ -206,6 +206,7 @@ async fn their_environment_alone_answers_a_real_envoy() {
     let (_envoy, listen) = start_envoy(&grpc, "", None).await;
     let client = reqwest::Client::new();
     let mut answers = Vec::new();
+    common::clear_of_the_minutes_end().await;
     for _ in 0..3 {
         let r = client.get(format!("http://127.0.0.1:{listen}/x")).header("x-user", "dana").send().await.unwrap();
         let header = |name: &str| r.headers().get(name).map(|v| v.to_str().unwrap().to_string());
@@ -314,11 +315,24 @@ async fn istios_sample_serves_on_ipv6() {
     let mut rls = common::rls(&grpc).await;
     use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
     let mut codes = Vec::new();
+    common::clear_of_the_minutes_end().await;
     for path in ["/productpage", "/productpage", "/reviews"] {
         let answer = rls.should_rate_limit(common::rls_request("ratelimit", &[("PATH", path)])).await.unwrap();
         codes.push(answer.into_inner().overall_code());
     }
     assert_eq!(codes, [Code::Ok, Code::OverLimit, Code::Ok], "the sample's limits: 1 a minute for /productpage");
+    // their windows: a minute's ends on the minute (limiter.aligned_windows under their
+    // environment), not 60 s after the client's first request
+    let secs = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let before = secs();
+    let answer = rls.should_rate_limit(common::rls_request("ratelimit", &[("PATH", "/details")])).await.unwrap();
+    let after = secs();
+    // (whole seconds of a duration exact to the millisecond: one less than the seconds
+    // the minute has left, counted from a whole second)
+    let reset = answer.into_inner().statuses[0].duration_until_reset.expect("a reset").seconds as u64;
+    let to_the_minute = |t: u64| 60 - t % 60;
+    let clocked = [before, after].map(to_the_minute).iter().any(|m| *m == reset || *m == reset + 1);
+    assert!(clocked, "reset in {reset} s at {before} s");
 }
 
 /// docs/configuration.md's LLM budget, its Sluice and Envoy configs as written but for

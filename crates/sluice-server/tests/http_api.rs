@@ -105,6 +105,21 @@ async fn status_reads_never_charge() {
     let r =
         client.post(format!("{}/v1/ratelimit", s.base)).json(&body("demo", &[("user", "carol")])).send().await.unwrap();
     assert_eq!(num(&r, "x-ratelimit-remaining"), 46);
+    // spent: the read answers for a request of cost 1, and every part of it says so
+    for _ in 0..46 {
+        client.post(format!("{}/v1/ratelimit", s.base)).json(&body("demo", &[("user", "carol")])).send().await.unwrap();
+    }
+    let r = client.get(format!("{}/v1/ratelimit?domain=demo&user=carol", s.base)).send().await.unwrap();
+    assert_eq!(r.status(), 200, "a status read is answered");
+    let json: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(json["overall_code"], "OVER_LIMIT", "{json}");
+    assert_eq!(json["statuses"][0]["code"], "OVER_LIMIT", "{json}");
+    let policy = &json["statuses"][0]["policies"][0];
+    assert_eq!(
+        (&policy["allowed"], &policy["remaining"], &policy["used"]),
+        (&false.into(), &0.into(), &50.into()),
+        "{json}"
+    );
 }
 
 /// Bad input gets a 4xx with a JSON error naming the problem, and the server keeps

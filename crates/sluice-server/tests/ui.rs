@@ -149,3 +149,45 @@ async fn the_page_is_bounded_whatever_the_rules() {
     assert_eq!((j["allowed"].as_u64(), j["refused"].as_u64()), (Some(240), Some(60)), "{j}");
     assert!(j["top_refused"].as_array().unwrap().len() <= 50, "{j}");
 }
+
+/// Decisions made on local counts (`failure: local`, the store gone) are shown beside
+/// 503s and fail-open, in the endpoint and on the page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_page_shows_decisions_on_local_counts() {
+    let mut redis = sluice_testkit::RedisServer::start();
+    let sections = format!("  admin_token: {TOKEN}\n  ui: true\nstore:\n  kind: redis\n  url: {}\n", redis.url());
+    let rules = "  - domain: api\n    descriptors:\n      - key: user\n        failure: local\n        rate_limit: {name: hourly, unit: hour, requests_per_unit: 5}\n";
+    let s = start_with(&sections, rules);
+    redis.kill();
+    let c = reqwest::Client::new();
+    let r = hit(&c, &s.base, "api", &[("user", "first")]).await;
+    assert_eq!(common::header(&r, "x-sluice-degraded"), "local", "{}", s.log());
+    // requests go on while the page is read: its figure is the last second's
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (c, base, stop) = (c.clone(), s.base.clone(), stop.clone());
+        tokio::spawn(async move {
+            for i in 0.. {
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    return i;
+                }
+                hit(&c, &base, "api", &[("user", &format!("u{}", i % 50))]).await;
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            unreachable!()
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(2_500)).await; // two samples
+    let j: Value =
+        c.get(format!("{}/v1/admin/overview", s.base)).bearer_auth(TOKEN).send().await.unwrap().json().await.unwrap();
+    let last = |key: &str| j[key].as_array().and_then(|a| a.last()).and_then(Value::as_f64);
+    assert!(last("local_per_s").is_some_and(|r| r > 5.0), "{j}");
+    assert_eq!((last("fail_open_per_s"), last("unavailable_per_s")), (Some(0.0), Some(0.0)), "{j}");
+    let url = format!("{}/ui", s.base.replace("http://", &format!("http://admin:{TOKEN}@")));
+    let dom = tokio::task::spawn_blocking(move || chromium(&["--dump-dom"], &url)).await.unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(load.await.unwrap() > 50);
+    let shown = dom.split("id=\"local\">").nth(1).and_then(|rest| rest.split('<').next()).unwrap_or_default();
+    assert!(shown.parse::<f64>().is_ok_and(|r| r > 0.0), "the page shows local {shown:?}:\n{dom}");
+    assert!(dom.contains("id=\"fail-open\">0<"), "{dom}");
+}

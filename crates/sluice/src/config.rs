@@ -89,6 +89,13 @@ pub struct LimiterConfig {
     /// over `xds`), off for a config file's `domains`. Sluice's own `policies:` are never
     /// charged when refused.
     pub count_refused_hits: Option<bool>,
+    /// Start the windows of envoyproxy/ratelimit-style rules (`rate_limit:`, and limits
+    /// that come with a request) on the clock, as envoyproxy/ratelimit counts them (a
+    /// minute's window from hh:mm:00), instead of at a client's first request with its
+    /// reset stored. Unset: on where the rules are envoyproxy/ratelimit's
+    /// (`--ratelimit-env`, and rules pushed over `xds`), off for a config file's
+    /// `domains`. Sluice's own `policies:` say `aligned` for themselves.
+    pub aligned_windows: Option<bool>,
 }
 
 /// `limiter.top_clients`: per rule, a list of the clients it refuses most and one of
@@ -205,6 +212,7 @@ impl Default for LimiterConfig {
             ratelimit_metrics: false,
             reservations: None,
             count_refused_hits: None,
+            aligned_windows: None,
         }
     }
 }

@@ -140,7 +140,9 @@ pub fn render(v: &Verdict, cfg: &HeadersConfig) -> Vec<(&'static str, String)> {
         let names = &cfg.envoy_ratelimit_names;
         out.push((names.limit, d.limit.to_string()));
         out.push((names.remaining, d.remaining.to_string()));
-        out.push((names.reset, (d.reset_at.saturating_sub(v.now) / 1000).to_string()));
+        // whole seconds rounded up, as theirs counts (a window's last second reads 1,
+        // never 0)
+        out.push((names.reset, ceil_secs(d.reset_at.saturating_sub(v.now)).to_string()));
     }
     if let Some(wait) = d.retry_after.filter(|_| v.outcome == Outcome::OverLimit && cfg.retry_after) {
         out.push(("retry-after", ceil_secs(wait).to_string()));

@@ -207,7 +207,8 @@ fn windowed(p: &Policy, op: Op, now: Millis) -> Op {
 fn request_policy(rules: &Rules, domain: &Domain, d: &Descriptor, di: usize) -> Result<Policy, RequestError> {
     let o = d.limit.expect("called for descriptors with a limit");
     let most = rules.request_bounds.limit_per_unit.unwrap_or(u64::MAX);
-    let limit = Limit::FixedWindow { limit: o.requests_per_unit.min(most), window: o.unit.millis(), aligned: false };
+    let (limit, window) = (o.requests_per_unit.min(most), o.unit.millis());
+    let limit = Limit::FixedWindow { limit, window, aligned: rules.aligned_windows };
     limit.validate().map_err(|source| RequestError::BadLimit { descriptor: di, source })?;
     Ok(Policy {
         name: crate::rules::REQUEST_LIMIT.into(),

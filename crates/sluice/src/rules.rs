@@ -281,6 +281,8 @@ pub struct Rules {
     pub(crate) max_overrides: u64,
     /// `limiter.count_refused_hits`, for limits that come with a request.
     pub(crate) count_refused: bool,
+    /// `limiter.aligned_windows`, for limits that come with a request.
+    pub(crate) aligned_windows: bool,
     /// `limiter.quota_mode`, for limits that come with a request.
     pub(crate) quota_mode: bool,
     /// `limiter.shadow_mode`: every rule in shadow mode.
@@ -324,6 +326,7 @@ impl Rules {
             request_bounds: limiter.request_bounds,
             max_overrides: limiter.max_overrides,
             count_refused: limiter.count_refused_hits.unwrap_or(false),
+            aligned_windows: limiter.aligned_windows.unwrap_or(false),
             quota_mode: limiter.quota_mode,
             shadow_mode: limiter.shadow_mode,
             pending: None,
@@ -492,6 +495,7 @@ fn compile_domain(d: &DomainConfig, limiter: &LimiterConfig, path: &str) -> Resu
         failure: limiter.failure,
         ratelimit_metrics: limiter.ratelimit_metrics,
         count_refused: limiter.count_refused_hits.unwrap_or(false),
+        aligned: limiter.aligned_windows.unwrap_or(false),
     };
     for (i, c) in d.descriptors.iter().enumerate() {
         add(&mut root, c, inherited, &[], &anchors, &format!("{path}.descriptors[{i}]"))?;
@@ -524,6 +528,8 @@ struct Inherited<'a> {
     ratelimit_metrics: bool,
     /// `limiter.count_refused_hits`.
     count_refused: bool,
+    /// `limiter.aligned_windows`: `rate_limit:` windows start on the clock.
+    aligned: bool,
 }
 
 impl Inherited<'_> {
@@ -712,7 +718,7 @@ fn node(
             return Err(err("rate_limit needs `unit` and `requests_per_unit` (or `unlimited: true`)".into()));
         };
         // 0 requests a unit is allowed here: envoyproxy/ratelimit's way to block a value
-        let limit = Limit::FixedWindow { limit: rpu, window: unit.millis(), aligned: rl.global };
+        let limit = Limit::FixedWindow { limit: rpu, window: unit.millis(), aligned: rl.global || inherited.aligned };
         limit.validate().map_err(|e| err(format!("rate_limit: {e}")))?;
         let name = rl.name.as_ref().map(|n| n.0.clone()).unwrap_or_else(|| auto_name(&names));
         let mut counters = PolicyCounters::new(inherited.domain, &name, own.shadow, inherited.lists())

@@ -103,7 +103,7 @@ pub fn from_env(env: &dyn Fn(&str) -> Option<String>) -> Result<FromEnv, String>
         "store": store,
         "limiter": {"near_cache": near_cache, "shadow_mode": on("SHADOW_MODE"), "quota_mode": on("QUOTA_MODE"),
             "key_secret": secret,
-            "count_refused_hits": true,
+            "count_refused_hits": true, "aligned_windows": true,
             "near_limit_ratio": get("NEAR_LIMIT_RATIO").and_then(|r| r.parse::<f64>().ok()).unwrap_or(0.8)},
         "headers": {"github": false, "ietf": false, "retry_after": false, "envoy_ratelimit": headers, "envoy_ratelimit_names": {
             "limit": get("LIMIT_LIMIT_HEADER"), "remaining": get("LIMIT_REMAINING_HEADER"),

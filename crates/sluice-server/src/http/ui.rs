@@ -69,8 +69,8 @@ pub async fn overview(State(state): State<Arc<AppState>>) -> Response {
 
 /// Per domain and rule (of those kept by name): allowed and refused a second over the
 /// samples kept, and the totals; over every rule, allowed and refused a second;
-/// requests decided without the store a second (refused, 503, or admitted by failing
-/// open), and shed a second per priority class.
+/// requests decided without the store a second (refused, 503, admitted by failing
+/// open, or decided on local counts), and shed a second per priority class.
 fn rates(samples: &VecDeque<Sample>) -> Value {
     let pairs: Vec<(&Sample, &Sample)> = samples.iter().zip(samples.iter().skip(1)).collect();
     let seconds: Vec<f64> =
@@ -124,6 +124,7 @@ fn rates(samples: &VecDeque<Sample>) -> Value {
            "allowed": total(&allowed) as u64, "refused": total(&refused) as u64,
            "allowed_per_s": allowed, "refused_per_s": refused,
            "unavailable_per_s": rate(&|s| s.unavailable), "fail_open_per_s": rate(&|s| s.fail_open),
+           "local_per_s": rate(&|s| s.local),
            "shed_per_s_by_class": shed})
 }
 

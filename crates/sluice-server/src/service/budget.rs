@@ -70,14 +70,19 @@ pub fn too_many_holds(v: &Verdict, req: &Request) -> bool {
 
 /// A status verdict (nothing charged) read as a check of `req`'s costs: a descriptor is
 /// over its limit when an enforced policy has less left than the descriptor's cost (1
-/// unless it or the request says otherwise), as Limitador's `CheckRateLimit` decides.
+/// unless it or the request says otherwise), as Limitador's `CheckRateLimit` decides;
+/// each such policy reads `allowed: false`, so that the answer agrees with itself.
 pub fn as_check(mut v: Verdict, req: &Request) -> Verdict {
     let mut over = false;
     for (d, asked) in v.descriptors.iter_mut().zip(&req.descriptors) {
         let cost = asked.hits_addend.or(req.hits_addend).unwrap_or(1);
-        if d.policies.iter().any(|p| !p.shadow && p.decision.remaining < cost) {
-            d.code = Code::OverLimit;
-            over = true;
+        for p in d.policies.iter_mut().filter(|p| p.decision.remaining < cost) {
+            // each policy answers as the code does (a shadow one: what it would do)
+            p.decision.allowed = false;
+            if !p.shadow {
+                d.code = Code::OverLimit;
+                over = true;
+            }
         }
     }
     if over && v.outcome == Outcome::Allowed {

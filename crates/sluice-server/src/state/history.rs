@@ -35,9 +35,11 @@ pub struct Sample {
     /// Decisions allowed and refused, summed over every rule (cumulative).
     pub allowed: f64,
     pub refused: f64,
-    /// Requests decided by the failure policy: refused (fail-closed), admitted.
+    /// Requests decided by the failure policy: refused (fail-closed), admitted
+    /// (fail-open), decided on local counts (`local`).
     pub unavailable: f64,
     pub fail_open: f64,
+    pub local: f64,
     /// Requests shed, per priority class (a few classes).
     pub shed: BTreeMap<String, f64>,
     /// The rules with any decision, up to [`RULES_KEPT`] of them (the most decided):
@@ -165,6 +167,7 @@ impl Folding {
             }
             ("sluice_degraded_total", _, Some(&"closed")) => s.unavailable += v,
             ("sluice_degraded_total", _, Some(&"open")) => s.fail_open += v,
+            ("sluice_degraded_total", _, Some(&"local")) => s.local += v,
             ("sluice_shed_total", _, _) => {
                 *s.shed.entry(labels.get("class").copied().unwrap_or("").to_string()).or_default() += v
             }

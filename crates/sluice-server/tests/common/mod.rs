@@ -338,8 +338,18 @@ pub fn their_way(dir: &TempDir, rule: &str, vars: &[(&str, &str)]) -> (Process, 
     (process, grpc)
 }
 
+/// Waits until the clock's minute has more than 5 s left: under envoyproxy/ratelimit's
+/// environment a minute's window ends on the minute, and a few requests that must share
+/// one window must not straddle its end.
+pub async fn clear_of_the_minutes_end() {
+    while std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() % 60 >= 55 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// The overall codes of `n` calls of the rate limit service at `grpc`, each for `entries`
-/// of `domain`, with the log of the server in `dir` to print beside them.
+/// of `domain`, with the log of the server in `dir` to print beside them (sent clear of a
+/// minute's end).
 pub async fn overall_codes(
     grpc: &str,
     domain: &str,
@@ -349,6 +359,7 @@ pub async fn overall_codes(
 ) -> (Vec<i32>, String) {
     let mut rls = rls(grpc).await;
     let mut codes = Vec::new();
+    clear_of_the_minutes_end().await;
     for _ in 0..n {
         codes.push(rls.should_rate_limit(rls_request(domain, entries)).await.unwrap().into_inner().overall_code);
     }
