@@ -220,9 +220,13 @@ impl Fallback {
         self.answered.store(u64::MAX, Relaxed);
     }
 
-    /// The store answered a call at `now`.
+    /// The store answered a call at `now`. Called on every decision the store made: a
+    /// load alone while nothing failed (a write each time would pass one cache line
+    /// between every core deciding).
     pub(crate) fn store_answered(&self, now: Millis) {
-        let _ = self.answered.compare_exchange(u64::MAX, now, Relaxed, Relaxed);
+        if self.answered.load(Relaxed) == u64::MAX {
+            let _ = self.answered.compare_exchange(u64::MAX, now, Relaxed, Relaxed);
+        }
     }
 
     /// Whether `tag`'s state `key` was decided here in the window running now, to be
