@@ -104,6 +104,13 @@ pub(crate) enum Count {
     Not,
 }
 
+impl Count {
+    /// [`Count::Owed`] for a decision that charges, [`Count::Not`] for a status read.
+    pub(crate) fn owed_if(charge: bool) -> Self {
+        if charge { Count::Owed } else { Count::Not }
+    }
+}
+
 impl Default for Fallback {
     fn default() -> Self {
         Self {

@@ -1104,7 +1104,7 @@ impl Limiter {
     /// charge the store with what is owed: these clients' requests do not reach it, and
     /// it may answer again.
     fn decide_locally(&self, g: &Group, charge: bool, now: Millis) -> (Vec<Decision>, Failure) {
-        let count = if charge { Count::Owed } else { Count::Not };
+        let count = Count::owed_if(charge);
         let decided = g.ops.iter().map(|op| self.fallback.decide(g.tag, op, count, now)).collect();
         self.settle_owed(now);
         (decided, Failure::Local)
@@ -1149,7 +1149,7 @@ impl Limiter {
                             d
                         }
                         Some(r) => self.within_share(r, g.tag, op, charge, now),
-                        None => self.fallback.decide(g.tag, op, if charge { Count::Owed } else { Count::Not }, now),
+                        None => self.fallback.decide(g.tag, op, Count::owed_if(charge), now),
                     };
                 }
                 d
