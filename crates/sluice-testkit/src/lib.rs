@@ -534,6 +534,17 @@ impl RedisSentinels {
         })
     }
 
+    /// The newest configuration epoch a Sentinel holds for the set: 0 before any
+    /// failover, 1 after one, more after a Sentinel failed the promoted one over again.
+    pub fn config_epoch(&self) -> u64 {
+        let epoch = |s: &SentinelServer| {
+            let master = s.cli(&["SENTINEL", "MASTER", Self::MASTER]);
+            let lines: Vec<&str> = master.lines().collect();
+            lines.windows(2).find(|w| w[0] == "config-epoch").and_then(|w| w[1].trim().parse().ok())
+        };
+        self.sentinels.iter().filter_map(epoch).max().unwrap_or(0)
+    }
+
     /// The port of the primary every Sentinel names, when they all name the same one.
     pub fn agreed_primary_port(&self) -> Option<u16> {
         let named: Vec<Option<u16>> = self

@@ -10,8 +10,10 @@
 //!
 //! For the primary, every Sentinel is asked at once and the newest configuration that
 //! holds its primary up is followed: a Sentinel still naming a primary that was failed
-//! over (down, or started again empty) is outvoted by one that saw the promotion, and
-//! while every Sentinel that answers holds the primary down no call goes to it. For a
+//! over (down, or started again empty) is outvoted by one that saw the promotion; the
+//! Sentinel leading a failover, which names the old primary under the new epoch until
+//! the failover ends, is not heard meanwhile; and while every Sentinel that answers
+//! holds the primary down no call goes to it. For a
 //! replica, Sentinels are asked in turn, starting with the last that answered; one that
 //! is down costs one connection timeout, and only while the link is looking.
 
@@ -160,6 +162,12 @@ fn named_primary(reply: Value, name: &str) -> Result<(u64, String), String> {
     let flags = m.get("flags").map_or("", String::as_str);
     if flags.split(',').any(|f| f == "s_down" || f == "o_down") {
         return Err(format!("holds the primary {ip}:{port} down ({flags})"));
+    }
+    // the Sentinel leading a failover names the old primary, under the new epoch already,
+    // until the failover ends (seconds after the promotion): once the old one is started
+    // again it is no longer down there, and would tie with the promoted one
+    if flags.split(',').any(|f| f == "failover_in_progress") {
+        return Err(format!("is failing {ip}:{port} over ({flags})"));
     }
     let epoch = m.get("config-epoch").and_then(|e| e.parse().ok()).unwrap_or(0);
     Ok((epoch, format!("{ip}:{port}")))
@@ -380,6 +388,9 @@ mod tests {
         let down = named_primary(reply("master,s_down,o_down", "3"), "m").unwrap_err();
         assert_eq!(down, "holds the primary 10.0.0.1:6380 down (master,s_down,o_down)");
         assert!(named_primary(reply("s_down,master", "1"), "m").is_err());
+        // the leader of a failover, the old primary started again (seen with redis 7.0)
+        let leading = named_primary(reply("master,failover_in_progress", "1"), "m").unwrap_err();
+        assert_eq!(leading, "is failing 10.0.0.1:6380 over (master,failover_in_progress)");
         assert_eq!(named_primary(reply("master,disconnected", "x"), "m"), Ok((0, "10.0.0.1:6380".to_string())));
         assert_eq!(named_primary(Value::Nil, "m"), Err("does not know 'm'".to_string()));
     }
