@@ -55,6 +55,13 @@ pub struct Args {
     /// Distinct clients to spread the requests over.
     #[arg(long, default_value_t = 1000)]
     pub clients: u64,
+    /// The number of the first client (`client-N`): runs one after another then name
+    /// clients apart (a flood of clients never seen, in slices).
+    #[arg(long, default_value_t = 0)]
+    pub first_client: u64,
+    /// Stop after this many decisions in all (or at `--duration`, whichever comes first).
+    #[arg(long)]
+    pub requests: Option<u64>,
     /// Domain of the requests.
     #[arg(long, default_value = "demo")]
     pub domain: String,
@@ -297,13 +304,14 @@ async fn drive<C: Caller>(
     let workers: Vec<_> = (0..args.concurrency)
         .map(|w| {
             let (mut c, done, step) = (caller(w), done.clone(), args.concurrency as u64);
+            let last = args.requests.unwrap_or(u64::MAX);
             // worker w's calls are due every `concurrency / rate`, offset by w / rate
             let pace = args.rate.map(|r| Duration::from_secs_f64(step as f64 / r));
             let mut due = Instant::now() + pace.map_or(Duration::ZERO, |p| p.mul_f64(w as f64 / step as f64));
             tokio::spawn(async move {
                 let mut tally = Tally::default();
                 let mut i = w as u64;
-                while Instant::now() < deadline {
+                while Instant::now() < deadline && i < last {
                     let t = match pace {
                         Some(p) => {
                             let at = due;
@@ -345,12 +353,17 @@ async fn drive<C: Caller>(
     Ok(out)
 }
 
-/// The request for iteration `i`: client `i % clients`.
+/// The client of iteration `i`.
+fn client(args: &Args, i: u64) -> u64 {
+    args.first_client + i % args.clients
+}
+
+/// The request for iteration `i`: its [`client`].
 fn request(args: &Args, i: u64) -> Request {
     Request {
         domain: args.domain.clone(),
         descriptors: vec![Descriptor {
-            entries: vec![Entry { key: args.key.clone(), value: format!("client-{}", i % args.clients) }],
+            entries: vec![Entry { key: args.key.clone(), value: format!("client-{}", client(args, i)) }],
             ..Default::default()
         }],
         ..Default::default()
@@ -364,7 +377,7 @@ fn rls_request(args: &Args, i: u64) -> RateLimitRequest {
         descriptors: vec![RateLimitDescriptor {
             entries: vec![rate_limit_descriptor::Entry {
                 key: args.key.clone(),
-                value: format!("client-{}", i % args.clients),
+                value: format!("client-{}", client(args, i)),
             }],
             ..Default::default()
         }],
@@ -383,7 +396,7 @@ fn http_request(args: &Args, addr: &str, i: u64) -> Vec<u8> {
                 r#"{{"domain":"{}","descriptors":[{{"entries":[{{"key":"{}","value":"client-{}"}}]}}]}}"#,
                 args.domain,
                 args.key,
-                i % args.clients
+                client(args, i)
             );
             format!(
                 "POST /v1/ratelimit HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",

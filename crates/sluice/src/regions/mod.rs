@@ -16,6 +16,8 @@
 
 mod agree;
 mod outage;
+#[cfg(test)]
+mod tests;
 
 pub use crate::rules::GlobalRule;
 pub use agree::{Variants, fleet_variants};
@@ -27,6 +29,7 @@ use crate::algo::{Decision, Limit, Op};
 use crate::store::{GiveBack, GrantAsk, PoolCall, Store, StoreError};
 use crate::tag::Tag;
 use crate::time::{Clock, Millis};
+use futures_util::StreamExt;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -34,6 +37,18 @@ use std::time::Instant;
 
 /// How often an allocator looks at its pools.
 pub const TICK: Millis = 100;
+
+/// Clients of global limits an allocator keeps at most (`Regions::arrived`). Past it, the
+/// idle ones (no units asked for since the last tick, no grant of this instance open,
+/// none asked for within a horizon) are dropped, at most once a second; a client that
+/// still finds no room is not kept: its decisions are still served by their own moves
+/// (`Regions::hurry`), one global call for each pool found short, and counted
+/// (`RegionStats::untracked`). So a flood of distinct clients costs bounded memory, and a
+/// tick's work is bounded by it too.
+pub const MAX_ACTIVE: usize = 100_000;
+
+/// The moves of a tick under way at once (one per client with something to do).
+const MOVES_AT_ONCE: usize = 256;
 
 /// The cross-region round trip assumed until a global call has been timed.
 const FIRST_ROUND_TRIP: Millis = 100;
@@ -85,6 +100,8 @@ pub struct RegionStats {
     /// Global rules whose limit or window the regions were found to differ on, at the
     /// last beat (the `agree` module).
     pub disagreements: AtomicU64,
+    /// Decisions of clients not kept, [`MAX_ACTIVE`] reached.
+    pub untracked: AtomicU64,
 }
 
 /// A region as one instance sees it ([`Regions::view`]).
@@ -115,6 +132,8 @@ pub struct RegionView {
     pub hurried: u64,
     pub refused_spent: u64,
     pub refused_waiting: u64,
+    /// Decisions of clients this allocator did not keep ([`MAX_ACTIVE`] reached).
+    pub untracked: u64,
 }
 
 /// One global limit's state of one client as this instance sees it.
@@ -205,6 +224,10 @@ pub struct Regions {
     global_down: AtomicBool,
     /// When the next beat is due ([`outage`]).
     beat: Mutex<Millis>,
+    /// When the clients kept, [`MAX_ACTIVE`] reached, may next be swept of the idle.
+    sweep: AtomicU64,
+    /// When a client not kept may next be said in the log.
+    untracked_told: AtomicU64,
     /// The global rules configured here; the smallest limit the regions configure for
     /// each (limit, window) here they differ on; the disagreements already logged; and
     /// whether a regional store shared with another region was ([`agree`]).
@@ -288,6 +311,8 @@ impl Regions {
             regions: AtomicU64::new(1),
             global_down: AtomicBool::new(false),
             beat: Mutex::new(0),
+            sweep: AtomicU64::new(0),
+            untracked_told: AtomicU64::new(0),
             rules: Mutex::new(Vec::new()),
             agreed: Mutex::new(HashMap::new()),
             told: Mutex::new(Default::default()),
@@ -319,6 +344,11 @@ impl Regions {
         let end = escrow::window_end(&op.limit, now);
         let base = escrow::base_key(op.key, &op.limit, end);
         let mut active = self.active.lock().expect("regions lock");
+        if active.len() >= MAX_ACTIVE && !active.contains_key(&(tag, base)) && !self.make_room(&mut active, now) {
+            drop(active);
+            self.untracked(now);
+            return;
+        }
         let a = active.entry((tag, base)).or_insert_with(|| Active {
             limit: op.limit,
             arrived: 0,
@@ -330,6 +360,32 @@ impl Regions {
         // a reload that changed the limit: the allocator asks under the new one from now
         // (what the pool holds of this window was granted under the old)
         a.limit = op.limit;
+    }
+
+    /// [`MAX_ACTIVE`] clients kept: drops the idle ones (see there), at most once a
+    /// second; whether there is room now.
+    fn make_room(&self, active: &mut HashMap<(Tag, u64), Active>, now: Millis) -> bool {
+        if now >= self.sweep.load(Relaxed) {
+            self.sweep.store(now + 1_000, Relaxed);
+            let horizon = self.horizon();
+            active.retain(|_, a| a.arrived > 0 || a.holds() || a.seen_at + horizon > now);
+        }
+        active.len() < MAX_ACTIVE
+    }
+
+    /// A decision of a client not kept ([`MAX_ACTIVE`] reached): counted, and said at
+    /// most once a minute.
+    fn untracked(&self, now: Millis) {
+        let (untracked, due) = (self.stats.untracked.fetch_add(1, Relaxed) + 1, self.untracked_told.load(Relaxed));
+        if now >= due && self.untracked_told.compare_exchange(due, now + 60_000, Relaxed, Relaxed).is_ok() {
+            tracing::warn!(
+                region = %self.name,
+                kept = MAX_ACTIVE,
+                untracked,
+                "the allocator keeps {MAX_ACTIVE} clients of global limits at most, and none is idle: a new \
+                 client's decisions ask the global store themselves when its region's pool is short"
+            );
+        }
     }
 
     /// Runs [`Self::step`] every [`TICK`] while an engine holds this allocator (a reload
@@ -373,12 +429,13 @@ impl Regions {
             let me = self.clone();
             tokio::spawn(async move { me.beat(now).await });
         }
-        let mut set = tokio::task::JoinSet::new();
-        for (tag, base, limit, arrived) in work {
-            let me = self.clone();
-            set.spawn(async move { me.allocate(tag, base, limit, arrived, now).await });
-        }
-        while set.join_next().await.is_some() {}
+        // a bounded number at once, in this task: no task spawned per client per tick
+        let moves = futures_util::stream::iter(work);
+        moves
+            .for_each_concurrent(MOVES_AT_ONCE, |(tag, base, limit, arrived)| {
+                self.allocate(tag, base, limit, arrived, now)
+            })
+            .await;
     }
 
     /// Reports and plans for the window of `limit` that `now` is in, of client `base`;
@@ -832,7 +889,7 @@ impl Regions {
         (view.global_calls, view.global_errors) = (s.global_calls.load(Relaxed), s.global_errors.load(Relaxed));
         view.global_mean_ms = s.global_micros.load(Relaxed) as f64 / 1_000.0 / view.global_calls.max(1) as f64;
         (view.hurried, view.refused_spent) = (s.hurried.load(Relaxed), s.refused_spent.load(Relaxed));
-        view.refused_waiting = s.refused_waiting.load(Relaxed);
+        (view.refused_waiting, view.untracked) = (s.refused_waiting.load(Relaxed), s.untracked.load(Relaxed));
         view
     }
 
