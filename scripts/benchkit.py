@@ -25,6 +25,13 @@ def process_cpu(pid):
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def memory_mb(pid):
+    """Resident and peak resident memory of a process (VmRSS, VmHWM), in MB."""
+    status = open("/proc/%d/status" % pid).read()
+    kb = lambda k: int(re.search(r"%s:\s+(\d+) kB" % k, status).group(1))  # noqa: E731
+    return kb("VmRSS") / 1024, kb("VmHWM") / 1024
+
+
 def redis_info(port, section):
     return subprocess.run(["redis-cli", "-p", str(port), "INFO", section], capture_output=True, text=True).stdout
 

@@ -224,10 +224,10 @@ pub struct Regions {
     global_down: AtomicBool,
     /// When the next beat is due ([`outage`]).
     beat: Mutex<Millis>,
-    /// When the clients kept, [`MAX_ACTIVE`] reached, may next be swept of the idle.
-    sweep: AtomicU64,
-    /// When a client not kept may next be said in the log.
-    untracked_told: AtomicU64,
+    /// The clients kept, [`MAX_ACTIVE`] reached, swept of the idle at most once a second;
+    /// a client not kept said in the log at most once a minute.
+    sweep: crate::time::Throttle,
+    untracked_told: crate::time::Throttle,
     /// The global rules configured here; the smallest limit the regions configure for
     /// each (limit, window) here they differ on; the disagreements already logged; and
     /// whether a regional store shared with another region was ([`agree`]).
@@ -311,8 +311,8 @@ impl Regions {
             regions: AtomicU64::new(1),
             global_down: AtomicBool::new(false),
             beat: Mutex::new(0),
-            sweep: AtomicU64::new(0),
-            untracked_told: AtomicU64::new(0),
+            sweep: Default::default(),
+            untracked_told: Default::default(),
             rules: Mutex::new(Vec::new()),
             agreed: Mutex::new(HashMap::new()),
             told: Mutex::new(Default::default()),
@@ -365,8 +365,7 @@ impl Regions {
     /// [`MAX_ACTIVE`] clients kept: drops the idle ones (see there), at most once a
     /// second; whether there is room now.
     fn make_room(&self, active: &mut HashMap<(Tag, u64), Active>, now: Millis) -> bool {
-        if now >= self.sweep.load(Relaxed) {
-            self.sweep.store(now + 1_000, Relaxed);
+        if self.sweep.due(now, 1_000) {
             let horizon = self.horizon();
             active.retain(|_, a| a.arrived > 0 || a.holds() || a.seen_at + horizon > now);
         }
@@ -376,8 +375,8 @@ impl Regions {
     /// A decision of a client not kept ([`MAX_ACTIVE`] reached): counted, and said at
     /// most once a minute.
     fn untracked(&self, now: Millis) {
-        let (untracked, due) = (self.stats.untracked.fetch_add(1, Relaxed) + 1, self.untracked_told.load(Relaxed));
-        if now >= due && self.untracked_told.compare_exchange(due, now + 60_000, Relaxed, Relaxed).is_ok() {
+        let untracked = self.stats.untracked.fetch_add(1, Relaxed) + 1;
+        if self.untracked_told.due(now, 60_000) {
             tracing::warn!(
                 region = %self.name,
                 kept = MAX_ACTIVE,

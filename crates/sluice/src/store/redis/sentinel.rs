@@ -160,13 +160,14 @@ fn named_primary(reply: Value, name: &str) -> Result<(u64, String), String> {
     let m: std::collections::HashMap<String, String> = redis::from_redis_value(reply).map_err(|_| unknown())?;
     let (Some(ip), Some(port)) = (m.get("ip"), m.get("port")) else { return Err(unknown()) };
     let flags = m.get("flags").map_or("", String::as_str);
-    if flags.split(',').any(|f| f == "s_down" || f == "o_down") {
+    let flagged = |flag: &str| flags.split(',').any(|f| f == flag);
+    if flagged("s_down") || flagged("o_down") {
         return Err(format!("holds the primary {ip}:{port} down ({flags})"));
     }
     // the Sentinel leading a failover names the old primary, under the new epoch already,
     // until the failover ends (seconds after the promotion): once the old one is started
     // again it is no longer down there, and would tie with the promoted one
-    if flags.split(',').any(|f| f == "failover_in_progress") {
+    if flagged("failover_in_progress") {
         return Err(format!("is failing {ip}:{port} over ({flags})"));
     }
     let epoch = m.get("config-epoch").and_then(|e| e.parse().ok()).unwrap_or(0);
