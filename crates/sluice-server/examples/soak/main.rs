@@ -118,7 +118,7 @@ async fn main() {
     for d in drivers {
         let _ = d.await;
     }
-    let seen = log.take();
+    let seen = check::Seen { regions: args.regions.max(1), ..log.take() };
     let report = check::check(&seen, &faults, clock);
     report.print(&seen, &faults);
     eprintln!("soak: {:.0} s in all; logs in {}", started.elapsed().as_secs_f64(), fleet.dir().display());
