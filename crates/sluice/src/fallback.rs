@@ -155,7 +155,7 @@ impl Fallback {
             Limit::Concurrency { .. } => 1_000,
         };
         let end = (now / period.max(1) + 1) * period.max(1);
-        let mut counts = self.counts.lock().expect("fallback lock");
+        let mut counts = self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if counts.len() >= MAX_COUNTED && self.sweeps.due(now, SWEEP_EVERY) {
             let mut ended = 0;
             counts.retain(|_, c| {
@@ -204,7 +204,7 @@ impl Fallback {
     /// count still running for another window (a limit of another period) is kept and
     /// runs to the later end: only ever stricter. Not charged to the store.
     fn spilled(&self, tag: Tag, op: &Op, fair: u64, end: Millis, now: Millis) -> Decision {
-        let mut spill = self.spill.lock().expect("fallback lock");
+        let mut spill = self.spill.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if spill.is_empty() {
             spill.resize(SPILL, (0, 0));
         }
@@ -244,7 +244,7 @@ impl Fallback {
         if self.owed_until.load(Relaxed) <= now || answered.saturating_add(FINISH_AT_MOST) <= now {
             return false;
         }
-        let counts = self.counts.lock().expect("fallback lock");
+        let counts = self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         counts.get(&(tag, key)).is_some_and(|c| c.charged && c.end > now)
     }
 
@@ -262,7 +262,7 @@ impl Fallback {
             return 0;
         }
         let owed: Vec<((Tag, u64), Counted)> = {
-            let mut counts = self.counts.lock().expect("fallback lock");
+            let mut counts = self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let owed: Vec<_> = counts
                 .iter_mut()
                 .filter(|(_, c)| c.pending() > 0)
@@ -289,7 +289,7 @@ impl Fallback {
 
     /// Owes again what could not be charged, where its window still runs here.
     fn owe_again(&self, uncharged: impl Iterator<Item = ((Tag, u64), Counted)>) {
-        let mut counts = self.counts.lock().expect("fallback lock");
+        let mut counts = self.counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for (at, c) in uncharged {
             if let Some(now) = counts.get_mut(&at).filter(|now| now.end == c.end) {
                 now.owed += c.owed;

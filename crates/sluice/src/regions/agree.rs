@@ -52,7 +52,7 @@ fn variant_of(lease: Lease) -> (u64, Millis) {
 impl Regions {
     /// The global rules this instance configures (its engine's, at each build or reload).
     pub fn set_rules(&self, rules: Vec<GlobalRule>) {
-        *self.rules.lock().expect("regions lock") = rules;
+        *self.rules.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = rules;
     }
 
     /// The limit to ask the global store for units under, for a client of `limit`: the
@@ -60,7 +60,7 @@ impl Regions {
     /// window), once the beats have said the regions differ; `limit` otherwise.
     pub(super) fn agreed(&self, limit: &Limit) -> Limit {
         let Limit::FixedWindow { limit: l, window, aligned } = *limit else { return *limit };
-        let agreed = self.agreed.lock().expect("regions lock");
+        let agreed = self.agreed.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         match agreed.get(&(l, window)) {
             Some(&smallest) => Limit::FixedWindow { limit: smallest.min(l), window, aligned },
             None => *limit,
@@ -76,7 +76,7 @@ impl Regions {
     /// every region's (see the module's comment); then, in the region's own store, that
     /// this region is there. Part of a beat (`n`: the beat's number).
     pub(super) async fn agree(&self, n: u64, now: Millis) {
-        let rules = self.rules.lock().expect("regions lock").clone();
+        let rules = self.rules.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
         let (mut agreed, mut disagreeing) = (HashMap::new(), 0);
         // every rule at once: a beat costs a few round trips, however many rules
         let found = futures_util::future::join_all(rules.iter().map(|rule| self.variants(rule, n, now))).await;
@@ -89,7 +89,12 @@ impl Regions {
             let same_window = variants.iter().filter(|(_, w)| *w == rule.window);
             let smallest = same_window.map(|(l, _)| *l).min().unwrap_or(rule.limit);
             agreed.insert((rule.limit, rule.window), smallest);
-            if self.told.lock().expect("regions lock").insert((rule.name.clone(), variants.clone())) {
+            if self
+                .told
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert((rule.name.clone(), variants.clone()))
+            {
                 tracing::warn!(
                     rule = %rule.name,
                     here = %format!("{} per {} ms", rule.limit, rule.window),
@@ -101,7 +106,7 @@ impl Regions {
                 );
             }
         }
-        *self.agreed.lock().expect("regions lock") = agreed;
+        *self.agreed.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = agreed;
         self.stats.disagreements.store(disagreeing, Relaxed);
         self.metrics.disagreements.set(disagreeing as f64);
         self.beat_here(n, now).await;

@@ -15,17 +15,21 @@
 //! only when the fleet has spent it, not when the region had not asked yet.
 
 mod agree;
+mod fleet;
+mod hurry;
 mod outage;
 #[cfg(test)]
 mod tests;
 
 pub use crate::rules::GlobalRule;
 pub use agree::{Variants, fleet_variants};
+pub use fleet::RegionView;
+pub(crate) use hurry::Hurried;
 pub use outage::BEAT;
 
 use crate::algo::escrow::{self, Act, Move, Pool, Seen};
 use crate::algo::grant::Open;
-use crate::algo::{Decision, Limit, Op};
+use crate::algo::{Limit, Op};
 use crate::store::{GiveBack, GrantAsk, PoolCall, Store, StoreError};
 use crate::tag::Tag;
 use crate::time::{Clock, Millis};
@@ -58,22 +62,6 @@ const FIRST_ROUND_TRIP: Millis = 100;
 /// one (a read, a claim, the fill, the grant), on a busy machine.
 pub const WAIT_MARGIN: Millis = 100;
 
-/// What `Regions::hurry` found.
-#[derive(Debug, Clone)]
-pub(crate) enum Hurried {
-    /// The region's pool holds the decision's units now.
-    Filled,
-    /// The global store said it had none left in this window: the fleet spent the limit
-    /// (as far as this region can know: another region may give some back).
-    Spent,
-    /// The global store did not answer within the wait; it may have units.
-    Waiting,
-    /// The window ended while the decision waited: it is decided in the next.
-    Ended,
-    /// The global store, or the region's, failed: the rule's `failure` decides.
-    Failed(StoreError),
-}
-
 /// What an instance's allocator counts (also in `/metrics`: `sluice_region_*`).
 #[derive(Debug, Default)]
 pub struct RegionStats {
@@ -102,38 +90,6 @@ pub struct RegionStats {
     pub disagreements: AtomicU64,
     /// Decisions of clients not kept, [`MAX_ACTIVE`] reached.
     pub untracked: AtomicU64,
-}
-
-/// A region as one instance sees it ([`Regions::view`]).
-#[derive(Debug, Default, Clone, serde::Serialize)]
-pub struct RegionView {
-    /// The region, and the kind of its global store.
-    pub region: String,
-    pub global_store: &'static str,
-    /// Clients of global limits active here, and what their pools hold and have spent
-    /// in the windows now.
-    pub clients: usize,
-    pub held: u64,
-    pub spent: u64,
-    /// This instance's allocator since it started: units taken from the global store and
-    /// given back, its calls there, those that failed, and their mean time.
-    pub taken: u64,
-    pub given_back: u64,
-    pub global_calls: u64,
-    pub global_errors: u64,
-    pub global_mean_ms: f64,
-    /// How far ahead the region holds; the round trip to the global store now (smoothed
-    /// over the last calls), and whether its last call failed.
-    pub horizon_ms: Millis,
-    pub round_trip_ms: Millis,
-    pub failing: bool,
-    /// Decisions that asked the global store at once, the refusals because the fleet
-    /// had spent the limit, and those while it may have had units (see [`RegionStats`]).
-    pub hurried: u64,
-    pub refused_spent: u64,
-    pub refused_waiting: u64,
-    /// Decisions of clients this allocator did not keep ([`MAX_ACTIVE`] reached).
-    pub untracked: u64,
 }
 
 /// One global limit's state of one client as this instance sees it.
@@ -217,7 +173,7 @@ pub struct Regions {
     short: Mutex<std::collections::BTreeSet<Millis>>,
     /// The moves `Self::hurry` has under way, by client and window end: a decision that
     /// finds one waits for it rather than starting another.
-    hurrying: Mutex<HashMap<(Tag, u64, Millis), InFlight>>,
+    hurrying: Mutex<HashMap<(Tag, u64, Millis), hurry::InFlight>>,
     /// The regions known to share the global store ([`outage`]), and whether its last
     /// call failed.
     regions: AtomicU64,
@@ -236,9 +192,6 @@ pub struct Regions {
     told: Mutex<std::collections::HashSet<(String, agree::Variants)>>,
     shared_told: AtomicBool,
 }
-
-/// A move of `Regions::hurry` under way: what it found, once it has.
-type InFlight = tokio::sync::watch::Receiver<Option<Hurried>>;
 
 /// The round trips to the global store a global window should last at least: under that,
 /// a region's share runs out before the next arrives and part of the limit goes unused
@@ -343,7 +296,7 @@ impl Regions {
     pub(crate) fn arrived(&self, tag: Tag, op: &Op, now: Millis) {
         let end = escrow::window_end(&op.limit, now);
         let base = escrow::base_key(op.key, &op.limit, end);
-        let mut active = self.active.lock().expect("regions lock");
+        let mut active = self.active.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if active.len() >= MAX_ACTIVE && !active.contains_key(&(tag, base)) && !self.make_room(&mut active, now) {
             drop(active);
             self.untracked(now);
@@ -410,7 +363,7 @@ impl Regions {
         let now = self.clock.now();
         let mut work = Vec::new();
         {
-            let mut active = self.active.lock().expect("regions lock");
+            let mut active = self.active.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             active.retain(|_, a| {
                 let end = escrow::window_end(&a.limit, now);
                 a.windows.retain(|e, _| *e >= end);
@@ -553,245 +506,6 @@ impl Regions {
         Ok(())
     }
 
-    /// What is left of the fleet's limit in the window of `op` (planned at `planned`) as
-    /// the region last knew it, besides the units this instance holds: what the global
-    /// store has not granted, and what the region's pool holds unspent (as the allocator
-    /// read it at its last tick, or now if it has not yet: a client new here). Less than
-    /// the truth by what the other regions hold unspent (about their demand for one
-    /// horizon), never more. `None` when the store cannot be read.
-    pub(crate) async fn fleet_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
-        let end = escrow::window_end(&op.limit, planned);
-        let base = escrow::base_key(op.key, &op.limit, end);
-        let known = self.known(tag, base, end);
-        // the pool as last read, while the allocator reads it each tick (a client idle
-        // here is not read at ticks: its pool is read now)
-        let fresh = self.clock.now() < known.seen_at + 2 * TICK && known.seen != (0, 0);
-        if let Some(left) = known.left().filter(|_| fresh) {
-            return Some(left);
-        }
-        let now = self.clock.now().min(end - 1);
-        let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await.ok()?;
-        self.saw(tag, base, end, &pool);
-        Some(pool.left.unwrap_or(0) + pool.unspent())
-    }
-
-    /// What is left of the fleet's limit in the window of `op` (its key names the window
-    /// of `now`) for a status read, besides the units this instance holds: what the
-    /// global store has not granted (asked now: a region that never served the client
-    /// in this window knows nothing of it) and what the region's pool holds unspent. Less
-    /// than the truth by what the other regions hold unspent. `None` when a store cannot
-    /// be read.
-    pub(crate) async fn fleet_status(&self, tag: Tag, op: &Op, now: Millis) -> Option<u64> {
-        let end = escrow::window_end(&op.limit, now);
-        let pool = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now);
-        let global = self.timed(self.global.peek(tag, std::slice::from_ref(op), now));
-        let ((_, pool), global) = futures_util::future::try_join(pool, global).await.ok()?;
-        self.saw(tag, escrow::base_key(op.key, &op.limit, end), end, &pool);
-        Some(global.first()?.remaining + pool.unspent())
-    }
-
-    /// What is left of the fleet's limit in the window of `op` (planned at `planned`) as
-    /// this instance last knew it, without a store call: what the global store had not
-    /// granted and what the region's pool held unspent; `None` if it never knew.
-    fn known_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
-        let end = escrow::window_end(&op.limit, planned);
-        self.known(tag, escrow::base_key(op.key, &op.limit, end), end).left()
-    }
-
-    /// Whether the fleet has spent the window `op` names at `planned`, as far as this
-    /// region knows: the global store said within a horizon that it had less than the
-    /// cost left, and the region's pool (read within a tick) holds less than it. A decision so
-    /// refused needs neither its turn nor a move (counted as `fleet_spent`), so the
-    /// refusals of a spent window do not queue behind each other.
-    pub(crate) async fn fleet_spent(&self, tag: Tag, op: &Op, planned: Millis) -> bool {
-        let (end, cost) = (escrow::window_end(&op.limit, planned), op.cost.max(1));
-        let (base, now) = (escrow::base_key(op.key, &op.limit, end), self.clock.now());
-        let h = self.known(tag, base, end);
-        if now >= end || !h.said_spent(cost, now, self.horizon()) {
-            return false;
-        }
-        // the pool as read within a tick: a spent window's refusals cost no store call
-        let (cap, used) = h.seen;
-        let spent = if now < h.seen_at + TICK && cap.saturating_sub(used) < cost {
-            true
-        } else {
-            let call = self.pool_call(op.key, &op.limit, end, Act::Read);
-            let Ok((_, pool)) = self.local.pool(tag, call, now).await else { return false };
-            self.saw(tag, base, end, &pool);
-            pool.unspent() < cost
-        };
-        if spent {
-            self.refused_spent();
-        }
-        spent
-    }
-
-    /// The round trip to the global store as measured here (smoothed), in ms.
-    pub fn round_trip(&self) -> Millis {
-        self.latency.load(Relaxed)
-    }
-
-    /// How long a decision waits for `Self::hurry`: twice the round trip to the global
-    /// store as measured here (room for a second move, should the first one's units be
-    /// taken), and [`WAIT_MARGIN`] for the region's own calls.
-    pub fn wait_bound(&self) -> Millis {
-        2 * self.latency.load(Relaxed) + WAIT_MARGIN
-    }
-
-    /// A decision found its region's pool short of `op`'s cost on a global window: the
-    /// allocator's move for that one client, now rather than at the next tick, while the
-    /// decision waits at most [`Self::wait_bound`] (the move goes on if it takes longer:
-    /// units granted are never left out of the pool). See [`Hurried`].
-    /// `planned`: when the decision was planned; `op`'s key names the window of that
-    /// time, and only that window's pool is filled (a grant on that key asked for in the
-    /// next window would be the next window's, counted apart from its own key's).
-    /// `waiting`: the decisions of the client queued behind this one on this instance
-    /// (asked for too, not needed: the fleet may have units for this one alone); `left`:
-    /// how long the decision waits, in ms (what is left of [`Self::wait_bound`]).
-    pub(crate) async fn hurry(
-        self: &Arc<Self>,
-        tag: Tag,
-        op: &Op,
-        planned: Millis,
-        (waiting, left): (u64, Millis),
-    ) -> Hurried {
-        self.stats.hurried.fetch_add(1, Relaxed);
-        self.metrics.hurried.increment(1);
-        let bound = std::time::Duration::from_millis(left);
-        let moved = self.move_for(tag, (op, waiting), planned, bound);
-        // no answer within the wait: waiting, or failed if the global store's last call did
-        // (a link that drops every packet answers nothing until the call's deadline)
-        let late = || match self.global_answers() {
-            true => Hurried::Waiting,
-            false => Hurried::Failed(StoreError::unavailable("the global store did not answer its last call")),
-        };
-        let hurried = match tokio::time::timeout(bound, moved).await.unwrap_or_else(|_| late()) {
-            Hurried::Waiting if self.clock.now() >= escrow::window_end(&op.limit, planned) => Hurried::Ended,
-            hurried => hurried,
-        };
-        if let Hurried::Spent = hurried {
-            self.refused_spent();
-        }
-        hurried
-    }
-
-    /// Counts a decision refused because the fleet spent its window.
-    fn refused_spent(&self) {
-        self.stats.refused_spent.fetch_add(1, Relaxed);
-        self.metrics.refused_spent.increment(1);
-    }
-
-    /// The refusal `d` of `op` (planned at `planned`) because the global store's answer
-    /// had not come within the decision's wait, counted (a refusal under the limit, as far
-    /// as anyone knows): units are expected within a horizon, not at the window's end, and
-    /// `remaining` and `used` are the fleet's count as the region last knew it (all of the
-    /// limit if it never knew: nothing was seen spent), not a spent window's. A client
-    /// told `remaining: 37` with `Retry-After: 1` knows it may come back soon (as with a
-    /// secondary limit), where `remaining: 0, used: 40` said it had used everything.
-    pub(crate) fn refuse_waiting(&self, tag: Tag, op: &Op, planned: Millis, d: Decision, now: Millis) -> Decision {
-        self.stats.refused_waiting.fetch_add(1, Relaxed);
-        self.metrics.refused_waiting.increment(1);
-        let remaining = self.known_left(tag, op, planned).unwrap_or(d.limit).min(d.limit);
-        let retry_after = Some(self.horizon().min(d.reset_at.saturating_sub(now)));
-        Decision { retry_after, remaining, used: d.limit - remaining, ..d }
-    }
-
-    /// The move for `op`'s client in the window of `planned`: the one under way, or a
-    /// new one, run in a task of its own (so that units granted reach the pool whoever
-    /// still waits) that gives up `bound` from now if it has not claimed the pool yet.
-    /// One move per client and window at a time: decisions that stopped waiting leave
-    /// no moves behind them, each reading the pool until the window ends.
-    fn move_for(
-        self: &Arc<Self>,
-        tag: Tag,
-        (op, waiting): (&Op, u64),
-        planned: Millis,
-        bound: std::time::Duration,
-    ) -> impl std::future::Future<Output = Hurried> + use<> {
-        let end = escrow::window_end(&op.limit, planned);
-        let at = (tag, escrow::base_key(op.key, &op.limit, end), end);
-        let mut found = {
-            let mut hurrying = self.hurrying.lock().expect("regions lock");
-            match hurrying.get(&at) {
-                Some(moving) => moving.clone(),
-                None => {
-                    let (tell, found) = tokio::sync::watch::channel(None);
-                    let (me, op, until) = (self.clone(), *op, Instant::now() + bound);
-                    tokio::spawn(async move {
-                        let hurried = me.hurry_now(tag, (&op, waiting), end, until).await;
-                        me.hurrying.lock().expect("regions lock").remove(&at);
-                        let _ = tell.send(Some(hurried.unwrap_or_else(Hurried::Failed)));
-                    });
-                    hurrying.insert(at, found.clone());
-                    found
-                }
-            }
-        };
-        async move {
-            match found.wait_for(Option::is_some).await {
-                Ok(h) => h.clone().expect("waited for"),
-                Err(_) => Hurried::Failed(StoreError::unavailable("the call to the global store ended abruptly")),
-            }
-        }
-    }
-
-    /// The move itself; before it claims the pool it gives up at `until` (nothing asked
-    /// yet: the next decision that finds the pool short starts another).
-    async fn hurry_now(
-        &self,
-        tag: Tag,
-        (op, waiting): (&Op, u64),
-        end: Millis,
-        until: Instant,
-    ) -> Result<Hurried, StoreError> {
-        let (limit, cost) = (op.limit, op.cost.max(1));
-        let base = escrow::base_key(op.key, &limit, end);
-        let call = |act| self.pool_call(op.key, &limit, end, act);
-        let mut pause = std::time::Duration::from_millis(2);
-        loop {
-            // every call as at a time of the window `end` closes (its last ms at the
-            // latest): never the next window's
-            let now = self.clock.now().min(end - 1);
-            if self.clock.now() >= end {
-                return Ok(Hurried::Ended);
-            }
-            if Instant::now() >= until {
-                return Ok(Hurried::Waiting);
-            }
-            let (_, pool) = self.local.pool(tag, call(Act::Read), now).await?;
-            if pool.unspent() >= cost {
-                return Ok(Hurried::Filled);
-            }
-            // the global store said lately it had nothing left: the fleet spent it
-            if self.known(tag, base, end).said_spent(cost, now, self.horizon()) {
-                return Ok(Hurried::Spent);
-            }
-            let horizon = self.horizon();
-            if let (1, _) = self.local.pool(tag, call(Act::Claim { ttl: horizon }), now).await? {
-                let need = cost - pool.unspent();
-                // this decision's units, those of the decisions queued behind it, and
-                // the region's demand until the next tick (the allocator sizes the
-                // rest): a hot region that hurries does not take what the others will
-                // need, and its queue is served by one move
-                let per_s = pool.demand.per_s(horizon, now);
-                let queued = cost.saturating_mul(waiting);
-                let want = need.saturating_add(queued) + (per_s * TICK as f64 / 1_000.0).ceil() as u64;
-                let taken = self.take(tag, (base, op.key), &limit, (end, now), (want, need), &pool).await;
-                match taken {
-                    Ok(0) => return Ok(Hurried::Spent),
-                    Ok(_) => return Ok(Hurried::Filled),
-                    Err(e) => {
-                        let _ = self.local.pool(tag, call(Act::Release), now).await;
-                        return Err(e);
-                    }
-                }
-            }
-            // another allocator of the region is moving this pool: read it again soon
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(std::time::Duration::from_millis(20));
-        }
-    }
-
     /// Warns once a window length is shorter than [`SERVED_ROUND_TRIPS`] round trips to
     /// the global store as measured here (after a few calls: the first are connects).
     fn warn_if_short(&self, limit: &Limit) {
@@ -799,7 +513,7 @@ impl Regions {
         if self.stats.global_calls.load(Relaxed) < 8 || window >= SERVED_ROUND_TRIPS * round_trip {
             return;
         }
-        if self.short.lock().expect("regions lock").insert(window) {
+        if self.short.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(window) {
             tracing::warn!(
                 window_ms = window,
                 round_trip_ms = round_trip,
@@ -812,7 +526,7 @@ impl Regions {
 
     /// The window lengths found too short for the round trip measured here.
     pub fn short_windows(&self) -> Vec<Millis> {
-        self.short.lock().expect("regions lock").iter().copied().collect()
+        self.short.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().copied().collect()
     }
 
     /// An act on the pool `key` of the window of `limit` ending at `end`, reporting no
@@ -849,49 +563,6 @@ impl Regions {
         result
     }
 
-    /// The pool of the global window `op` (a decision's op: its key names the window)
-    /// is in at `now`, read from the region's store; this instance's grants for it in
-    /// the global store; and the window there (units granted to the regions, and left;
-    /// `None` if it could not be read): for inspecting a client.
-    pub(crate) async fn inspect(
-        &self,
-        tag: Tag,
-        op: &Op,
-        now: Millis,
-    ) -> Result<(Pool, Vec<Open>, Option<(u64, u64)>), StoreError> {
-        let end = escrow::window_end(&op.limit, now);
-        let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await?;
-        let global = self.timed(self.global.peek(tag, std::slice::from_ref(op), now)).await;
-        let global = global.ok().and_then(|d| d.first().map(|d| (d.used, d.remaining)));
-        Ok((pool, self.holding(tag, escrow::base_key(op.key, &op.limit, end), end).open, global))
-    }
-
-    /// The region as this instance sees it, for the live page: what the pools of the
-    /// clients active here hold and have spent in their windows now, as the allocator
-    /// last read them (every tick: no store call here), and this allocator's counts.
-    pub fn view(&self) -> RegionView {
-        let now = self.clock.now();
-        let mut view = RegionView {
-            region: self.name.clone(),
-            global_store: self.global.kind(),
-            horizon_ms: self.horizon(),
-            round_trip_ms: self.round_trip(),
-            failing: !self.global_answers(),
-            ..RegionView::default()
-        };
-        for a in self.active.lock().expect("regions lock").values() {
-            let (held, spent) = a.windows.get(&escrow::window_end(&a.limit, now)).map_or((0, 0), |h| h.seen);
-            (view.clients, view.held, view.spent) = (view.clients + 1, view.held + held, view.spent + spent);
-        }
-        let s = &self.stats;
-        (view.taken, view.given_back) = (s.taken.load(Relaxed), s.given_back.load(Relaxed));
-        (view.global_calls, view.global_errors) = (s.global_calls.load(Relaxed), s.global_errors.load(Relaxed));
-        view.global_mean_ms = s.global_micros.load(Relaxed) as f64 / 1_000.0 / view.global_calls.max(1) as f64;
-        (view.hurried, view.refused_spent) = (s.hurried.load(Relaxed), s.refused_spent.load(Relaxed));
-        (view.refused_waiting, view.untracked) = (s.refused_waiting.load(Relaxed), s.untracked.load(Relaxed));
-        view
-    }
-
     /// Keeps what a read of the pool showed: what it holds and what was taken, and what
     /// the global store last said was left (another instance of the region may have
     /// asked since this one did).
@@ -904,12 +575,12 @@ impl Regions {
     }
 
     fn holding(&self, tag: Tag, base: u64, end: Millis) -> Holding {
-        let active = self.active.lock().expect("regions lock");
+        let active = self.active.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         active.get(&(tag, base)).and_then(|a| a.windows.get(&end)).cloned().unwrap_or_default()
     }
 
     fn known(&self, tag: Tag, base: u64, end: Millis) -> Known {
-        let active = self.active.lock().expect("regions lock");
+        let active = self.active.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let h = active.get(&(tag, base)).and_then(|a| a.windows.get(&end));
         h.map_or_else(Known::default, |h| Known {
             left_globally: h.left_globally,
@@ -921,7 +592,7 @@ impl Regions {
     }
 
     fn update(&self, tag: Tag, base: u64, end: Millis, f: impl FnOnce(&mut Holding)) {
-        let mut active = self.active.lock().expect("regions lock");
+        let mut active = self.active.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(a) = active.get_mut(&(tag, base)) {
             f(a.windows.entry(end).or_default());
         }

@@ -146,7 +146,7 @@ impl Regions {
 
     /// Whether a beat is due at `now` (then the next is [`BEAT`] later).
     pub(super) fn beat_due(&self, now: Millis) -> bool {
-        let mut next = self.beat.lock().expect("regions lock");
+        let mut next = self.beat.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let due = now >= *next;
         if due {
             *next = now + BEAT;

@@ -1,0 +1,134 @@
+//! The fleet's count as a region knows it, without a move: what is left of a global
+//! window for an admitted answer and a status read, a client's pools and grants for
+//! `admin inspect`, and the region as this instance sees it for the live page.
+
+use super::{Regions, TICK};
+use crate::algo::escrow::{Act, Pool};
+use crate::algo::grant::Open;
+use crate::algo::{Op, escrow};
+use crate::store::StoreError;
+use crate::tag::Tag;
+use crate::time::Millis;
+use std::sync::atomic::Ordering::Relaxed;
+
+/// A region as one instance sees it ([`Regions::view`]).
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct RegionView {
+    /// The region, and the kind of its global store.
+    pub region: String,
+    pub global_store: &'static str,
+    /// Clients of global limits active here, and what their pools hold and have spent
+    /// in the windows now.
+    pub clients: usize,
+    pub held: u64,
+    pub spent: u64,
+    /// This instance's allocator since it started: units taken from the global store and
+    /// given back, its calls there, those that failed, and their mean time.
+    pub taken: u64,
+    pub given_back: u64,
+    pub global_calls: u64,
+    pub global_errors: u64,
+    pub global_mean_ms: f64,
+    /// How far ahead the region holds; the round trip to the global store now (smoothed
+    /// over the last calls), and whether its last call failed.
+    pub horizon_ms: Millis,
+    pub round_trip_ms: Millis,
+    pub failing: bool,
+    /// Decisions that asked the global store at once, the refusals because the fleet
+    /// had spent the limit, and those while it may have had units (see [`RegionStats`](super::RegionStats)).
+    pub hurried: u64,
+    pub refused_spent: u64,
+    pub refused_waiting: u64,
+    /// Decisions of clients this allocator did not keep ([`MAX_ACTIVE`](super::MAX_ACTIVE) reached).
+    pub untracked: u64,
+}
+
+impl Regions {
+    /// What is left of the fleet's limit in the window of `op` (planned at `planned`) as
+    /// the region last knew it, besides the units this instance holds: what the global
+    /// store has not granted, and what the region's pool holds unspent (as the allocator
+    /// read it at its last tick, or now if it has not yet: a client new here). Less than
+    /// the truth by what the other regions hold unspent (about their demand for one
+    /// horizon), never more. `None` when the store cannot be read.
+    pub(crate) async fn fleet_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
+        let end = escrow::window_end(&op.limit, planned);
+        let base = escrow::base_key(op.key, &op.limit, end);
+        let known = self.known(tag, base, end);
+        // the pool as last read, while the allocator reads it each tick (a client idle
+        // here is not read at ticks: its pool is read now)
+        let fresh = self.clock.now() < known.seen_at + 2 * TICK && known.seen != (0, 0);
+        if let Some(left) = known.left().filter(|_| fresh) {
+            return Some(left);
+        }
+        let now = self.clock.now().min(end - 1);
+        let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await.ok()?;
+        self.saw(tag, base, end, &pool);
+        Some(pool.left.unwrap_or(0) + pool.unspent())
+    }
+
+    /// What is left of the fleet's limit in the window of `op` (its key names the window
+    /// of `now`) for a status read, besides the units this instance holds: what the
+    /// global store has not granted (asked now: a region that never served the client
+    /// in this window knows nothing of it) and what the region's pool holds unspent. Less
+    /// than the truth by what the other regions hold unspent. `None` when a store cannot
+    /// be read.
+    pub(crate) async fn fleet_status(&self, tag: Tag, op: &Op, now: Millis) -> Option<u64> {
+        let end = escrow::window_end(&op.limit, now);
+        let pool = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now);
+        let global = self.timed(self.global.peek(tag, std::slice::from_ref(op), now));
+        let ((_, pool), global) = futures_util::future::try_join(pool, global).await.ok()?;
+        self.saw(tag, escrow::base_key(op.key, &op.limit, end), end, &pool);
+        Some(global.first()?.remaining + pool.unspent())
+    }
+
+    /// What is left of the fleet's limit in the window of `op` (planned at `planned`) as
+    /// this instance last knew it, without a store call: what the global store had not
+    /// granted and what the region's pool held unspent; `None` if it never knew.
+    pub(super) fn known_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
+        let end = escrow::window_end(&op.limit, planned);
+        self.known(tag, escrow::base_key(op.key, &op.limit, end), end).left()
+    }
+
+    /// The pool of the global window `op` (a decision's op: its key names the window)
+    /// is in at `now`, read from the region's store; this instance's grants for it in
+    /// the global store; and the window there (units granted to the regions, and left;
+    /// `None` if it could not be read): for inspecting a client.
+    pub(crate) async fn inspect(
+        &self,
+        tag: Tag,
+        op: &Op,
+        now: Millis,
+    ) -> Result<(Pool, Vec<Open>, Option<(u64, u64)>), StoreError> {
+        let end = escrow::window_end(&op.limit, now);
+        let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await?;
+        let global = self.timed(self.global.peek(tag, std::slice::from_ref(op), now)).await;
+        let global = global.ok().and_then(|d| d.first().map(|d| (d.used, d.remaining)));
+        Ok((pool, self.holding(tag, escrow::base_key(op.key, &op.limit, end), end).open, global))
+    }
+
+    /// The region as this instance sees it, for the live page: what the pools of the
+    /// clients active here hold and have spent in their windows now, as the allocator
+    /// last read them (every tick: no store call here), and this allocator's counts.
+    pub fn view(&self) -> RegionView {
+        let now = self.clock.now();
+        let mut view = RegionView {
+            region: self.name.clone(),
+            global_store: self.global.kind(),
+            horizon_ms: self.horizon(),
+            round_trip_ms: self.round_trip(),
+            failing: !self.global_answers(),
+            ..RegionView::default()
+        };
+        for a in self.active.lock().unwrap_or_else(std::sync::PoisonError::into_inner).values() {
+            let (held, spent) = a.windows.get(&escrow::window_end(&a.limit, now)).map_or((0, 0), |h| h.seen);
+            (view.clients, view.held, view.spent) = (view.clients + 1, view.held + held, view.spent + spent);
+        }
+        let s = &self.stats;
+        (view.taken, view.given_back) = (s.taken.load(Relaxed), s.given_back.load(Relaxed));
+        (view.global_calls, view.global_errors) = (s.global_calls.load(Relaxed), s.global_errors.load(Relaxed));
+        view.global_mean_ms = s.global_micros.load(Relaxed) as f64 / 1_000.0 / view.global_calls.max(1) as f64;
+        (view.hurried, view.refused_spent) = (s.hurried.load(Relaxed), s.refused_spent.load(Relaxed));
+        (view.refused_waiting, view.untracked) = (s.refused_waiting.load(Relaxed), s.untracked.load(Relaxed));
+        view
+    }
+}
