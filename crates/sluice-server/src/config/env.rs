@@ -8,8 +8,8 @@
 //! Every variable of theirs falls in one of three groups (the table in docs/envoy.md):
 //! honoured (mapped to a config key), without meaning here (accepted, and named in one
 //! log line at start: a connection pool size, for a client that multiplexes), or asking
-//! for what Sluice does not do (a StatsD sink, per-second limits on a second Redis):
-//! those refuse the start, each with the reason, never silently ignored.
+//! for what Sluice does not do (a certificate's hostname unchecked) or theirs refuses
+//! (a boolean `strconv.ParseBool` does not take): each refuses the start, named.
 
 use crate::config::secrets::PLACEHOLDER;
 use serde_json::{Value, json};

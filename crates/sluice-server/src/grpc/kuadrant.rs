@@ -92,7 +92,7 @@ async fn answer(state: &AppState, req: GrpcRequest, ask: Ask) -> Result<GrpcResp
     if request.domain.is_empty() {
         return Ok(unary::answer(&RateLimitResponse::default()));
     }
-    Ok(unary::answer(&service::answer(state, request, ask).await?))
+    Ok(unary::answer(&service::answer(state, request, ask).await.reply?))
 }
 
 /// `Reserve`.

@@ -53,8 +53,6 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// The routes of `server.metrics`, a listener for scrapes alone (envoyproxy/ratelimit's
-/// `PROMETHEUS_ADDR`): `/metrics`, and `/healthz` for its probe.
 /// The debug listener's routes (`server.debug`: envoyproxy/ratelimit's debug port).
 pub fn debug_router(state: Arc<AppState>) -> Router {
     Router::new()
@@ -65,6 +63,8 @@ pub fn debug_router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
+/// The routes of `server.metrics`, a listener for scrapes alone (envoyproxy/ratelimit's
+/// `PROMETHEUS_ADDR`): `/metrics`, and `/healthz` for its probe.
 pub fn metrics_router(state: Arc<AppState>, path: &str) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))

@@ -65,30 +65,39 @@ pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<
 /// (`state::service_stats`).
 pub async fn counted(
     state: &AppState,
-    answering: impl std::future::Future<Output = Result<RateLimitResponse, Status>>,
+    answering: impl std::future::Future<Output = Answer>,
 ) -> Result<RateLimitResponse, Status> {
     let started = std::time::Instant::now();
-    let answered = answering.await;
-    let degraded = |a: &RateLimitResponse| a.response_headers_to_add.iter().any(|h| h.key == "x-sluice-degraded");
-    let decided = match &answered {
-        Ok(a) => Ok(degraded(a)),
-        // UNAVAILABLE: a store failing closed (not rules still to come over xDS)
-        Err(s) if s.code() == tonic::Code::Unavailable => Ok(!s.message().starts_with("no rate limit configuration")),
-        Err(_) => Err(()),
-    };
-    state.service_stats.answered(started.elapsed(), decided);
-    answered
+    let Answer { reply, store_failed } = answering.await;
+    state.service_stats.answered(started.elapsed(), store_failed);
+    reply
+}
+
+/// What [`answer`] answered, and what it came to for the service stats: `Ok(true)` when a
+/// store failure decided it (a failure policy's decision, or fail-closed's refusal),
+/// `Ok(false)` when the store or the rules did (rules still to come over xDS too), and
+/// `Err(())` when the call itself was wrong. Told by the verdict and the error's type,
+/// never by a header or a message's text.
+pub struct Answer {
+    pub reply: Result<RateLimitResponse, Status>,
+    pub store_failed: Result<bool, ()>,
 }
 
 /// What `ask` answers for Envoy's request.
-pub async fn answer(state: &AppState, r: RateLimitRequest, ask: Ask) -> Result<RateLimitResponse, Status> {
-    let req = request(r)?;
+pub async fn answer(state: &AppState, r: RateLimitRequest, ask: Ask) -> Answer {
+    let req = match request(r) {
+        Ok(req) => req,
+        Err(s) => return Answer { reply: Err(s), store_failed: Err(()) },
+    };
     let engine = state.engine.load_full();
     let decided = match ask {
         Ask::Decide => engine.limiter.check(&req).await,
         Ask::Check => engine.limiter.status(&req).await.map(|v| budget::as_check(v, &req)),
         Ask::Report => match engine.limiter.report(&req).await {
-            Ok(()) => return Ok(RateLimitResponse { overall_code: Code::Ok as i32, ..Default::default() }),
+            Ok(()) => {
+                let reply = Ok(RateLimitResponse { overall_code: Code::Ok as i32, ..Default::default() });
+                return Answer { reply, store_failed: Ok(false) };
+            }
             Err(e) => Err(e),
         },
     };
@@ -96,21 +105,29 @@ pub async fn answer(state: &AppState, r: RateLimitRequest, ask: Ask) -> Result<R
         crate::otel::decided(&engine.limiter, &req, &decided);
     }
     match decided {
-        Ok(v) if v.outcome == Outcome::Unavailable => {
-            Err(Status::unavailable("the rate limit store is unavailable (fail-closed)"))
-        }
+        Ok(v) if v.outcome == Outcome::Unavailable => Answer {
+            reply: Err(Status::unavailable("the rate limit store is unavailable (fail-closed)")),
+            store_failed: Ok(true),
+        },
         Ok(v) => {
             if ask == Ask::Decide && engine.limiter.rules().global_shadow() && v.shadow_denials().next().is_some() {
                 state.service_stats.shadowed();
             }
-            Ok(response(&v, &engine, &req))
+            Answer { store_failed: Ok(v.degraded.is_some()), reply: Ok(response(&v, &engine, &req)) }
         }
         Err(CheckError::Request(RequestError::UnknownDomain { .. })) if !req.domain.is_empty() => {
             tracing::debug!(domain = %req.domain.escape_debug(), "unknown domain: answered OK");
             state.service_stats.unknown_domain(&req.domain);
-            Ok(unknown_domain(&engine, &req))
+            Answer { reply: Ok(unknown_domain(&engine, &req)), store_failed: Ok(false) }
         }
-        Err(e) => Err(status_of(e)),
+        Err(e) => {
+            let store_failed = match &e {
+                CheckError::Store(_) => Ok(true),
+                CheckError::Request(RequestError::NoRules(_)) => Ok(false),
+                CheckError::Request(_) => Err(()),
+            };
+            Answer { reply: Err(status_of(e)), store_failed }
+        }
     }
 }
 
