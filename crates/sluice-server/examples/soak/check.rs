@@ -501,6 +501,16 @@ impl Report {
                 println!("  at {} ms: client {:?}: {}", w.at, w.client, w.what);
             }
         }
+        let mut took: Vec<u64> =
+            seen.decisions.iter().filter(|d| d.rule != Rule::Gl).map(|d| d.answered - d.sent).collect();
+        took.sort_unstable();
+        if let Some(&most) = took.last() {
+            let p999 = took[(took.len() - 1) * 999 / 1_000];
+            println!(
+                "answers (gl aside): p99.9 {p999} ms, slowest {most} ms, of at most {} ms",
+                crate::fleet::DEADLINE_MS + LATE_MS
+            );
+        }
         let kinds: Vec<String> = self.kinds.iter().map(|(k, n)| format!("{k} {n}")).collect();
         println!("faults by kind: {}", kinds.join(", "));
         println!(
