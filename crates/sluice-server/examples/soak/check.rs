@@ -221,8 +221,11 @@ fn wrongful_refusals(ds: &[Decision], regions: usize, faults: &[Fault]) -> (u64,
         // (the documented wait), and those sent within that wait may be refused
         let region = |d: &Decision| d.instance as usize % regions;
         let first_sight = |d: &Decision| w.iter().filter(|e| region(e) == region(d)).map(|e| e.sent).min();
-        let waiting = |d: &Decision| first_sight(d).is_some_and(|first| d.sent <= first + GLOBAL_WAIT_MS);
-        for d in w.iter().filter(|d| !d.allowed && !excused(d) && !waiting(d)) {
+        for d in w.iter().filter(|d| !d.allowed && !excused(d)) {
+            let first = first_sight(d).unwrap_or(d.sent);
+            if d.sent <= first + GLOBAL_WAIT_MS {
+                continue;
+            }
             judged += 1;
             let spent = sent.partition_point(|&s| s <= d.answered) as u64;
             if spent + limit / UNSEEN_SHARE < limit {
@@ -237,7 +240,7 @@ fn wrongful_refusals(ds: &[Decision], regions: usize, faults: &[Fault]) -> (u64,
                     d.instance,
                     region(d),
                     d.answered - d.sent,
-                    d.sent - first_sight(d).unwrap_or(d.sent)
+                    d.sent - first
                 );
                 v.push(Violation {
                     at: d.answered,

@@ -179,7 +179,7 @@ pub struct Regions {
     regions: AtomicU64,
     global_down: AtomicBool,
     /// When the next beat is due ([`outage`]).
-    beat: Mutex<Millis>,
+    beat: crate::time::Throttle,
     /// The clients kept, [`MAX_ACTIVE`] reached, swept of the idle at most once a second;
     /// a client not kept said in the log at most once a minute.
     sweep: crate::time::Throttle,
@@ -263,7 +263,7 @@ impl Regions {
             hurrying: Mutex::new(HashMap::new()),
             regions: AtomicU64::new(1),
             global_down: AtomicBool::new(false),
-            beat: Mutex::new(0),
+            beat: Default::default(),
             sweep: Default::default(),
             untracked_told: Default::default(),
             rules: Mutex::new(Vec::new()),
@@ -376,7 +376,7 @@ impl Regions {
                 work.push((tag, base, a.limit, std::mem::take(&mut a.arrived)));
             }
         }
-        if self.beat_due(now) {
+        if self.beat.due(now, BEAT) {
             // apart from the tick: a beat's calls (a few a global rule) never hold it up
             let me = self.clone();
             tokio::spawn(async move { me.beat(now).await });

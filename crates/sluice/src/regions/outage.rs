@@ -144,16 +144,6 @@ impl Regions {
         Ok(decisions)
     }
 
-    /// Whether a beat is due at `now` (then the next is [`BEAT`] later).
-    pub(super) fn beat_due(&self, now: Millis) -> bool {
-        let mut next = self.beat.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let due = now >= *next;
-        if due {
-            *next = now + BEAT;
-        }
-        due
-    }
-
     /// Says this region is there, in the global store: takes this beat's lease of the
     /// region, then gives back the one before (the region's other instances may have
     /// already). The leases held then, less the one before if it was still held, are the
