@@ -274,6 +274,34 @@ async fn sparse_and_new_clients_are_admitted_at_the_front_door() {
     assert_eq!(common::series(&scrape, "sluice_region_refusals_total{region=\"eu\",why=\"waiting\"}"), 0.0, "{scrape}");
     // the round trips are a histogram, as the dashboard's histogram_quantile reads them
     assert!(scrape.contains("sluice_region_global_call_seconds_bucket{region=\"eu\",le=\"0.1\"}"), "{scrape}");
+    reservations_reach_the_fleet(&client, &regions[0].base).await;
+}
+
+/// A reservation on the global limit through the HTTP API: held from the region's pool
+/// (more than the fleet has left is refused), its commit settled once.
+async fn reservations_reach_the_fleet(c: &reqwest::Client, base: &str) {
+    // well inside one window, so the commit settles in the window of the reservation
+    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    tokio::time::sleep(Duration::from_millis((WINDOW_S * 1_000 - ms % (WINDOW_S * 1_000) + 200) % (WINDOW_S * 1_000)))
+        .await;
+    let hold = |amount: u64| {
+        serde_json::json!({"domain": "api", "descriptors": [{"entries": [{"key": "tenant", "value": "reserving"}]}],
+            "amount": amount, "ttl": "30s"})
+    };
+    let reserve = |amount: u64| c.post(format!("{base}/v1/reservations")).json(&hold(amount)).send();
+    let r = reserve(LIMIT - 50).await.unwrap();
+    let (code, first): (u16, serde_json::Value) = (r.status().as_u16(), r.json().await.unwrap());
+    assert_eq!(code, 200, "held from the region's pool: {first}");
+    let r = reserve(100).await.unwrap();
+    assert_eq!(r.status(), 429, "50 left of the fleet's {LIMIT}: {}", r.text().await.unwrap());
+    let id = first["reservation_id"].as_str().unwrap();
+    for settled in ["committed", "again"] {
+        let r = c.post(format!("{base}/v1/reservations/{id}/commit")).json(&serde_json::json!({"actual": 10}));
+        let answer: serde_json::Value = r.send().await.unwrap().json().await.unwrap();
+        assert_eq!(answer["settled"], serde_json::json!([settled]), "{answer}");
+    }
+    let r = reserve(100).await.unwrap();
+    assert_eq!(r.status(), 200, "what the commit gave back: {}", r.text().await.unwrap());
 }
 
 /// The live page's region card: its endpoint's figures, and the page showing them.

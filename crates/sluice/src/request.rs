@@ -131,12 +131,6 @@ pub enum RequestError {
          (`rate_limit:` or `fixed_window:`)"
     )]
     NotReservable { descriptor: usize, policy: String, algorithm: &'static str },
-    #[error(
-        "descriptors[{descriptor}] reaches policy '{policy}', a limit shared across regions (`global: true`); \
-         reservations on it are not served yet (they would count in this region's store alone, past the \
-         fleet's limit): reserve on a limit of the region"
-    )]
-    GlobalNotReservable { descriptor: usize, policy: String },
     /// Reservations are not served here: the store keeps none, or they are turned off.
     #[error("{0}")]
     NoReservations(String),
@@ -157,7 +151,7 @@ impl RequestError {
             RequestError::BadReservation(_) => "bad_reservation",
             RequestError::BadLimit { .. } | RequestError::LimitRefused(_) => "bad_limit",
             RequestError::BadLeaseId(_) => "bad_lease_id",
-            RequestError::NotReservable { .. } | RequestError::GlobalNotReservable { .. } => "not_reservable",
+            RequestError::NotReservable { .. } => "not_reservable",
             RequestError::NoReservations(_) => "no_reservations",
             RequestError::NoRules(_) => "no_rules_yet",
         }

@@ -888,20 +888,63 @@ async fn regions_that_disagree_on_a_limit_hold_the_smallest() {
     );
 }
 
-/// A reservation on a global limit is refused, naming the policy and why (it would count
-/// in the region's store alone, past the fleet's limit), and holds nothing.
+/// A reservation on a global limit (`Limiter::reserve`) takes its units from the
+/// region's pool, as a check spends them, so reservations and checks together never pass
+/// the fleet's limit; its commit, through any instance of the region, gives back what was
+/// held past the actual, once however often it is sent, and spends an actual past it
+/// from the pool; a reservation left to lapse keeps what it held spent.
 #[tokio::test]
-async fn a_reservation_on_a_global_limit_is_refused_saying_why() {
+async fn a_reservation_on_a_global_limit_holds_units_of_the_fleet() {
     let _alone = alone().await;
-    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(1_000 * WINDOW_MS));
-    let local = memory();
-    let regions = Regions::new(memory(), local.clone(), clock.clone());
-    let limiter = Limiter::new(rules(LIMIT), local, clock).with_regions(regions);
+    let clock = ManualClock::new(1_000 * WINDOW_MS);
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let (global, local) = (memory(), memory());
+    // two instances of one region
+    let instances: Vec<Limiter> = (0..2)
+        .map(|_| {
+            let regions = Regions::new(global.clone(), local.clone(), shared.clone());
+            Limiter::new(rules(10), local.clone(), shared.clone()).with_regions(regions)
+        })
+        .collect();
     let request = Request::new("api").descriptor([("tenant", "t1")]);
-    let e = limiter.reserve(&request, 7, 60_000).await.unwrap_err().to_string();
-    assert!(e.contains("policy 'tenant'") && e.contains("global: true") && e.contains("not served"), "{e}");
-    let d = limiter.status(&request).await.unwrap().descriptors[0].policies[0].decision;
-    assert_eq!(d.remaining, LIMIT, "nothing held: {d:?}");
+    let costing = |n: u64| Request { hits_addend: Some(n), ..request.clone() };
+    let checks = |n: usize| {
+        let request = &request;
+        let instances = &instances;
+        async move {
+            let mut admitted = 0;
+            for i in 0..n {
+                admitted += usize::from(instances[i % 2].check(request).await.unwrap().allowed());
+            }
+            admitted
+        }
+    };
+    // a window: 6 held of 10, so 6 more do not fit and 4 checks do
+    clock.set(1_000 * WINDOW_MS + 10);
+    let (v, held) = instances[0].reserve(&costing(6), 7, 60_000).await.unwrap();
+    let held = held.unwrap_or_else(|| panic!("6 of 10 refused: {v:?}"));
+    assert_eq!(v.descriptors[0].policies[0].decision.remaining, 4, "{v:?}");
+    let (v, none) = instances[1].reserve(&costing(6), 8, 60_000).await.unwrap();
+    assert!(!v.allowed() && none.is_none(), "12 of 10 held: {v:?}");
+    assert_eq!(checks(6).await, 4, "the limit less what is held");
+    // committed at 2 through the other instance, twice: 4 back to the fleet, once
+    for _ in 0..2 {
+        instances[1].commit(&held, &[2]).await.unwrap();
+    }
+    clock.set(clock.now() + 2 * sluice::regions::TICK);
+    assert_eq!(checks(8).await, 4, "what the reservation did not use, once");
+    // the next window: 2 held, 5 used: 3 more spent from the pool at the commit
+    clock.set(1_001 * WINDOW_MS + 10);
+    let (_, held) = instances[0].reserve(&costing(2), 9, 60_000).await.unwrap();
+    instances[0].commit(&held.expect("2 of 10 held"), &[5]).await.unwrap();
+    assert_eq!(checks(8).await, 5, "the limit less the actual");
+    // the next: a reservation left to lapse keeps its units spent; its late commit gives
+    // nothing back
+    clock.set(1_002 * WINDOW_MS + 10);
+    let (_, held) = instances[0].reserve(&costing(6), 10, 500).await.unwrap();
+    clock.set(clock.now() + 600);
+    instances[1].commit(&held.expect("6 of 10 held"), &[0]).await.unwrap();
+    assert_eq!(checks(8).await, 4, "the lapsed reservation's units stay spent");
 }
 
 /// A refund on a global limit (`Limiter::refund`: a `304 Not Modified`) gives the unit

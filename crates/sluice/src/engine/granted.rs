@@ -14,35 +14,22 @@ use crate::tag::Tag;
 use crate::time::Millis;
 use std::sync::Arc;
 
+/// What spending a group's granted ops came to ([`Limiter::spend_group`]): each op's
+/// decision (unevaluated for the ops not spent here), the ops that took units, and
+/// whether an enforced one was refused.
+#[derive(Default)]
+pub(super) struct Spent {
+    pub decisions: Vec<Decision>,
+    pub spent: Vec<usize>,
+    pub refused: bool,
+}
+
 impl Limiter {
     /// One group's decisions when some of its ops are decided from quota grants: those
     /// spend units held (or take a grant first), the others are one store call, and
     /// the group stays all or nothing: a refusal puts the spent units back.
     pub(super) async fn evaluate_granted(&self, g: &Group, now: Millis) -> Result<Vec<Decision>, StoreError> {
-        let mut decisions: Vec<Decision> = g.ops.iter().map(|o| unevaluated(&o.limit)).collect();
-        let mut spent = Vec::new();
-        let mut refused = false;
-        let mut out = Leftovers::default();
-        for (i, op) in g.ops.iter().enumerate() {
-            let Some(rule) = g.grants_of(i) else { continue };
-            let d = match self.spend(g.tag, op, rule, (&mut out, now)).await {
-                Ok(d) => d,
-                Err(e) => {
-                    self.settle_later(out, now);
-                    self.put_back(g, &spent, &mut decisions, now).await?;
-                    return Err(e);
-                }
-            };
-            refused |= !d.allowed && !op.shadow;
-            if d.allowed && op.cost > 0 {
-                spent.push(i);
-            }
-            decisions[i] = match self.regions.as_ref().filter(|_| rule.global && d.allowed) {
-                Some(regions) => self.fleet_answer(regions, g.tag, op, d, now).await,
-                None => d,
-            };
-        }
-        self.settle_later(out, now);
+        let Spent { mut decisions, spent, mut refused } = self.spend_group(g, now, |_| true).await?;
         let rest: Vec<usize> = (0..g.ops.len()).filter(|&i| g.grants_of(i).is_none()).collect();
         if !rest.is_empty() {
             let ops: Vec<Op> = rest.iter().map(|&i| g.ops[i]).collect();
@@ -67,6 +54,39 @@ impl Limiter {
             self.put_back(g, &spent, &mut decisions, now).await?;
         }
         Ok(decisions)
+    }
+
+    /// Spends the cost of each op of `g` decided from grants whose rule `which` takes;
+    /// the other ops are left unevaluated. A store error puts back what was spent.
+    pub(super) async fn spend_group(
+        &self,
+        g: &Group,
+        now: Millis,
+        which: impl Fn(&GrantRule) -> bool,
+    ) -> Result<Spent, StoreError> {
+        let mut s = Spent { decisions: g.ops.iter().map(|o| unevaluated(&o.limit)).collect(), ..Spent::default() };
+        let mut out = Leftovers::default();
+        for (i, op) in g.ops.iter().enumerate() {
+            let Some(rule) = g.grants_of(i).filter(|r| which(r)) else { continue };
+            let d = match self.spend(g.tag, op, rule, (&mut out, now)).await {
+                Ok(d) => d,
+                Err(e) => {
+                    self.settle_later(out, now);
+                    self.put_back(g, &s.spent, &mut s.decisions, now).await?;
+                    return Err(e);
+                }
+            };
+            s.refused |= !d.allowed && !op.shadow;
+            if d.allowed && op.cost > 0 {
+                s.spent.push(i);
+            }
+            s.decisions[i] = match self.regions.as_ref().filter(|_| rule.global && d.allowed) {
+                Some(regions) => self.fleet_answer(regions, g.tag, op, d, now).await,
+                None => d,
+            };
+        }
+        self.settle_later(out, now);
+        Ok(s)
     }
 
     /// Spends `op`'s cost from the grants held, taking a grant from the store first when

@@ -3,19 +3,28 @@
 //! by a commit on any instance; reports; the holds a client has open; and what this
 //! instance issued, for its gauges and the live page.
 
+use super::granted::Spent;
 use super::{CheckError, Limiter, Tally, outcome, quota_spent};
 use crate::algo::reservation::{Hold, REPORT};
-use crate::algo::{Limit, MAX_EXACT, Op};
+use crate::algo::{Decision, Limit, MAX_EXACT, Op, escrow};
+use crate::grants::Leftovers;
 use crate::plan::{Group, Mode, Plan, plan};
 use crate::request::{Request, RequestError};
 use crate::rules::policy_digest;
-use crate::store::{Commit, Reservation, Settled, StoreError};
+use crate::store::{Commit, Refund, Reservation, Settled, StoreError};
 use crate::tag::Tag;
-use crate::telemetry::{PolicyCounters, ReservationCounters};
+use crate::telemetry::ReservationCounters;
 use crate::time::Millis;
 use crate::verdict::{DescriptorVerdict, Source, Verdict, binding};
-use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+mod issued;
+mod token;
+
+pub use issued::Issued;
+use token::HeldWindow;
+pub use token::{MAX_RESERVED_DESCRIPTORS, MAX_RESERVED_WINDOWS, Reserved};
 
 /// The reservations open on one fixed window of a client, for inspecting it.
 #[derive(Debug, Clone)]
@@ -28,94 +37,6 @@ pub struct HeldReservations {
     pub holds: Vec<Hold>,
 }
 
-/// Reservations an instance tracks at most for its gauges: past it a reservation is
-/// counted but not tracked (it stays out of `sluice_reservations_open`).
-pub const MAX_ISSUED: usize = 100_000;
-
-/// The reservations this instance admitted and has not seen settled, until their TTL:
-/// what `sluice_reservations_open` and `sluice_reservation_held_units` count and the live
-/// page shows. A commit sent to another instance is not seen here; its reservation
-/// leaves these gauges at its TTL. Kept across reloads (`Limiter::with_issued`).
-#[derive(Default)]
-pub struct Issued(Mutex<IssuedInner>);
-
-type Held = Vec<(Arc<PolicyCounters>, u64)>;
-
-#[derive(Default)]
-struct IssuedInner {
-    by_id: HashMap<u64, (Millis, Held)>,
-    by_deadline: BTreeSet<(Millis, u64)>,
-}
-
-impl Issued {
-    fn lock(&self) -> std::sync::MutexGuard<'_, IssuedInner> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn add(&self, id: u64, deadline: Millis, held: Held) {
-        let mut inner = self.lock();
-        if inner.by_id.len() >= MAX_ISSUED {
-            return;
-        }
-        for (c, units) in &held {
-            let r = c.reservations();
-            r.open.increment(1.0);
-            r.held.increment(*units as f64);
-        }
-        inner.by_deadline.insert((deadline, id));
-        inner.by_id.insert(id, (deadline, held));
-    }
-
-    /// Reservation `id` is settled (or lapsed): out of the gauges.
-    fn settle(&self, id: u64) {
-        let mut inner = self.lock();
-        if let Some((deadline, held)) = inner.by_id.remove(&id) {
-            inner.by_deadline.remove(&(deadline, id));
-            drop(inner);
-            release(&held);
-        }
-    }
-
-    /// Drops the reservations past their TTL at `now` from the gauges (what a metrics
-    /// scrape needs, and no more).
-    pub fn sweep(&self, now: Millis) {
-        Self::sweep_locked(&mut self.lock(), now);
-    }
-
-    fn sweep_locked(inner: &mut IssuedInner, now: Millis) {
-        while let Some(&(deadline, id)) = inner.by_deadline.first().filter(|(d, _)| *d <= now) {
-            inner.by_deadline.remove(&(deadline, id));
-            if let Some((_, held)) = inner.by_id.remove(&id) {
-                release(&held);
-            }
-        }
-    }
-
-    /// [`Issued::sweep`], then, per (domain, policy), the reservations still open and
-    /// the units they hold (the live page).
-    pub fn held(&self, now: Millis) -> Vec<(String, String, u64, u64)> {
-        let mut inner = self.lock();
-        Self::sweep_locked(&mut inner, now);
-        let mut sums: std::collections::BTreeMap<(String, String), (u64, u64)> = Default::default();
-        for (_, held) in inner.by_id.values() {
-            for (c, units) in held {
-                let (d, p) = c.names();
-                let sum = sums.entry((d.to_string(), p.to_string())).or_default();
-                *sum = (sum.0 + 1, sum.1 + units);
-            }
-        }
-        sums.into_iter().map(|((d, p), (n, u))| (d, p, n, u)).collect()
-    }
-}
-
-fn release(held: &Held) {
-    for (c, units) in held {
-        let r = c.reservations();
-        r.open.decrement(1.0);
-        r.held.decrement(*units as f64);
-    }
-}
-
 /// Counts what a commit of `actual` units did to one policy's hold.
 fn count_settled(r: &ReservationCounters, s: Settled, id: u64, actual: u64) {
     match s {
@@ -125,126 +46,6 @@ fn count_settled(r: &ReservationCounters, s: Settled, id: u64, actual: u64) {
         Settled::Again => return r.again.increment(1),
     }
     r.committed_units.increment(actual);
-}
-
-/// A reservation as its commit needs it, resolved when it was admitted: its number, the
-/// request's domain, and each window it holds (client tag, state, limit) with the
-/// descriptors whose actuals it takes. The commit settles exactly these windows, on
-/// any instance, whatever the rules or overrides have become since, and names no
-/// descriptor value (tags and states are keyed digests). [`Reserved::to_bytes`] is
-/// bounded: a reservation holds at most [`MAX_RESERVED_WINDOWS`] windows.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reserved {
-    id: u64,
-    domain: String,
-    descriptors: u16,
-    groups: Vec<(Tag, Vec<HeldWindow>)>,
-}
-
-/// One window a reservation holds.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct HeldWindow {
-    key: u64,
-    limit: Limit,
-    /// A digest of the policy's name, for its counters at the commit.
-    policy: u64,
-    /// The descriptors (by index) whose actuals it takes: more than one when a request
-    /// names one window twice (their holds are summed into one, and so are their actuals).
-    of: Vec<u16>,
-}
-
-/// The most windows one reservation may hold (a request whose descriptors reach more is
-/// refused, saying so): what keeps a reservation's id short whatever was reserved.
-pub const MAX_RESERVED_WINDOWS: usize = 64;
-
-/// The most descriptors one reservation may name (however high
-/// `limiter.request_bounds.descriptors` is set): each window counts its own in a byte.
-pub const MAX_RESERVED_DESCRIPTORS: usize = 255;
-
-/// The version byte of [`Reserved::to_bytes`].
-const RESERVED_V1: u8 = 1;
-
-impl Reserved {
-    /// How many descriptors the reservation named (a commit sends one actual each, or
-    /// one for all).
-    pub fn descriptors(&self) -> usize {
-        self.descriptors.into()
-    }
-
-    /// A compact binary form (for a token a client carries; seal it against forgery).
-    pub fn to_bytes(&self) -> Vec<u8> {
-        let mut b = vec![RESERVED_V1];
-        b.extend(self.id.to_le_bytes());
-        b.extend((self.domain.len() as u16).to_le_bytes());
-        b.extend(self.domain.as_bytes());
-        b.extend(self.descriptors.to_le_bytes());
-        b.push(self.groups.len() as u8);
-        for (tag, windows) in &self.groups {
-            b.extend(tag.0.to_le_bytes());
-            b.push(windows.len() as u8);
-            for w in windows {
-                let Limit::FixedWindow { limit, window, aligned } = w.limit else { unreachable!("fixed windows only") };
-                b.extend(w.key.to_le_bytes());
-                b.extend(limit.to_le_bytes());
-                b.extend(window.to_le_bytes());
-                b.push(u8::from(aligned));
-                b.extend(w.policy.to_le_bytes());
-                b.push(w.of.len() as u8);
-                for d in &w.of {
-                    b.extend(d.to_le_bytes());
-                }
-            }
-        }
-        b
-    }
-
-    /// What [`Reserved::to_bytes`] wrote, if it is that.
-    pub fn from_bytes(b: &[u8]) -> Option<Self> {
-        let mut r = Reader(b);
-        if r.u8()? != RESERVED_V1 {
-            return None;
-        }
-        let id = r.u64()?;
-        let n = r.u16()? as usize;
-        let domain = String::from_utf8(r.take(n)?.to_vec()).ok()?;
-        let descriptors = r.u16()?;
-        let mut groups = Vec::new();
-        for _ in 0..r.u8()? {
-            let tag = Tag(u128::from_le_bytes(r.take(16)?.try_into().ok()?));
-            let mut windows = Vec::new();
-            for _ in 0..r.u8()? {
-                let key = r.u64()?;
-                let limit = Limit::FixedWindow { limit: r.u64()?, window: r.u64()?, aligned: r.u8()? == 1 };
-                let policy = r.u64()?;
-                let of = (0..r.u8()?).map(|_| r.u16()).collect::<Option<Vec<u16>>>()?;
-                if of.iter().any(|&d| d >= descriptors) {
-                    return None;
-                }
-                windows.push(HeldWindow { key, limit, policy, of });
-            }
-            groups.push((tag, windows));
-        }
-        r.0.is_empty().then_some(Self { id, domain, descriptors, groups })
-    }
-}
-
-struct Reader<'a>(&'a [u8]);
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        let (head, rest) = (self.0.get(..n)?, self.0.get(n..)?);
-        self.0 = rest;
-        Some(head)
-    }
-    fn u8(&mut self) -> Option<u8> {
-        Some(self.take(1)?[0])
-    }
-    fn u16(&mut self) -> Option<u16> {
-        Some(u16::from_le_bytes(self.take(2)?.try_into().ok()?))
-    }
-    fn u64(&mut self) -> Option<u64> {
-        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
-    }
 }
 
 /// One client tag's windows of a reservation.
@@ -292,12 +93,21 @@ fn held_windows(
     groups: &[Group],
     at: &[Vec<(usize, usize)>],
     descriptors: &[DescriptorVerdict],
+    global: &BTreeSet<(usize, usize)>,
 ) -> Vec<(Tag, Vec<HeldWindow>)> {
     let mut held: Vec<(Tag, Vec<HeldWindow>)> = parts
         .iter()
-        .map(|(tag, once)| {
-            let windows =
-                once.iter().map(|op| HeldWindow { key: op.key, limit: op.limit, policy: 0, of: Vec::new() }).collect();
+        .enumerate()
+        .map(|(p, (tag, once))| {
+            let windows = (once.iter().enumerate())
+                .map(|(i, op)| HeldWindow {
+                    key: op.key,
+                    limit: op.limit,
+                    policy: 0,
+                    of: Vec::new(),
+                    global: global.contains(&(p, i)),
+                })
+                .collect();
             (*tag, windows)
         })
         .collect();
@@ -311,6 +121,58 @@ fn held_windows(
         }
     }
     held
+}
+
+/// The windows, by (part, window) of [`merged`], that are global limits' (`global:
+/// true`, decided from the region's pool).
+fn global_windows(groups: &[Group], at: &[Vec<(usize, usize)>]) -> BTreeSet<(usize, usize)> {
+    let mut global = BTreeSet::new();
+    for (g, at) in groups.iter().zip(at) {
+        global
+            .extend(at.iter().enumerate().filter(|(i, _)| g.grants_of(*i).is_some_and(|r| r.global)).map(|(_, w)| *w));
+    }
+    global
+}
+
+/// Where the store holds a reservation of a global limit's window: beside the window (its
+/// key mixed with a constant), under a limit that never refuses. The units themselves
+/// came from the region's pool; this holds only what the commit must settle, and settles
+/// it once however often the commit is sent (the store's reservation ledger).
+fn ledger(op: &Op) -> Op {
+    const LEDGER: u64 = u64::from_be_bytes(*b"reserved");
+    let Limit::FixedWindow { window, aligned, .. } = op.limit else { return *op };
+    Op { key: op.key.rotate_left(29) ^ LEDGER, limit: Limit::FixedWindow { limit: MAX_EXACT, window, aligned }, ..*op }
+}
+
+/// Group `g`'s decisions in a reservation: each op's by its window's answer in the
+/// store (its part's, at `at`), or a global limit's by what its pool gave.
+fn answered(
+    g: &Group,
+    at: &[(usize, usize)],
+    spent: &Result<Spent, StoreError>,
+    results: &[Result<Vec<Decision>, StoreError>],
+) -> Result<(Vec<Decision>, Source), StoreError> {
+    (at.iter().enumerate())
+        .map(|(oi, &(p, i))| match (spent, g.grants_of(oi).is_some_and(|r| r.global)) {
+            (Ok(s), true) => Ok(s.decisions[oi]),
+            (Err(e), true) => Err(e.clone()),
+            (_, false) => results[p].as_ref().map(|d| d[i]).map_err(Clone::clone),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(|d| (d, Source::Store))
+}
+
+/// The global windows, by (part, window), of the groups whose pools failed: they spent
+/// nothing, so their ledgers hold nothing for a commit to give back.
+fn unspent(
+    at: &[Vec<(usize, usize)>],
+    spent: &[Result<Spent, StoreError>],
+    global: &BTreeSet<(usize, usize)>,
+) -> Vec<(usize, usize)> {
+    (at.iter().zip(spent))
+        .filter(|(_, s)| s.is_err())
+        .flat_map(|(at, _)| at.iter().copied().filter(|w| global.contains(w)))
+        .collect()
 }
 
 /// A refused reservation's answer as what is true once the holds it took are given back:
@@ -357,8 +219,10 @@ impl Limiter {
     /// reservations held (see [`crate::algo::reservation`]). A window two descriptors
     /// name holds the sum of their costs, once. A matching policy of another kind is
     /// refused with [`RequestError::NotReservable`]; quota grants are not used (a
-    /// reservation is a store call, and counts in the same window as grants do). When
-    /// admitted, what its commit needs.
+    /// reservation is a store call, and counts in the same window as grants do), except
+    /// a global limit's (`global: true`): its units are spent from the region's pool as a
+    /// check's are, and the store holds the reservation beside the window (`ledger`) for
+    /// the commit to give back what was not used. When admitted, what its commit needs.
     pub async fn reserve(
         &self,
         req: &Request,
@@ -374,28 +238,29 @@ impl Limiter {
         let Plan { domain, mut descriptors, groups } =
             plan(&self.rules, &self.overrides.current(), req, Mode::Charge, None, now)?;
         reservable(&groups, &descriptors)?;
-        let (parts, at) = merged(&groups);
+        let (mut parts, at) = merged(&groups);
         bounded(descriptors.len(), parts.iter().map(|p| p.1.len()).sum())?;
-        let r = Reservation { id, ttl };
-        let results =
-            futures_util::future::join_all(parts.iter().map(|(tag, once)| self.store.reserve(*tag, once, r, now)))
-                .await;
+        let global = global_windows(&groups, &at);
+        let held = held_windows(&parts, &groups, &at, &descriptors, &global);
+        let (mut spent, results) = self.hold(&groups, &mut parts, &global, Reservation { id, ttl }, now).await;
         let mut tally = Tally::default();
-        for (g, at) in groups.iter().zip(&at) {
-            // each op answered by its window's decision
-            let result = at
-                .iter()
-                .map(|&(p, i)| results[p].as_ref().map(|d| d[i]).map_err(Clone::clone))
-                .collect::<Result<Vec<_>, _>>()
-                .map(|d| (d, Source::Store));
-            let result = self.or_failed(g, result, Mode::Charge, now).await;
+        for ((g, at), spent) in groups.iter().zip(&at).zip(&spent) {
+            let result = self.or_failed(g, answered(g, at, spent, &results), Mode::Charge, now).await;
             self.record(g, result, Mode::Charge, &mut descriptors, &mut tally)?;
         }
+        // a pool that failed spent nothing: its ledger holds nothing to settle
+        let failed = unspent(&at, &spent, &global);
+        self.settle(&parts, id, now, |w| failed.contains(&w)).await?;
         let allowed = tally.refused_groups == 0 && !quota_spent(&descriptors);
         if !allowed {
             // another client's part refused (or every quota is spent): what the others
-            // hold goes back
-            self.settle(&parts, id, now).await?;
+            // hold goes back, and what the pools gave
+            self.settle(&parts, id, now, |_| true).await?;
+            for (g, s) in groups.iter().zip(&mut spent) {
+                if let Ok(s) = s {
+                    self.put_back(g, &s.spent, &mut s.decisions, now).await?;
+                }
+            }
             given_back(&parts, &groups, &at, &tally.charged, &mut descriptors);
         }
         let outcome = outcome(allowed, &mut descriptors);
@@ -405,12 +270,36 @@ impl Limiter {
             id,
             domain: req.domain.clone(),
             descriptors: descriptors.len() as u16,
-            groups: held_windows(&parts, &groups, &at, &descriptors),
+            groups: held,
         });
         let binding = binding(&descriptors);
         let v =
             Verdict { outcome, descriptors, binding, lease: None, degraded: tally.degraded, now, charges: Vec::new() };
         Ok((v, reserved))
+    }
+
+    /// Holds a reservation's windows: a global limit's units spent from the region's
+    /// pool, as a check spends them, and its window swapped for its ledger (`ledger`),
+    /// so that the store holds the reservation there and its commit settles it once;
+    /// then each part's windows reserved in the store. What each group spent, and each
+    /// part's answer.
+    async fn hold(
+        &self,
+        groups: &[Group],
+        parts: &mut [Part],
+        global: &BTreeSet<(usize, usize)>,
+        r: Reservation,
+        now: Millis,
+    ) -> (Vec<Result<Spent, StoreError>>, Vec<Result<Vec<Decision>, StoreError>>) {
+        let mut spent = Vec::with_capacity(groups.len());
+        for g in groups {
+            spent.push(self.spend_group(g, now, |rule| rule.global).await);
+        }
+        for &(p, i) in global {
+            parts[p].1[i] = ledger(&parts[p].1[i]);
+        }
+        let reserved = parts.iter().map(|(tag, once)| self.store.reserve(*tag, once, r, now));
+        (spent, futures_util::future::join_all(reserved).await)
     }
 
     /// Charges each descriptor's cost to every matching fixed window, never refused (a
@@ -425,12 +314,23 @@ impl Limiter {
             plan(&self.rules, &self.overrides.current(), &req, Mode::Charge, None, now)?;
         reservable(&groups, &descriptors)?;
         for g in &groups {
-            let commits: Vec<Commit> =
-                g.ops.iter().map(|o| Commit { key: o.key, limit: o.limit, actual: o.cost }).collect();
-            let done = self.store.commit(g.tag, REPORT, &commits, now).await?;
-            for ((op, &(di, pi)), s) in g.ops.iter().zip(&g.slots).zip(&done) {
+            // a global limit's cost is spent from the region's pool while the fleet has
+            // units for it (past them, the window is spent: nothing more is admitted)
+            let pooled = self.spend_group(g, now, |r| r.global).await?;
+            let global = |i: usize| g.grants_of(i).is_some_and(|r| r.global);
+            let here: Vec<usize> = (0..g.ops.len()).filter(|&i| !global(i)).collect();
+            let commits: Vec<Commit> = (here.iter().map(|&i| &g.ops[i]))
+                .map(|o| Commit { key: o.key, limit: o.limit, actual: o.cost })
+                .collect();
+            let done = match commits.is_empty() {
+                true => Vec::new(),
+                false => self.store.commit(g.tag, REPORT, &commits, now).await?,
+            };
+            let settled = (here.iter().zip(done)).chain(pooled.spent.iter().zip(std::iter::repeat(Settled::Reported)));
+            for (&i, s) in settled {
+                let (op, (di, pi)) = (&g.ops[i], g.slots[i]);
                 if let Some(c) = &descriptors[di].policies[pi].counters {
-                    count_settled(c.reservations(), *s, REPORT, op.cost);
+                    count_settled(c.reservations(), s, REPORT, op.cost);
                 }
             }
             self.forget(g.tag, commits.iter().map(|c| c.key));
@@ -442,8 +342,8 @@ impl Limiter {
     /// it holds is settled with the sum of the actuals of the descriptors that reached
     /// it (more or less than held; never refused, and a cost above a limit is taken, up
     /// to [`MAX_EXACT`] in one commit). Settles once however often it is sent; a
-    /// reservation released at its deadline is charged its actual as a report. One
-    /// answer per window held.
+    /// reservation released at its deadline is charged its actual as a report. On a
+    /// global limit's window, see `settle_global`. One answer per window held.
     pub async fn commit(&self, r: &Reserved, actuals: &[u64]) -> Result<Vec<Settled>, CheckError> {
         self.keeps_reservations()?;
         if actuals.len() != r.descriptors() {
@@ -462,7 +362,9 @@ impl Limiter {
                     );
                     return Err(RequestError::BadReservation(why).into());
                 }
-                commits.push(Commit { key: w.key, limit: w.limit, actual });
+                // a global limit's reservation is held on its window's ledger
+                let at = if w.global { ledger(&w.op(actual)) } else { w.op(actual) };
+                commits.push(Commit { key: at.key, limit: at.limit, actual });
             }
             plans.push(commits);
         }
@@ -475,6 +377,9 @@ impl Limiter {
                 if let Some(counters) = domain.and_then(|d| d.counters_of(w.policy)) {
                     count_settled(counters.reservations(), *s, r.id, c.actual);
                 }
+                if w.global {
+                    self.settle_global((*tag, &r.domain), w, *s, c.actual, now).await?;
+                }
             }
             // units given back here are not refused from this instance's cache
             self.forget(*tag, commits.iter().map(|c| c.key));
@@ -484,11 +389,54 @@ impl Limiter {
         Ok(settled)
     }
 
-    /// Releases what reservation `id` holds on every group's windows (a commit of 0).
-    async fn settle(&self, parts: &[Part], id: u64, now: Millis) -> Result<(), StoreError> {
-        for (tag, once) in parts {
-            let commits: Vec<Commit> = once.iter().map(|o| Commit { key: o.key, limit: o.limit, actual: 0 }).collect();
-            self.store.commit(*tag, id, &commits, now).await?;
+    /// Releases what reservation `id` holds on the windows of `parts` that `which` takes,
+    /// by (part, window) (a commit of 0).
+    async fn settle(
+        &self,
+        parts: &[Part],
+        id: u64,
+        now: Millis,
+        which: impl Fn((usize, usize)) -> bool,
+    ) -> Result<(), StoreError> {
+        for (p, (tag, once)) in parts.iter().enumerate() {
+            let commits: Vec<Commit> = (once.iter().enumerate())
+                .filter(|&(i, _)| which((p, i)))
+                .map(|(_, o)| Commit { key: o.key, limit: o.limit, actual: 0 })
+                .collect();
+            if !commits.is_empty() {
+                self.store.commit(*tag, id, &commits, now).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Settles what a reservation held of a global limit's window, once its ledger said
+    /// `settled` for `actual`: the units held past the actual go back to the region's
+    /// pool (the fleet may admit them again in the window); an actual past them is spent
+    /// from the pool as far as the fleet has units (past that, the window is spent and
+    /// nothing more is admitted in it). A reservation lapsed, or of a window that ended,
+    /// keeps what it held spent: the fleet admits less, never more.
+    async fn settle_global(
+        &self,
+        (tag, domain): (Tag, &str),
+        w: &HeldWindow,
+        settled: Settled,
+        actual: u64,
+        now: Millis,
+    ) -> Result<(), StoreError> {
+        let Settled::Committed { held } = settled else { return Ok(()) };
+        if actual < held {
+            let window = escrow::window_end(&w.limit, now);
+            return self
+                .give_back(&[(tag, Refund { key: w.key, limit: w.limit, cost: held - actual, window })], now)
+                .await;
+        }
+        let rule = self.rules.domain(domain).and_then(|d| d.grant_rule_of(w.policy));
+        if let Some(rule) = rule.filter(|_| actual > held) {
+            let op = Op { key: w.key, limit: w.limit, cost: actual - held, lease: None, shadow: false };
+            let mut out = Leftovers::default();
+            self.spend(tag, &op, &rule, (&mut out, now)).await?;
+            self.settle_later(out, now);
         }
         Ok(())
     }
@@ -549,17 +497,10 @@ impl Limiter {
 /// first that does not, named.
 fn reservable(groups: &[Group], descriptors: &[DescriptorVerdict]) -> Result<(), RequestError> {
     for g in groups {
-        for (i, (op, &(di, pi))) in g.ops.iter().zip(&g.slots).enumerate() {
-            let policy = || descriptors[di].policies[pi].name.to_string();
+        for (op, &(di, pi)) in g.ops.iter().zip(&g.slots) {
             if !matches!(op.limit, Limit::FixedWindow { .. }) {
-                return Err(RequestError::NotReservable {
-                    descriptor: di,
-                    policy: policy(),
-                    algorithm: op.limit.algorithm(),
-                });
-            }
-            if g.grants_of(i).is_some_and(|r| r.global) {
-                return Err(RequestError::GlobalNotReservable { descriptor: di, policy: policy() });
+                let policy = descriptors[di].policies[pi].name.to_string();
+                return Err(RequestError::NotReservable { descriptor: di, policy, algorithm: op.limit.algorithm() });
             }
         }
     }

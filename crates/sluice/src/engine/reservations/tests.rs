@@ -46,19 +46,3 @@ async fn a_reservation_names_at_most_255_descriptors() {
     let settled = limiter.commit(&held, &[1; MAX_RESERVED_DESCRIPTORS]).await.unwrap();
     assert_eq!(settled, [Settled::Committed { held: MAX_RESERVED_DESCRIPTORS as u64 }], "one window");
 }
-
-/// Past MAX_ISSUED reservations tracked, one more is counted nowhere in the gauges
-/// (memory bounded whatever clients reserve); settled and lapsed ones leave them.
-#[test]
-fn the_reservations_tracked_are_bounded() {
-    let c = Arc::new(PolicyCounters::new("d", "bounded", false, None));
-    let issued = Issued::default();
-    for id in 0..MAX_ISSUED as u64 + 10 {
-        issued.add(id, 1_000 + id, vec![(c.clone(), 2)]);
-    }
-    assert_eq!(issued.lock().by_id.len(), MAX_ISSUED);
-    assert_eq!(issued.held(0), [("d".into(), "bounded".into(), MAX_ISSUED as u64, 2 * MAX_ISSUED as u64)]);
-    issued.settle(0);
-    issued.sweep(1_000 + 10);
-    assert_eq!(issued.lock().by_id.len(), MAX_ISSUED - 11, "one settled, ten lapsed");
-}
