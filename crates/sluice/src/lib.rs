@@ -66,7 +66,7 @@ pub use engine::{
     CheckError, HeldLeases, HeldReservations, Issued, Limiter, MAX_RESERVED_DESCRIPTORS, MAX_RESERVED_WINDOWS,
     RegionalPool, Reserved,
 };
-pub use overrides::{Override, OverrideError, Overrides, Rejected};
+pub use overrides::{Misfit, Override, OverrideError, Overrides, Rejected};
 pub use request::{Descriptor, Entry, LimitOverride, Request, RequestError};
 pub use telemetry::names as metric_names;
 pub use telemetry::{Audit, audit, describe as describe_metrics};

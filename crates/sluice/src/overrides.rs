@@ -392,9 +392,12 @@ impl OverrideSet {
 /// Why an override was not stored.
 #[derive(Debug, thiserror::Error)]
 pub enum OverrideError {
-    /// The override is malformed or fits no rule: the message says what to change.
+    /// The override is malformed: the message says what to change.
     #[error("{0}")]
     Invalid(String),
+    /// It does not fit the rules in force.
+    #[error(transparent)]
+    Misfit(#[from] Misfit),
     /// The store keeps no overrides (Memcached): the message says what to use.
     #[error("{0}")]
     Unsupported(String),
@@ -414,6 +417,25 @@ pub enum OverrideError {
     /// The store did not answer.
     #[error(transparent)]
     Store(StoreError),
+}
+
+/// Why an override does not fit the rules in force (`Limiter::set_override` checks it).
+#[derive(Debug, thiserror::Error)]
+pub enum Misfit {
+    #[error("unknown domain '{domain}'; the config has: {known}")]
+    UnknownDomain { domain: String, known: String },
+    /// Its entries are not what a request may name.
+    #[error(transparent)]
+    Bounds(#[from] crate::request::RequestError),
+    #[error("these entries reach no limit of domain '{0}': an override replaces a configured limit")]
+    NoLimit(String),
+    #[error("policy '{policy}' is not a limit of the rule these entries reach (its limits: {limits})")]
+    NoPolicy { policy: String, limits: String },
+    /// `window` or `rate` set for limits of another algorithm.
+    #[error("`{field}` applies to {algorithm} limits, and none of these is one: {limits}")]
+    Inapplicable { field: &'static str, algorithm: &'static str, limits: String },
+    #[error("policy '{policy}': {source}")]
+    BadLimit { policy: String, source: crate::algo::LimitError },
 }
 
 /// One override of an import that is refused.

@@ -57,7 +57,7 @@ const REFUSED_LISTED: usize = 100;
 pub(crate) fn override_error(e: OverrideError) -> Response {
     let message = e.to_string();
     match e {
-        OverrideError::Invalid(m) => error(StatusCode::BAD_REQUEST, "bad_override", m),
+        OverrideError::Invalid(_) | OverrideError::Misfit(_) => error(StatusCode::BAD_REQUEST, "bad_override", message),
         OverrideError::Unsupported(m) => error(StatusCode::NOT_IMPLEMENTED, "overrides_unsupported", m),
         OverrideError::Full { .. } => error(StatusCode::CONFLICT, "too_many_overrides", message),
         OverrideError::Rejected(items) => {

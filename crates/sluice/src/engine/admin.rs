@@ -4,7 +4,7 @@
 
 use super::{CheckError, Limiter, refund_of};
 use crate::algo::{Limit, Op};
-use crate::overrides::{Override, OverrideError};
+use crate::overrides::{Misfit, Override, OverrideError};
 use crate::plan::{Mode, Plan, plan};
 use crate::request::Request;
 use crate::store::{Refund, StoreError};
@@ -129,7 +129,7 @@ impl Limiter {
         let now = self.clock.now();
         o.set_at_ms = now;
         o.check(now).map_err(OverrideError::Invalid)?;
-        self.fits_rules(&o).map_err(OverrideError::Invalid)?;
+        self.fits_rules(&o)?;
         self.overrides.put(&o, self.rules.max_overrides).await
     }
 
@@ -145,7 +145,7 @@ impl Limiter {
             o.set_at_ms = now;
             let first = *seen.entry(o.id.clone()).or_insert(index);
             let checked = match first == index {
-                true => o.check(now).and_then(|()| self.fits_rules(o)),
+                true => o.check(now).and_then(|()| self.fits_rules(o).map_err(|m| m.to_string())),
                 false => Err(format!("the id is also that of overrides[{first}]; ids must be unique")),
             };
             if let Err(message) = checked {
@@ -164,38 +164,34 @@ impl Limiter {
     }
 
     /// Whether override `o` fits the rules: the message says what does not.
-    pub(super) fn fits_rules(&self, o: &Override) -> Result<(), String> {
-        let domain = self.rules.domain(&o.domain).ok_or_else(|| {
-            format!("unknown domain '{}'; the config has: {}", o.domain, self.rules.domain_names().join(", "))
+    pub(super) fn fits_rules(&self, o: &Override) -> Result<(), Misfit> {
+        let domain = self.rules.domain(&o.domain).ok_or_else(|| Misfit::UnknownDomain {
+            domain: o.domain.clone(),
+            known: self.rules.domain_names().join(", "),
         })?;
         // the same bounds as a request naming these entries
         let descriptor = crate::request::Descriptor { entries: o.entries.clone(), ..Default::default() };
         let as_request =
             Request { domain: o.domain.clone(), descriptors: vec![descriptor], hits_addend: None, lenient: false };
-        crate::request::validate(&as_request, &self.rules.request_bounds).map_err(|e| e.to_string())?;
+        crate::request::validate(&as_request, &self.rules.request_bounds)?;
         let node = domain
             .find(o.entries.iter().map(|e| (e.key.as_str(), e.value.trim_end_matches('*'))))
             .filter(|n| !n.policies.is_empty())
-            .ok_or_else(|| {
-                format!(
-                    "these entries reach no limit of domain '{}': an override replaces a configured limit",
-                    o.domain
-                )
-            })?;
-        let names = || node.policies.iter().map(|p| &*p.name).collect::<Vec<_>>().join(", ");
+            .ok_or_else(|| Misfit::NoLimit(o.domain.clone()))?;
+        let limits = || node.policies.iter().map(|p| &*p.name).collect::<Vec<_>>().join(", ");
         if let Some(name) = &o.policy
             && !node.policies.iter().any(|p| *p.name == **name)
         {
-            return Err(format!(
-                "policy '{name}' is not a limit of the rule these entries reach (its limits: {})",
-                names()
-            ));
+            return Err(Misfit::NoPolicy { policy: name.clone(), limits: limits() });
         }
         let targets: Vec<_> =
             node.policies.iter().filter(|p| o.policy.as_deref().is_none_or(|n| n == &*p.name)).collect();
-        let takes = |what: &str, algorithm: &str| match targets.iter().any(|p| p.limit.algorithm() == algorithm) {
+        let takes = |field: &'static str, algorithm: &'static str| match targets
+            .iter()
+            .any(|p| p.limit.algorithm() == algorithm)
+        {
             true => Ok(()),
-            false => Err(format!("`{what}` applies to {algorithm} limits, and none of these is one: {}", names())),
+            false => Err(Misfit::Inapplicable { field, algorithm, limits: limits() }),
         };
         if o.window.is_some() {
             takes("window", "fixed_window")?;
@@ -204,7 +200,8 @@ impl Limiter {
             takes("rate", "token_bucket")?;
         }
         for p in targets {
-            o.limit_for(p.limit).validate().map_err(|e| format!("policy '{}': {e}", p.name))?;
+            let bad = |source| Misfit::BadLimit { policy: p.name.to_string(), source };
+            o.limit_for(p.limit).validate().map_err(bad)?;
         }
         Ok(())
     }

@@ -132,22 +132,14 @@ pub enum StoreError {
     /// The store could not be reached or did not answer (connection refused, reset,
     /// its own timeout): the failure policy decides, and the circuit breaker counts it.
     #[error("store unavailable: {what}")]
-    Unavailable {
-        what: String,
-        #[source]
-        cause: Option<Cause>,
-    },
+    Unavailable { what: String, cause: Option<Cause> },
     /// The engine's deadline passed before the store answered.
     #[error("store call timed out after {0}ms")]
     Timeout(Millis),
     /// The store answered, but not what Sluice expects (a script error, a reply of the
     /// wrong shape): a bug or a misconfigured server, not a dead one.
     #[error("store answered something unexpected: {what}")]
-    Protocol {
-        what: String,
-        #[source]
-        cause: Option<Cause>,
-    },
+    Protocol { what: String, cause: Option<Cause> },
     /// Not sent: the circuit breaker is open after repeated failures.
     #[error("store skipped: its circuit breaker is open after repeated failures")]
     CircuitOpen,
@@ -169,12 +161,22 @@ impl StoreError {
         StoreError::Protocol { what: what.into(), cause: None }
     }
 
-    /// The same error, keeping `cause` as its source.
+    /// The same error, keeping `e`, whose text its message already says, for
+    /// [`StoreError::cause`]. Not its `source()`: a chain printed whole would say it twice.
     pub fn because(mut self, e: impl std::error::Error + Send + Sync + 'static) -> Self {
         if let StoreError::Unavailable { cause, .. } | StoreError::Protocol { cause, .. } = &mut self {
             *cause = Some(std::sync::Arc::new(e));
         }
         self
+    }
+
+    /// The error of the client library underneath (the Redis or Memcached client's), to
+    /// downcast; its text is in this error's message.
+    pub fn cause(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+        match self {
+            StoreError::Unavailable { cause, .. } | StoreError::Protocol { cause, .. } => cause.as_deref(),
+            _ => None,
+        }
     }
 
     /// A short stable name of the kind of failure, for metrics and logs: `unavailable`,
@@ -464,5 +466,24 @@ impl<R: Router> Store for R {
     }
     fn address(&self) -> String {
         self.stores().iter().map(|s| s.address()).filter(|a| !a.is_empty()).collect::<Vec<_>>().join(", ")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A store error says its cause's text once, however it is printed (an error chain
+    /// printed whole, as anyhow's `{:#}` does): in its message, not again as its source.
+    #[test]
+    fn a_store_error_says_its_cause_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "connection refused");
+        let e = super::StoreError::unavailable(format!("redis connection: {io}")).because(io);
+        let mut chain = e.to_string();
+        let mut at = std::error::Error::source(&e);
+        while let Some(s) = at {
+            chain += &format!(": {s}");
+            at = s.source();
+        }
+        assert_eq!(chain.matches("connection refused").count(), 1, "{chain}");
+        assert!(e.cause().is_some_and(|c| c.downcast_ref::<std::io::Error>().is_some()), "the cause, to downcast");
     }
 }
