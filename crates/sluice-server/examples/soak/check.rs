@@ -423,10 +423,19 @@ fn reservations(rs: &[Reserved], v: &mut Vec<Violation>) {
     }
 }
 
+/// The deadline every instance gives the store (`limiter.deadline`), in ms: the fleet
+/// runs under it (`fleet.rs` writes it into every config) and the checker bounds every
+/// answer's time by it.
+pub const DEADLINE_MS: u64 = 100;
+
+/// The delay each way on a region's link to the global store: what a region's first
+/// decisions of a client may wait, twice over.
+pub const LINK_DELAY_MS: u64 = 20;
+
 /// What a decision on a limit the regions share may wait besides its store calls, when
 /// its region's pool is short (docs/configuration.md, "Admit what fits"): twice the
 /// round trip to the global store and 100 ms.
-const GLOBAL_WAIT_MS: u64 = 4 * crate::fleet::LINK_DELAY_MS + sluice::regions::WAIT_MARGIN;
+const GLOBAL_WAIT_MS: u64 = 4 * LINK_DELAY_MS + sluice::regions::WAIT_MARGIN;
 
 /// Every answer within the deadline and 50 ms (a global limit's: and its documented wait);
 /// degraded answers only during a fault and the documented time after it. Returns the
@@ -436,7 +445,7 @@ fn timing(ds: &[Decision], faults: &[Fault], v: &mut Vec<Violation>) -> u64 {
     for d in ds {
         let took = d.answered.saturating_sub(d.sent);
         let wait = if d.rule == Rule::Gl { GLOBAL_WAIT_MS } else { 0 };
-        if took > crate::fleet::DEADLINE_MS + wait + LATE_MS {
+        if took > DEADLINE_MS + wait + LATE_MS {
             let what = format!("answered in {took} ms, past the deadline, {wait} ms and {LATE_MS} ms");
             v.push(Violation { at: d.answered, kind: "late", what, rule: Some(d.rule), client: Some(d.client) });
         }
@@ -509,10 +518,7 @@ impl Report {
         took.sort_unstable();
         if let Some(&most) = took.last() {
             let p999 = took[(took.len() - 1) * 999 / 1_000];
-            println!(
-                "answers (gl aside): p99.9 {p999} ms, slowest {most} ms, of at most {} ms",
-                crate::fleet::DEADLINE_MS + LATE_MS
-            );
+            println!("answers (gl aside): p99.9 {p999} ms, slowest {most} ms, of at most {} ms", DEADLINE_MS + LATE_MS);
         }
         let kinds: Vec<String> = self.kinds.iter().map(|(k, n)| format!("{k} {n}")).collect();
         println!("faults by kind: {}", kinds.join(", "));

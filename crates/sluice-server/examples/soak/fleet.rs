@@ -2,6 +2,7 @@
 //! loopback ports (read back, never guessed), restarted by the nemesis, stopped by PID
 //! when the run ends.
 
+use crate::check::{DEADLINE_MS, LINK_DELAY_MS};
 use crate::{Args, Rng};
 use sluice_testkit::{Process, Proxy, RedisCluster, RedisSentinels, RedisServer, TempDir};
 use std::path::{Path, PathBuf};
@@ -11,9 +12,6 @@ use std::time::{Duration, Instant};
 
 /// The admin token of every instance (overrides are set through it).
 pub const ADMIN_TOKEN: &str = "soak-admin-0123456789abcdef";
-
-/// The deadline every instance gives the store (`limiter.deadline`), in ms.
-pub const DEADLINE_MS: u64 = 100;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreKind {
@@ -61,9 +59,6 @@ pub enum Servers {
         links: Vec<Proxy>,
     },
 }
-
-/// The delay each way on a region's link to the global store.
-pub const LINK_DELAY_MS: u64 = 20;
 
 /// Where an instance answers.
 pub struct Endpoint {
