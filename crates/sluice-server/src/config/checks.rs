@@ -237,7 +237,7 @@ pub fn xds(xds: &crate::config::XdsConfig) -> Result<(), CheckError> {
 
 /// The `telemetry` section's checks that parsing does not make: a StatsD flush interval
 /// of 0 (a loop without a wait) and an address that is not `host:port`.
-pub fn telemetry(telemetry: &crate::otel::TelemetryConfig) -> Result<(), CheckError> {
+pub fn telemetry(telemetry: &crate::config::TelemetryConfig) -> Result<(), CheckError> {
     let Some(s) = &telemetry.statsd else { return Ok(()) };
     let at = |key: &str, why: String| CheckError::at(&["telemetry", "statsd", key], why);
     if s.flush_interval.0 == 0 {

@@ -394,7 +394,7 @@ fn section_error(text: &str, file: &str) -> Option<ConfigError> {
             "server" => serde_norway::from_value::<crate::config::ServerConfig>(value.clone()).err().map(err),
             "store" => serde_norway::from_value::<crate::config::StoreConfig>(value.clone()).err().map(err),
             "limiter" => serde_norway::from_value::<LimiterConfig>(value.clone()).err().map(err),
-            "telemetry" => serde_norway::from_value::<crate::otel::TelemetryConfig>(value.clone()).err().map(err),
+            "telemetry" => serde_norway::from_value::<crate::config::TelemetryConfig>(value.clone()).err().map(err),
             "log" => serde_norway::from_value::<crate::logs::LogConfig>(value.clone()).err().map(err),
             _ => None,
         };

@@ -6,6 +6,9 @@ pub mod checks;
 pub mod env;
 pub mod load;
 pub mod secrets;
+mod telemetry;
+
+pub use telemetry::{Format, Mogrifier, Protocol, StatsdConfig, TelemetryConfig};
 
 use serde::{Deserialize, Deserializer, de};
 use sluice::config::{DomainConfig, Duration, LimiterConfig};
@@ -33,7 +36,7 @@ pub struct Config {
     #[serde(default)]
     pub log: crate::logs::LogConfig,
     #[serde(default)]
-    pub telemetry: crate::otel::TelemetryConfig,
+    pub telemetry: TelemetryConfig,
     #[serde(default)]
     pub envoy: EnvoyConfig,
     /// The rules come from an xDS management server instead of `domains`.
