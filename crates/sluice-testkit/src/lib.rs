@@ -30,7 +30,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-/// A port on 127.0.0.1 that was free a moment ago.
+/// A port on 127.0.0.1 that was free a moment ago, for a server that cannot bind port 0
+/// and say what it bound (redis-server, memcached, redis-sentinel: their port 0 turns TCP
+/// off). Another process may take it first, so every caller here starts its server on a
+/// fresh one when the first cannot bind (five tries). Sluice itself binds port 0 and the
+/// tests read the address back from its log.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("no free loopback port")
 }

@@ -119,16 +119,16 @@ impl Regions {
         let key = rule_key(&rule.name);
         let (lease, before) =
             (variant_lease(rule.limit, rule.window, n), variant_lease(rule.limit, rule.window, n.saturating_sub(1)));
-        super::outage::beat_in(&*self.global, (key, lease, before), now).await.ok()?;
+        super::outage::beat_in(&*self.global, (key, lease, &[before]), now).await.ok()?;
         fleet_variants(&*self.global, &rule.name, now).await.ok()
     }
 
     /// Says in the region's own store that this region is there, and warns (once) when
     /// another region beats there too: their pools would merge.
     async fn beat_here(&self, n: u64, now: Millis) {
-        let (lease, before) =
-            (super::outage::beat_lease(&self.name, n), super::outage::beat_lease(&self.name, n.saturating_sub(1)));
-        let Ok(regions) = super::outage::beat_in(&*self.local, (REGIONS_HERE, lease, before), now).await else {
+        let lease = super::outage::beat_lease(&self.name, n);
+        let before = super::outage::befores(n, |k| super::outage::beat_lease(&self.name, k));
+        let Ok(regions) = super::outage::beat_in(&*self.local, (REGIONS_HERE, lease, &before), now).await else {
             return;
         };
         if regions > 1 && !self.shared_told.swap(true, Relaxed) {

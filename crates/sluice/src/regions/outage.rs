@@ -66,19 +66,30 @@ pub(super) fn beat_lease(region: &str, n: u64) -> Lease {
 }
 
 /// One beat in a set of leases: takes `lease` on the state `key` of [`REGIONS`] in
-/// `store`, then gives back `before` (the one of the beat before). Returns the leases
-/// held, less `before` if it was still held (every holder of one name moves to the next
-/// together, so the count is of names, not holders).
+/// `store`, then gives back `before` (the leases of the beats before it that may still be
+/// held: [`befores`]). Returns the leases held, less those given back (every holder of one
+/// name moves to the next together, so the count is of names, not holders).
 pub(super) async fn beat_in(
     store: &dyn crate::store::Store,
-    (key, lease, before): (u64, Lease, Lease),
+    (key, lease, before): (u64, Lease, &[Lease]),
     now: Millis,
 ) -> Result<u64, crate::store::StoreError> {
     let limit = Limit::Concurrency { limit: 1 << 20, lease_ttl: BEAT_TTL };
     let op = Op { key, limit, cost: 1, lease: Some(lease), shadow: false };
     let held = store.apply(REGIONS, &[op], now).await?.first().map_or(1, |d| d.used);
-    let released = before != lease && matches!(store.release(REGIONS, &[key], before, now).await, Ok(true));
-    Ok(held.saturating_sub(u64::from(released)))
+    let mut released = 0;
+    for &b in before.iter().filter(|&&b| b != lease) {
+        released += u64::from(matches!(store.release(REGIONS, &[key], b, now).await, Ok(true)));
+    }
+    Ok(held.saturating_sub(released))
+}
+
+/// The leases `lease_of` gives the beats before beat `n` that may still be held (a lease
+/// lasts [`BEAT_TTL`], three beats): not only the last one's, since a beat skipped (the
+/// global store cut off, the instance paused) leaves the one before it held until it
+/// lapses, counted as a region of its own meanwhile.
+pub(super) fn befores(n: u64, lease_of: impl Fn(u64) -> Lease) -> Vec<Lease> {
+    (1..=BEAT_TTL / BEAT).filter(|&k| k <= n).map(|k| lease_of(n - k)).collect()
 }
 
 impl Regions {
@@ -151,8 +162,8 @@ impl Regions {
     /// high gives a share too small, never too large). Keeps [`Self::regions_known`].
     pub(super) async fn beat(&self, now: Millis) {
         let n = now / BEAT;
-        let (lease, before) = (beat_lease(&self.name, n), beat_lease(&self.name, n.saturating_sub(1)));
-        let Ok(regions) = self.timed(beat_in(&*self.global, (1, lease, before), now)).await else { return };
+        let (lease, before) = (beat_lease(&self.name, n), befores(n, |k| beat_lease(&self.name, k)));
+        let Ok(regions) = self.timed(beat_in(&*self.global, (1, lease, &before), now)).await else { return };
         self.regions.store(regions.max(1), Relaxed);
         self.agree(now / BEAT, now).await;
     }

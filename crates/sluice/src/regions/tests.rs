@@ -49,3 +49,25 @@ fn a_flood_of_clients_keeps_a_bounded_number() {
     drop(active);
     assert_eq!(regions.view().untracked, 2, "said in the region's figures");
 }
+
+/// A region's beats count it once, even after a beat skipped (the global store cut off
+/// for a beat, the instance paused): the lease of the beat before the skipped one is
+/// given back too, not left to count as another region until it lapses.
+#[tokio::test]
+async fn a_beat_skipped_leaves_no_second_region() {
+    use super::outage::{beat_in, beat_lease, befores};
+    let store = MemoryStore::new(1_000);
+    let beat = |n: u64| {
+        let store = &store;
+        async move {
+            let (lease, before) = (beat_lease("eu", n), befores(n, |k| beat_lease("eu", k)));
+            beat_in(store, (2, lease, &before), n * BEAT).await.unwrap()
+        }
+    };
+    assert_eq!(beat(10).await, 1);
+    assert_eq!(beat(11).await, 1);
+    assert_eq!(beat(13).await, 1, "beat 12 skipped: beat 11's lease is given back too");
+    // another region beating here is counted
+    let other = beat_in(&store, (2, beat_lease("us", 13), &[]), 13 * BEAT).await.unwrap();
+    assert_eq!(other, 2, "two regions on one store");
+}
