@@ -13,7 +13,7 @@
 //! The Lua scripts' arguments are fuzzed through the Redis store by
 //! `crates/sluice/tests/redis_model.rs` (random ops against the Rust model).
 
-use crate::state::AppState;
+use crate::app::AppState;
 use axum::body::{Body, to_bytes};
 use axum::http::{Method, Request, StatusCode};
 use proptest::prelude::*;
@@ -97,7 +97,7 @@ fn server() -> Server {
     let state = rt.block_on(async {
         let crate::config::load::Loaded { config, rules, .. } =
             crate::config::load::load_str(CONFIG, "fuzz.yaml").unwrap();
-        Arc::new(AppState::new(crate::state::build::build(&config, rules).unwrap(), &config.server, None, None))
+        Arc::new(AppState::new(crate::app::build::build(&config, rules).unwrap(), &config.server, None, None))
     });
     (rt, crate::http::router(state.clone()), state)
 }
@@ -234,7 +234,7 @@ fn rls_input() -> impl Strategy<Value = Vec<u8>> {
 fn rls_exchange(rt: &tokio::runtime::Runtime, state: &Arc<AppState>, bytes: &[u8]) {
     use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
     let Ok(request) = <RateLimitRequest as prost::Message>::decode(bytes) else { return };
-    if let Err(status) = rt.block_on(crate::service::should_rate_limit(state, request)) {
+    if let Err(status) = rt.block_on(crate::rls_messages::should_rate_limit(state, request)) {
         let code = status.code();
         assert!(!matches!(code, tonic::Code::Internal | tonic::Code::Unknown), "{status:?}");
         assert!(!status.message().is_empty(), "{status:?}");

@@ -1,6 +1,7 @@
 //! The `sluice` binary: parses the command line and hands over. Nothing else lives here.
 
 mod alloc;
+mod app;
 mod commands;
 mod config;
 #[cfg(test)]
@@ -10,8 +11,7 @@ mod http;
 mod logs;
 mod otel;
 mod otlp;
-mod service;
-mod state;
+mod rls_messages;
 mod statsd;
 mod tls;
 mod xds;

@@ -13,9 +13,9 @@
 //! at most every 10 s; what could not be sent is dropped (StatsD counters are deltas:
 //! a later flush does not resend them), and the next flush tries again.
 
+use crate::app::AppState;
 use crate::config::{Format, Mogrifier, Protocol, StatsdConfig};
 use crate::logs::Sometimes;
-use crate::state::AppState;
 use std::collections::HashMap;
 use std::sync::Arc;
 use tokio::io::AsyncWriteExt;

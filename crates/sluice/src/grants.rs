@@ -359,7 +359,7 @@ impl Ledger {
         out: &mut Leftovers,
     ) -> Result<Granted, StoreError> {
         rule.counters.store_calls.increment(1);
-        // a global limit's grants come from the region's pool (algo::escrow)
+        // a global limit's grants come from the region's pool (algo::pool)
         ask.pool = rule.global;
         // the grants spent since the last call are closed by this one (kept if it fails)
         if let Some(h) = self.shard(tag).get_mut(&(tag, ask.key)).filter(|h| h.limit == ask.limit) {

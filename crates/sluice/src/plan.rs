@@ -7,7 +7,7 @@
 //! (invariant 5). The plan also holds the skeleton of the verdict, one slot per policy,
 //! that the engine fills with the store's decisions.
 
-use crate::algo::escrow;
+use crate::algo::pool;
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::config::Failure;
 use crate::overrides::{Override, OverrideSet};
@@ -194,10 +194,10 @@ pub(crate) fn plan<'r>(
 }
 
 /// `op` of policy `p`, keyed by the window `now` is in when `p` is a global limit: each
-/// window of it is a state of its own (see [`escrow`]).
+/// window of it is a state of its own (see [`pool`]).
 fn windowed(p: &Policy, op: Op, now: Millis) -> Op {
     match p.grants.as_ref().is_some_and(|g| g.global) {
-        true => Op { key: escrow::window_key(op.key, &op.limit, now), ..op },
+        true => Op { key: pool::window_key(op.key, &op.limit, now), ..op },
         false => op,
     }
 }

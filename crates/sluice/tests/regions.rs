@@ -12,8 +12,8 @@
 //! in real time over Redis judge what only real time shows (never over, whatever the
 //! link and the machine do), and how much is used only where demand held still.
 
-use sluice::algo::escrow::Pool;
 use sluice::algo::grant::Granted;
+use sluice::algo::pool::Pool;
 use sluice::algo::{ConcurrencyState, Decision, Lease, Op};
 use sluice::config::RulesConfig;
 use sluice::regions::Regions;

@@ -1,4 +1,4 @@
-//! A model of one limit across regions (`sluice::algo::escrow`): three regions, each
+//! A model of one limit across regions (`sluice::algo::pool`): three regions, each
 //! with its pool and its allocator, and a global store running the grant algorithm,
 //! joined by a link that takes half the cross-region round trip each way and can be cut
 //! or lose messages. Time is simulated in 1 ms steps and demand arrives at set rates; a
@@ -11,8 +11,8 @@
 //! and the real link are tested elsewhere.
 
 use sluice::algo::WindowState;
-use sluice::algo::escrow::{self, Move, Pool, Seen};
 use sluice::algo::grant::{self, Ask, GrantBook, Open};
+use sluice::algo::pool::{self, Move, Pool, Seen};
 use std::collections::{BTreeMap, VecDeque};
 
 /// How often each region's allocator looks at its pools, in ms.
@@ -126,7 +126,7 @@ impl Sim {
                 Msg::Taken { region, end, id, units, left } => {
                     let r = &mut self.regions[region];
                     let pool = r.pools.get(&end).copied().unwrap_or_default();
-                    r.pools.insert(end, escrow::fill(pool, units, end));
+                    r.pools.insert(end, pool::fill(pool, units, end));
                     r.open.entry(end).or_default().push(Open { id, units, expires: end });
                     r.asked.remove(&end);
                     r.left_globally.insert(end, left);
@@ -180,13 +180,13 @@ impl Sim {
             open,
             left_globally: r.left_globally.get(&end).copied(),
         };
-        match escrow::plan(seen, horizon, left) {
+        match pool::plan(seen, horizon, left) {
             Move::Take { want, need } => {
                 // one request in flight; one lost is asked again after twice the round trip
                 if r.asked.get(&end).is_some_and(|at| now < at + 2 * self.rtt + TICK) {
                     return;
                 }
-                let close = escrow::spent(open, pool.unspent());
+                let close = pool::spent(open, pool.unspent());
                 open.retain(|o| !close.contains(&o.id));
                 r.asked.insert(end, now);
                 let id = self.next_id;
@@ -196,7 +196,7 @@ impl Sim {
             Move::GiveBack { parts } => {
                 let (mut pool, mut backs) = (pool, Vec::new());
                 for (id, unspent) in parts {
-                    let (n, drained) = escrow::drain(pool, unspent, end);
+                    let (n, drained) = pool::drain(pool, unspent, end);
                     pool = drained;
                     open.retain(|o| o.id != id);
                     backs.push(Msg::Back { region, end, id, unspent: n });

@@ -30,7 +30,7 @@ pub fn run(command: ConfigCommand) -> Result<(), Box<dyn Error>> {
 /// limit of a window (docs/configuration.md, "Regions that disagree").
 async fn online(file: &Path) -> Result<(), Box<dyn Error>> {
     let loaded = load::load_file(file)?;
-    let (store, global) = crate::state::build::stores(&loaded.config)?;
+    let (store, global) = crate::app::build::stores(&loaded.config)?;
     answers("store", &*store).await?;
     let Some(global) = global else { return Ok(()) };
     answers("global_store", &*global).await?;

@@ -2,12 +2,12 @@
 //! (`proto/kuadrantrls.proto`), on the gRPC listener beside Envoy's: what Kuadrant's
 //! gateway plugin calls Limitador by. `CheckRateLimit` checks without charging, `Report`
 //! charges without refusing, `Reserve` and `Commit` hold an estimate and settle the
-//! actual (`service::budget`). Calls are unary and served by hand as Envoy's are
+//! actual (`rls_messages::budget`). Calls are unary and served by hand as Envoy's are
 //! (`unary.rs`), with the same token, bounds and errors.
 
 use super::unary::{self, GrpcRequest, GrpcResponse};
-use crate::service::{self, Ask, budget};
-use crate::state::AppState;
+use crate::app::AppState;
+use crate::rls_messages::{self, Ask, budget};
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use std::sync::Arc;
@@ -92,7 +92,7 @@ async fn answer(state: &AppState, req: GrpcRequest, ask: Ask) -> Result<GrpcResp
     if request.domain.is_empty() {
         return Ok(unary::answer(&RateLimitResponse::default()));
     }
-    Ok(unary::answer(&service::answer(state, request, ask).await.reply?))
+    Ok(unary::answer(&rls_messages::answer(state, request, ask).await.reply?))
 }
 
 /// `Reserve`.
@@ -105,13 +105,13 @@ async fn reserve(state: &AppState, r: ReserveRequest) -> Result<ReserveResponse,
     if let Some(why) = budget::ttl_error(ttl) {
         return Err(Status::invalid_argument(why));
     }
-    let req = service::request(r.request.ok_or_else(|| Status::invalid_argument("no request to reserve"))?)?;
+    let req = rls_messages::request(r.request.ok_or_else(|| Status::invalid_argument("no request to reserve"))?)?;
     let engine = state.engine.load_full();
-    let (v, id) = budget::reserve(&engine, &req, ttl.0).await.map_err(service::status_of)?;
+    let (v, id) = budget::reserve(&engine, &req, ttl.0).await.map_err(rls_messages::status_of)?;
     if v.outcome == sluice::Outcome::Unavailable {
         return Err(Status::unavailable("the rate limit store is unavailable (fail-closed)"));
     }
-    let response = service::response(&v, &engine, &req);
+    let response = rls_messages::response(&v, &engine, &req);
     Ok(ReserveResponse { response: Some(response), reservation_id: id.unwrap_or_default() })
 }
 
@@ -123,7 +123,7 @@ async fn commit(state: &AppState, c: CommitRequest) -> Result<CommitResponse, St
     };
     let given = (!c.actuals.is_empty()).then_some(c.actuals);
     let actuals = budget::actuals(c.actual, given, reserved.descriptors()).map_err(Status::invalid_argument)?;
-    let settled = engine.limiter.commit(&reserved, &actuals).await.map_err(service::status_of)?;
+    let settled = engine.limiter.commit(&reserved, &actuals).await.map_err(rls_messages::status_of)?;
     let code = |s: &sluice::store::Settled| match s {
         sluice::store::Settled::Committed { .. } => 0,
         sluice::store::Settled::Reported => 1,

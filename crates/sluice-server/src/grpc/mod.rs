@@ -8,8 +8,8 @@ pub mod rlqs;
 pub mod rls;
 pub mod unary;
 
+use crate::app::AppState;
 use crate::config::ServerConfig;
-use crate::state::AppState;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use rls::Rls;
 use std::sync::Arc;

@@ -5,7 +5,7 @@
 //!
 //! Each stream is one Envoy; the filter's `domain` names the Sluice domain, and each
 //! bucket id (a map) the entries of a descriptor, arranged to walk the domain's rules
-//! (`Limiter::quota_target`). Each bucket's share is a [`sluice::quota::Share`]: on every
+//! (`Limiter::quota_target`). Each bucket's share is a [`sluice::rlqs::Share`]: on every
 //! report, when its window restarts, and when the window's last piece is sent again to
 //! last to the window's end ([`Share::due`]), the share takes what its next assignment may
 //! admit from the shared window as a grant, then the assignment is sent. A bucket that
@@ -13,8 +13,8 @@
 //! reason is logged once); one whose rule went away by a reload is sent an
 //! `AbandonAction`. An unknown domain ends the stream with `NOT_FOUND`.
 
-use crate::state::AppState;
-use crate::state::rlqs::BucketKey;
+use crate::app::AppState;
+use crate::app::rlqs::BucketKey;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
     self, AbandonAction, QuotaAssignmentAction,
@@ -27,7 +27,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
 use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
 use envoy_types::pb::google::protobuf::{Duration as PbDuration, UInt32Value};
-use sluice::quota::{Assignment, QuotaError, Share};
+use sluice::rlqs::{Assignment, QuotaError, Share};
 use sluice::time::Millis;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -394,7 +394,7 @@ fn action(id: BucketId, a: Assignment) -> BucketAction {
             Strategy::TokenBucket(TokenBucket {
                 max_tokens: u32::try_from(depth).unwrap_or(u32::MAX),
                 tokens_per_fill: Some(UInt32Value { value: u32::try_from(rate).unwrap_or(u32::MAX) }),
-                fill_interval: Some(PbDuration { seconds: (sluice::quota::FILL / 1_000) as i64, nanos: 0 }),
+                fill_interval: Some(PbDuration { seconds: (sluice::rlqs::FILL / 1_000) as i64, nanos: 0 }),
             }),
             ttl,
         ),

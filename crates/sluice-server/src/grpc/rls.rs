@@ -7,8 +7,8 @@
 //! message in, one out, every failure a gRPC status.
 
 use super::unary::{self, GrpcRequest, GrpcResponse};
-use crate::service::Ask;
-use crate::state::AppState;
+use crate::app::AppState;
+use crate::rls_messages::Ask;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use std::sync::Arc;
 use tonic::Status;
@@ -44,10 +44,10 @@ fn method(path: &str) -> Result<&'static str, Status> {
 unary::unary_service!(Rls, method, unary);
 
 /// A call: the request, decided, checked or reported as its `x-sluice-mode` metadata
-/// asks (`service::Ask`).
+/// asks (`rls_messages::Ask`).
 async fn unary(state: &AppState, _: &str, req: GrpcRequest) -> Result<GrpcResponse, Status> {
     let ask = Ask::from_metadata(req.headers().get("x-sluice-mode").map(|v| v.as_bytes()))?;
     let request: RateLimitRequest = unary::read(state, req).await?;
-    let answering = crate::service::answer(state, request, ask);
-    Ok(unary::answer(&crate::service::counted(state, answering).await?))
+    let answering = crate::rls_messages::answer(state, request, ask);
+    Ok(unary::answer(&crate::rls_messages::counted(state, answering).await?))
 }

@@ -2,7 +2,7 @@
 //! whole and bounded, after its token, and one message answered with `grpc-status: 0`.
 //! Envoy's service and Kuadrant's share it.
 
-use crate::state::AppState;
+use crate::app::AppState;
 use tonic::Status;
 
 pub type GrpcRequest = axum::http::Request<tonic::body::Body>;

@@ -4,7 +4,7 @@
 
 use super::api::client_query;
 use super::error::{check_error, error, override_error};
-use crate::state::AppState;
+use crate::app::AppState;
 use axum::Router;
 use axum::body::{Body, to_bytes};
 use axum::extract::rejection::{PathRejection, QueryRejection};
@@ -53,7 +53,7 @@ async fn require_token(
 ) -> Response {
     let given = request.headers().get(header::AUTHORIZATION).map(HeaderValue::as_bytes);
     let token = state.admin_token.as_deref();
-    if token.is_some_and(|t| crate::state::bearer_is(given, t) || crate::state::basic_is(given, t)) {
+    if token.is_some_and(|t| crate::app::bearer_is(given, t) || crate::app::basic_is(given, t)) {
         return next.run(request).await;
     }
     let mut refused = super::error::unauthorized_for("server.admin_token");

@@ -4,7 +4,7 @@
 
 use super::error::error;
 use super::error::override_error;
-use crate::state::AppState;
+use crate::app::AppState;
 use axum::body::{Body, to_bytes};
 use axum::extract::State;
 use axum::http::StatusCode;

@@ -3,8 +3,8 @@
 
 use super::error::{check_error, error, unauthorized_for};
 use super::json::{RequestJson, response_json};
+use crate::app::{AppState, Engine};
 use crate::otel::Call;
-use crate::state::{AppState, Engine};
 use axum::body::{Body, to_bytes};
 use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{Path, Query, State};
@@ -169,7 +169,7 @@ pub(crate) async fn status(
         match decided {
             // what a request of the query's cost (1) would get now: a client with nothing
             // left reads OVER_LIMIT (HTTP 200 still: a status read is answered)
-            Ok(v) => verdict_response(&engine, &crate::service::budget::as_check(v, &req), StatusCode::OK),
+            Ok(v) => verdict_response(&engine, &crate::rls_messages::budget::as_check(v, &req), StatusCode::OK),
             Err(e) => check_error(e),
         }
     };

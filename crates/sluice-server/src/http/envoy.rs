@@ -11,7 +11,7 @@
 
 use super::api::read_body;
 use super::error::error;
-use crate::state::AppState;
+use crate::app::AppState;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -37,7 +37,7 @@ pub async fn json(State(state): State<Arc<AppState>>, headers: HeaderMap, body: 
             return error(StatusCode::BAD_REQUEST, "invalid_json", message);
         }
     };
-    match crate::service::should_rate_limit(&state, request).await {
+    match crate::rls_messages::should_rate_limit(&state, request).await {
         Ok(r) => {
             let status = match r.overall_code == Code::OverLimit as i32 {
                 true => StatusCode::TOO_MANY_REQUESTS,

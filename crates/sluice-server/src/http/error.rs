@@ -1,7 +1,7 @@
 //! The error replies every HTTP front-end gives: one JSON shape,
 //! `{"error": {"code": ..., "message": ...}}`, saying what is wrong and what to do.
 
-use crate::state::AppState;
+use crate::app::AppState;
 use axum::extract::State;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -19,7 +19,7 @@ pub(crate) fn check_error(e: CheckError) -> Response {
     match e {
         // rules still to come (a control plane's first push): not the caller's mistake
         CheckError::Request(e @ RequestError::NoRules(_)) => {
-            metrics::counter!(crate::state::xds::WITHOUT_RULES, "api" => "http").increment(1);
+            metrics::counter!(crate::app::xds::WITHOUT_RULES, "api" => "http").increment(1);
             error(StatusCode::SERVICE_UNAVAILABLE, e.code(), e.to_string())
         }
         CheckError::Request(e) => error(StatusCode::BAD_REQUEST, e.code(), e.to_string()),

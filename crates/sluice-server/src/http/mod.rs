@@ -16,7 +16,7 @@ pub mod probes;
 pub mod reservations;
 pub mod ui;
 
-use crate::state::AppState;
+use crate::app::AppState;
 use axum::Router;
 use axum::routing::{delete, get, post};
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! at the listener's front door too (`listen.rs`).
 
 use super::error::error;
-use crate::state::AppState;
+use crate::app::AppState;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -27,7 +27,7 @@ pub(crate) async fn metrics(State(state): Shared) -> Response {
     drop(engine);
     let rendering = state.clone();
     let render = move || {
-        let text = rendering.metrics.as_ref().map(crate::state::Metrics::render)?;
+        let text = rendering.metrics.as_ref().map(crate::app::Metrics::render)?;
         Some(match &rendering.xds {
             Some(xds) => text + &xds.exposition(),
             None => text,

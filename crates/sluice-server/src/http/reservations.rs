@@ -1,12 +1,12 @@
-//! Reservations over HTTP (see `sluice::algo::reservation` and `service::budget`): `POST
+//! Reservations over HTTP (see `sluice::algo::reservation` and `rls_messages::budget`): `POST
 //! /v1/reservations` holds an estimate against a request's fixed windows, and `POST
 //! /v1/reservations/{id}/commit` settles the actual, on any instance.
 
 use super::api::{read_body, verdict_response_with};
 use super::error::{check_error, error};
 use super::json::{DescriptorJson, RequestJson};
-use crate::service::budget;
-use crate::state::AppState;
+use crate::app::AppState;
+use crate::rls_messages::budget;
 use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};

@@ -7,8 +7,8 @@
 //! (`state/history.rs`: five minutes of readings, each of bounded size), from which the
 //! overview computes rates per second.
 
-use crate::state::AppState;
-use crate::state::history::Sample;
+use crate::app::AppState;
+use crate::app::history::Sample;
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};

@@ -19,10 +19,10 @@
 
 pub mod proto;
 
+use crate::app::AppState;
+use crate::app::build;
 use crate::config::XdsConfig;
 use crate::config::load::with_domains;
-use crate::state::AppState;
-use crate::state::build;
 use envoy_types::pb::envoy::config::core::v3::Node;
 use envoy_types::pb::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
@@ -37,7 +37,7 @@ pub const PUSHES: &str = "sluice_xds_pushes_total";
 pub const FETCH_TIMEOUTS: &str = "sluice_xds_initial_fetch_timeouts_total";
 
 /// Describes the client's metrics (the stream's state is rendered by
-/// [`crate::state::xds::XdsState::exposition`]).
+/// [`crate::app::xds::XdsState::exposition`]).
 pub fn describe_metrics() {
     metrics::describe_counter!(PUSHES, "xDS pushes of rules, by result: ok (in force, ACKed) or refused (NACKed).");
     metrics::describe_counter!(
@@ -45,7 +45,7 @@ pub fn describe_metrics() {
         "xDS streams that sent no push within xds.initial_fetch_timeout, before the first push (opened again)."
     );
     metrics::describe_counter!(
-        crate::state::xds::WITHOUT_RULES,
+        crate::app::xds::WITHOUT_RULES,
         "Calls answered without a decision because no rules were pushed yet (gRPC UNAVAILABLE, HTTP 503)."
     );
 }
@@ -163,7 +163,7 @@ async fn first_response(
 }
 
 /// Says the stream is closed when dropped, however the session ends.
-struct Disconnected<'a>(Option<&'a Arc<crate::state::xds::XdsState>>);
+struct Disconnected<'a>(Option<&'a Arc<crate::app::xds::XdsState>>);
 
 impl Drop for Disconnected<'_> {
     fn drop(&mut self) {

@@ -17,10 +17,10 @@
 //! normalized ones.
 
 pub(crate) mod concurrency;
-pub mod escrow;
 pub(crate) mod fixed_window;
 pub mod grant;
 pub mod overload;
+pub mod pool;
 pub mod reservation;
 pub mod shedder;
 pub(crate) mod sliding_window;

@@ -37,7 +37,7 @@ pub struct RegionalPool {
     /// The policy's name.
     pub policy: Arc<str>,
     /// What the region holds of the window now, what its instances took, its demand.
-    pub pool: crate::algo::escrow::Pool,
+    pub pool: crate::algo::pool::Pool,
     /// This instance's grants open in the global store for that window.
     pub grants_here: Vec<crate::algo::grant::Open>,
     /// The fleet's window in the global store: units granted to the regions (spent or

@@ -4,7 +4,7 @@
 //! waits, bounded; a group stays all or nothing, a refusal putting the spent units back.
 
 use super::{Limiter, refund_of};
-use crate::algo::{Decision, Op, escrow};
+use crate::algo::{Decision, Op, pool};
 use crate::grants::{Leftovers, Take};
 use crate::plan::{Group, unevaluated};
 use crate::regions::Hurried;
@@ -111,8 +111,8 @@ impl Limiter {
             // the time now, not when the request came in: a grant's units lapse, and
             // waiting for a turn or the store takes time
             let now = self.clock.now();
-            if rule.global && now >= escrow::window_end(&op.limit, planned) {
-                op.key = escrow::rekey(op.key, &op.limit, planned, now);
+            if rule.global && now >= pool::window_end(&op.limit, planned) {
+                op.key = pool::rekey(op.key, &op.limit, planned, now);
                 (planned, granted, hurries) = (now, None, 0);
             }
             match self.grants.take(tag, op, rule, now, out) {
@@ -189,7 +189,7 @@ impl Limiter {
     ) -> Option<Decision> {
         let regions = self.regions.as_ref().filter(|_| rule.global)?;
         match regions.fleet_spent(tag, op, planned).await {
-            true => Some(self.grants.refusal_in(tag, op, escrow::window_end(&op.limit, planned), now)),
+            true => Some(self.grants.refusal_in(tag, op, pool::window_end(&op.limit, planned), now)),
             false => None,
         }
     }
@@ -213,7 +213,7 @@ impl Limiter {
             Ok(turn) => Ok(turn),
             Err(_) => {
                 let now = self.clock.now();
-                let refused = self.grants.refusal_in(tag, op, escrow::window_end(&op.limit, planned), now);
+                let refused = self.grants.refusal_in(tag, op, pool::window_end(&op.limit, planned), now);
                 Err(regions.refuse_waiting(tag, op, planned, refused, now))
             }
         }
@@ -267,7 +267,7 @@ impl Limiter {
     ) -> Decision {
         // the window the decision names (the next one, if the planned one ended)
         let at = d.reset_at.saturating_sub(1);
-        let key = escrow::rekey(op.key, &op.limit, planned, at);
+        let key = pool::rekey(op.key, &op.limit, planned, at);
         let op = Op { key, ..*op };
         let Some(elsewhere) = regions.fleet_left(tag, &op, at).await else { return d };
         let remaining = self.grants.held(tag, op.key).saturating_add(elsewhere).min(d.limit);

@@ -6,7 +6,7 @@
 use super::granted::Spent;
 use super::{CheckError, Limiter, Tally, outcome, quota_spent};
 use crate::algo::reservation::{Hold, REPORT};
-use crate::algo::{Decision, Limit, MAX_EXACT, Op, escrow};
+use crate::algo::{Decision, Limit, MAX_EXACT, Op, pool};
 use crate::grants::Leftovers;
 use crate::plan::{Group, Mode, Plan, plan};
 use crate::request::{Request, RequestError};
@@ -426,7 +426,7 @@ impl Limiter {
     ) -> Result<(), StoreError> {
         let Settled::Committed { held } = settled else { return Ok(()) };
         if actual < held {
-            let window = escrow::window_end(&w.limit, now);
+            let window = pool::window_end(&w.limit, now);
             return self
                 .give_back(&[(tag, Refund { key: w.key, limit: w.limit, cost: held - actual, window })], now)
                 .await;

@@ -3,9 +3,9 @@
 //! `admin inspect`, and the region as this instance sees it for the live page.
 
 use super::{Regions, TICK};
-use crate::algo::escrow::{Act, Pool};
 use crate::algo::grant::Open;
-use crate::algo::{Op, escrow};
+use crate::algo::pool::{Act, Pool};
+use crate::algo::{Op, pool};
 use crate::store::StoreError;
 use crate::tag::Tag;
 use crate::time::Millis;
@@ -51,8 +51,8 @@ impl Regions {
     /// the truth by what the other regions hold unspent (about their demand for one
     /// horizon), never more. `None` when the store cannot be read.
     pub(crate) async fn fleet_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
-        let end = escrow::window_end(&op.limit, planned);
-        let base = escrow::base_key(op.key, &op.limit, end);
+        let end = pool::window_end(&op.limit, planned);
+        let base = pool::base_key(op.key, &op.limit, end);
         let known = self.known(tag, base, end);
         // the pool as last read, while the allocator reads it each tick (a client idle
         // here is not read at ticks: its pool is read now)
@@ -73,11 +73,11 @@ impl Regions {
     /// than the truth by what the other regions hold unspent. `None` when a store cannot
     /// be read.
     pub(crate) async fn fleet_status(&self, tag: Tag, op: &Op, now: Millis) -> Option<u64> {
-        let end = escrow::window_end(&op.limit, now);
+        let end = pool::window_end(&op.limit, now);
         let pool = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now);
         let global = self.timed(self.global.peek(tag, std::slice::from_ref(op), now));
         let ((_, pool), global) = futures_util::future::try_join(pool, global).await.ok()?;
-        self.saw(tag, escrow::base_key(op.key, &op.limit, end), end, &pool);
+        self.saw(tag, pool::base_key(op.key, &op.limit, end), end, &pool);
         Some(global.first()?.remaining + pool.unspent())
     }
 
@@ -85,8 +85,8 @@ impl Regions {
     /// this instance last knew it, without a store call: what the global store had not
     /// granted and what the region's pool held unspent; `None` if it never knew.
     pub(super) fn known_left(&self, tag: Tag, op: &Op, planned: Millis) -> Option<u64> {
-        let end = escrow::window_end(&op.limit, planned);
-        self.known(tag, escrow::base_key(op.key, &op.limit, end), end).left()
+        let end = pool::window_end(&op.limit, planned);
+        self.known(tag, pool::base_key(op.key, &op.limit, end), end).left()
     }
 
     /// The pool of the global window `op` (a decision's op: its key names the window)
@@ -99,11 +99,11 @@ impl Regions {
         op: &Op,
         now: Millis,
     ) -> Result<(Pool, Vec<Open>, Option<(u64, u64)>), StoreError> {
-        let end = escrow::window_end(&op.limit, now);
+        let end = pool::window_end(&op.limit, now);
         let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await?;
         let global = self.timed(self.global.peek(tag, std::slice::from_ref(op), now)).await;
         let global = global.ok().and_then(|d| d.first().map(|d| (d.used, d.remaining)));
-        Ok((pool, self.holding(tag, escrow::base_key(op.key, &op.limit, end), end).open, global))
+        Ok((pool, self.holding(tag, pool::base_key(op.key, &op.limit, end), end).open, global))
     }
 
     /// The region as this instance sees it, for the live page: what the pools of the
@@ -120,7 +120,7 @@ impl Regions {
             ..RegionView::default()
         };
         for a in self.active.lock().unwrap_or_else(std::sync::PoisonError::into_inner).values() {
-            let (held, spent) = a.windows.get(&escrow::window_end(&a.limit, now)).map_or((0, 0), |h| h.seen);
+            let (held, spent) = a.windows.get(&pool::window_end(&a.limit, now)).map_or((0, 0), |h| h.seen);
             (view.clients, view.held, view.spent) = (view.clients + 1, view.held + held, view.spent + spent);
         }
         let s = &self.stats;

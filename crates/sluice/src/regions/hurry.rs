@@ -5,8 +5,8 @@
 //! the fleet spent the window as far as the region knows, or the answer came too late.
 
 use super::{Regions, TICK, WAIT_MARGIN};
-use crate::algo::escrow::Act;
-use crate::algo::{Decision, Op, escrow};
+use crate::algo::pool::Act;
+use crate::algo::{Decision, Op, pool};
 use crate::store::StoreError;
 use crate::tag::Tag;
 use crate::time::Millis;
@@ -40,8 +40,8 @@ impl Regions {
     /// refused needs neither its turn nor a move (counted as `fleet_spent`), so the
     /// refusals of a spent window do not queue behind each other.
     pub(crate) async fn fleet_spent(&self, tag: Tag, op: &Op, planned: Millis) -> bool {
-        let (end, cost) = (escrow::window_end(&op.limit, planned), op.cost.max(1));
-        let (base, now) = (escrow::base_key(op.key, &op.limit, end), self.clock.now());
+        let (end, cost) = (pool::window_end(&op.limit, planned), op.cost.max(1));
+        let (base, now) = (pool::base_key(op.key, &op.limit, end), self.clock.now());
         let h = self.known(tag, base, end);
         if now >= end || !h.said_spent(cost, now, self.horizon()) {
             return false;
@@ -102,7 +102,7 @@ impl Regions {
             false => Hurried::Failed(StoreError::unavailable("the global store did not answer its last call")),
         };
         let hurried = match tokio::time::timeout(bound, moved).await.unwrap_or_else(|_| late()) {
-            Hurried::Waiting if self.clock.now() >= escrow::window_end(&op.limit, planned) => Hurried::Ended,
+            Hurried::Waiting if self.clock.now() >= pool::window_end(&op.limit, planned) => Hurried::Ended,
             hurried => hurried,
         };
         if let Hurried::Spent = hurried {
@@ -144,8 +144,8 @@ impl Regions {
         planned: Millis,
         bound: std::time::Duration,
     ) -> impl std::future::Future<Output = Hurried> + use<> {
-        let end = escrow::window_end(&op.limit, planned);
-        let at = (tag, escrow::base_key(op.key, &op.limit, end), end);
+        let end = pool::window_end(&op.limit, planned);
+        let at = (tag, pool::base_key(op.key, &op.limit, end), end);
         let mut found = {
             let mut hurrying = self.hurrying.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             match hurrying.get(&at) {
@@ -181,7 +181,7 @@ impl Regions {
         until: Instant,
     ) -> Result<Hurried, StoreError> {
         let (limit, cost) = (op.limit, op.cost.max(1));
-        let base = escrow::base_key(op.key, &limit, end);
+        let base = pool::base_key(op.key, &limit, end);
         let call = |act| self.pool_call(op.key, &limit, end, act);
         let mut pause = std::time::Duration::from_millis(2);
         loop {

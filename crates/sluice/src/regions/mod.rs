@@ -1,6 +1,6 @@
 //! One limit across regions, a region's side: the allocator that keeps the region's pools
 //! of global windows filled from the global store, and gives back what the region does
-//! not need (see [`crate::algo::escrow`] for the design and its bound).
+//! not need (see [`crate::algo::pool`] for the design and its bound).
 //!
 //! Every instance runs one. Each counts the units its decisions were asked for on each
 //! global window (admitted or not), and at every tick reports them into the pool (so the
@@ -27,8 +27,8 @@ pub use fleet::RegionView;
 pub(crate) use hurry::Hurried;
 pub use outage::BEAT;
 
-use crate::algo::escrow::{self, Act, Move, Pool, Seen};
 use crate::algo::grant::Open;
+use crate::algo::pool::{self, Act, Move, Pool, Seen};
 use crate::algo::{Limit, Op};
 use crate::store::{GiveBack, GrantAsk, PoolCall, Store, StoreError};
 use crate::tag::Tag;
@@ -294,8 +294,8 @@ impl Regions {
 
     /// Counts a decision's units on a global window (`op`'s key names the window).
     pub(crate) fn arrived(&self, tag: Tag, op: &Op, now: Millis) {
-        let end = escrow::window_end(&op.limit, now);
-        let base = escrow::base_key(op.key, &op.limit, end);
+        let end = pool::window_end(&op.limit, now);
+        let base = pool::base_key(op.key, &op.limit, end);
         let mut active = self.active.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if active.len() >= MAX_ACTIVE && !active.contains_key(&(tag, base)) && !self.make_room(&mut active, now) {
             drop(active);
@@ -365,9 +365,9 @@ impl Regions {
         {
             let mut active = self.active.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             active.retain(|_, a| {
-                let end = escrow::window_end(&a.limit, now);
+                let end = pool::window_end(&a.limit, now);
                 a.windows.retain(|e, _| *e >= end);
-                a.seen_at + 2 * escrow::window_length(&a.limit) > now || !a.windows.is_empty()
+                a.seen_at + 2 * pool::window_length(&a.limit) > now || !a.windows.is_empty()
             });
             // a client with nothing new here and no grant of this instance open has
             // nothing for this allocator to do: the instances that see its demand plan
@@ -395,10 +395,10 @@ impl Regions {
     /// window's demand (its own pool has seen none yet).
     async fn allocate(&self, tag: Tag, base: u64, limit: Limit, arrived: u64, now: Millis) {
         self.warn_if_short(&limit);
-        let end = escrow::window_end(&limit, now);
+        let end = pool::window_end(&limit, now);
         let demand = self.allocate_window(tag, base, &limit, (end, arrived, None), now).await;
         if let Some(demand) = demand.filter(|_| end - now <= self.horizon()) {
-            let next = end + escrow::window_length(&limit);
+            let next = end + pool::window_length(&limit);
             self.allocate_window(tag, base, &limit, (next, 0, Some(demand)), now).await;
         }
     }
@@ -413,9 +413,9 @@ impl Regions {
         (end, arrived, demand): (Millis, u64, Option<f64>),
         now: Millis,
     ) -> Option<f64> {
-        let key = escrow::window_key(base, limit, end - escrow::window_length(limit));
+        let key = pool::window_key(base, limit, end - pool::window_length(limit));
         // a window asked for ahead of its start is asked for as at its start
-        let at = now.max(end - escrow::window_length(limit));
+        let at = now.max(end - pool::window_length(limit));
         let horizon = self.horizon();
         let call = |act| self.pool_call(key, limit, end, act);
         let (_, pool) = self.local.pool(tag, PoolCall { arrived, ..call(Act::Read) }, at).await.ok()?;
@@ -424,7 +424,7 @@ impl Regions {
         let demand_per_s = demand.unwrap_or_else(|| pool.demand.per_s(horizon, at));
         let seen =
             Seen { demand_per_s, unspent: pool.unspent(), open: &holding.open, left_globally: holding.left_globally };
-        let m = match escrow::plan(seen, horizon, end - at) {
+        let m = match pool::plan(seen, horizon, end - at) {
             Move::GiveBack { .. } if holding.taken_at.is_some_and(|t| at < t + horizon) => Move::Hold,
             m => m,
         };
@@ -455,7 +455,7 @@ impl Regions {
         pool: &Pool,
     ) -> Result<u64, StoreError> {
         let holding = self.holding(tag, base, end);
-        let close = escrow::spent(&holding.open, pool.unspent());
+        let close = pool::spent(&holding.open, pool.unspent());
         let id = self.ids.fetch_add(1, Relaxed);
         // under the limit the regions agree on (the smallest, if they differ)
         let ask = GrantAsk { key, limit: self.agreed(limit), need, want, id, close: close.clone(), pool: false };
@@ -509,7 +509,7 @@ impl Regions {
     /// Warns once a window length is shorter than [`SERVED_ROUND_TRIPS`] round trips to
     /// the global store as measured here (after a few calls: the first are connects).
     fn warn_if_short(&self, limit: &Limit) {
-        let (window, round_trip) = (escrow::window_length(limit), self.latency.load(Relaxed));
+        let (window, round_trip) = (pool::window_length(limit), self.latency.load(Relaxed));
         if self.stats.global_calls.load(Relaxed) < 8 || window >= SERVED_ROUND_TRIPS * round_trip {
             return;
         }

@@ -35,8 +35,8 @@
 //!   unspent then, as for a loss.
 
 use super::Regions;
-use crate::algo::escrow;
 use crate::algo::grant::{Granted, Open};
+use crate::algo::pool;
 use crate::algo::{Decision, Lease, Limit, Op};
 use crate::store::{GrantAsk, StoreError};
 use crate::tag::Tag;
@@ -113,14 +113,14 @@ impl Regions {
     /// the instances (rounded down: the shares never sum past the limit).
     pub(crate) fn share(&self, tag: Tag, op: &Op, instances: u64, now: Millis) -> u64 {
         let Limit::FixedWindow { limit, .. } = op.limit else { return 0 };
-        let end = escrow::window_end(&op.limit, now);
+        let end = pool::window_end(&op.limit, now);
         // a decision that outlived its window (it waited on the global store past the
         // window's end) gets nothing of it: what the region knew of that window may be
         // gone already, and a share of a window it cannot see could pass the limit
         if self.clock.now() >= end {
             return 0;
         }
-        let known = self.known(tag, escrow::base_key(op.key, &op.limit, end), end);
+        let known = self.known(tag, pool::base_key(op.key, &op.limit, end), end);
         let regions = self.regions_known();
         let share = (limit / regions).saturating_sub(known.seen.0 + known.decided);
         share.min(known.left_globally.map_or(u64::MAX, |left| left / regions)) / instances.max(1)
@@ -146,8 +146,8 @@ impl Regions {
         self.stats.decided_globally.fetch_add(ops.len() as u64, Relaxed);
         self.metrics.decided_globally.increment(ops.len() as u64);
         for (op, d) in ops.iter().zip(&decisions).filter(|_| charge) {
-            let end = escrow::window_end(&op.limit, now);
-            self.update(tag, escrow::base_key(op.key, &op.limit, end), end, |h| {
+            let end = pool::window_end(&op.limit, now);
+            self.update(tag, pool::base_key(op.key, &op.limit, end), end, |h| {
                 h.decided += if d.allowed && !op.shadow { op.cost } else { 0 };
                 (h.left_globally, h.answered_at) = (Some(d.remaining), now);
             });
@@ -219,8 +219,8 @@ impl Regions {
         self.timed(self.global.apply(tag, &marks, now)).await?;
         self.timed(self.global.reset(tag, ops, now)).await?;
         for op in ops {
-            let end = escrow::window_end(&op.limit, now);
-            self.update(tag, escrow::base_key(op.key, &op.limit, end), end, |h| *h = Default::default());
+            let end = pool::window_end(&op.limit, now);
+            self.update(tag, pool::base_key(op.key, &op.limit, end), end, |h| *h = Default::default());
         }
         Ok(())
     }
@@ -230,7 +230,7 @@ impl Regions {
 /// a count of its own in that window (a state key apart from the client's, of the same
 /// tag), that only resets move.
 fn reset_mark(key: u64, limit: &Limit) -> Op {
-    let window = escrow::window_length(limit);
+    let window = pool::window_length(limit);
     let limit = Limit::FixedWindow { limit: 1 << 40, window, aligned: true };
     Op { key: key ^ 0x7265_7365_7421_0000, limit, cost: 1, shadow: false, lease: None }
 }

@@ -34,7 +34,7 @@ fn a_flood_of_clients_keeps_a_bounded_number() {
         // a tick reported every client's demand; one of them holds a grant open
         let mut active = regions.active.lock().unwrap();
         active.values_mut().for_each(|a| a.arrived = 0);
-        let a = active.get_mut(&(Tag(3), escrow::base_key(3, &op(3).limit, 3_600_000))).expect("kept");
+        let a = active.get_mut(&(Tag(3), pool::base_key(3, &op(3).limit, 3_600_000))).expect("kept");
         a.windows.entry(3_600_000).or_default().open.push(Open { id: 1, units: 2, expires: 3_600_000 });
     }
     // within the second of the first sweep: not swept again
@@ -45,7 +45,7 @@ fn a_flood_of_clients_keeps_a_bounded_number() {
     regions.arrived(Tag(u128::MAX), &op(9), clock.now());
     let active = regions.active.lock().unwrap();
     assert_eq!(active.len(), 2, "the idle swept: the client holding a grant, and the new one");
-    assert!(active.contains_key(&(Tag(3), escrow::base_key(3, &op(3).limit, 3_600_000))));
+    assert!(active.contains_key(&(Tag(3), pool::base_key(3, &op(3).limit, 3_600_000))));
     drop(active);
     assert_eq!(regions.view().untracked, 2, "said in the region's figures");
 }

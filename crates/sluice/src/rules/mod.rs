@@ -53,7 +53,7 @@ pub(crate) struct GrantRule {
     pub grants: Grants,
     pub counters: GrantCounters,
     /// One limit across regions: its grants come from the region's pool, its window's
-    /// key names the window ([`crate::algo::escrow`]).
+    /// key names the window ([`crate::algo::pool`]).
     pub global: bool,
 }
 

@@ -16,8 +16,8 @@ use super::{
     Commit, GiveBack, GrantAsk, Hold, LocalRegistry, PoolCall, Refund, RegistryOp, RegistryReply, Reservation, Settled,
     Store, StoreError, no_grants_for, only_windows,
 };
-use crate::algo::escrow::{self, Pool};
 use crate::algo::grant::{self, GrantBook, Granted};
+use crate::algo::pool::{self, Pool};
 use crate::algo::reservation::{self, Ledger};
 use crate::algo::{self, ConcurrencyState, Decision, Lease, Limit, Op, State};
 use crate::tag::Tag;
@@ -77,7 +77,7 @@ struct Shard {
     books: HashMap<Slot, GrantBook, BuildHasherDefault<FoldHasher>>,
     /// The reservations of windows that have some (see [`crate::algo::reservation`]).
     ledgers: HashMap<Slot, Ledger, BuildHasherDefault<FoldHasher>>,
-    /// Regional pools of global windows (see [`crate::algo::escrow`]): all but `used`,
+    /// Regional pools of global windows (see [`crate::algo::pool`]): all but `used`,
     /// which is the window's.
     pools: HashMap<Slot, Pool, BuildHasherDefault<FoldHasher>>,
     /// Collecting scans the shard; do it at most once a second.
@@ -491,7 +491,7 @@ impl Store for MemoryStore {
         let used = if window.resets_at == call.end { window.used } else { 0 };
         let kept = shard.pools.get(&at).copied().unwrap_or_default();
         let (moved, pool) =
-            escrow::change(Pool { used, ..kept }, call.end, (call.arrived, call.left), call.act, (call.bucket, now));
+            pool::change(Pool { used, ..kept }, call.end, (call.arrived, call.left), call.act, (call.bucket, now));
         shard.pools.insert(at, pool);
         Ok((moved, pool))
     }

@@ -16,8 +16,8 @@ pub mod redis;
 mod registry;
 mod resilient;
 
-use crate::algo::escrow::{Act, Pool};
 use crate::algo::grant::Granted;
+use crate::algo::pool::{Act, Pool};
 pub use crate::algo::reservation::{Hold, Settled};
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
@@ -55,7 +55,7 @@ pub struct Refund {
 /// A grant to take (see [`crate::algo::grant`]): up to `want` units, at least `need`,
 /// of the fixed-window or token-bucket state `key`, recorded as grant `id`; the grants
 /// in `close` (this instance's, of the same state) are spent. With `pool`, the state is
-/// a region's pool of a global window ([`crate::algo::escrow`]): what the region holds
+/// a region's pool of a global window ([`crate::algo::pool`]): what the region holds
 /// bounds the grant, not the limit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GrantAsk {
@@ -69,7 +69,7 @@ pub struct GrantAsk {
 }
 
 /// An allocator's call on a region's pool of a global window (see
-/// [`crate::algo::escrow::change`]): the pool of fixed window `key` (under `limit`) that
+/// [`crate::algo::pool::change`]): the pool of fixed window `key` (under `limit`) that
 /// ends at `end`, with `arrived` units reported (demand counted in buckets of `bucket`
 /// ms), then `act`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -256,7 +256,7 @@ pub trait Store: Send + Sync + 'static {
         false
     }
 
-    /// One allocator call on a pool ([`crate::algo::escrow::change`]), atomically:
+    /// One allocator call on a pool ([`crate::algo::pool::change`]), atomically:
     /// the units it moved and the pool after it.
     async fn pool(&self, tag: Tag, call: PoolCall, now: Millis) -> Result<(u64, Pool), StoreError> {
         let _ = (tag, call, now);

@@ -14,8 +14,8 @@
 use super::{
     Commit, GiveBack, GrantAsk, PoolCall, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError,
 };
-use crate::algo::escrow::Pool;
 use crate::algo::grant::Granted;
+use crate::algo::pool::Pool;
 use crate::algo::reservation::Hold;
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;

@@ -10,8 +10,8 @@ use super::{
     Commit, GiveBack, GrantAsk, Hold, PoolCall, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store,
     StoreError,
 };
-use crate::algo::escrow::Pool;
 use crate::algo::grant::Granted;
+use crate::algo::pool::Pool;
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
 use crate::telemetry::{StoreMetrics, StoreOp};

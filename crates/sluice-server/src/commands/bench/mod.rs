@@ -166,7 +166,7 @@ pub enum BenchError {
     #[error(transparent)]
     Config(#[from] crate::config::load::ConfigError),
     #[error(transparent)]
-    Build(#[from] crate::state::build::BuildError),
+    Build(#[from] crate::app::build::BuildError),
     #[error("cannot connect to {addr}: {source}")]
     Connect {
         addr: String,
@@ -200,7 +200,7 @@ pub async fn bench(mut args: Args) -> Result<(), BenchError> {
             Some(p) => load_file(p)?,
             None => load_str(DEFAULT_CONFIG, "<built-in config>")?,
         };
-        let limiter = Arc::new(crate::state::build::build(&config, rules)?.engine.limiter);
+        let limiter = Arc::new(crate::app::build::build(&config, rules)?.engine.limiter);
         load_overrides(&limiter, &args).await?;
         target = format!("in-process {} store, {} overrides", limiter.store().kind(), limiter.overrides().len());
         drive(&args, deadline, &done, |_| InProcess { limiter: limiter.clone(), args: args.clone() }).await?

@@ -3,12 +3,12 @@
 
 pub mod reload;
 
+use crate::app::build::{BuildError, build};
+use crate::app::{AppState, Metrics};
 use crate::config::load::{ConfigError, DEFAULT_CONFIG, Loaded, Source, load, load_str};
 use crate::config::{Config, StoreConfig};
 use crate::http::listen::Bounds;
 use crate::http::router;
-use crate::state::build::{BuildError, build};
-use crate::state::{AppState, Metrics};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use sluice::config::DEFAULT_KEY_SECRET;
 use std::net::SocketAddr;
@@ -96,7 +96,7 @@ pub async fn serve(args: Args) -> Result<(), ServeError> {
     warn_if_default_secret(&config, args.ratelimit_env);
     let tls = config.server.tls.as_ref().map(crate::tls::Tls::load).transpose()?.map(Arc::new);
     let state = Arc::new(state_of(&config, rules, metrics, tls.clone()).await?);
-    crate::state::history::start_sampling(&state);
+    crate::app::history::start_sampling(&state);
     let addr = args.http.unwrap_or(config.server.http);
     let listener = listen(addr)?;
     let grpc_listener = grpc_socket(&args, &config.server)?;
@@ -218,7 +218,7 @@ async fn state_of(
 ) -> Result<AppState, ServeError> {
     let mut state = AppState::new(build(config, rules)?, &config.server, Some(metrics), tls);
     state.ui = config.server.ui.then(Default::default);
-    state.xds = crate::state::xds::XdsState::new(config).map(Arc::new);
+    state.xds = crate::app::xds::XdsState::new(config).map(Arc::new);
     state.tracer =
         config.telemetry.otlp.as_ref().map(crate::otel::Tracer::start).transpose().map_err(ServeError::Telemetry)?;
     state.engine.load().limiter.store().preflight().await.map_err(|e| match e {
@@ -325,7 +325,7 @@ fn install_metrics() -> Result<Metrics, ServeError> {
     crate::grpc::rlqs::names::describe();
     crate::otel::describe_metrics();
     crate::xds::describe_metrics();
-    crate::state::credentials::describe();
+    crate::app::credentials::describe();
     Ok(Metrics { recorder: handle, process, turn: Default::default() })
 }
 

@@ -32,10 +32,10 @@
 //! A file that does not validate, or whose rules the store cannot run, is refused whole:
 //! the last good config stays, and the error is logged (with file:line:col) and counted.
 
+use crate::app::AppState;
+use crate::app::build::{self, BuildError};
 use crate::config::load::{ConfigError, Loaded, Source, domain_files, load};
 use crate::config::{Config, StoreConfig};
-use crate::state::AppState;
-use crate::state::build::{self, BuildError};
 use sluice::metric_names as names;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -334,10 +334,10 @@ async fn reload(source: &Source, current: &Config, state: &AppState) -> Result<C
 async fn regions_as(
     config: &Config,
     current: &Config,
-    mut next: crate::state::Engine,
+    mut next: crate::app::Engine,
     (store, clock): (Arc<dyn sluice::store::Store>, Arc<dyn sluice::time::Clock>),
     applied: &mut Vec<&'static str>,
-) -> Result<crate::state::Engine, ReloadError> {
+) -> Result<crate::app::Engine, ReloadError> {
     if (&config.region, &config.global_store) == (&current.region, &current.global_store) {
         return Ok(next);
     }

@@ -1,5 +1,5 @@
 //! The conformance checks of quota grants (`algo::grant`) and regions' pools of global
-//! windows (`algo::escrow`): shares given back once, pools bounded by what the region
+//! windows (`algo::pool`): shares given back once, pools bounded by what the region
 //! holds, a bucket's refill held back by its open grants, and concurrent grants exact.
 
 use super::*;
@@ -40,7 +40,7 @@ pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
     assert_eq!((g.units, g.holders, g.decision.reset_at), (50, 1, t0 + 120_004));
 }
 
-/// Regional pools of global windows (`algo::escrow`): an instance's grant from a pool is
+/// Regional pools of global windows (`algo::pool`): an instance's grant from a pool is
 /// bounded by what was filled, not by the limit; a drain takes only what is unspent; one
 /// allocator holds the claim at a time, and a fill or a drain ends it; the region's demand
 /// is counted; each window's pool is its own; a reset forgets it. A store that keeps none

@@ -37,8 +37,8 @@ use super::{
     Commit, GiveBack, GrantAsk, Hold, PoolCall, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store,
     StoreError, b64,
 };
-use crate::algo::escrow::{Act, Demand, Pool};
 use crate::algo::grant::Granted;
+use crate::algo::pool::{Act, Demand, Pool};
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
 use crate::time::Millis;

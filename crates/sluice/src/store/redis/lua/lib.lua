@@ -567,7 +567,7 @@ local function reserved_store(s, key, field, p, now, grace)
   store(FIXED_WINDOW, key, field, s.u, s.r, s.h, p[2], p[3], p[4], now, grace, s.lx, s.ly, s.lz, s.le, nil)
 end
 
--- Regional pools of global windows (algo::escrow): a pool lives in the field beside its
+-- Regional pools of global windows (algo::pool): a pool lives in the field beside its
 -- window's, `field .. '$'` (a field name never has '$'), as
 -- "e:cap:claim_until:demand_at:before:this", e the window's end (so pruning reads it).
 -- Its `used` is the window's own count.

@@ -1,5 +1,5 @@
 -- pool: one allocator call on a region's pool of a global window (twin of
--- algo::escrow::change): the units its instance was asked for since its last call
+-- algo::pool::change): the units its instance was asked for since its last call
 -- counted in the region's demand, then one act: read, claim (for a ttl), fill (units the
 -- global store granted), drain (unspent units, to give back) or release (the claim).
 -- KEYS[1]   the window's bucket

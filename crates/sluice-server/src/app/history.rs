@@ -9,7 +9,7 @@
 //! kept, parsed, for five minutes: with 10,000 domains an idle server grew 10 MB a
 //! second to 3.1 GB. Nothing on the decision path changes when the page is on.
 
-use crate::state::AppState;
+use crate::app::AppState;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -97,7 +97,7 @@ pub fn start_sampling(state: &Arc<AppState>) {
 }
 
 /// One reading: the metrics rendered into [`Folding`], a line at a time.
-fn read(metrics: &crate::state::Metrics) -> Sample {
+fn read(metrics: &crate::app::Metrics) -> Sample {
     let mut folding = Folding::default();
     metrics.process.collect();
     let _ = metrics.recorder.render_to_write(&mut folding);

@@ -91,7 +91,7 @@ impl Metrics {
 impl AppState {
     /// The state of a freshly built engine.
     pub fn new(
-        built: crate::state::build::Built,
+        built: crate::app::build::Built,
         server: &crate::config::ServerConfig,
         metrics: Option<Metrics>,
         tls: Option<Arc<crate::tls::Tls>>,
@@ -147,7 +147,7 @@ impl AppState {
     }
 
     /// Puts a freshly built engine in force.
-    pub fn install(&self, built: crate::state::build::Built) {
+    pub fn install(&self, built: crate::app::build::Built) {
         self.engine.store(Arc::new(built.engine));
         self.migration.store(built.migration);
         self.tuning.store(built.tuning);

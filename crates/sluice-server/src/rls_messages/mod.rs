@@ -8,7 +8,7 @@
 //! refusal by a fail-closed policy whose store failed is `UNAVAILABLE`, so Envoy's
 //! `failure_mode_deny` decides; fail-open answers OK (counted, as everywhere).
 
-use crate::state::AppState;
+use crate::app::AppState;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
@@ -62,7 +62,7 @@ pub async fn should_rate_limit(state: &AppState, r: RateLimitRequest) -> Result<
 }
 
 /// `answering` (a `ShouldRateLimit`), counted and timed for their service stats
-/// (`state::service_stats`).
+/// (`app::service_stats`).
 pub async fn counted(
     state: &AppState,
     answering: impl std::future::Future<Output = Answer>,
@@ -137,7 +137,7 @@ pub fn status_of(e: CheckError) -> Status {
         // rules still to come, as envoyproxy/ratelimit answers before its first config:
         // an error, which Envoy's filter takes as allowed unless `failure_mode_deny`
         CheckError::Request(RequestError::NoRules(why)) => {
-            metrics::counter!(crate::state::xds::WITHOUT_RULES, "api" => "grpc").increment(1);
+            metrics::counter!(crate::app::xds::WITHOUT_RULES, "api" => "grpc").increment(1);
             Status::unavailable(why)
         }
         CheckError::Request(e) => Status::invalid_argument(e.to_string()),
@@ -201,7 +201,7 @@ pub fn request(r: RateLimitRequest) -> Result<Request, Status> {
 /// The engine's verdict as Envoy's response. A descriptor's status reports the limit
 /// that binds it (a shadow limit when it has no other, as envoyproxy/ratelimit does); an
 /// `unlimited` one reports no limit and the most remaining there is, 2^32 - 1.
-pub fn response(v: &Verdict, engine: &crate::state::Engine, req: &Request) -> RateLimitResponse {
+pub fn response(v: &Verdict, engine: &crate::app::Engine, req: &Request) -> RateLimitResponse {
     let statuses = v
         .descriptors
         .iter()
@@ -253,7 +253,7 @@ pub fn response(v: &Verdict, engine: &crate::state::Engine, req: &Request) -> Ra
 /// The answer for a domain no config defines: OK for every descriptor, with no limit, as
 /// envoyproxy/ratelimit answers it (a drop-in must not refuse traffic its predecessor
 /// let through).
-fn unknown_domain(engine: &crate::state::Engine, req: &Request) -> RateLimitResponse {
+fn unknown_domain(engine: &crate::app::Engine, req: &Request) -> RateLimitResponse {
     RateLimitResponse {
         overall_code: Code::Ok as i32,
         statuses: req

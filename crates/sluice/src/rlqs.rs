@@ -170,7 +170,7 @@ pub fn affordable(units: u64, until: Millis, now: Millis) -> u64 {
 }
 
 impl Limiter {
-    /// The limit an Envoy RLQS bucket of `domain` shares (see [`crate::quota`]): its
+    /// The limit an Envoy RLQS bucket of `domain` shares (see [`crate::rlqs`]): its
     /// entries (a map: unordered) arranged to walk the rule tree (see
     /// `Domain::arrange`), then planned as a descriptor with those entries would be,
     /// overrides included. It must reach exactly one limit, a fixed window.

@@ -2,9 +2,9 @@
 //! circuit breaker), the near-cache and the rules. `serve`, `reload` and `bench` all
 //! build here.
 
+use crate::app::Engine;
 use crate::config::checks::{UnfitStore, tls};
 use crate::config::{Config, RedisConnectionConfig, SentinelConfig, StoreConfig};
-use crate::state::Engine;
 use sluice::Limiter;
 use sluice::config::{ClockKind, LimiterConfig};
 use sluice::rules::Rules;
@@ -273,7 +273,7 @@ fn memcached(
     nameserver: Option<std::net::SocketAddr>,
 ) -> Result<MemcachedStore, StoreError> {
     let Some(name) = srv else { return MemcachedStore::new(servers, timeout) };
-    let found = crate::state::srv::lookup(name, nameserver, SRV_TIMEOUT)
+    let found = crate::app::srv::lookup(name, nameserver, SRV_TIMEOUT)
         .map_err(|why| StoreError::unavailable(format!("store.srv {name}: {why}")))?;
     let store = MemcachedStore::new(&found, timeout)?;
     refresh_srv(store.server_list(), name.to_string(), nameserver, refresh);
@@ -296,7 +296,7 @@ fn refresh_srv(
         loop {
             tokio::time::sleep(every).await;
             let (n, ns) = (name.clone(), nameserver);
-            match tokio::task::spawn_blocking(move || crate::state::srv::lookup(&n, ns, SRV_TIMEOUT)).await {
+            match tokio::task::spawn_blocking(move || crate::app::srv::lookup(&n, ns, SRV_TIMEOUT)).await {
                 Ok(Ok(found)) => servers.set(&found),
                 Ok(Err(why)) if failing.due() => {
                     tracing::warn!(srv = %name, error = %why, "the memcached SRV record cannot be read; the servers in force stay")

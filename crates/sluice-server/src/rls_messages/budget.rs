@@ -14,7 +14,7 @@
 //! each). The store keeps the holds; the token keeps nothing a client could use to
 //! charge another client.
 
-use crate::state::Engine;
+use crate::app::Engine;
 use base64::Engine as _;
 use sluice::{CheckError, Code, Outcome, Request, Reserved, Verdict};
 
@@ -113,7 +113,7 @@ pub fn open(limiter: &sluice::Limiter, token: &str) -> Option<Reserved> {
     }
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token).ok()?;
     let (payload, mac) = bytes.split_at_checked(bytes.len().checked_sub(16)?)?;
-    let sealed = crate::state::same(mac, &limiter.seal(payload).to_le_bytes());
+    let sealed = crate::app::same(mac, &limiter.seal(payload).to_le_bytes());
     sealed.then(|| Reserved::from_bytes(payload)).flatten()
 }
 

@@ -3,10 +3,10 @@
 //! a shorter piece sends nothing.
 
 use sluice::config::RulesConfig;
-use sluice::quota::{Assignment, MARGIN, SLOP, Share};
+use sluice::rlqs::{Assignment, MARGIN, SLOP, Share};
 use sluice::store::MemoryStore;
 use sluice::time::{ManualClock, Millis};
-use sluice::{Limiter, quota::QuotaTarget};
+use sluice::{Limiter, rlqs::QuotaTarget};
 use std::sync::Arc;
 
 const LIMIT: u64 = 1_200;

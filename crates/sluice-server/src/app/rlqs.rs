@@ -26,7 +26,7 @@ struct Held {
     streams: usize,
     by_peer: HashMap<Option<IpAddr>, usize>,
     buckets: usize,
-    /// Streams holding each bucket (domain, entries) whose share [contends](sluice::quota::Share::contends):
+    /// Streams holding each bucket (domain, entries) whose share [contends](sluice::rlqs::Share::contends):
     /// how many a fair part is split in.
     contending: HashMap<(String, BucketKey), u64>,
 }
