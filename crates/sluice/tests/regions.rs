@@ -924,6 +924,8 @@ async fn a_reservation_on_a_global_limit_holds_units_of_the_fleet() {
     let (v, held) = instances[0].reserve(&costing(6), 7, 60_000).await.unwrap();
     let held = held.unwrap_or_else(|| panic!("6 of 10 refused: {v:?}"));
     assert_eq!(v.descriptors[0].policies[0].decision.remaining, 4, "{v:?}");
+    let open = instances[1].holds(&request).await.unwrap();
+    assert_eq!(open.iter().flat_map(|h| &h.holds).map(|h| h.units).sum::<u64>(), 6, "inspected: {open:?}");
     let (v, none) = instances[1].reserve(&costing(6), 8, 60_000).await.unwrap();
     assert!(!v.allowed() && none.is_none(), "12 of 10 held: {v:?}");
     assert_eq!(checks(6).await, 4, "the limit less what is held");

@@ -481,8 +481,12 @@ impl Limiter {
     /// lapses, for inspecting it. Reads only.
     pub async fn holds(&self, req: &Request) -> Result<Vec<HeldReservations>, CheckError> {
         let (now, mut out) = (self.clock.now(), Vec::new());
-        for (tag, op, policy, descriptor) in self.peek_ops(req, now)? {
+        for (tag, mut op, policy, descriptor) in self.peek_ops(req, now)? {
             if let Limit::FixedWindow { .. } = op.limit {
+                // a global limit's reservations are held on its window's ledger
+                if self.rules.is_global(&req.domain, &policy) {
+                    op = ledger(&op);
+                }
                 let holds = self.store.holds(tag, op.key, &op.limit, now).await?;
                 if !holds.is_empty() {
                     out.push(HeldReservations { descriptor, policy, holds });
