@@ -425,7 +425,7 @@ mod tests {
         let now = 1_000_000;
         let tag = |i: u64| Tag(u128::from(i).wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835));
         let clients = MAX_COUNTED as u64 + 200_000;
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let mut admitted_past_bound = 0;
         for i in 0..clients {
             let admitted = (0..3).filter(|_| f.decide(tag(i), &op(1), Count::Owed, now).allowed).count();

@@ -154,6 +154,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::disallowed_types)] // the OS's clock is what this test judges
     fn system_clock_is_the_os_clock_to_the_millisecond() {
         // over 300 ms, across many re-anchors and between them
         let start = std::time::Instant::now();

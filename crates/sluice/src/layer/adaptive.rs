@@ -9,7 +9,8 @@
 use crate::algo::overload::{Admission, Entry, GradientParams, Micros, Outcome, Ticket};
 use crate::telemetry::{self, AdaptiveGauges};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 use tokio::sync::oneshot;
 
 /// The stage's state, shared by every request through the layer.

@@ -154,7 +154,7 @@ impl Overrides {
                 "an older Sluice changed the overrides (without the change log); reading them all again"
             );
         }
-        let started = std::time::Instant::now();
+        let started = tokio::time::Instant::now();
         let (set, reached) = self.read_all(version).await?;
         let count = set.by_id.len();
         self.swap(set, reached);

@@ -12,7 +12,7 @@ use crate::tag::Tag;
 use crate::time::Millis;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::Instant;
+use tokio::time::Instant;
 
 /// What `Regions::hurry` found.
 #[derive(Debug, Clone)]

@@ -37,7 +37,7 @@ use futures_util::StreamExt;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use tokio::time::Instant;
 
 /// How often an allocator looks at its pools.
 pub const TICK: Millis = 100;

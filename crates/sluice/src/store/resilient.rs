@@ -20,7 +20,8 @@ use async_trait::async_trait;
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// The deadline of one registry call (a page of overrides, a change): not a decision's,
 /// which is far shorter, since nothing waits on it but the instance's copy of the set.
@@ -441,7 +442,7 @@ mod tests {
         }
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn breaker_opens_fails_fast_then_probes_and_closes() {
         let flaky = flaky(true, false);
         let r = Resilient::new(
@@ -482,7 +483,7 @@ mod tests {
 
     /// Reading the overrides is not a decision: a call longer than the decision deadline
     /// completes, failures never open the breaker, and an open breaker does not stop it.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn registry_calls_have_their_own_deadline_and_leave_the_breaker_alone() {
         let r = Resilient::new(
             flaky(false, true),
@@ -501,13 +502,14 @@ mod tests {
         assert!(r.registry(RegistryOp::Version).await.is_ok(), "an open breaker does not stop a registry call");
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn the_deadline_bounds_a_slow_store() {
         let flaky = flaky(false, true);
         let r = Resilient::new(flaky, Resilience { deadline: Duration::from_millis(50), ..Resilience::default() });
         let start = Instant::now();
         assert_eq!(r.apply(Tag(1), &[op()], 0).await, Err(StoreError::Timeout(50)));
-        assert!(start.elapsed() < Duration::from_millis(150));
+        // on paused time: exactly the deadline, whatever the machine's load
+        assert_eq!(start.elapsed(), Duration::from_millis(50));
         assert_eq!(r.stats().timeouts.load(Ordering::Relaxed), 1);
     }
 }

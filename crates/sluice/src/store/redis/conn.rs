@@ -18,7 +18,7 @@ pub(super) enum Conn {
 pub(super) struct ClusterLink {
     pub(super) client: ClusterClient,
     pub(super) conn: std::sync::Mutex<Option<ClusterConnection>>,
-    pub(super) connecting: tokio::sync::Mutex<Option<std::time::Instant>>,
+    pub(super) connecting: tokio::sync::Mutex<Option<tokio::time::Instant>>,
 }
 
 impl ClusterLink {
@@ -33,7 +33,7 @@ impl ClusterLink {
         if last.is_some_and(|t| t.elapsed() < Duration::from_millis(250)) {
             return Err(RedisError::from((ErrorKind::Io, "redis cluster not connected yet")));
         }
-        *last = Some(std::time::Instant::now());
+        *last = Some(tokio::time::Instant::now());
         let c = self.client.get_async_connection().await?;
         *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = Some(c.clone());
         Ok(c)
