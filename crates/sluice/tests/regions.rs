@@ -983,6 +983,37 @@ async fn a_refund_on_a_global_limit_gives_the_unit_back_to_the_fleet() {
     assert_eq!(after.iter().filter(|a| **a).count(), 1, "one more after one refund: {after:?}");
 }
 
+/// A unit given back is admitted at once, even by an instance that was just told the
+/// fleet had spent the window: a refund (or a reservation's commit) through an instance
+/// that holds no grant of the window goes to the region's pool, and that instance's last
+/// read of the pool, a moment old, no longer stands for it (it said "spent" until its
+/// next read, a tick later, and refused the unit given back).
+#[tokio::test]
+async fn a_unit_given_back_is_admitted_at_once() {
+    let _alone = alone().await;
+    let clock = ManualClock::new(1_000 * WINDOW_MS + 10);
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let (global, local) = (memory(), memory());
+    let instances: Vec<Limiter> = (0..2)
+        .map(|_| {
+            let regions = Regions::new(global.clone(), local.clone(), shared.clone());
+            Limiter::new(rules(10), local.clone(), shared.clone()).with_regions(regions)
+        })
+        .collect();
+    let request = Request::new("api").descriptor([("tenant", "t1")]);
+    let mut admitted = Vec::new();
+    for _ in 0..10 {
+        admitted.push(instances[0].check(&request).await.unwrap());
+    }
+    assert!(admitted.iter().all(|v| v.allowed()), "the limit, through one instance");
+    assert!(!instances[1].check(&request).await.unwrap().allowed(), "the fleet spent the window");
+    // a tick of its allocator reads the pool, as one does every 100 ms
+    instances[1].regions().unwrap().step().await;
+    instances[1].refund(&admitted[0]).await.unwrap();
+    assert!(instances[1].check(&request).await.unwrap().allowed(), "the unit given back, at once");
+    assert!(!instances[1].check(&request).await.unwrap().allowed(), "and only it");
+}
+
 /// A reset (`Limiter::reset`, `sluice admin reset`) of a client on a global limit acts on
 /// the fleet's window: the global store forgets its count and the resetting region its
 /// pool, so the client, having spent the limit in two regions, gets the whole limit again

@@ -317,6 +317,10 @@ impl Limiter {
         for (tag, refunds) in by_tag {
             self.store.refund(tag, &refunds, now).await?;
             self.forget(tag, refunds.iter().map(|r| r.key));
+            // a global window's pool now holds them: its last read is stale
+            if let Some(regions) = &self.regions {
+                refunds.iter().for_each(|r| regions.pool_changed(tag, r.key, &r.limit, r.window));
+            }
         }
         Ok(())
     }
