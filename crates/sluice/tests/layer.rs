@@ -1,6 +1,7 @@
 //! The tower layer over a real service, under a manual clock: refusals (429 and 503,
 //! bodies and headers), leases given back when a response is dropped, 304 refunds, and
-//! the order of the limiters.
+//! the order of the limiters. Tokio's time is paused where the tests wait for the tasks that
+//! give leases back: the wait runs them, and costs no wall-clock time.
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -58,7 +59,7 @@ async fn used(l: &Limiter, user: &str) -> (u64, u64) {
     (p[0].decision.used, p[1].decision.used)
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn over_the_limit_answers_429_problem_json_with_headers() {
     let clock = ManualClock::new(1_767_225_600_000);
     let l = limiter(&clock);
@@ -83,7 +84,7 @@ async fn over_the_limit_answers_429_problem_json_with_headers() {
     assert!(body["detail"].as_str().unwrap().contains("core"));
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_dropped_response_gives_its_lease_back() {
     let clock = ManualClock::new(1_767_225_600_000);
     let l = limiter(&clock);
@@ -105,7 +106,7 @@ async fn a_dropped_response_gives_its_lease_back() {
     assert_eq!(used(&l, "bo").await.1, 0);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_304_costs_nothing() {
     let clock = ManualClock::new(1_767_225_600_000);
     let l = limiter(&clock);
@@ -124,7 +125,7 @@ async fn a_304_costs_nothing() {
 
 /// Stripe's order: worker utilization shedder, fleet shedder, then the client's
 /// concurrency and rate limits. A refusal at one stage leaves the later ones untouched.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn the_limiters_apply_in_order_and_shedding_spares_critical_traffic() {
     // a recorder, to see the shed counters (this binary's only one)
     let metrics = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder().unwrap();
