@@ -15,7 +15,6 @@ mod common;
 mod kuadrant;
 
 use common::{Sluice, start_with};
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry};
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use kuadrant::{CommitRequest, CommitResponse, ReserveRequest, ReserveResponse, call, call_on, channel};
@@ -42,9 +41,7 @@ fn domains() -> String {
 }
 
 fn request(user: &str, hits: u64) -> RateLimitRequest {
-    let entries = vec![Entry { key: "user".into(), value: user.into() }];
-    let descriptors = vec![RateLimitDescriptor { entries, ..Default::default() }];
-    RateLimitRequest { domain: "llm".into(), descriptors, hits_addend: hits as u32 }
+    RateLimitRequest { hits_addend: hits as u32, ..common::rls_request("llm", &[("user", user)]) }
 }
 
 /// A small deterministic generator (xorshift) per stream.

@@ -8,7 +8,6 @@ mod common;
 #[path = "common/kuadrant.rs"]
 mod kuadrant;
 
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{RateLimitDescriptor, rate_limit_descriptor::Entry};
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
 use kuadrant::{CommitRequest, CommitResponse, ReserveRequest, ReserveResponse, Settled, call};
@@ -22,13 +21,7 @@ const DOMAINS: &str = "  - domain: llm
 ";
 
 fn request(user: &str, hits: u32) -> RateLimitRequest {
-    let entries =
-        vec![Entry { key: "user".into(), value: user.into() }, Entry { key: "tokens".into(), value: "out".into() }];
-    RateLimitRequest {
-        domain: "llm".into(),
-        descriptors: vec![RateLimitDescriptor { entries, ..Default::default() }],
-        hits_addend: hits,
-    }
+    RateLimitRequest { hits_addend: hits, ..common::rls_request("llm", &[("user", user), ("tokens", "out")]) }
 }
 
 const OK: i32 = 1;

@@ -10,8 +10,8 @@ use crate::algo::overload::{Admission, Entry, GradientParams, Micros, Outcome, T
 use crate::telemetry::{self, AdaptiveGauges};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
-use tokio::time::Instant;
 use tokio::sync::oneshot;
+use tokio::time::Instant;
 
 /// The stage's state, shared by every request through the layer.
 pub(super) struct Adaptive {
