@@ -5,7 +5,7 @@
 use super::{Regions, TICK};
 use crate::algo::grant::Open;
 use crate::algo::pool::{Act, Pool};
-use crate::algo::{Op, pool};
+use crate::algo::{Limit, Op, pool};
 use crate::store::StoreError;
 use crate::tag::Tag;
 use crate::time::Millis;
@@ -130,5 +130,13 @@ impl Regions {
         (view.hurried, view.refused_spent) = (s.hurried.load(Relaxed), s.refused_spent.load(Relaxed));
         (view.refused_waiting, view.untracked) = (s.refused_waiting.load(Relaxed), s.untracked.load(Relaxed));
         view
+    }
+
+    /// Forgets the pool as last read for the global window of `key` (under `limit`)
+    /// ending at `end`: units given back to it (a refund, a reservation's commit) make
+    /// that read stale, and a decision trusting it within its tick would refuse what the
+    /// pool now holds, as if the fleet had spent the window.
+    pub(crate) fn pool_changed(&self, tag: Tag, key: u64, limit: &Limit, end: Millis) {
+        self.update(tag, pool::base_key(key, limit, end), end, |h| h.seen_at = 0);
     }
 }

@@ -574,14 +574,6 @@ impl Regions {
         });
     }
 
-    /// Forgets the pool as last read for the global window of `key` (under `limit`)
-    /// ending at `end`: units given back to it (a refund, a reservation's commit) make
-    /// that read stale, and a decision trusting it within its tick would refuse what the
-    /// pool now holds, as if the fleet had spent the window.
-    pub(crate) fn pool_changed(&self, tag: Tag, key: u64, limit: &Limit, end: Millis) {
-        self.update(tag, pool::base_key(key, limit, end), end, |h| h.seen_at = 0);
-    }
-
     fn holding(&self, tag: Tag, base: u64, end: Millis) -> Holding {
         let active = self.active.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         active.get(&(tag, base)).and_then(|a| a.windows.get(&end)).cloned().unwrap_or_default()
