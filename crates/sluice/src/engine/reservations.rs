@@ -413,9 +413,10 @@ impl Limiter {
     /// Settles what a reservation held of a global limit's window, once its ledger said
     /// `settled` for `actual`: the units held past the actual go back to the region's
     /// pool (the fleet may admit them again in the window); an actual past them is spent
-    /// from the pool as far as the fleet has units (past that, the window is spent and
-    /// nothing more is admitted in it). A reservation lapsed, or of a window that ended,
-    /// keeps what it held spent: the fleet admits less, never more.
+    /// from the pool when the fleet has units for all of it, and otherwise not charged:
+    /// the window's use then passes the limit by what the work overran its reservation,
+    /// never by an admission. A reservation lapsed, or of a window that ended, keeps what
+    /// it held spent: the fleet admits less, never more.
     async fn settle_global(
         &self,
         (tag, domain): (Tag, &str),
