@@ -434,9 +434,8 @@ impl Limiter {
         }
         let rule = self.rules.domain(domain).and_then(|d| d.grant_rule_of(w.policy));
         if let Some(rule) = rule.filter(|_| actual > held) {
-            let op = Op { key: w.key, limit: w.limit, cost: actual - held, lease: None, shadow: false };
             let mut out = Leftovers::default();
-            self.spend(tag, &op, &rule, (&mut out, now)).await?;
+            self.spend(tag, &w.op(actual - held), &rule, (&mut out, now)).await?;
             self.settle_later(out, now);
         }
         Ok(())
