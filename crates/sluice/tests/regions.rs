@@ -892,6 +892,19 @@ async fn regions_that_disagree_on_a_limit_hold_the_smallest() {
     );
 }
 
+/// Two instances of one region over memory stores on `clock`, a global limit of `limit`;
+/// their allocators tick only when the test steps them.
+fn one_region(clock: &ManualClock, limit: u64) -> Vec<Limiter> {
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let (global, local) = (memory(), memory());
+    (0..2)
+        .map(|_| {
+            let regions = Regions::new(global.clone(), local.clone(), shared.clone());
+            Limiter::new(rules(limit), local.clone(), shared.clone()).with_regions(regions)
+        })
+        .collect()
+}
+
 /// A reservation on a global limit (`Limiter::reserve`) takes its units from the
 /// region's pool, as a check spends them, so reservations and checks together never pass
 /// the fleet's limit; its commit, through any instance of the region, gives back what was
@@ -901,15 +914,7 @@ async fn regions_that_disagree_on_a_limit_hold_the_smallest() {
 async fn a_reservation_on_a_global_limit_holds_units_of_the_fleet() {
     let _alone = alone().await;
     let clock = ManualClock::new(1_000 * WINDOW_MS);
-    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
-    let (global, local) = (memory(), memory());
-    // two instances of one region
-    let instances: Vec<Limiter> = (0..2)
-        .map(|_| {
-            let regions = Regions::new(global.clone(), local.clone(), shared.clone());
-            Limiter::new(rules(10), local.clone(), shared.clone()).with_regions(regions)
-        })
-        .collect();
+    let instances = one_region(&clock, 10);
     let request = Request::new("api").descriptor([("tenant", "t1")]);
     let costing = |n: u64| Request { hits_addend: Some(n), ..request.clone() };
     let checks = |n: usize| {
@@ -983,6 +988,31 @@ async fn a_refund_on_a_global_limit_gives_the_unit_back_to_the_fleet() {
     assert_eq!(after.iter().filter(|a| **a).count(), 1, "one more after one refund: {after:?}");
 }
 
+/// Real time, on Redis, whose keys lapse on its own clock: a reservation on a global limit
+/// whose deadline passed before its commit came (the first call after it, 2.6 s late,
+/// past the grace Redis keeps keys for) keeps its units spent; the late commit is
+/// settled as a report and gives nothing back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_reservation_committed_late_on_redis_keeps_its_units() {
+    let _alone = alone().await;
+    let server = RedisServer::start();
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let local = redis(&server.addr().to_string());
+    let regions = Regions::new(memory(), local.clone(), clock.clone());
+    let limiter = Limiter::new(rules_of(10, "1h"), local, clock).with_regions(regions);
+    let request = Request::new("api").descriptor([("tenant", "late")]);
+    let six = Request { hits_addend: Some(6), ..request.clone() };
+    let (_, held) = limiter.reserve(&six, 11, 100).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2_600)).await;
+    let settled = limiter.commit(&held.expect("6 of 10 held"), &[0]).await.unwrap();
+    assert_eq!(settled, [sluice::store::Settled::Reported], "lapsed: the commit is a report");
+    let mut admitted = 0;
+    for _ in 0..8 {
+        admitted += u64::from(limiter.check(&request).await.unwrap().allowed());
+    }
+    assert_eq!(admitted, 4, "the lapsed reservation's 6 stay spent");
+}
+
 /// A unit given back is admitted at once, even by an instance that was just told the
 /// fleet had spent the window: a refund (or a reservation's commit) through an instance
 /// that holds no grant of the window goes to the region's pool, and that instance's last
@@ -992,14 +1022,7 @@ async fn a_refund_on_a_global_limit_gives_the_unit_back_to_the_fleet() {
 async fn a_unit_given_back_is_admitted_at_once() {
     let _alone = alone().await;
     let clock = ManualClock::new(1_000 * WINDOW_MS + 10);
-    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
-    let (global, local) = (memory(), memory());
-    let instances: Vec<Limiter> = (0..2)
-        .map(|_| {
-            let regions = Regions::new(global.clone(), local.clone(), shared.clone());
-            Limiter::new(rules(10), local.clone(), shared.clone()).with_regions(regions)
-        })
-        .collect();
+    let instances = one_region(&clock, 10);
     let request = Request::new("api").descriptor([("tenant", "t1")]);
     let mut admitted = Vec::new();
     for _ in 0..10 {
