@@ -596,7 +596,9 @@ async fn clients_under_the_limit_are_never_refused() {
 struct Counted {
     inner: std::sync::Mutex<Arc<dyn Store>>,
     pool_calls: std::sync::atomic::AtomicU64,
+    /// Grants never answer, or answer after a second.
     stalled: std::sync::atomic::AtomicBool,
+    slow: std::sync::atomic::AtomicBool,
     /// Every call fails, as a store that is down.
     down: std::sync::atomic::AtomicBool,
 }
@@ -607,6 +609,7 @@ impl Counted {
             inner: std::sync::Mutex::new(inner),
             pool_calls: Default::default(),
             stalled: Default::default(),
+            slow: Default::default(),
             down: Default::default(),
         })
     }
@@ -651,6 +654,9 @@ impl Store for Counted {
     async fn grant(&self, tag: Tag, ask: GrantAsk, now: u64) -> Result<Granted, StoreError> {
         if self.stalled.load(std::sync::atomic::Ordering::Relaxed) {
             std::future::pending::<()>().await;
+        }
+        if self.slow.load(std::sync::atomic::Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
         self.store()?.grant(tag, ask, now).await
     }
@@ -708,44 +714,97 @@ async fn units_asked_ahead_are_kept_and_an_idle_client_costs_nothing() {
     assert_eq!(idle, 0, "pool calls for an idle client, in 10 ticks: {:?}", regions.view());
 }
 
-/// A global store that stops answering: a client new to the region is refused once its
-/// wait (100 ms at least) is over, as waiting: `Retry-After` the horizon, not the
-/// window's end, and `remaining` and `used` what the region knew of the fleet's count
-/// (nothing spent: all of the limit), never `used: limit, remaining: 0` (what a client
-/// read as a spent quota). A client the region knew is told what it knew.
-#[tokio::test]
-async fn a_refusal_while_waiting_says_when_and_what_is_known() {
-    let _alone = alone().await;
-    let clock = ManualClock::new(1_000 * WINDOW_MS);
-    let global = Counted::over(memory());
-    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
-    let local = memory();
-    let regions = Regions::new(global.clone(), local.clone(), shared.clone());
-    let limiter = Limiter::new(rules(LIMIT), local, shared).with_regions(regions.clone());
-    let ask = |tenant: &str| Request::new("api").descriptor([("tenant", tenant.to_string())]);
+/// One region of one instance on a manual clock, its global store counted: the
+/// client `known` has been admitted 5 times.
+async fn known_to_one_region() -> (Arc<Counted>, Arc<Regions>, Limiter) {
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(1_000 * WINDOW_MS));
+    let (global, local) = (Counted::over(memory()), memory());
+    let regions = Regions::new(global.clone(), local.clone(), clock.clone());
+    let limiter = Limiter::new(rules(LIMIT), local, clock).with_regions(regions.clone());
     for _ in 0..5 {
         let v = limiter.check(&ask("known")).await.unwrap();
         assert!(v.allowed(), "{v:?}");
     }
+    (global, regions, limiter)
+}
+
+fn ask(tenant: &str) -> Request {
+    Request::new("api").descriptor([("tenant", tenant.to_string())])
+}
+
+/// A global store that stops answering (a Redis stopped or hung: calls under way, none
+/// answered): a client new to the region waits its bound (100 ms at least), then the
+/// rule's `failure` decides, here `closed` (refused, marked degraded), not a refusal as
+/// waiting that says the fleet may have units (the 10-minute soak found new clients so
+/// refused while the global Redis was stopped). So does a known client once its pool is
+/// spent, and the region's allocator counts the global store as failing until it answers.
+#[tokio::test]
+async fn a_global_store_that_stops_answering_leaves_it_to_the_rule_s_failure() {
+    let _alone = alone().await;
+    let (global, regions, limiter) = known_to_one_region().await;
     global.stalled.store(true, std::sync::atomic::Ordering::Relaxed);
     let started = std::time::Instant::now();
     let v = limiter.check(&ask("new")).await.unwrap();
     let d = v.descriptors[0].policies[0].decision;
-    assert!(!v.allowed() && started.elapsed() >= Duration::from_millis(100), "{d:?} in {:?}", started.elapsed());
-    assert_eq!((d.remaining, d.used), (LIMIT, 0), "{d:?}");
-    assert_eq!(d.retry_after, Some(regions.horizon()), "{d:?}");
-    assert_eq!(regions.stats().refused_waiting.load(std::sync::atomic::Ordering::Relaxed), 1);
-    // the known client: its pool is spent down to nothing, then it waits too
-    let mut last = d;
+    assert!(started.elapsed() >= Duration::from_millis(100), "decided in {:?}", started.elapsed());
+    assert!(!v.allowed() && v.degraded == Some(sluice::config::Failure::Closed), "{v:?}");
+    assert_eq!(regions.stats().refused_waiting.load(std::sync::atomic::Ordering::Relaxed), 0, "{d:?}");
+    assert!(regions.view().failing, "the global store is seen failing");
+    // the known client: its pool is spent down to nothing, then its rule decides too
+    let mut last = v;
     for _ in 0..LIMIT {
-        let v = limiter.check(&ask("known")).await.unwrap();
-        last = v.descriptors[0].policies[0].decision;
-        if !v.allowed() {
+        last = limiter.check(&ask("known")).await.unwrap();
+        if !last.allowed() {
             break;
         }
     }
-    assert!(last.retry_after == Some(regions.horizon()) && last.remaining > 0, "{last:?}");
+    assert_eq!(last.degraded, Some(sluice::config::Failure::Closed), "{last:?}");
+}
+
+/// A global store that answers, but a client's grant later than its wait (100 ms at
+/// least): the client new to the region is refused as waiting: `Retry-After` the
+/// horizon, not the window's end, and `remaining` and `used` what the region knew of the
+/// fleet's count (nothing spent: all of the limit), never `used: limit, remaining: 0`
+/// (what a client read as a spent quota). A client the region knew is told what it knew.
+#[tokio::test]
+async fn a_refusal_while_waiting_says_when_and_what_is_known() {
+    let _alone = alone().await;
+    let (global, regions, limiter) = known_to_one_region().await;
+    global.slow.store(true, std::sync::atomic::Ordering::Relaxed);
+    // the global store answers other calls meanwhile: status reads, every 10 ms
+    let reads = async {
+        for _ in 0..100 {
+            limiter.status(&ask("known")).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let waited = async {
+        let started = std::time::Instant::now();
+        let v = limiter.check(&ask("new")).await.unwrap();
+        let took = started.elapsed();
+        // the known client: its pool is spent down to nothing, then it waits too
+        let mut last = v.clone();
+        for _ in 0..LIMIT {
+            last = limiter.check(&ask("known")).await.unwrap();
+            if !last.allowed() {
+                break;
+            }
+        }
+        (v, took, last)
+    };
+    let (v, took, known) = tokio::select! { w = waited => w, _ = reads => panic!("no decisions in a second") };
+    let d = v.descriptors[0].policies[0].decision;
+    assert!(!v.allowed() && took >= Duration::from_millis(100) && v.degraded.is_none(), "{d:?} in {took:?}");
+    // the horizon (twice the round trip and a tick: the reads' round trips move it), not
+    // the window's end 2 s away
+    let horizon = sluice::regions::TICK..=3 * sluice::regions::TICK;
+    assert_eq!((d.remaining, d.used), (LIMIT, 0), "{d:?}");
+    assert!(d.retry_after.is_some_and(|r| horizon.contains(&r)), "{d:?}");
+    let last = known.descriptors[0].policies[0].decision;
+    assert!(!known.allowed() && known.degraded.is_none(), "{known:?}");
+    assert!(last.retry_after.is_some_and(|r| horizon.contains(&r)) && last.remaining > 0, "{last:?}");
     assert_eq!(last.used + last.remaining, LIMIT, "{last:?}");
+    assert_eq!(regions.stats().refused_waiting.load(std::sync::atomic::Ordering::Relaxed), 2);
 }
 
 /// `failure: local` on a global limit, on a stepped clock: three regions of one instance

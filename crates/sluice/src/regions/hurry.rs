@@ -33,6 +33,23 @@ pub(crate) enum Hurried {
 /// A move of `Regions::hurry` under way: what it found, once it has.
 pub(super) type InFlight = tokio::sync::watch::Receiver<Option<Hurried>>;
 
+/// One global call under way, counted while it lives (a call dropped unanswered, as
+/// the other half of a join that failed, is no longer under way).
+pub(super) struct UnderWay<'a>(&'a std::sync::atomic::AtomicU64);
+
+impl<'a> UnderWay<'a> {
+    pub(super) fn new(count: &'a std::sync::atomic::AtomicU64) -> Self {
+        count.fetch_add(1, Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for UnderWay<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
 impl Regions {
     /// Whether the fleet has spent the window `op` names at `planned`, as far as this
     /// region knows: the global store said within a horizon that it had less than the
@@ -94,12 +111,21 @@ impl Regions {
         self.stats.hurried.fetch_add(1, Relaxed);
         self.metrics.hurried.increment(1);
         let bound = std::time::Duration::from_millis(left);
+        let answered = self.global_answered.load(Relaxed);
         let moved = self.move_for(tag, (op, waiting), planned, bound);
-        // no answer within the wait: waiting, or failed if the global store's last call did
-        // (a link that drops every packet answers nothing until the call's deadline)
-        let late = || match self.global_answers() {
-            true => Hurried::Waiting,
-            false => Hurried::Failed(StoreError::unavailable("the global store did not answer its last call")),
+        // no answer within the wait: failed if the global store's last call did (a link
+        // that drops every packet answers nothing until the call's deadline), or if it
+        // answered none of the calls under way while this waited (a store stopped or
+        // hung: the rule's `failure` decides, not a refusal that says it may have units);
+        // else waiting (it answers, this client's move was slower)
+        let late = || match (self.global_answers(), self.stalled_since(answered)) {
+            (true, false) => Hurried::Waiting,
+            (false, _) => Hurried::Failed(StoreError::unavailable("the global store did not answer its last call")),
+            (true, true) => {
+                self.global_down.store(true, Relaxed);
+                let why = format!("the global store answered no call for {left} ms (twice its round trip and more)");
+                Hurried::Failed(StoreError::unavailable(why))
+            }
         };
         let hurried = match tokio::time::timeout(bound, moved).await.unwrap_or_else(|_| late()) {
             Hurried::Waiting if self.clock.now() >= pool::window_end(&op.limit, planned) => Hurried::Ended,
@@ -109,6 +135,12 @@ impl Regions {
             self.refused_spent();
         }
         hurried
+    }
+
+    /// Whether the global store has calls under way and has answered none since its
+    /// answers numbered `answered`.
+    fn stalled_since(&self, answered: u64) -> bool {
+        self.global_in_flight.load(Relaxed) > 0 && self.global_answered.load(Relaxed) == answered
     }
 
     /// Counts a decision refused because the fleet spent its window.

@@ -18,6 +18,7 @@ mod agree;
 mod fleet;
 mod hurry;
 mod outage;
+mod stats;
 #[cfg(test)]
 mod tests;
 
@@ -26,6 +27,8 @@ pub use agree::{Variants, fleet_variants};
 pub use fleet::RegionView;
 pub(crate) use hurry::Hurried;
 pub use outage::BEAT;
+use stats::Metrics;
+pub use stats::RegionStats;
 
 use crate::algo::grant::Open;
 use crate::algo::pool::{self, Act, Move, Pool, Seen};
@@ -61,36 +64,6 @@ const FIRST_ROUND_TRIP: Millis = 100;
 /// twice the round trip to the global store: the region's own calls around the global
 /// one (a read, a claim, the fill, the grant), on a busy machine.
 pub const WAIT_MARGIN: Millis = 100;
-
-/// What an instance's allocator counts (also in `/metrics`: `sluice_region_*`).
-#[derive(Debug, Default)]
-pub struct RegionStats {
-    /// Units the global store granted to this region through this instance.
-    pub taken: AtomicU64,
-    /// Units given back to the global store.
-    pub given_back: AtomicU64,
-    /// Calls to the global store, and those that failed.
-    pub global_calls: AtomicU64,
-    pub global_errors: AtomicU64,
-    /// The global calls' time, in microseconds, all together.
-    pub global_micros: AtomicU64,
-    /// Decisions that found the region's pool short and asked the global store at once
-    /// (`Regions::hurry`); those then refused because the fleet had spent the limit,
-    /// and those refused because the global store's answer came too late while it may
-    /// still have had units (refusals under the limit: never expected).
-    pub hurried: AtomicU64,
-    pub refused_spent: AtomicU64,
-    pub refused_waiting: AtomicU64,
-    /// Decisions charged on the global store itself while the region's store failed, and
-    /// units the global store's count was found to have lost (the `outage` module).
-    pub decided_globally: AtomicU64,
-    pub lost: AtomicU64,
-    /// Global rules whose limit or window the regions were found to differ on, at the
-    /// last beat (the `agree` module).
-    pub disagreements: AtomicU64,
-    /// Decisions of clients not kept, [`MAX_ACTIVE`] reached.
-    pub untracked: AtomicU64,
-}
 
 /// One global limit's state of one client as this instance sees it.
 struct Active {
@@ -178,6 +151,11 @@ pub struct Regions {
     /// call failed.
     regions: AtomicU64,
     global_down: AtomicBool,
+    /// Global calls under way, and answers the global store gave (each call's end, ok or
+    /// not): a decision that waited its bound while calls were under way and no answer
+    /// came finds the global store stalled (`Regions::hurry`).
+    global_in_flight: AtomicU64,
+    global_answered: AtomicU64,
     /// When the next beat is due ([`outage`]).
     beat: crate::time::Throttle,
     /// The clients kept, [`MAX_ACTIVE`] reached, swept of the idle at most once a second;
@@ -197,45 +175,6 @@ pub struct Regions {
 /// a region's share runs out before the next arrives and part of the limit goes unused
 /// (measured on the model: docs/architecture.md, "One limit across regions").
 pub const SERVED_ROUND_TRIPS: Millis = 25;
-
-/// The allocator's series in `/metrics`.
-struct Metrics {
-    taken: metrics::Counter,
-    given_back: metrics::Counter,
-    ok: metrics::Counter,
-    errors: metrics::Counter,
-    seconds: metrics::Histogram,
-    horizon: metrics::Gauge,
-    hurried: metrics::Counter,
-    refused_spent: metrics::Counter,
-    refused_waiting: metrics::Counter,
-    decided_globally: metrics::Counter,
-    lost: metrics::Counter,
-    disagreements: metrics::Gauge,
-}
-
-impl Metrics {
-    fn new(region: &str) -> Self {
-        use crate::telemetry::names::{
-            REGION_DECIDED_GLOBALLY, REGION_DISAGREEMENTS, REGION_GLOBAL_CALLS, REGION_GLOBAL_SECONDS, REGION_HORIZON,
-            REGION_HURRIED, REGION_LOST_UNITS, REGION_REFUSALS, REGION_UNITS,
-        };
-        Self {
-            taken: metrics::counter!(REGION_UNITS, "region" => region.to_string(), "kind" => "taken"),
-            given_back: metrics::counter!(REGION_UNITS, "region" => region.to_string(), "kind" => "given_back"),
-            ok: metrics::counter!(REGION_GLOBAL_CALLS, "region" => region.to_string(), "result" => "ok"),
-            errors: metrics::counter!(REGION_GLOBAL_CALLS, "region" => region.to_string(), "result" => "error"),
-            seconds: metrics::histogram!(REGION_GLOBAL_SECONDS, "region" => region.to_string()),
-            horizon: metrics::gauge!(REGION_HORIZON, "region" => region.to_string()),
-            hurried: metrics::counter!(REGION_HURRIED, "region" => region.to_string()),
-            refused_spent: metrics::counter!(REGION_REFUSALS, "region" => region.to_string(), "why" => "fleet_spent"),
-            refused_waiting: metrics::counter!(REGION_REFUSALS, "region" => region.to_string(), "why" => "waiting"),
-            decided_globally: metrics::counter!(REGION_DECIDED_GLOBALLY, "region" => region.to_string()),
-            lost: metrics::counter!(REGION_LOST_UNITS, "region" => region.to_string()),
-            disagreements: metrics::gauge!(REGION_DISAGREEMENTS, "region" => region.to_string()),
-        }
-    }
-}
 
 impl Regions {
     /// An allocator between the region's store `local` and the `global` store, in a
@@ -263,6 +202,8 @@ impl Regions {
             hurrying: Mutex::new(HashMap::new()),
             regions: AtomicU64::new(1),
             global_down: AtomicBool::new(false),
+            global_in_flight: AtomicU64::new(0),
+            global_answered: AtomicU64::new(0),
             beat: Default::default(),
             sweep: Default::default(),
             untracked_told: Default::default(),
@@ -540,7 +481,10 @@ impl Regions {
     /// the metrics, the wall clock's finer time.
     async fn timed<T>(&self, call: impl std::future::Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
         let (started, began) = (Instant::now(), self.clock.now());
+        let under_way = hurry::UnderWay::new(&self.global_in_flight);
         let result = call.await;
+        drop(under_way);
+        self.global_answered.fetch_add(1, Relaxed);
         let took = started.elapsed();
         self.stats.global_calls.fetch_add(1, Relaxed);
         self.stats.global_micros.fetch_add(took.as_micros() as u64, Relaxed);

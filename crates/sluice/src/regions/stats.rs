@@ -1,0 +1,73 @@
+//! What a region's allocator counts: its statistics (read by the live page and `admin
+//! inspect`) and its series in `/metrics` (`sluice_region_*`, labelled by region).
+
+use std::sync::atomic::AtomicU64;
+
+/// What an instance's allocator counts (also in `/metrics`: `sluice_region_*`).
+#[derive(Debug, Default)]
+pub struct RegionStats {
+    /// Units the global store granted to this region through this instance.
+    pub taken: AtomicU64,
+    /// Units given back to the global store.
+    pub given_back: AtomicU64,
+    /// Calls to the global store, and those that failed.
+    pub global_calls: AtomicU64,
+    pub global_errors: AtomicU64,
+    /// The global calls' time, in microseconds, all together.
+    pub global_micros: AtomicU64,
+    /// Decisions that found the region's pool short and asked the global store at once
+    /// (`Regions::hurry`); those then refused because the fleet had spent the limit,
+    /// and those refused because the global store's answer came too late while it may
+    /// still have had units (refusals under the limit: never expected).
+    pub hurried: AtomicU64,
+    pub refused_spent: AtomicU64,
+    pub refused_waiting: AtomicU64,
+    /// Decisions charged on the global store itself while the region's store failed, and
+    /// units the global store's count was found to have lost (the `outage` module).
+    pub decided_globally: AtomicU64,
+    pub lost: AtomicU64,
+    /// Global rules whose limit or window the regions were found to differ on, at the
+    /// last beat (the `agree` module).
+    pub disagreements: AtomicU64,
+    /// Decisions of clients not kept, [`MAX_ACTIVE`](super::MAX_ACTIVE) reached.
+    pub untracked: AtomicU64,
+}
+
+/// The allocator's series in `/metrics`.
+pub(super) struct Metrics {
+    pub(super) taken: metrics::Counter,
+    pub(super) given_back: metrics::Counter,
+    pub(super) ok: metrics::Counter,
+    pub(super) errors: metrics::Counter,
+    pub(super) seconds: metrics::Histogram,
+    pub(super) horizon: metrics::Gauge,
+    pub(super) hurried: metrics::Counter,
+    pub(super) refused_spent: metrics::Counter,
+    pub(super) refused_waiting: metrics::Counter,
+    pub(super) decided_globally: metrics::Counter,
+    pub(super) lost: metrics::Counter,
+    pub(super) disagreements: metrics::Gauge,
+}
+
+impl Metrics {
+    pub(super) fn new(region: &str) -> Self {
+        use crate::telemetry::names::{
+            REGION_DECIDED_GLOBALLY, REGION_DISAGREEMENTS, REGION_GLOBAL_CALLS, REGION_GLOBAL_SECONDS, REGION_HORIZON,
+            REGION_HURRIED, REGION_LOST_UNITS, REGION_REFUSALS, REGION_UNITS,
+        };
+        Self {
+            taken: metrics::counter!(REGION_UNITS, "region" => region.to_string(), "kind" => "taken"),
+            given_back: metrics::counter!(REGION_UNITS, "region" => region.to_string(), "kind" => "given_back"),
+            ok: metrics::counter!(REGION_GLOBAL_CALLS, "region" => region.to_string(), "result" => "ok"),
+            errors: metrics::counter!(REGION_GLOBAL_CALLS, "region" => region.to_string(), "result" => "error"),
+            seconds: metrics::histogram!(REGION_GLOBAL_SECONDS, "region" => region.to_string()),
+            horizon: metrics::gauge!(REGION_HORIZON, "region" => region.to_string()),
+            hurried: metrics::counter!(REGION_HURRIED, "region" => region.to_string()),
+            refused_spent: metrics::counter!(REGION_REFUSALS, "region" => region.to_string(), "why" => "fleet_spent"),
+            refused_waiting: metrics::counter!(REGION_REFUSALS, "region" => region.to_string(), "why" => "waiting"),
+            decided_globally: metrics::counter!(REGION_DECIDED_GLOBALLY, "region" => region.to_string()),
+            lost: metrics::counter!(REGION_LOST_UNITS, "region" => region.to_string()),
+            disagreements: metrics::gauge!(REGION_DISAGREEMENTS, "region" => region.to_string()),
+        }
+    }
+}
