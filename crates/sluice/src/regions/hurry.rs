@@ -111,13 +111,22 @@ impl Regions {
         self.stats.hurried.fetch_add(1, Relaxed);
         self.metrics.hurried.increment(1);
         let bound = std::time::Duration::from_millis(left);
-        let answered = self.global_answered.load(Relaxed);
-        let moved = self.move_for(tag, (op, waiting), planned, bound);
+        let mut moved = std::pin::pin!(self.move_for(tag, (op, waiting), planned, bound));
         // no answer within the wait: failed if the global store's last call did (a link
         // that drops every packet answers nothing until the call's deadline), or if it
-        // answered none of the calls under way while this waited (a store stopped or
-        // hung: the rule's `failure` decides, not a refusal that says it may have units);
-        // else waiting (it answers, this client's move was slower)
+        // answered none of the calls under way after the wait's first round trip (a store
+        // stopped or hung: the rule's `failure` decides, not a refusal that says it may
+        // have units; answers already on their way when it stopped arrive within that
+        // round trip); else waiting (it answers, this client's move was slower)
+        let first = std::time::Duration::from_millis(self.round_trip().min(left / 2));
+        let mut answered = self.global_answered.load(Relaxed);
+        let within = match tokio::time::timeout(first, &mut moved).await {
+            Ok(hurried) => Some(hurried),
+            Err(_) => {
+                answered = self.global_answered.load(Relaxed);
+                tokio::time::timeout(bound - first, &mut moved).await.ok()
+            }
+        };
         let late = || match (self.global_answers(), self.stalled_since(answered)) {
             (true, false) => Hurried::Waiting,
             (false, _) => Hurried::Failed(StoreError::unavailable("the global store did not answer its last call")),
@@ -127,7 +136,7 @@ impl Regions {
                 Hurried::Failed(StoreError::unavailable(why))
             }
         };
-        let hurried = match tokio::time::timeout(bound, moved).await.unwrap_or_else(|_| late()) {
+        let hurried = match within.unwrap_or_else(late) {
             Hurried::Waiting if self.clock.now() >= pool::window_end(&op.limit, planned) => Hurried::Ended,
             hurried => hurried,
         };
