@@ -255,7 +255,10 @@ impl Ledger {
         let grants = rule.grants;
         let mut shard = self.shard(tag);
         self.drop_if(&mut shard, tag, op.key, now, out, |h| h.limit != op.limit || (!h.bucket() && now >= h.window));
-        let first = grants.max.unwrap_or(u64::MAX).min(op.cost.max(1) * 16);
+        // a global limit's first grant is small: units an instance holds are hidden from
+        // its region and the fleet (half a small limit's pool, taken at a window's start,
+        // sat in one instance while the other regions were refused)
+        let first = grants.max.unwrap_or(u64::MAX).min(op.cost.max(1) * if rule.global { 2 } else { 16 });
         let Some(h) = shard.get_mut(&(tag, op.key)) else {
             return Take::Short(self.ask(op, op.cost, first));
         };
@@ -527,7 +530,7 @@ impl Ledger {
             if now >= p.lapses {
                 out.expire(&h.rule, p.left);
             } else {
-                let back = GiveBack { key, limit: h.limit, id: p.id, unspent: p.left, window: p.lapses };
+                let back = GiveBack { key, limit: h.limit, id: p.id, unspent: p.left, window: p.lapses, keep: 0 };
                 out.give_back.push((tag, back, h.rule.clone()));
             }
         }

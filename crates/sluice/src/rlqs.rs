@@ -528,7 +528,7 @@ impl Share {
         let (Some((tag, key)), Some(limit), Some((id, units))) = (self.state, self.limit, self.grant) else {
             return Ok(());
         };
-        let back = GiveBack { key, limit, id, unspent: surplus.min(units), window: self.window };
+        let back = GiveBack { key, limit, id, unspent: surplus.min(units), window: self.window, keep: 0 };
         let returned = limiter.store().give_back(tag, back, now).await?;
         self.held -= returned;
         self.grant = None;

@@ -1151,3 +1151,112 @@ async fn a_reset_of_a_global_limit_acts_on_the_fleet_s_window() {
         assert_eq!((lost(0), lost(1)), (0, 0), "a reset is not a loss of the global store's data");
     }
 }
+
+/// A global store over memory, every grant and give-back `one_way` late each way (a
+/// cross-region link without Redis), for the measurement below.
+struct Far(Arc<dyn Store>, Duration);
+
+#[async_trait::async_trait]
+impl Store for Far {
+    async fn apply(&self, tag: Tag, ops: &[Op], now: u64) -> Result<Vec<Decision>, StoreError> {
+        tokio::time::sleep(2 * self.1).await;
+        self.0.apply(tag, ops, now).await
+    }
+    async fn peek(&self, tag: Tag, ops: &[Op], now: u64) -> Result<Vec<Decision>, StoreError> {
+        tokio::time::sleep(2 * self.1).await;
+        self.0.peek(tag, ops, now).await
+    }
+    async fn release(&self, tag: Tag, keys: &[u64], lease: Lease, now: u64) -> Result<bool, StoreError> {
+        self.0.release(tag, keys, lease, now).await
+    }
+    async fn leases(&self, tag: Tag, key: u64, ttl: u64, now: u64) -> Result<ConcurrencyState, StoreError> {
+        self.0.leases(tag, key, ttl, now).await
+    }
+    async fn refund(&self, tag: Tag, refunds: &[Refund], now: u64) -> Result<(), StoreError> {
+        self.0.refund(tag, refunds, now).await
+    }
+    async fn reset(&self, tag: Tag, ops: &[Op], now: u64) -> Result<(), StoreError> {
+        self.0.reset(tag, ops, now).await
+    }
+    fn grants(&self) -> bool {
+        true
+    }
+    async fn grant(&self, tag: Tag, ask: GrantAsk, now: u64) -> Result<Granted, StoreError> {
+        tokio::time::sleep(self.1).await;
+        let granted = self.0.grant(tag, ask, now).await;
+        tokio::time::sleep(self.1).await;
+        granted
+    }
+    async fn give_back(&self, tag: Tag, back: GiveBack, now: u64) -> Result<u64, StoreError> {
+        tokio::time::sleep(self.1).await;
+        let back = self.0.give_back(tag, back, now).await;
+        tokio::time::sleep(self.1).await;
+        back
+    }
+    fn pools(&self) -> bool {
+        true
+    }
+    async fn pool(&self, tag: Tag, call: PoolCall, now: u64) -> Result<(u64, Pool), StoreError> {
+        self.0.pool(tag, call, now).await
+    }
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+}
+
+/// A measurement, not run by `scripts/test` (two minutes of real time; its figures
+/// depend on the machine): three regions of two instances over memory stores, the
+/// global one 20 ms away each way, demand twice a limit of 40 per 2 s window (the soak's
+/// shared limit), 80% in one region, moving every 3 s, from eight start phases (a
+/// quarter second apart, so demand moves at every point of a window). Never over in any
+/// window; prints, for each phase, the refusals while the fleet had admitted less than
+/// three quarters of the limit (docs/architecture.md, "Giving back after demand moves"),
+/// and how much of the limit the whole windows used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement of two minutes' real time: run with --ignored --nocapture"]
+async fn demand_moving_at_every_phase() {
+    let _alone = alone().await;
+    const SMALL: u64 = 40;
+    for phase in 0..8u64 {
+        let now = SystemClock.now();
+        let start = (now / WINDOW_MS + 1) * WINDOW_MS + phase * WINDOW_MS / 8;
+        tokio::time::sleep(Duration::from_millis(start - now)).await;
+        let global: Arc<dyn Store> = Arc::new(Far(memory(), Duration::from_millis(20)));
+        let instances = regions(|_| memory(), |_| global.clone(), SMALL);
+        let request = Request::new("api").descriptor([("tenant", format!("t{phase}"))]);
+        let (mut admitted, mut carry, mut last, mut turn) = (BTreeMap::<u64, u64>::new(), [0f64; 3], start, 0);
+        let (mut wrongful, mut refused) = (0, 0);
+        while SystemClock.now() < start + 15_000 {
+            let now = SystemClock.now();
+            let hot = ((now - start) / 3_000 % 3) as usize;
+            for (r, carry) in carry.iter_mut().enumerate() {
+                *carry += twice(r, hot, SMALL) as f64 * (now - last) as f64 / 1_000.0;
+                while *carry >= 1.0 {
+                    *carry -= 1.0;
+                    turn += 1;
+                    let v = instances[r][turn % 2].check(&request).await.unwrap();
+                    let n = admitted.entry(v.descriptors[0].policies[0].decision.reset_at).or_default();
+                    match v.allowed() {
+                        true => *n += 1,
+                        false => {
+                            refused += 1;
+                            wrongful += u64::from(*n + SMALL / 4 < SMALL && now > start + WINDOW_MS);
+                        }
+                    }
+                }
+            }
+            last = now;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(admitted.values().all(|&n| n <= SMALL), "over the limit: {admitted:?}");
+        let whole: Vec<u64> = admitted.values().copied().skip(1).collect();
+        let whole = &whole[..whole.len() - 1];
+        let mean = whole.iter().sum::<u64>() as f64 / whole.len() as f64;
+        eprintln!(
+            "phase {} ms: {wrongful} of {refused} refusals while the fleet had under 3/4 of the limit admitted; whole \
+             windows used {mean:.1} of {SMALL} (least {})",
+            phase * WINDOW_MS / 8,
+            whole.iter().min().unwrap_or(&0)
+        );
+    }
+}

@@ -52,7 +52,7 @@ impl Global {
 
     fn back(&mut self, end: u64, id: u64, unspent: u64) {
         if let Some((s, book)) = self.states.remove(&end) {
-            let (_, s, book) = grant::give_back(s, book, id, unspent, end);
+            let (_, s, book) = grant::give_back(s, book, (id, unspent, 0), end);
             self.states.insert(end, (s, book));
         }
     }
@@ -176,6 +176,7 @@ impl Sim {
         let open = r.open.entry(end).or_default();
         let seen = Seen {
             demand_per_s: demand,
+            recent_per_s: demand,
             unspent: pool.unspent(),
             open,
             left_globally: r.left_globally.get(&end).copied(),

@@ -83,6 +83,13 @@ impl GrantBook {
         }
     }
 
+    /// Grant `id`, if open with `held` units, keeps `keep` of them: the units it held.
+    fn shrink(&mut self, id: u64, held: u64, keep: u64) -> Option<u64> {
+        let o = self.open.iter_mut().find(|o| o.id == id && o.units == held)?;
+        o.units = keep.min(held);
+        Some(held)
+    }
+
     /// Removes grant `id`; its units if it was open.
     fn take(&mut self, id: u64) -> Option<u64> {
         let at = self.open.iter().position(|o| o.id == id)?;
@@ -141,21 +148,28 @@ pub fn grant(s: WindowState, book: GrantBook, limit: u64, ask: &Ask, now: Millis
     (Granted { units, decision, holders: book.open.len() as u64 }, s, book)
 }
 
-/// Gives back `unspent` units of grant `id` taken in window `window`, once: the grant
-/// is closed, and a second give-back of it changes nothing. Never more than the grant
-/// was, never into another window. Returns the units given back and the new state.
+/// Gives back `unspent` units of grant `id` taken in window `window`, once. With `keep`
+/// 0 the grant is closed, and a second give-back of it changes nothing. With `keep` > 0
+/// it is a part: the grant stays open holding `keep` units, and only if it held
+/// `unspent + keep` (what its holder knew), so a part sent twice (a retry after a lost
+/// reply) is given back once, and the rest can still be given back later (a region whose
+/// demand left gives back through it). Never more than the grant was, never into another
+/// window. Returns the units given back and the new state.
 pub fn give_back(
     s: WindowState,
     book: GrantBook,
-    id: u64,
-    unspent: u64,
+    (id, unspent, keep): (u64, u64, u64),
     window: Millis,
 ) -> (u64, WindowState, GrantBook) {
     let mut book = book.of_window(s.resets_at);
     if s.resets_at != window {
         return (0, s, book);
     }
-    let Some(units) = book.take(id) else { return (0, s, book) };
+    let units = match keep {
+        0 => book.take(id),
+        _ => book.shrink(id, unspent.saturating_add(keep), keep),
+    };
+    let Some(units) = units else { return (0, s, book) };
     let back = unspent.min(units).min(s.used);
     (back, WindowState { used: s.used - back, ..s }, book)
 }
@@ -278,18 +292,31 @@ mod tests {
     #[test]
     fn a_give_back_counts_once_and_only_in_its_window() {
         let (_, s, book) = grant(W, GrantBook::default(), 100, &ask(7, 1, 40), 0);
-        let (back, s2, book2) = give_back(s, book.clone(), 7, 30, 60_000);
+        let (back, s2, book2) = give_back(s, book.clone(), (7, 30, 0), 60_000);
         assert_eq!((back, s2.used), (30, 10));
-        let (again, s3, _) = give_back(s2, book2, 7, 30, 60_000);
+        let (again, s3, _) = give_back(s2, book2, (7, 30, 0), 60_000);
         assert_eq!((again, s3.used), (0, 10), "a retried give-back changes nothing");
-        let (more, _, _) = give_back(s, book.clone(), 7, 500, 60_000);
+        let (more, _, _) = give_back(s, book.clone(), (7, 500, 0), 60_000);
         assert_eq!(more, 40, "never more than was granted");
-        let (other, _, _) = give_back(s, book.clone(), 8, 5, 60_000);
+        let (other, _, _) = give_back(s, book.clone(), (8, 5, 0), 60_000);
         assert_eq!(other, 0, "an unknown grant gives nothing back");
         // the window restarted: its grants lapsed with it
         let next = fixed_window::normalize(s, 60_000, false, 60_000);
-        let (late, s4, _) = give_back(next, book, 7, 30, 60_000);
+        let (late, s4, _) = give_back(next, book, (7, 30, 0), 60_000);
         assert_eq!((late, s4.used), (0, 0));
+    }
+
+    #[test]
+    fn a_part_given_back_keeps_the_rest_open_once() {
+        let (_, s, book) = grant(W, GrantBook::default(), 100, &ask(7, 1, 40), 0);
+        let (back, s, book) = give_back(s, book, (7, 30, 10), 60_000);
+        assert_eq!((back, s.used, book.units()), (30, 10, 10), "30 back, the grant open with 10");
+        let (again, s, book) = give_back(s, book, (7, 30, 10), 60_000);
+        assert_eq!((again, s.used, book.units()), (0, 10, 10), "the part sent twice: once");
+        let (rest, s, book) = give_back(s, book, (7, 10, 0), 60_000);
+        assert_eq!((rest, s.used, book.open.len()), (10, 0, 0), "the rest, through the grant kept open");
+        let (_, s, book) = grant(s, book, 100, &ask(8, 1, 20), 0);
+        assert_eq!(give_back(s, book, (8, 5, 5), 60_000).0, 0, "a part of a grant it did not hold: nothing");
     }
 
     #[test]
@@ -302,7 +329,7 @@ mod tests {
         }
         assert_eq!(book.open.len(), MAX_OPEN);
         assert_eq!(book.open[0].id, 1, "grant 0 closed");
-        assert_eq!(give_back(s, book, 0, 1, 60_000).0, 0);
+        assert_eq!(give_back(s, book, (0, 1, 0), 60_000).0, 0);
     }
 
     // 10 tokens a second, burst 20

@@ -112,6 +112,16 @@ impl Demand {
         Demand { this: d.this.saturating_add(arrived), ..d }
     }
 
+    /// Units a second in the current bucket alone once it is `span` ms old, else over the
+    /// last bucket and the current one ([`Self::per_s`]): a drop in demand shows within
+    /// `span` rather than after two buckets.
+    pub fn recent_per_s(&self, bucket: Millis, span: Millis, now: Millis) -> f64 {
+        match now.saturating_sub(self.at) {
+            e if e >= span && e < bucket => self.this as f64 * 1_000.0 / e as f64,
+            _ => self.per_s(bucket, now),
+        }
+    }
+
     /// Units a second, over the last bucket and the current one.
     pub fn per_s(&self, bucket: Millis, now: Millis) -> f64 {
         let span = bucket + now.saturating_sub(self.at).min(bucket);
@@ -200,7 +210,7 @@ pub fn grant(p: Pool, book: GrantBook, ask: &Ask, now: Millis) -> (Granted, Pool
 
 /// An instance gives back `unspent` units of its grant `id` ([`grant::give_back`]).
 pub fn give_back(p: Pool, book: GrantBook, id: u64, unspent: u64, window: Millis) -> (u64, Pool, GrantBook) {
-    let (back, s, book) = grant::give_back(p.window(), book, id, unspent, window);
+    let (back, s, book) = grant::give_back(p.window(), book, (id, unspent, 0), window);
     (back, Pool { used: s.used, ..p }, book)
 }
 
@@ -218,12 +228,14 @@ pub enum Move {
 }
 
 /// What a region knows of one global window: its demand (units asked for, admitted or
-/// not, per second, lately), what is unspent in its pool, its grants open in the global
+/// not, per second, lately; and in the current bucket alone, `recent_per_s`: what a
+/// drop shows first), what is unspent in its pool, its grants open in the global
 /// store, and what the global store said was left when it last answered (`None`: not
 /// asked yet).
 #[derive(Debug, Clone, Copy)]
 pub struct Seen<'a> {
     pub demand_per_s: f64,
+    pub recent_per_s: f64,
     pub unspent: u64,
     pub open: &'a [Open],
     pub left_globally: Option<u64>,
@@ -233,19 +245,22 @@ pub struct Seen<'a> {
 /// the next `horizon` ms (or of what is left of the window, if less): below that it asks
 /// for twice that, and at least that much (the global store's grants are otherwise a
 /// share of what is left, sized for a fleet of instances, not for a few regions) or what
-/// is left globally if less; above twice that it gives back down to it, whole grants
-/// first, largest first, while they fit in the excess (so later give-backs stay
-/// possible), then part of the smallest left.
+/// is left globally if less; above twice that (the demand of the current bucket alone,
+/// if lower: a region the demand left gives its units back within a tick, not two
+/// buckets later) it gives back down to it, whole grants first, largest first, while
+/// they fit in the excess (so later give-backs stay possible), then part of the smallest
+/// left (its grant kept open for the rest).
 pub fn plan(seen: Seen, horizon: Millis, left: Millis) -> Move {
-    let Seen { demand_per_s, unspent, open, left_globally } = seen;
-    let target = (demand_per_s * horizon.min(left) as f64 / 1_000.0).ceil() as u64;
+    let Seen { demand_per_s, recent_per_s, unspent, open, left_globally } = seen;
+    let of = |per_s: f64| (per_s * horizon.min(left) as f64 / 1_000.0).ceil() as u64;
+    let target = of(demand_per_s);
     if unspent < target.max(1) && demand_per_s > 0.0 {
         // nothing left when last asked: ask again for anything (another region may have
         // given some back since)
         let need = (target - unspent.min(target)).max(1).min(left_globally.unwrap_or(u64::MAX).max(1));
         return Move::Take { want: 2 * target.max(1) - unspent, need };
     }
-    let mut excess = unspent.saturating_sub(2 * target);
+    let mut excess = unspent.saturating_sub(2 * of(recent_per_s.min(demand_per_s)));
     let mut grants: Vec<&Open> = open.iter().collect();
     grants.sort_by_key(|o| std::cmp::Reverse(o.units));
     let mut parts = Vec::new();
@@ -348,7 +363,7 @@ mod tests {
     }
 
     fn seen(demand_per_s: f64, unspent: u64, open: &[Open]) -> Seen<'_> {
-        Seen { demand_per_s, unspent, open, left_globally: None }
+        Seen { demand_per_s, recent_per_s: demand_per_s, unspent, open, left_globally: None }
     }
 
     #[test]
@@ -370,6 +385,20 @@ mod tests {
         let back = Move::GiveBack { parts: vec![(4, 74)] };
         assert_eq!(plan(seen(10.0, 80, &[open(4, 90)]), 300, 60_000), back, "a part of one too large");
         assert_eq!(plan(seen(0.0, 3, &[]), 300, 60_000), Move::Hold, "nothing to give back through");
+    }
+
+    #[test]
+    fn a_drop_in_demand_gives_back_within_a_tick() {
+        // 100 a second lately, 10 a second in the bucket now a tick old: 45 held (room
+        // for 100 a second) is given back down to 6 (twice 10 a second's 3)
+        let d = Demand { at: 1_000, before: 30, this: 1 };
+        assert_eq!(d.recent_per_s(300, 100, 1_050), d.per_s(300, 1_050), "too young a bucket: both");
+        assert_eq!(d.recent_per_s(300, 100, 1_100), 10.0);
+        let one = [open(1, 45)];
+        let dropped = Seen { recent_per_s: 10.0, ..seen(100.0, 45, &one) };
+        assert_eq!(plan(dropped, 300, 60_000), Move::GiveBack { parts: vec![(1, 39)] });
+        let risen = Seen { recent_per_s: 300.0, ..seen(100.0, 45, &one) };
+        assert_eq!(plan(risen, 300, 60_000), Move::Hold, "a rise asks by the demand, as before");
     }
 
     #[test]

@@ -363,8 +363,9 @@ impl Regions {
         self.saw(tag, base, end, &pool);
         let holding = self.holding(tag, base, end);
         let demand_per_s = demand.unwrap_or_else(|| pool.demand.per_s(horizon, at));
-        let seen =
-            Seen { demand_per_s, unspent: pool.unspent(), open: &holding.open, left_globally: holding.left_globally };
+        let recent_per_s = demand.unwrap_or_else(|| pool.demand.recent_per_s(horizon, TICK, at));
+        let (unspent, open, left_globally) = (pool.unspent(), &holding.open, holding.left_globally);
+        let seen = Seen { demand_per_s, recent_per_s, unspent, open, left_globally };
         let m = match pool::plan(seen, horizon, end - at) {
             Move::GiveBack { .. } if holding.taken_at.is_some_and(|t| at < t + horizon) => Move::Hold,
             m => m,
@@ -434,11 +435,20 @@ impl Regions {
         (end, at): (Millis, Millis),
         parts: Vec<(u64, u64)>,
     ) -> Result<(), StoreError> {
+        let holding = self.holding(tag, base, end);
         for (id, units) in parts {
+            let held = holding.open.iter().find(|o| o.id == id).map_or(0, |o| o.units);
             let (n, _) = self.local.pool(tag, self.pool_call(key, limit, end, Act::Drain(units)), at).await?;
-            self.update(tag, base, end, |h| h.open.retain(|o| o.id != id));
+            // a part keeps the rest of its grant open, to give back through later (closed,
+            // what the region still held of it could never go back: a region the demand
+            // left kept it until the window ended, while the others were refused)
+            let keep = held.saturating_sub(n);
+            self.update(tag, base, end, |h| match keep {
+                0 => h.open.retain(|o| o.id != id),
+                _ => h.open.iter_mut().filter(|o| o.id == id).for_each(|o| o.units = keep),
+            });
             if n > 0 {
-                let back = GiveBack { key, limit: *limit, id, unspent: n, window: end };
+                let back = GiveBack { key, limit: *limit, id, unspent: n, window: end, keep };
                 let back = self.timed(self.global.give_back(tag, back, at)).await?;
                 self.stats.given_back.fetch_add(back, Relaxed);
                 self.metrics.given_back.increment(back);

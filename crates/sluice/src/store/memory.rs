@@ -467,7 +467,7 @@ impl Store for MemoryStore {
         let (units, state, book) = match (back.limit, state) {
             (Limit::FixedWindow { window, aligned, .. }, State::Window(s)) => {
                 let s = algo::fixed_window::normalize(s, window, aligned, now);
-                let (units, s, book) = grant::give_back(s, book, back.id, back.unspent, back.window);
+                let (units, s, book) = grant::give_back(s, book, (back.id, back.unspent, back.keep), back.window);
                 (units, State::Window(s), book)
             }
             (Limit::TokenBucket { rate, per, burst }, State::Bucket(s)) => {

@@ -93,6 +93,9 @@ pub struct GiveBack {
     pub id: u64,
     pub unspent: u64,
     pub window: Millis,
+    /// Units of the grant that stay open (0: it closes); on a fixed window only, and
+    /// only if the grant held `unspent + keep` ([`crate::algo::grant::give_back`]).
+    pub keep: u64,
 }
 
 /// One state's part of a reservation's commit (see [`crate::algo::reservation`]): the

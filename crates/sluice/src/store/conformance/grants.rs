@@ -5,7 +5,8 @@
 use super::*;
 
 /// Quota grants (`algo::grant`): a grant charges the window at once and is a share of
-/// what is left; a give-back counts once, only in its window; a reset closes the book;
+/// what is left; a give-back counts once, only in its window, and a part of a grant
+/// keeps the rest open to give back later; a reset closes the book;
 /// grants and plain charges of one window add up. A store that takes no grants says so.
 pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
     let t0 = t0();
@@ -21,10 +22,15 @@ pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
     let g2 = s.grant(t, ask(7, 1, 1_000), t0 + 1).await.unwrap();
     assert_eq!((g2.units, g2.holders), (12, 2), "a share of what is left among two holders");
     assert_eq!(hit(s, t, op(1, l, 3), t0 + 2).await.remaining, 35, "a plain charge counts on top of grants");
-    let back = |id, unspent, window| GiveBack { key: 1, limit: l, id, unspent, window };
+    let back = |id, unspent, window| GiveBack { key: 1, limit: l, id, unspent, window, keep: 0 };
     assert_eq!(s.give_back(t, back(u64::MAX, 20, t0 + 60_000), t0 + 3).await.unwrap(), 20);
     assert_eq!(s.give_back(t, back(u64::MAX, 20, t0 + 60_000), t0 + 4).await.unwrap(), 0, "twice: once");
-    assert_eq!(s.give_back(t, back(7, 99, t0 + 60_000), t0 + 5).await.unwrap(), 12, "never more than granted");
+    // a part of grant 7 (12 units) keeps the rest open, once, and only as its holder knew it
+    let part = |unspent, keep| GiveBack { keep, ..back(7, unspent, t0 + 60_000) };
+    assert_eq!(s.give_back(t, part(3, 3), t0 + 5).await.unwrap(), 0, "the grant holds 12, not 6");
+    assert_eq!(s.give_back(t, part(5, 7), t0 + 5).await.unwrap(), 5, "a part: 5 back, 7 kept open");
+    assert_eq!(s.give_back(t, part(5, 7), t0 + 5).await.unwrap(), 0, "the part sent twice: once");
+    assert_eq!(s.give_back(t, back(7, 99, t0 + 60_000), t0 + 5).await.unwrap(), 7, "never more than granted");
     assert_eq!(hit(s, t, op(1, l, 0), t0 + 6).await.used, 33);
     let need = s.grant(t, ask(8, 60, 5), t0 + 7).await.unwrap();
     assert_eq!(need.units, 60, "at least one request's cost");
@@ -64,7 +70,7 @@ pub async fn pools_hold_what_the_region_holds(s: &dyn Store) {
     let (drained, p) = s.pool(t, call(Act::Drain(100), 5), now + 2).await.unwrap();
     assert_eq!((drained, p.cap, p.used, p.demand.this), (6, 4, 4, 12), "only the unspent");
     assert_eq!(s.grant(t, ask(3, 50), now + 3).await.unwrap().units, 0, "all of it granted: nothing more");
-    let back = GiveBack { key: 1, limit: l, id: 2, unspent: 3, window: end };
+    let back = GiveBack { key: 1, limit: l, id: 2, unspent: 3, window: end, keep: 0 };
     assert_eq!(s.give_back(t, back, now + 4).await.unwrap(), 3, "an instance gives back into the pool");
     assert_eq!(s.grant(t, ask(4, 50), now + 5).await.unwrap().units, 1, "a share of the 3 back");
     let (claimed, p) = s.pool(t, call(Act::Claim { ttl: 500 }, 0), now + 6).await.unwrap();
@@ -119,7 +125,7 @@ pub async fn bucket_grants_hold_the_refill_back(s: &dyn Store) {
     // 900 ms later a bucket would hold 19; the 10 units held keep it at 10
     let g = s.grant(t, ask(2, 1, &[]), t0 + 900).await.unwrap();
     assert_eq!((g.units, g.holders, g.decision.remaining), (1, 2, 9), "the refill is held back by what is held");
-    let back = |id, unspent| GiveBack { key: 1, limit: l, id, unspent, window: 0 };
+    let back = |id, unspent| GiveBack { key: 1, limit: l, id, unspent, window: 0, keep: 0 };
     assert_eq!(s.give_back(t, back(1, 10), t0 + 901).await.unwrap(), 10);
     assert_eq!(s.give_back(t, back(1, 10), t0 + 902).await.unwrap(), 0, "twice: once");
     // grant 2 spent and closed by the next ask: only grant 3 holds the refill back

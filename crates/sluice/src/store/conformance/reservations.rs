@@ -81,7 +81,7 @@ pub async fn reservations_and_grants_share_a_window(s: &dyn Store) {
         .grant(t, GrantAsk { key: 1, limit: l, need: 1, want: 1_000, id: 9, close: Vec::new(), pool: false }, t0 + 1)
         .await;
     assert_eq!(g.unwrap().units, 35, "half of the 70 neither held nor committed");
-    let back = GiveBack { key: 1, limit: l, id: 9, unspent: 5, window: t0 + 60_000 };
+    let back = GiveBack { key: 1, limit: l, id: 9, unspent: 5, window: t0 + 60_000, keep: 0 };
     assert_eq!(s.give_back(t, back, t0 + 2).await.unwrap(), 5);
     assert_eq!(hit(s, t, op(1, l, 0), t0 + 4_999).await.used, 60, "30 held, 30 granted");
     assert_eq!(hit(s, t, op(1, l, 0), t0 + 5_000).await.used, 30, "the hold released at its deadline");

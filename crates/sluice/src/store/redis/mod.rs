@@ -327,7 +327,7 @@ impl Store for RedisStore {
         let at = Location::of(tag, back.key, &back.limit, self.writer.options.buckets);
         let fill = |cmd: &mut Cmd| {
             cmd.arg(now).arg(GRACE_MS).arg(policy(&back.limit, false)).arg(&at.field);
-            cmd.arg(back.id).arg(back.unspent).arg(back.window);
+            cmd.arg(back.id).arg(back.unspent).arg(back.window).arg(back.keep);
         };
         let reply = self.writer.write(&self.writer.scripts.give_back, &[&at.key], fill).await?;
         redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("give-back reply: {e}")).because(e))
