@@ -132,7 +132,7 @@ impl Regions {
             (false, _) => Hurried::Failed(StoreError::unavailable("the global store did not answer its last call")),
             (true, true) => {
                 self.global_down.store(true, Relaxed);
-                let why = format!("the global store answered no call for {left} ms (twice its round trip and more)");
+                let why = format!("the global store answered none of its calls under way in a wait of {left} ms");
                 Hurried::Failed(StoreError::unavailable(why))
             }
         };
