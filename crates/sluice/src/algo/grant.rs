@@ -86,7 +86,7 @@ impl GrantBook {
     /// Grant `id`, if open with `held` units, keeps `keep` of them: the units it held.
     fn shrink(&mut self, id: u64, held: u64, keep: u64) -> Option<u64> {
         let o = self.open.iter_mut().find(|o| o.id == id && o.units == held)?;
-        o.units = keep.min(held);
+        o.units = keep;
         Some(held)
     }
 

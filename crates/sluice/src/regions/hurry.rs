@@ -33,23 +33,6 @@ pub(crate) enum Hurried {
 /// A move of `Regions::hurry` under way: what it found, once it has.
 pub(super) type InFlight = tokio::sync::watch::Receiver<Option<Hurried>>;
 
-/// One global call under way, counted while it lives (a call dropped unanswered, as
-/// the other half of a join that failed, is no longer under way).
-pub(super) struct UnderWay<'a>(&'a std::sync::atomic::AtomicU64);
-
-impl<'a> UnderWay<'a> {
-    pub(super) fn new(count: &'a std::sync::atomic::AtomicU64) -> Self {
-        count.fetch_add(1, Relaxed);
-        Self(count)
-    }
-}
-
-impl Drop for UnderWay<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
-    }
-}
-
 impl Regions {
     /// Whether the fleet has spent the window `op` names at `planned`, as far as this
     /// region knows: the global store said within a horizon that it had less than the
@@ -119,24 +102,17 @@ impl Regions {
         // have units; answers already on their way when it stopped arrive within that
         // round trip); else waiting (it answers, this client's move was slower)
         let first = std::time::Duration::from_millis(self.round_trip().min(left / 2));
-        let mut answered = self.global_answered.load(Relaxed);
         let within = match tokio::time::timeout(first, &mut moved).await {
-            Ok(hurried) => Some(hurried),
+            Ok(hurried) => hurried,
             Err(_) => {
-                answered = self.global_answered.load(Relaxed);
-                tokio::time::timeout(bound - first, &mut moved).await.ok()
+                let answered = self.global_answered.load(Relaxed);
+                match tokio::time::timeout(bound - first, &mut moved).await {
+                    Ok(hurried) => hurried,
+                    Err(_) => self.late(answered, left),
+                }
             }
         };
-        let late = || match (self.global_answers(), self.stalled_since(answered)) {
-            (true, false) => Hurried::Waiting,
-            (false, _) => Hurried::Failed(StoreError::unavailable("the global store did not answer its last call")),
-            (true, true) => {
-                self.global_down.store(true, Relaxed);
-                let why = format!("the global store answered none of its calls under way in a wait of {left} ms");
-                Hurried::Failed(StoreError::unavailable(why))
-            }
-        };
-        let hurried = match within.unwrap_or_else(late) {
+        let hurried = match within {
             Hurried::Waiting if self.clock.now() >= pool::window_end(&op.limit, planned) => Hurried::Ended,
             hurried => hurried,
         };
@@ -144,6 +120,22 @@ impl Regions {
             self.refused_spent();
         }
         hurried
+    }
+
+    /// A decision's move found nothing within its wait of `left` ms: failed if the
+    /// global store's last call did, or if it answered none of the calls under way since
+    /// its answers numbered `answered` (it is then counted as failing until it answers);
+    /// else waiting.
+    fn late(&self, answered: u64, left: Millis) -> Hurried {
+        match (self.global_answers(), self.stalled_since(answered)) {
+            (true, false) => Hurried::Waiting,
+            (false, _) => Hurried::Failed(StoreError::unavailable("the global store did not answer its last call")),
+            (true, true) => {
+                self.global_down.store(true, Relaxed);
+                let why = format!("the global store answered none of its calls under way in a wait of {left} ms");
+                Hurried::Failed(StoreError::unavailable(why))
+            }
+        }
     }
 
     /// Whether the global store has calls under way and has answered none since its

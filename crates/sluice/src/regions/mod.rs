@@ -491,7 +491,7 @@ impl Regions {
     /// the metrics, the wall clock's finer time.
     async fn timed<T>(&self, call: impl std::future::Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
         let (started, began) = (Instant::now(), self.clock.now());
-        let under_way = hurry::UnderWay::new(&self.global_in_flight);
+        let under_way = stats::UnderWay::new(&self.global_in_flight);
         let result = call.await;
         drop(under_way);
         self.global_answered.fetch_add(1, Relaxed);

@@ -1,7 +1,8 @@
 //! What a region's allocator counts: its statistics (read by the live page and `admin
-//! inspect`) and its series in `/metrics` (`sluice_region_*`, labelled by region).
+//! inspect`), its series in `/metrics` (`sluice_region_*`, labelled by region), and its
+//! global calls under way.
 
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// What an instance's allocator counts (also in `/metrics`: `sluice_region_*`).
 #[derive(Debug, Default)]
@@ -69,5 +70,22 @@ impl Metrics {
             lost: metrics::counter!(REGION_LOST_UNITS, "region" => region.to_string()),
             disagreements: metrics::gauge!(REGION_DISAGREEMENTS, "region" => region.to_string()),
         }
+    }
+}
+
+/// One global call under way, counted while it lives (a call dropped unanswered, as
+/// the other half of a join that failed, is no longer under way).
+pub(super) struct UnderWay<'a>(&'a std::sync::atomic::AtomicU64);
+
+impl<'a> UnderWay<'a> {
+    pub(super) fn new(count: &'a std::sync::atomic::AtomicU64) -> Self {
+        count.fetch_add(1, Relaxed);
+        Self(count)
+    }
+}
+
+impl Drop for UnderWay<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
     }
 }
