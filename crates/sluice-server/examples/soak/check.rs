@@ -7,7 +7,7 @@
 //! decisions within their intervals could explain it).
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// How long after a fault ends its decisions may still be degraded (the store's
 /// breaker cooling down, a failover settling, a restarted instance's connections).
@@ -16,16 +16,24 @@ pub const EXACT_WITHIN_MS: u64 = 5_000;
 /// How late past the deadline an answer may come.
 pub const LATE_MS: u64 = 50;
 
-/// The run's clock: ms since it began, and the wall clock then.
+/// The run's clock: ms since it began, read from the wall clock, the clock the servers
+/// decide by (a window's bounds and a bucket's refill are wall-clock times). A monotonic
+/// clock would judge them by another time: on a CI machine whose wall clock gained 5 ms a
+/// second on its monotonic one, a token bucket's refill over 21 s of the monotonic clock
+/// held a token more, and windows were a hundred ms off, all called over the limit. Read
+/// so that it never goes back: a wall clock stepped back is held, as the limiter's
+/// algorithms hold it.
 #[derive(Debug, Clone, Copy)]
 pub struct Clock {
-    start: Instant,
     epoch: u64,
 }
 
+/// The latest wall-clock ms read, which later reads never go below.
+static LATEST_MS: AtomicU64 = AtomicU64::new(0);
+
 impl Clock {
     pub fn now() -> Self {
-        Self { start: Instant::now(), epoch: Self::epoch_ms() }
+        Self { epoch: Self::epoch_ms() }
     }
 
     pub fn epoch_ms() -> u64 {
@@ -34,7 +42,8 @@ impl Clock {
 
     /// ms since the run began.
     pub fn ms(&self) -> u64 {
-        self.start.elapsed().as_millis() as u64
+        let now = Self::epoch_ms();
+        LATEST_MS.fetch_max(now, Ordering::Relaxed).max(now).saturating_sub(self.epoch)
     }
 
     /// A run time as wall-clock ms.
