@@ -501,17 +501,25 @@ impl Ledger {
     /// moved.
     pub(crate) fn sweep(&self, generation: u64, now: Millis, out: &mut Leftovers) -> bool {
         let moved = self.generation.swap(generation, Relaxed) != generation;
+        self.drop_idle(moved, now, out);
+        moved
+    }
+
+    /// Drops the grants of keys idle for [`IDLE`] (and every grant if `all`), to give
+    /// back: what [`Self::sweep`] does at a decision, for an instance that makes none (its
+    /// region's allocator calls it every tick: units an instance no longer asked holds
+    /// are hidden from its region's pool, and from the fleet's, until they go back).
+    pub(crate) fn drop_idle(&self, all: bool, now: Millis, out: &mut Leftovers) {
         for shard in self.shards.iter() {
             shard.lock().unwrap_or_else(|p| p.into_inner()).retain(|&(tag, key), h| {
                 h.lapse(now, out);
-                let keep = !moved && (h.bucket() || now < h.window) && now.saturating_sub(h.used_at) < IDLE;
+                let keep = !all && (h.bucket() || now < h.window) && now.saturating_sub(h.used_at) < IDLE;
                 if !keep {
                     self.drop_held(tag, key, h, now, out);
                 }
                 keep
             });
         }
-        moved
     }
 
     /// Every grant held, to give back (at shutdown).

@@ -599,6 +599,9 @@ struct Counted {
     /// Grants never answer, or answer after a second.
     stalled: std::sync::atomic::AtomicBool,
     slow: std::sync::atomic::AtomicBool,
+    /// Grants and pool calls answer a timeout after 300 ms, as a store stopped behind a
+    /// client with a deadline.
+    hung: std::sync::atomic::AtomicBool,
     /// Every call fails, as a store that is down.
     down: std::sync::atomic::AtomicBool,
 }
@@ -610,8 +613,18 @@ impl Counted {
             pool_calls: Default::default(),
             stalled: Default::default(),
             slow: Default::default(),
+            hung: Default::default(),
             down: Default::default(),
         })
+    }
+
+    /// A timeout after 300 ms if it is hung.
+    async fn hang(&self) -> Result<(), StoreError> {
+        if self.hung.load(std::sync::atomic::Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            return Err(StoreError::Timeout(300));
+        }
+        Ok(())
     }
 
     /// The store it calls, unless it is down.
@@ -658,6 +671,7 @@ impl Store for Counted {
         if self.slow.load(std::sync::atomic::Ordering::Relaxed) {
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
+        self.hang().await?;
         self.store()?.grant(tag, ask, now).await
     }
     async fn give_back(&self, tag: Tag, back: GiveBack, now: u64) -> Result<u64, StoreError> {
@@ -668,6 +682,7 @@ impl Store for Counted {
     }
     async fn pool(&self, tag: Tag, call: PoolCall, now: u64) -> Result<(u64, Pool), StoreError> {
         self.pool_calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.hang().await?;
         self.store()?.pool(tag, call, now).await
     }
     fn kind(&self) -> &'static str {
@@ -712,6 +727,48 @@ async fn units_asked_ahead_are_kept_and_an_idle_client_costs_nothing() {
     drive_stepped(&instances, &clock, WINDOW_MS, |_, _| 0).await;
     let idle = local.pool_calls.load(std::sync::atomic::Ordering::Relaxed) - calls;
     assert_eq!(idle, 0, "pool calls for an idle client, in 10 ticks: {:?}", regions.view());
+}
+
+/// On a stepped clock, one region of two instances: the first serves a client a few
+/// times, then gets no more requests (taken out of its load balancer); the second serves
+/// the client on. The units the first holds in its own grant go back to the region's
+/// pool within a tick of being idle for `grants::IDLE`, by its allocator's tick, not at
+/// its next decision (which never comes: until the window ended they were hidden from
+/// the region and the fleet).
+#[tokio::test]
+async fn units_an_idle_instance_holds_go_back_at_its_allocator_s_tick() {
+    let _alone = alone().await;
+    let clock = ManualClock::new(1_000 * WINDOW_MS);
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let (global, local) = (memory(), memory());
+    let instance = || {
+        let regions = Regions::new(global.clone(), local.clone(), shared.clone());
+        Limiter::new(rules(LIMIT), local.clone(), shared.clone()).with_regions(regions)
+    };
+    let (idle, busy) = (instance(), instance());
+    // both serve the client at 20 a second each (its demand sizes their grants), then
+    // only the second
+    let start = clock.now();
+    let mut held = 0;
+    for elapsed in (0..1_000 + sluice::grants::IDLE + sluice::regions::TICK).step_by(50) {
+        clock.set(start + elapsed);
+        if elapsed < 1_000 {
+            assert!(idle.check(&ask("t1")).await.unwrap().allowed());
+            held = idle.grants().held_units();
+        }
+        assert!(busy.check(&ask("t1")).await.unwrap().allowed());
+        if elapsed % sluice::regions::TICK == 0 {
+            for limiter in [&idle, &busy] {
+                limiter.regions().unwrap().step().await;
+            }
+        }
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    }
+    assert!(held > 0, "the instance held units of its grant when it went idle");
+    assert_eq!(idle.grants().held_units(), 0, "still held after {} ms idle", sluice::grants::IDLE);
+    assert!(idle.grants().stats().returned.load(std::sync::atomic::Ordering::Relaxed) >= held);
 }
 
 /// One region of one instance on a manual clock, its global store counted: the
@@ -759,6 +816,30 @@ async fn a_global_store_that_stops_answering_leaves_it_to_the_rule_s_failure() {
         }
     }
     assert_eq!(last.degraded, Some(sluice::config::Failure::Closed), "{last:?}");
+}
+
+/// The region's store hung (a Redis stopped, its client's deadline 300 ms) as a new client
+/// sends two requests at once: the first asks for the instance's grant from the region's
+/// pool and fails with the store, the second waits its bound for that one's turn and
+/// finds the region's store answered nothing meanwhile: both are left to the rule's
+/// `failure` (`closed`: refused, marked degraded), neither refused as waiting, a refusal
+/// that says the fleet may have units (the three-region soak found one so refused while
+/// its region's Redis was stopped).
+#[tokio::test]
+async fn a_region_s_store_that_stops_answering_leaves_it_to_the_rule_s_failure() {
+    let _alone = alone().await;
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(1_000 * WINDOW_MS));
+    let local = Counted::over(memory());
+    let regions = Regions::new(memory(), local.clone(), clock.clone());
+    let limiter = Limiter::new(rules(LIMIT), local.clone(), clock).with_regions(regions.clone());
+    assert!(limiter.check(&ask("known")).await.unwrap().allowed());
+    local.hung.store(true, std::sync::atomic::Ordering::Relaxed);
+    let new = ask("new");
+    let (first, second) = tokio::join!(limiter.check(&new), limiter.check(&new));
+    for v in [first.unwrap(), second.unwrap()] {
+        assert!(!v.allowed() && v.degraded == Some(sluice::config::Failure::Closed), "{v:?}");
+    }
+    assert_eq!(regions.stats().refused_waiting.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
 
 /// A global store that answers, but a client's grant later than its wait (100 ms at

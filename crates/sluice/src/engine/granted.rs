@@ -130,7 +130,7 @@ impl Limiter {
                     }
                     match self.turn_within(tag, (op, rule), planned, began).await {
                         Ok(t) => turn = Some(t),
-                        Err(refused) => return Ok(refused),
+                        Err(answer) => return answer,
                     }
                 }
                 // the grant was short: refused, or (a global limit) hurried
@@ -171,7 +171,13 @@ impl Limiter {
         // grant call, not one a few requests), within `max`
         let burst = op.cost.saturating_mul(waiting + 1).min(rule.grants.max.unwrap_or(u64::MAX));
         ask.want = ask.want.max(burst);
-        let asked = self.grants.ask_store(&*self.store, tag, ask, rule, now, out).await;
+        let asked = self.grants.ask_store(&*self.store, tag, ask, rule, now, out);
+        // a global limit's grant comes from the region's pool: counted under way, as a
+        // call of the region's store others wait for (`Regions::bounded`)
+        let asked = match self.regions.as_ref().filter(|_| rule.global) {
+            Some(regions) => regions.region_call(asked).await,
+            None => asked.await,
+        };
         if asked.is_err() {
             self.grants.ask_failed(tag, op.key, self.clock.now());
         }
@@ -198,23 +204,27 @@ impl Limiter {
     /// what is left of its wait ([`crate::regions::Regions::wait_bound`] from `began`),
     /// then is refused as waiting (`Retry-After`: the horizon): the turn's holder may be
     /// waiting on the global store itself, and no decision waits longer than its bound.
+    /// Or, if the global store or the region's answered nothing in that wait while calls
+    /// were under way (the holder hung on a stalled store), the error: the rule's
+    /// `failure` decides ([`crate::regions::Regions::bounded`]).
     pub(super) async fn turn_within(
         &self,
         tag: Tag,
         (op, rule): (&Op, &GrantRule),
         planned: Millis,
         began: Millis,
-    ) -> Result<(tokio::sync::MutexGuard<'_, ()>, u64), Decision> {
+    ) -> Result<(tokio::sync::MutexGuard<'_, ()>, u64), Result<Decision, StoreError>> {
         let Some(regions) = self.regions.as_ref().filter(|_| rule.global) else {
             return Ok(self.grants.turn(tag, op.key).await);
         };
         let left = regions.wait_bound().saturating_sub(self.clock.now().saturating_sub(began));
-        match tokio::time::timeout(std::time::Duration::from_millis(left), self.grants.turn(tag, op.key)).await {
+        match regions.bounded(left, self.grants.turn(tag, op.key)).await {
             Ok(turn) => Ok(turn),
+            Err(Hurried::Failed(e)) => Err(Err(e)),
             Err(_) => {
                 let now = self.clock.now();
                 let refused = self.grants.refusal_in(tag, op, pool::window_end(&op.limit, planned), now);
-                Err(regions.refuse_waiting(tag, op, planned, refused, now))
+                Err(Ok(regions.refuse_waiting(tag, op, planned, refused, now)))
             }
         }
     }

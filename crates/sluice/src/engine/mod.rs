@@ -132,6 +132,7 @@ impl Limiter {
     /// keeps this region's pools filled (carried across reloads, as grants are).
     pub fn with_regions(mut self, regions: Arc<crate::regions::Regions>) -> Self {
         regions.set_rules(self.rules.global_limits());
+        regions.sweeps(&self.grants);
         self.regions = Some(regions);
         self
     }
@@ -146,6 +147,9 @@ impl Limiter {
     /// instance holds to the next engine (a limit the reload changed gives its grants
     /// back at its next decision).
     pub fn with_grants(mut self, grants: Arc<Ledger>) -> Self {
+        if let Some(regions) = &self.regions {
+            regions.sweeps(&grants);
+        }
         self.grants = grants;
         self
     }

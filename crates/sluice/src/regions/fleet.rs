@@ -61,7 +61,7 @@ impl Regions {
             return Some(left);
         }
         let now = self.clock.now().min(end - 1);
-        let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await.ok()?;
+        let (_, pool) = self.region_pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await.ok()?;
         self.saw(tag, base, end, &pool);
         Some(pool.left.unwrap_or(0) + pool.unspent())
     }
@@ -74,7 +74,7 @@ impl Regions {
     /// be read.
     pub(crate) async fn fleet_status(&self, tag: Tag, op: &Op, now: Millis) -> Option<u64> {
         let end = pool::window_end(&op.limit, now);
-        let pool = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now);
+        let pool = self.region_pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now);
         let global = self.timed(self.global.peek(tag, std::slice::from_ref(op), now));
         let ((_, pool), global) = futures_util::future::try_join(pool, global).await.ok()?;
         self.saw(tag, pool::base_key(op.key, &op.limit, end), end, &pool);
@@ -100,7 +100,7 @@ impl Regions {
         now: Millis,
     ) -> Result<(Pool, Vec<Open>, Option<(u64, u64)>), StoreError> {
         let end = pool::window_end(&op.limit, now);
-        let (_, pool) = self.local.pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await?;
+        let (_, pool) = self.region_pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await?;
         let global = self.timed(self.global.peek(tag, std::slice::from_ref(op), now)).await;
         let global = global.ok().and_then(|d| d.first().map(|d| (d.used, d.remaining)));
         Ok((pool, self.holding(tag, pool::base_key(op.key, &op.limit, end), end).open, global))

@@ -52,7 +52,7 @@ impl Regions {
             true
         } else {
             let call = self.pool_call(op.key, &op.limit, end, Act::Read);
-            let Ok((_, pool)) = self.local.pool(tag, call, now).await else { return false };
+            let Ok((_, pool)) = self.region_pool(tag, call, now).await else { return false };
             self.saw(tag, base, end, &pool);
             pool.unspent() < cost
         };
@@ -94,24 +94,8 @@ impl Regions {
         self.stats.hurried.fetch_add(1, Relaxed);
         self.metrics.hurried.increment(1);
         let bound = std::time::Duration::from_millis(left);
-        let mut moved = std::pin::pin!(self.move_for(tag, (op, waiting), planned, bound));
-        // no answer within the wait: failed if the global store's last call did (a link
-        // that drops every packet answers nothing until the call's deadline), or if it
-        // answered none of the calls under way after the wait's first round trip (a store
-        // stopped or hung: the rule's `failure` decides, not a refusal that says it may
-        // have units; answers already on their way when it stopped arrive within that
-        // round trip); else waiting (it answers, this client's move was slower)
-        let first = std::time::Duration::from_millis(self.round_trip().min(left / 2));
-        let within = match tokio::time::timeout(first, &mut moved).await {
-            Ok(hurried) => hurried,
-            Err(_) => {
-                let answered = self.global_answered.load(Relaxed);
-                match tokio::time::timeout(bound - first, &mut moved).await {
-                    Ok(hurried) => hurried,
-                    Err(_) => self.late(answered, left),
-                }
-            }
-        };
+        let moved = self.move_for(tag, (op, waiting), planned, bound);
+        let within = self.bounded(left, moved).await.unwrap_or_else(|late| late);
         let hurried = match within {
             Hurried::Waiting if self.clock.now() >= pool::window_end(&op.limit, planned) => Hurried::Ended,
             hurried => hurried,
@@ -122,26 +106,51 @@ impl Regions {
         hurried
     }
 
-    /// A decision's move found nothing within its wait of `left` ms: failed if the
-    /// global store's last call did, or if it answered none of the calls under way since
-    /// its answers numbered `answered` (it is then counted as failing until it answers);
-    /// else waiting.
-    fn late(&self, answered: u64, left: Millis) -> Hurried {
-        match (self.global_answers(), self.stalled_since(answered)) {
-            (true, false) => Hurried::Waiting,
-            (false, _) => Hurried::Failed(StoreError::unavailable("the global store did not answer its last call")),
-            (true, true) => {
-                self.global_down.store(true, Relaxed);
-                let why = format!("the global store answered none of its calls under way in a wait of {left} ms");
-                Hurried::Failed(StoreError::unavailable(why))
-            }
+    /// `call` (a decision's move, or its wait for the turn of a move under way), given
+    /// `left` ms; if it took longer, what the wait found: failed if the global store's
+    /// last call did (a link that drops every packet answers nothing until the call's
+    /// deadline), or if the global store or the region's answered none of their calls
+    /// under way after the wait's first round trip (a store stopped or hung: the rule's
+    /// `failure` decides, not a refusal that says it may have units; answers already on
+    /// their way when it stopped arrive within that round trip; a stalled global store is
+    /// then counted as failing until it answers); else waiting (both answer, this
+    /// client's move was slower).
+    pub(crate) async fn bounded<T>(
+        &self,
+        left: Millis,
+        call: impl std::future::Future<Output = T>,
+    ) -> Result<T, Hurried> {
+        let mut call = std::pin::pin!(call);
+        let bound = std::time::Duration::from_millis(left);
+        let first = std::time::Duration::from_millis(self.round_trip().min(left / 2));
+        if let Ok(answer) = tokio::time::timeout(first, &mut call).await {
+            return Ok(answer);
         }
+        let (global, region) = (self.global_calls.answered(), self.region_calls.answered());
+        if let Ok(answer) = tokio::time::timeout(bound - first, &mut call).await {
+            return Ok(answer);
+        }
+        let stalled = |whose: &str| {
+            let why = format!("{whose} store answered none of its calls under way in a wait of {left} ms");
+            Hurried::Failed(StoreError::unavailable(why))
+        };
+        Err(if self.global_calls.stalled_since(global) {
+            self.global_down.store(true, Relaxed);
+            stalled("the global")
+        } else if self.region_calls.stalled_since(region) {
+            stalled("the region's")
+        } else if !self.global_answers() {
+            Hurried::Failed(StoreError::unavailable("the global store did not answer its last call"))
+        } else {
+            Hurried::Waiting
+        })
     }
 
-    /// Whether the global store has calls under way and has answered none since its
-    /// answers numbered `answered`.
-    fn stalled_since(&self, answered: u64) -> bool {
-        self.global_in_flight.load(Relaxed) > 0 && self.global_answered.load(Relaxed) == answered
+    /// A call to the region's store on a global limit's behalf (an instance's grant from
+    /// the region's pool), counted under way: a decision waiting for the turn of one
+    /// hung on it finds the region's store stalled ([`Self::bounded`]).
+    pub(crate) async fn region_call<T>(&self, call: impl std::future::Future<Output = T>) -> T {
+        self.region_calls.counted(call).await
     }
 
     /// Counts a decision refused because the fleet spent its window.
@@ -227,7 +236,7 @@ impl Regions {
             if Instant::now() >= until {
                 return Ok(Hurried::Waiting);
             }
-            let (_, pool) = self.local.pool(tag, call(Act::Read), now).await?;
+            let (_, pool) = self.region_pool(tag, call(Act::Read), now).await?;
             if pool.unspent() >= cost {
                 return Ok(Hurried::Filled);
             }
@@ -236,7 +245,7 @@ impl Regions {
                 return Ok(Hurried::Spent);
             }
             let horizon = self.horizon();
-            if let (1, _) = self.local.pool(tag, call(Act::Claim { ttl: horizon }), now).await? {
+            if let (1, _) = self.region_pool(tag, call(Act::Claim { ttl: horizon }), now).await? {
                 let need = cost - pool.unspent();
                 // this decision's units, those of the decisions queued behind it, and
                 // the region's demand until the next tick (the allocator sizes the
@@ -250,7 +259,7 @@ impl Regions {
                     Ok(0) => return Ok(Hurried::Spent),
                     Ok(_) => return Ok(Hurried::Filled),
                     Err(e) => {
-                        let _ = self.local.pool(tag, call(Act::Release), now).await;
+                        let _ = self.region_pool(tag, call(Act::Release), now).await;
                         return Err(e);
                     }
                 }

@@ -151,11 +151,11 @@ pub struct Regions {
     /// call failed.
     regions: AtomicU64,
     global_down: AtomicBool,
-    /// Global calls under way, and answers the global store gave (each call's end, ok or
-    /// not): a decision that waited its bound while calls were under way and no answer
-    /// came finds the global store stalled (`Regions::hurry`).
-    global_in_flight: AtomicU64,
-    global_answered: AtomicU64,
+    /// The calls under way to the global store and to the region's, and their answers:
+    /// a decision that waited its bound while one had calls under way and answered none
+    /// finds it stalled (`Regions::hurry`).
+    global_calls: stats::Calls,
+    region_calls: stats::Calls,
     /// When the next beat is due ([`outage`]).
     beat: crate::time::Throttle,
     /// The clients kept, [`MAX_ACTIVE`] reached, swept of the idle at most once a second;
@@ -169,6 +169,9 @@ pub struct Regions {
     agreed: Mutex<HashMap<(u64, Millis), u64>>,
     told: Mutex<std::collections::HashSet<(String, agree::Variants)>>,
     shared_told: AtomicBool,
+    /// The quota grants of the engine that holds this allocator, swept of the idle each
+    /// tick ([`Self::sweep_grants`]).
+    grants: Mutex<std::sync::Weak<crate::grants::Ledger>>,
 }
 
 /// The round trips to the global store a global window should last at least: under that,
@@ -202,8 +205,8 @@ impl Regions {
             hurrying: Mutex::new(HashMap::new()),
             regions: AtomicU64::new(1),
             global_down: AtomicBool::new(false),
-            global_in_flight: AtomicU64::new(0),
-            global_answered: AtomicU64::new(0),
+            global_calls: Default::default(),
+            region_calls: Default::default(),
             beat: Default::default(),
             sweep: Default::default(),
             untracked_told: Default::default(),
@@ -211,6 +214,7 @@ impl Regions {
             agreed: Mutex::new(HashMap::new()),
             told: Mutex::new(Default::default()),
             shared_told: AtomicBool::new(false),
+            grants: Mutex::new(std::sync::Weak::new()),
         })
     }
 
@@ -329,6 +333,28 @@ impl Regions {
                 self.allocate(tag, base, limit, arrived, now)
             })
             .await;
+        self.sweep_grants(now).await;
+    }
+
+    /// Sweeps the quota grants of `ledger` (the engine's that holds this allocator) of
+    /// the idle at every tick, not only at the engine's next decision.
+    pub(crate) fn sweeps(&self, ledger: &Arc<crate::grants::Ledger>) {
+        *self.grants.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::downgrade(ledger);
+    }
+
+    /// Gives back the units of this instance's grants idle for
+    /// [`IDLE`](crate::grants::IDLE): an instance that gets no more requests (taken out
+    /// of its load balancer, its clients gone to another) would hold them, hidden from
+    /// its region's pool and the fleet's, until their window ended.
+    async fn sweep_grants(&self, now: Millis) {
+        let Some(ledger) = self.grants.lock().unwrap_or_else(std::sync::PoisonError::into_inner).upgrade() else {
+            return;
+        };
+        let mut out = crate::grants::Leftovers::default();
+        ledger.drop_idle(false, now, &mut out);
+        if !out.give_back.is_empty() {
+            let _ = ledger.settle(&*self.local, out, now).await;
+        }
     }
 
     /// Reports and plans for the window of `limit` that `now` is in, of client `base`;
@@ -359,7 +385,7 @@ impl Regions {
         let at = now.max(end - pool::window_length(limit));
         let horizon = self.horizon();
         let call = |act| self.pool_call(key, limit, end, act);
-        let (_, pool) = self.local.pool(tag, PoolCall { arrived, ..call(Act::Read) }, at).await.ok()?;
+        let (_, pool) = self.region_pool(tag, PoolCall { arrived, ..call(Act::Read) }, at).await.ok()?;
         self.saw(tag, base, end, &pool);
         let holding = self.holding(tag, base, end);
         let demand_per_s = demand.unwrap_or_else(|| pool.demand.per_s(horizon, at));
@@ -370,7 +396,8 @@ impl Regions {
             Move::GiveBack { .. } if holding.taken_at.is_some_and(|t| at < t + horizon) => Move::Hold,
             m => m,
         };
-        if m == Move::Hold || !matches!(self.local.pool(tag, call(Act::Claim { ttl: horizon }), at).await, Ok((1, _))) {
+        if m == Move::Hold || !matches!(self.region_pool(tag, call(Act::Claim { ttl: horizon }), at).await, Ok((1, _)))
+        {
             return Some(demand_per_s);
         }
         let result = match m {
@@ -381,7 +408,7 @@ impl Regions {
             Move::Hold => Ok(()),
         };
         if result.is_err() {
-            let _ = self.local.pool(tag, call(Act::Release), at).await;
+            let _ = self.region_pool(tag, call(Act::Release), at).await;
         }
         Some(demand_per_s)
     }
@@ -423,7 +450,7 @@ impl Regions {
         self.metrics.taken.increment(g.units);
         let act = if g.units > 0 { Act::Fill(g.units) } else { Act::Release };
         let call = PoolCall { left: Some(g.decision.remaining), ..self.pool_call(key, limit, end, act) };
-        self.local.pool(tag, call, at).await.map(|_| g.units)
+        self.region_pool(tag, call, at).await.map(|_| g.units)
     }
 
     /// Drains unspent units from the pool, then gives them back to the global store.
@@ -438,7 +465,7 @@ impl Regions {
         let holding = self.holding(tag, base, end);
         for (id, units) in parts {
             let held = holding.open.iter().find(|o| o.id == id).map_or(0, |o| o.units);
-            let (n, _) = self.local.pool(tag, self.pool_call(key, limit, end, Act::Drain(units)), at).await?;
+            let (n, _) = self.region_pool(tag, self.pool_call(key, limit, end, Act::Drain(units)), at).await?;
             // a part keeps the rest of its grant open, to give back through later (closed,
             // what the region still held of it could never go back: a region the demand
             // left kept it until the window ended, while the others were refused)
@@ -486,15 +513,18 @@ impl Regions {
         PoolCall { key, limit: *limit, end, arrived: 0, act, bucket: self.horizon(), left: None }
     }
 
+    /// A call on a pool in the region's store, counted under way (a move hung on it is
+    /// a stalled regional store, `Regions::hurry`).
+    async fn region_pool(&self, tag: Tag, call: PoolCall, at: Millis) -> Result<(u64, Pool), StoreError> {
+        self.region_calls.counted(self.local.pool(tag, call, at)).await
+    }
+
     /// A global call, timed and counted: its latency keeps the horizon.
     /// The horizon follows the engine's clock (a test's stepped clock keeps it fixed);
     /// the metrics, the wall clock's finer time.
     async fn timed<T>(&self, call: impl std::future::Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
         let (started, began) = (Instant::now(), self.clock.now());
-        let under_way = stats::UnderWay::new(&self.global_in_flight);
-        let result = call.await;
-        drop(under_way);
-        self.global_answered.fetch_add(1, Relaxed);
+        let result = self.global_calls.counted(call).await;
         let took = started.elapsed();
         self.stats.global_calls.fetch_add(1, Relaxed);
         self.stats.global_micros.fetch_add(took.as_micros() as u64, Relaxed);

@@ -1,6 +1,6 @@
 //! What a region's allocator counts: its statistics (read by the live page and `admin
-//! inspect`), its series in `/metrics` (`sluice_region_*`, labelled by region), and its
-//! global calls under way.
+//! inspect`), its series in `/metrics` (`sluice_region_*`, labelled by region), and the
+//! calls under way to the global store and to the region's.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
@@ -73,12 +73,43 @@ impl Metrics {
     }
 }
 
-/// One global call under way, counted while it lives (a call dropped unanswered, as
-/// the other half of a join that failed, is no longer under way).
-pub(super) struct UnderWay<'a>(&'a std::sync::atomic::AtomicU64);
+/// One store's calls under way and answers (each call's end, ok or not): a decision that
+/// waited its bound while calls were under way and no answer came finds the store
+/// stalled (`Regions::hurry`).
+#[derive(Debug, Default)]
+pub(super) struct Calls {
+    in_flight: AtomicU64,
+    answered: AtomicU64,
+}
+
+impl Calls {
+    /// `call`, counted under way while it lives (a call dropped unanswered, as the other
+    /// half of a join that failed, is no longer under way), and answered once it ends.
+    pub(super) async fn counted<T>(&self, call: impl std::future::Future<Output = T>) -> T {
+        let under_way = UnderWay::new(&self.in_flight);
+        let result = call.await;
+        drop(under_way);
+        self.answered.fetch_add(1, Relaxed);
+        result
+    }
+
+    /// The answers so far.
+    pub(super) fn answered(&self) -> u64 {
+        self.answered.load(Relaxed)
+    }
+
+    /// Whether calls are under way and none was answered since the answers numbered
+    /// `answered`.
+    pub(super) fn stalled_since(&self, answered: u64) -> bool {
+        self.in_flight.load(Relaxed) > 0 && self.answered() == answered
+    }
+}
+
+/// One call under way, counted while it lives.
+struct UnderWay<'a>(&'a AtomicU64);
 
 impl<'a> UnderWay<'a> {
-    pub(super) fn new(count: &'a std::sync::atomic::AtomicU64) -> Self {
+    fn new(count: &'a AtomicU64) -> Self {
         count.fetch_add(1, Relaxed);
         Self(count)
     }
