@@ -153,7 +153,7 @@ pub struct Regions {
     global_down: AtomicBool,
     /// The calls under way to the global store and to the region's, and their answers:
     /// a decision that waited its bound while one had calls under way and answered none
-    /// finds it stalled (`Regions::hurry`).
+    /// finds it stalled (`Regions::bounded`).
     global_calls: stats::Calls,
     region_calls: stats::Calls,
     /// When the next beat is due ([`outage`]).
@@ -516,7 +516,7 @@ impl Regions {
     /// A call on a pool in the region's store, counted under way (a move hung on it is
     /// a stalled regional store, `Regions::hurry`).
     async fn region_pool(&self, tag: Tag, call: PoolCall, at: Millis) -> Result<(u64, Pool), StoreError> {
-        self.region_calls.counted(self.local.pool(tag, call, at)).await
+        self.region_call(self.local.pool(tag, call, at)).await
     }
 
     /// A global call, timed and counted: its latency keeps the horizon.

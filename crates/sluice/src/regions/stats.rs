@@ -75,7 +75,7 @@ impl Metrics {
 
 /// One store's calls under way and answers (each call's end, ok or not): a decision that
 /// waited its bound while calls were under way and no answer came finds the store
-/// stalled (`Regions::hurry`).
+/// stalled (`Regions::bounded`).
 #[derive(Debug, Default)]
 pub(super) struct Calls {
     in_flight: AtomicU64,
