@@ -177,6 +177,16 @@ async fn three_regions_never_pass_one_limit() {
     // and the fleet's window in the global store: every region's holdings, and what is left
     let (granted, left) = (region["global_granted"].as_u64().unwrap(), region["global_left"].as_u64().unwrap());
     assert!(held <= granted && granted + left == LIMIT, "{seen}");
+    // each region's grants open there (the demand has stopped: what is left of them is
+    // being given back), this one ("us") named by its code, the others by code only
+    let by_region = region["regions"].as_array().unwrap();
+    let code = serde_json::json!(format!("{:04x}", sluice::regions::region_code("us")));
+    let open: u64 = by_region.iter().map(|r| r["granted_open"].as_u64().unwrap()).sum();
+    assert!(open <= granted, "{seen}");
+    for r in by_region {
+        let named = if r["code"] == code { serde_json::json!("us") } else { serde_json::Value::Null };
+        assert_eq!(r["region"], named, "{seen}");
+    }
     let text = std::process::Command::new(common::bin())
         .args(["admin", "--server", &regions[1][0].base, "inspect", "--domain", "api", "tenant=t1"])
         .env("SLUICE_ADMIN_TOKEN", TOKEN)

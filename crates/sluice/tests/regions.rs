@@ -20,7 +20,7 @@ use sluice::algo::grant::Granted;
 use sluice::algo::pool::Pool;
 use sluice::algo::{ConcurrencyState, Decision, Lease, Op};
 use sluice::config::RulesConfig;
-use sluice::regions::Regions;
+use sluice::regions::{Regions, region_code};
 use sluice::store::redis::{RedisOptions, RedisStore};
 use sluice::store::{GiveBack, GrantAsk, MemoryStore, PoolCall, Refund, Resilience, Resilient, Store, StoreError};
 use sluice::tag::Tag;
@@ -981,7 +981,7 @@ async fn a_status_read_of_a_global_limit_tells_the_fleet_s_count() {
     for _ in 0..50 {
         assert!(limiters[0].check(&request).await.unwrap().allowed());
     }
-    let pool = limiters[0].pools(&request).await.unwrap()[0].pool;
+    let pool = limiters[0].pools(&request).await.unwrap()[0].fleet.pool;
     let unspent = pool.cap - pool.used;
     for _ in 0..2 {
         let d = limiters[1].status(&request).await.unwrap().descriptors[0].policies[0].decision;
@@ -994,6 +994,40 @@ async fn a_status_read_of_a_global_limit_tells_the_fleet_s_count() {
     // region 0 reads its own spending the same way
     let d = limiters[0].status(&request).await.unwrap().descriptors[0].policies[0].decision;
     assert!(d.remaining <= LIMIT - 50, "{d:?}");
+}
+
+/// `admin inspect` of a global limit (`Limiter::pools`) shows every region's grants open
+/// in the global store, each region known by the code its grant ids carry, this region
+/// named and first; they hold no more than the global store granted.
+#[tokio::test]
+async fn inspect_shows_every_region_s_grants_in_the_global_store() {
+    let _alone = alone().await;
+    let clock = ManualClock::new(1_000 * WINDOW_MS);
+    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+    let global = memory();
+    let limiters: Vec<Limiter> = ["eu", "us"]
+        .iter()
+        .map(|name| {
+            let local = memory();
+            let regions = Regions::named(name, global.clone(), local.clone(), shared.clone());
+            Limiter::new(rules(LIMIT), local, shared.clone()).with_regions(regions)
+        })
+        .collect();
+    let request = Request::new("api").descriptor([("tenant", "t1")]);
+    for l in &limiters {
+        for _ in 0..20 {
+            assert!(l.check(&request).await.unwrap().allowed());
+        }
+    }
+    let fleet = &limiters[0].pools(&request).await.unwrap()[0].fleet;
+    let regions: Vec<_> = fleet.regions.iter().map(|r| (r.code, r.region.as_deref())).collect();
+    assert_eq!(regions, [(region_code("eu"), Some("eu")), (region_code("us"), None)], "{fleet:?}");
+    let (granted, _) = fleet.global.expect("the global store's count");
+    let open: u64 = fleet.regions.iter().map(|r| r.units).sum();
+    assert!(fleet.regions.iter().all(|r| r.units > 0 && r.grants > 0) && open <= granted, "{fleet:?}");
+    // what this instance holds is among its region's
+    let here: u64 = fleet.grants_here.iter().map(|g| g.units).sum();
+    assert!(here > 0 && here <= fleet.regions[0].units, "{fleet:?}");
 }
 
 /// Two regions that configure one global rule differently (200 and 400 a window), on a

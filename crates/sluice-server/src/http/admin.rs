@@ -246,9 +246,14 @@ async fn inspect(State(state): Shared, query: Result<Query<Vec<(String, String)>
 
 /// A global limit's regional pool, as `inspect` shows it.
 fn region_json(r: &sluice::RegionalPool, now: u64) -> Value {
-    let p = &r.pool;
+    let (p, fleet) = (&r.fleet.pool, &r.fleet);
     let grants: Vec<Value> =
-        r.grants_here.iter().map(|g| json!({"grant": g.id.to_string(), "units": g.units})).collect();
+        fleet.grants_here.iter().map(|g| json!({"grant": g.id.to_string(), "units": g.units})).collect();
+    let regions: Vec<Value> = fleet
+        .regions
+        .iter()
+        .map(|r| json!({"region": r.region, "code": format!("{:04x}", r.code), "granted_open": r.units, "grants": r.grants}))
+        .collect();
     json!({
         "held": p.cap,
         "taken_by_instances": p.used,
@@ -256,8 +261,9 @@ fn region_json(r: &sluice::RegionalPool, now: u64) -> Value {
         "demand_per_s": (p.demand.per_s(1_000, now) * 10.0).round() / 10.0,
         "window_end_ms": p.resets_at,
         "grants_from_this_instance": grants,
-        "global_granted": r.global.map(|(granted, _)| granted),
-        "global_left": r.global.map(|(_, left)| left),
+        "global_granted": fleet.global.map(|(granted, _)| granted),
+        "global_left": fleet.global.map(|(_, left)| left),
+        "regions": regions,
     })
 }
 

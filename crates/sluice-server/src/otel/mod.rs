@@ -21,7 +21,7 @@
 use crate::otlp::{self, KeyValue};
 use axum::http::{HeaderMap, HeaderName};
 use serde::{Deserialize, Deserializer, de};
-use sluice::algo::grant::Granted;
+use sluice::algo::grant::{Granted, Open};
 use sluice::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use sluice::config::Duration as ConfigDuration;
 use sluice::store::{

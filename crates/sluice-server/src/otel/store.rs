@@ -61,6 +61,10 @@ impl Store for TracedStore {
         store_call("holds", self.0.holds(tag, key, limit, now)).await
     }
 
+    async fn grants_open(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Open>, StoreError> {
+        store_call("grants_open", self.0.grants_open(tag, key, limit, now)).await
+    }
+
     fn keeps_registry(&self) -> bool {
         self.0.keeps_registry()
     }

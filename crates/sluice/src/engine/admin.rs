@@ -36,13 +36,10 @@ pub struct RegionalPool {
     pub descriptor: usize,
     /// The policy's name.
     pub policy: Arc<str>,
-    /// What the region holds of the window now, what its instances took, its demand.
-    pub pool: crate::algo::pool::Pool,
-    /// This instance's grants open in the global store for that window.
-    pub grants_here: Vec<crate::algo::grant::Open>,
-    /// The fleet's window in the global store: units granted to the regions (spent or
-    /// not) and left to grant; `None` when it could not be read.
-    pub global: Option<(u64, u64)>,
+    /// The window as this instance sees it: the region's pool (what it holds now, what
+    /// its instances took, its demand), this instance's grants, the global store's count
+    /// and every region's grants there.
+    pub fleet: crate::regions::FleetWindow,
 }
 
 impl Limiter {
@@ -283,8 +280,8 @@ impl Limiter {
         let (now, mut out) = (self.clock.now(), Vec::new());
         for (tag, op, policy, descriptor) in self.peek_ops(req, now)? {
             if self.rules.is_global(&req.domain, &policy) {
-                let (pool, grants_here, global) = regions.inspect(tag, &op, now).await?;
-                out.push(RegionalPool { descriptor, policy, pool, grants_here, global });
+                let fleet = regions.inspect(tag, &op, now).await?;
+                out.push(RegionalPool { descriptor, policy, fleet });
             }
         }
         Ok(out)

@@ -1,6 +1,7 @@
 //! The fleet's count as a region knows it, without a move: what is left of a global
 //! window for an admitted answer and a status read, a client's pools and grants for
-//! `admin inspect`, and the region as this instance sees it for the live page.
+//! `admin inspect` (every region's grants in the global store among them), and the
+//! region as this instance sees it for the live page.
 
 use super::{Regions, TICK};
 use crate::algo::grant::Open;
@@ -10,6 +11,47 @@ use crate::store::StoreError;
 use crate::tag::Tag;
 use crate::time::Millis;
 use std::sync::atomic::Ordering::Relaxed;
+
+/// Where a grant's id carries its region's code ([`region_code`]): the 16 bits from
+/// here up. Below, each instance counts from a random start under 2^46, so 2^46 grants
+/// at least go by before the count reaches the code.
+pub(super) const REGION_SHIFT: u32 = 47;
+
+/// The code of region `name` in the ids of its grants, so that the global store's book
+/// of a window says which region holds each grant (its name is known only there).
+pub fn region_code(name: &str) -> u16 {
+    use std::hash::Hasher;
+    let mut h = siphasher::sip::SipHasher13::new_with_keys(0x6772_616e_7473, 0);
+    h.write(name.as_bytes());
+    h.finish() as u16
+}
+
+/// What one region holds of a global window, as the global store's book says: the units
+/// of its grants open there (spent or not: a grant is closed when its region next asks)
+/// (`admin inspect`, through [`crate::Limiter::pools`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct RegionGrants {
+    /// The region's code ([`region_code`]), and its name when it is this instance's.
+    pub code: u16,
+    pub region: Option<String>,
+    pub units: u64,
+    pub grants: usize,
+}
+
+/// What a client's global window looks like from one instance ([`crate::Limiter::pools`]).
+#[derive(Debug, Clone, Default)]
+pub struct FleetWindow {
+    /// The region's pool of the window, read from its store.
+    pub pool: Pool,
+    /// This instance's grants open in the global store for it.
+    pub grants_here: Vec<Open>,
+    /// The global store's window: units granted to the regions (spent or not) and left
+    /// to grant; `None` if it could not be read.
+    pub global: Option<(u64, u64)>,
+    /// Every region's grants open in the global store, this region's first, then by
+    /// units held; empty if the book could not be read.
+    pub regions: Vec<RegionGrants>,
+}
 
 /// A region as one instance sees it ([`Regions::view`]).
 #[derive(Debug, Default, Clone, serde::Serialize)]
@@ -89,21 +131,33 @@ impl Regions {
         self.known(tag, pool::base_key(op.key, &op.limit, end), end).left()
     }
 
-    /// The pool of the global window `op` (a decision's op: its key names the window)
-    /// is in at `now`, read from the region's store; this instance's grants for it in
-    /// the global store; and the window there (units granted to the regions, and left;
-    /// `None` if it could not be read): for inspecting a client.
-    pub(crate) async fn inspect(
-        &self,
-        tag: Tag,
-        op: &Op,
-        now: Millis,
-    ) -> Result<(Pool, Vec<Open>, Option<(u64, u64)>), StoreError> {
+    /// The global window `op` (a decision's op: its key names the window) is in at `now`,
+    /// as this instance sees it: the region's pool, read from its store; this instance's
+    /// grants; and, read from the global store, its count and every region's grants: for
+    /// inspecting a client.
+    pub(crate) async fn inspect(&self, tag: Tag, op: &Op, now: Millis) -> Result<FleetWindow, StoreError> {
         let end = pool::window_end(&op.limit, now);
         let (_, pool) = self.region_pool(tag, self.pool_call(op.key, &op.limit, end, Act::Read), now).await?;
         let global = self.timed(self.global.peek(tag, std::slice::from_ref(op), now)).await;
         let global = global.ok().and_then(|d| d.first().map(|d| (d.used, d.remaining)));
-        Ok((pool, self.holding(tag, pool::base_key(op.key, &op.limit, end), end).open, global))
+        let book = self.timed(self.global.grants_open(tag, op.key, &op.limit, now)).await.unwrap_or_default();
+        let here = region_code(&self.name);
+        let mut regions: Vec<RegionGrants> = Vec::new();
+        for o in book {
+            let code = (o.id >> REGION_SHIFT) as u16;
+            match regions.iter_mut().find(|r| r.code == code) {
+                Some(r) => (r.units, r.grants) = (r.units + o.units, r.grants + 1),
+                None => regions.push(RegionGrants {
+                    code,
+                    region: (code == here).then(|| self.name.clone()),
+                    units: o.units,
+                    grants: 1,
+                }),
+            }
+        }
+        regions.sort_by_key(|r| (r.code != here, std::cmp::Reverse(r.units), r.code));
+        let grants_here = self.holding(tag, pool::base_key(op.key, &op.limit, end), end).open;
+        Ok(FleetWindow { pool, grants_here, global, regions })
     }
 
     /// The region as this instance sees it, for the live page: what the pools of the

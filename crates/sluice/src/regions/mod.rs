@@ -24,7 +24,7 @@ mod tests;
 
 pub use crate::rules::GlobalRule;
 pub use agree::{Variants, fleet_variants};
-pub use fleet::RegionView;
+pub use fleet::{FleetWindow, RegionGrants, RegionView, region_code};
 pub(crate) use hurry::Hurried;
 pub use outage::BEAT;
 use stats::Metrics;
@@ -197,7 +197,8 @@ impl Regions {
             local,
             clock,
             active: Mutex::new(HashMap::new()),
-            ids: AtomicU64::new(u64::from_le_bytes(seed) >> 1),
+            // the region's code above a count from a random start (fleet::REGION_SHIFT)
+            ids: AtomicU64::new(u64::from(region_code(name)) << fleet::REGION_SHIFT | u64::from_le_bytes(seed) >> 18),
             latency: AtomicU64::new(FIRST_ROUND_TRIP),
             stats: RegionStats::default(),
             metrics: Metrics::new(name),

@@ -16,7 +16,7 @@ pub mod redis;
 mod registry;
 mod resilient;
 
-use crate::algo::grant::Granted;
+use crate::algo::grant::{Granted, Open};
 use crate::algo::pool::{Act, Pool};
 pub use crate::algo::reservation::{Hold, Settled};
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
@@ -289,6 +289,14 @@ pub trait Store: Send + Sync + 'static {
         Ok(Vec::new())
     }
 
+    /// The quota grants open on fixed window `key` of client `tag` in its window at `now`
+    /// (on a global window, every region's), for inspecting it (none on a store that
+    /// grants none). Reads only.
+    async fn grants_open(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Open>, StoreError> {
+        let _ = (tag, key, limit, now);
+        Ok(Vec::new())
+    }
+
     /// Commits reservation `id` with each state's actual amount, in one atomic step:
     /// what each commit did. Never refused; a commit sent again settles once.
     async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {
@@ -437,6 +445,9 @@ impl<R: Router> Store for R {
     }
     async fn holds(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Hold>, StoreError> {
         self.route(tag).holds(tag, key, limit, now).await
+    }
+    async fn grants_open(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Open>, StoreError> {
+        self.route(tag).grants_open(tag, key, limit, now).await
     }
     fn keeps_registry(&self) -> bool {
         self.registry_home().is_some()

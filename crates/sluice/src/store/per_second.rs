@@ -14,7 +14,7 @@
 use super::{
     Commit, GiveBack, GrantAsk, PoolCall, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store, StoreError,
 };
-use crate::algo::grant::Granted;
+use crate::algo::grant::{Granted, Open};
 use crate::algo::pool::Pool;
 use crate::algo::reservation::Hold;
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
@@ -208,6 +208,10 @@ impl Store for PerSecondStore {
 
     async fn holds(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Hold>, StoreError> {
         self.side(per_second(limit)).holds(tag, key, limit, now).await
+    }
+
+    async fn grants_open(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Open>, StoreError> {
+        self.side(per_second(limit)).grants_open(tag, key, limit, now).await
     }
 
     async fn commit(&self, tag: Tag, id: u64, commits: &[Commit], now: Millis) -> Result<Vec<Settled>, StoreError> {

@@ -10,7 +10,7 @@ use super::{
     Commit, GiveBack, GrantAsk, Hold, PoolCall, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store,
     StoreError,
 };
-use crate::algo::grant::Granted;
+use crate::algo::grant::{Granted, Open};
 use crate::algo::pool::Pool;
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
@@ -325,6 +325,9 @@ impl<S: Store> Store for Resilient<S> {
     }
     async fn holds(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Hold>, StoreError> {
         self.call(StoreOp::Peek, self.inner.holds(tag, key, limit, now)).await
+    }
+    async fn grants_open(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Open>, StoreError> {
+        self.call(StoreOp::Peek, self.inner.grants_open(tag, key, limit, now)).await
     }
     fn keeps_registry(&self) -> bool {
         self.inner.keeps_registry()

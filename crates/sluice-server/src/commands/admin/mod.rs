@@ -343,18 +343,7 @@ fn inspected(v: &Value) -> String {
             p["reset"].as_u64().map_or_else(|| p["reset"].to_string(), |secs| date(secs * 1000)),
         ));
         if let Some(r) = p.get("region").filter(|r| r.is_object()) {
-            let here = r["grants_from_this_instance"].as_array().map_or(0, Vec::len);
-            out.push_str(&format!(
-                "    region holds {} of this window ({} taken by its instances, {} unspent), asked {}/s; \
-                 this instance's grants in the global store: {here}\n    the global store: {} granted to the \
-                 regions, {} left\n",
-                r["held"],
-                r["taken_by_instances"],
-                r["unspent"],
-                r["demand_per_s"],
-                r["global_granted"],
-                r["global_left"]
-            ));
+            out.push_str(&region_lines(r));
         }
         for r in p["reservations"].as_array().into_iter().flatten() {
             out.push_str(&format!(
@@ -371,6 +360,32 @@ fn inspected(v: &Value) -> String {
                 date(l["expires_at_ms"].as_u64().unwrap_or(0))
             ));
         }
+    }
+    out
+}
+
+/// A global limit's window as `inspect` shows it (a policy's `region`), for people: the
+/// region's pool, the global store's count, and every region's grants there.
+fn region_lines(r: &Value) -> String {
+    let here = r["grants_from_this_instance"].as_array().map_or(0, Vec::len);
+    let mut out = format!(
+        "    region holds {} of this window ({} taken by its instances, {} unspent), asked {}/s; this instance's \
+         grants in the global store: {here}\n    the global store: {} granted to the regions, {} left\n",
+        r["held"], r["taken_by_instances"], r["unspent"], r["demand_per_s"], r["global_granted"], r["global_left"]
+    );
+    let by_region: Vec<String> = r["regions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|g| {
+            let code = || format!("region {}", g["code"].as_str().unwrap_or(""));
+            let name = g["region"].as_str().map_or_else(code, String::from);
+            let n = g["grants"].as_u64().unwrap_or(0);
+            format!("{name} {} ({n} grant{})", g["granted_open"], if n == 1 { "" } else { "s" })
+        })
+        .collect();
+    if !by_region.is_empty() {
+        out.push_str(&format!("    grants open there, by region: {}\n", by_region.join(", ")));
     }
     out
 }
@@ -450,7 +465,24 @@ impl Http {
 
 #[cfg(test)]
 mod tests {
-    use super::date;
+    use super::{date, inspected};
+    use serde_json::json;
+
+    /// A global limit's window, for people: the region's pool, the global store's count
+    /// and every region's grants there, the others by their code.
+    #[test]
+    fn a_global_limit_shows_every_region_s_grants() {
+        let region = json!({"held": 30, "taken_by_instances": 12, "unspent": 18, "demand_per_s": 4.5,
+            "grants_from_this_instance": [{"grant": "1", "units": 12}], "global_granted": 70, "global_left": 130,
+            "regions": [{"region": "eu", "code": "3fa2", "granted_open": 30, "grants": 2},
+                {"region": null, "code": "91c0", "granted_open": 25, "grants": 1}]});
+        let v = json!({"matched": true, "policies": [{"policy": "api", "algorithm": "fixed_window", "used": 70,
+            "limit": 200, "remaining": 130, "reset": 0, "region": region}]});
+        let text = inspected(&v);
+        assert!(text.contains("region holds 30 of this window (12 taken by its instances, 18 unspent)"), "{text}");
+        assert!(text.contains("the global store: 70 granted to the regions, 130 left"), "{text}");
+        assert!(text.contains("grants open there, by region: eu 30 (2 grants), region 91c0 25 (1 grant)"), "{text}");
+    }
 
     #[test]
     fn times_are_dates() {

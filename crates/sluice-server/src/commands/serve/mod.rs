@@ -347,8 +347,11 @@ fn announce(
     tracing::info!(%http, %grpc, %metrics, debug = %debug_port, store, "sluice is serving");
     if let Some(regions) = limiter.regions() {
         let (region, global_store) = (regions.name(), regions.global().kind());
+        // the code its grants carry in the global store (`admin inspect` names the others by it)
+        let code = format!("{:04x}", sluice::regions::region_code(region));
         tracing::info!(
             region,
+            code,
             global_store,
             "global limits are shared with the other regions through the global store"
         );

@@ -6,8 +6,10 @@ use super::*;
 
 /// Quota grants (`algo::grant`): a grant charges the window at once and is a share of
 /// what is left; a give-back counts once, only in its window, and a part of a grant
-/// keeps the rest open to give back later; a reset closes the book;
-/// grants and plain charges of one window add up. A store that takes no grants says so.
+/// keeps the rest open to give back later; a reset closes the book; the book of the
+/// window now is read as it stands (ids kept whole, for a region's code in the high
+/// bits); grants and plain charges of one window add up. A store that takes no grants
+/// says so.
 pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
     let t0 = t0();
     let t = fresh_tag();
@@ -21,6 +23,8 @@ pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
     assert_eq!((g.units, g.holders, g.decision.remaining, g.decision.reset_at), (50, 1, 50, t0 + 60_000));
     let g2 = s.grant(t, ask(7, 1, 1_000), t0 + 1).await.unwrap();
     assert_eq!((g2.units, g2.holders), (12, 2), "a share of what is left among two holders");
+    let open = |id, units| Open { id, units, expires: t0 + 60_000 };
+    assert_eq!(s.grants_open(t, 1, &l, t0 + 1).await.unwrap(), [open(u64::MAX, 50), open(7, 12)], "the book now");
     assert_eq!(hit(s, t, op(1, l, 3), t0 + 2).await.remaining, 35, "a plain charge counts on top of grants");
     let back = |id, unspent, window| GiveBack { key: 1, limit: l, id, unspent, window, keep: 0 };
     assert_eq!(s.give_back(t, back(u64::MAX, 20, t0 + 60_000), t0 + 3).await.unwrap(), 20);
@@ -38,10 +42,14 @@ pub async fn grants_are_shares_given_back_once(s: &dyn Store) {
     // the next window: the old grants lapsed and cannot be given back into it
     let g = s.grant(t, ask(10, 1, 4), t0 + 60_000).await.unwrap();
     assert_eq!((g.units, g.holders, g.decision.used), (4, 1, 4));
+    let next = Open { id: 10, units: 4, expires: t0 + 120_000 };
+    assert_eq!(s.grants_open(t, 1, &l, t0 + 60_000).await.unwrap(), [next], "the lapsed grants are not read");
+    assert_eq!(s.grants_open(t, 1, &l, t0 + 120_000).await.unwrap(), [], "nor this one, its window over");
     assert_eq!(s.give_back(t, back(8, 60, t0 + 60_000), t0 + 60_001).await.unwrap(), 0);
     // a reset forgets the window and its book: a give-back of a grant taken before it finds nothing
     s.reset(t, &[op(1, l, 0)], t0 + 60_002).await.unwrap();
     assert_eq!(s.give_back(t, back(10, 4, t0 + 120_000), t0 + 60_003).await.unwrap(), 0);
+    assert_eq!(s.grants_open(t, 1, &l, t0 + 60_003).await.unwrap(), [], "a reset closes the book");
     let g = s.grant(t, ask(11, 1, 1_000), t0 + 60_004).await.unwrap();
     assert_eq!((g.units, g.holders, g.decision.reset_at), (50, 1, t0 + 120_004));
 }

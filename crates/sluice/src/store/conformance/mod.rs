@@ -15,6 +15,7 @@
 //! fresh random tags, so checks may share one store and one server.
 
 use super::{Commit, GiveBack, GrantAsk, PoolCall, Refund, RegistryOp, Reservation, Settled, Store};
+use crate::algo::grant::Open;
 use crate::algo::pool::Act;
 use crate::algo::{self, Decision, Lease, Limit, Op, State};
 use crate::tag::Tag;

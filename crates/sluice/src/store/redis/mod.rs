@@ -37,7 +37,7 @@ use super::{
     Commit, GiveBack, GrantAsk, Hold, PoolCall, Refund, RegistryOp, RegistryReply, Reservation, Settled, Store,
     StoreError, b64,
 };
-use crate::algo::grant::Granted;
+use crate::algo::grant::{Granted, Open};
 use crate::algo::pool::{Act, Demand, Pool};
 use crate::algo::{ConcurrencyState, Decision, Lease, Limit, Op};
 use crate::tag::Tag;
@@ -428,6 +428,29 @@ impl Store for RedisStore {
             Some(Hold { id: id.parse().ok()?, units: units.parse().ok()?, expires: expires.parse().ok()? })
         };
         Ok(all.iter().filter_map(hold).filter(|h| h.expires > now).collect())
+    }
+
+    async fn grants_open(&self, tag: Tag, key: u64, limit: &Limit, now: Millis) -> Result<Vec<Open>, StoreError> {
+        super::only_windows(std::iter::once(limit))?;
+        let at = Location::of(tag, key, limit, self.writer.options.buckets);
+        let book = format!("{}~", at.field);
+        let reply = self
+            .writer
+            .conn
+            .query(redis::cmd("HMGET").arg(&at.key).arg(&at.field).arg(&book))
+            .await
+            .map_err(store_error)?;
+        let [window, book]: [Option<String>; 2] =
+            redis::from_redis_value(reply).map_err(|e| StoreError::protocol(format!("grants reply: {e}")))?;
+        // the window "r:u:h", its book "e:id:units:expires:..." (lua/lib.lua): the
+        // grants of the window now
+        let resets_at = window.as_deref().and_then(|v| v.split(':').next()?.parse::<Millis>().ok());
+        let (Some(resets_at), Some(book)) = (resets_at.filter(|r| now < *r), book) else { return Ok(Vec::new()) };
+        let parts: Vec<&str> = book.split(':').skip(1).collect();
+        let open = parts.chunks_exact(3).filter_map(|g| {
+            Some(Open { id: g[0].parse().ok()?, units: g[1].parse().ok()?, expires: g[2].parse().ok()? })
+        });
+        Ok(open.filter(|o| o.expires == resets_at).collect())
     }
 
     fn keeps_registry(&self) -> bool {
