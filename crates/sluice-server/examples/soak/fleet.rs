@@ -87,13 +87,15 @@ pub struct Fleet {
 }
 
 /// The rules: every kind the promise covers (see `check::Rule`), and with regions, one
-/// shared across them.
+/// shared across them, at twice fw's limit (a reload changes both: a global limit
+/// lowered and raised under load).
 pub fn domains(fw_limit: u64, regions: bool) -> String {
     let global = match regions {
-        true => {
-            "      - key: gl\n        policies: [{name: gl, fixed_window: {limit: 40, window: 2s, global: true}}]\n"
-        }
-        false => "",
+        true => format!(
+            "      - key: gl\n        policies: [{{name: gl, fixed_window: {{limit: {}, window: 2s, global: true}}}}]\n",
+            2 * fw_limit
+        ),
+        false => String::new(),
     };
     format!(
         "domains:

@@ -66,7 +66,11 @@ pub async fn run(fleet: Arc<Fleet>, mut rng: Rng, clock: Clock, length: Duration
                 lowered = !lowered;
                 let limit = if lowered { 12 } else { 20 };
                 fleet.reload(limit);
-                format!("fw limit {} -> {limit} on every instance", if lowered { 20 } else { 12 })
+                let before = if lowered { 20 } else { 12 };
+                match fleet.regions() {
+                    0 => format!("fw limit {before} -> {limit} on every instance"),
+                    _ => format!("fw limit {before} -> {limit}, gl {} -> {}, on every instance", 2 * before, 2 * limit),
+                }
             }
             _ => override_client(&fleet, &mut rng).await,
         };
