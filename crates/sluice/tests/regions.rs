@@ -960,6 +960,19 @@ async fn failure_local_holds_a_global_limit_to_the_fleet_s_when_a_store_is_down(
     assert_never_over(&phase(2).await, LIMIT);
 }
 
+/// One instance in each of the regions `names`, each over a memory store of its own,
+/// sharing a global memory store, on a clock that stays put.
+fn regions_on_memory(names: &[&str]) -> Vec<Limiter> {
+    let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(1_000 * WINDOW_MS));
+    let global = memory();
+    let instance = |name: &&str| {
+        let local = memory();
+        let regions = Regions::named(name, global.clone(), local.clone(), clock.clone());
+        Limiter::new(rules(LIMIT), local, clock.clone()).with_regions(regions)
+    };
+    names.iter().map(instance).collect()
+}
+
 /// A status read of a global limit (`Limiter::status`, `GET /v1/ratelimit`) answers with
 /// the fleet's count: a region that never served the client says what the other region
 /// spent, less at most what that region holds unspent; it charges nothing. Before, it
@@ -967,16 +980,7 @@ async fn failure_local_holds_a_global_limit_to_the_fleet_s_when_a_store_is_down(
 #[tokio::test]
 async fn a_status_read_of_a_global_limit_tells_the_fleet_s_count() {
     let _alone = alone().await;
-    let clock = ManualClock::new(1_000 * WINDOW_MS);
-    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
-    let global = memory();
-    let limiters: Vec<Limiter> = (0..2)
-        .map(|_| {
-            let local = memory();
-            let regions = Regions::new(global.clone(), local.clone(), shared.clone());
-            Limiter::new(rules(LIMIT), local, shared.clone()).with_regions(regions)
-        })
-        .collect();
+    let limiters = regions_on_memory(&["", ""]);
     let request = Request::new("api").descriptor([("tenant", "t1")]);
     for _ in 0..50 {
         assert!(limiters[0].check(&request).await.unwrap().allowed());
@@ -1002,17 +1006,7 @@ async fn a_status_read_of_a_global_limit_tells_the_fleet_s_count() {
 #[tokio::test]
 async fn inspect_shows_every_region_s_grants_in_the_global_store() {
     let _alone = alone().await;
-    let clock = ManualClock::new(1_000 * WINDOW_MS);
-    let shared: Arc<dyn Clock> = Arc::new(clock.clone());
-    let global = memory();
-    let limiters: Vec<Limiter> = ["eu", "us"]
-        .iter()
-        .map(|name| {
-            let local = memory();
-            let regions = Regions::named(name, global.clone(), local.clone(), shared.clone());
-            Limiter::new(rules(LIMIT), local, shared.clone()).with_regions(regions)
-        })
-        .collect();
+    let limiters = regions_on_memory(&["eu", "us"]);
     let request = Request::new("api").descriptor([("tenant", "t1")]);
     for l in &limiters {
         for _ in 0..20 {
